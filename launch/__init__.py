@@ -1,0 +1,1 @@
+"""zkvrun: torchrun-style launcher for the scheduler node and per-rank workers."""

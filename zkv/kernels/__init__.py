@@ -1,0 +1,1 @@
+"""Block copy backends (torch-CPU, CuPy) and a slow reference oracle."""

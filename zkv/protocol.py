@@ -1,0 +1,379 @@
+"""Wire messages between the scheduler node and the per-rank workers.
+
+Every message is a multipart ZeroMQ message ``[type, header, *payload]``:
+
+- ``type``    an ASCII tag (also the PUB/SUB topic): ``CopyBlocks`` (a batch),
+  ``BlocksCopied`` (an ack), ``Hello``, ``Heartbeat``, ``Bye``, ``Shutdown``.
+- ``header``  an orjson object with ``"v": PROTOCOL_VERSION`` and scalar fields.
+- ``payload`` raw frames. A batch carries three frames per op, in op order::
+
+      src   little-endian int32 block ids   (4 * n_src bytes)
+      dst   little-endian int32 block ids   (4 * n_dst bytes)
+      keys  concatenated 16-byte block digests (16 * n_keys bytes)
+
+Op kinds and which id space each side uses::
+
+      kind     src            dst            keys
+      d2h      device ids     host ids       -        evict: device block leaves L1
+      backup   device ids     host ids       -        copy, device block stays
+      h2d      host ids       device ids     -        swap in (layer by layer when layerwise)
+      s2h      -              host ids       digests  load from L3 storage
+      h2s      host ids       -              digests  write to L3 storage
+
+``decode`` refuses anything malformed with :class:`~zkv.errors.ProtocolError`: unknown
+type or version, wrong field types, frame lengths that disagree with the header,
+ids out of the receiver's range, duplicate op ids or duplicate destinations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NewType, Union
+
+import numpy as np
+import orjson
+
+from zkv.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+DIGEST_SIZE = 16
+
+BlockHash = NewType("BlockHash", bytes)
+
+D2H, BACKUP, H2D, S2H, H2S = "d2h", "backup", "h2d", "s2h", "h2s"
+OP_KINDS = (D2H, BACKUP, H2D, S2H, H2S)
+#: (src id space, dst id space, keys on) per kind; None = that side is empty.
+_SIDES: dict[str, tuple[str | None, str | None, bool]] = {
+    D2H: ("device", "host", False),
+    BACKUP: ("device", "host", False),
+    H2D: ("host", "device", False),
+    S2H: (None, "host", True),
+    H2S: ("host", None, True),
+}
+
+T_BATCH = b"CopyBlocks"
+T_ACK = b"BlocksCopied"
+T_HELLO = b"Hello"
+T_HEARTBEAT = b"Heartbeat"
+T_BYE = b"Bye"
+T_SHUTDOWN = b"Shutdown"
+
+_EMPTY_IDS = np.zeros(0, dtype=np.int32)
+_EMPTY_IDS.setflags(write=False)
+
+
+def as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block ids as a read-only little-endian int32 array (the wire and kernel format)."""
+    arr = np.asarray(ids, dtype="<i4")
+    if arr.ndim != 1:
+        raise ValueError(f"block ids must be one-dimensional, got shape {arr.shape}")
+    return arr
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One copy command of a batch; see the module docstring for the id spaces."""
+
+    id: int
+    kind: str
+    src: np.ndarray = field(default_factory=lambda: _EMPTY_IDS)
+    dst: np.ndarray = field(default_factory=lambda: _EMPTY_IDS)
+    keys: tuple[bytes, ...] = ()
+    layerwise: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return max(len(self.src), len(self.dst), len(self.keys))
+
+
+@dataclass(frozen=True, slots=True)
+class CopyBlocks:
+    """A step's ops, published to every rank. ``seq`` increases by one per batch."""
+
+    seq: int
+    step: int
+    ops: tuple[Op, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OpResult:
+    """Outcome of one op on one rank. ``done`` counts blocks that succeeded, from the start
+    of the op (for ``s2h`` this is the prefix of keys that arrived)."""
+
+    id: int
+    ok: bool
+    done: int
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksCopied:
+    """A rank's ack of one batch."""
+
+    seq: int
+    rank: int
+    ok: bool
+    results: tuple[OpResult, ...]
+    t_recv: float = 0.0
+    t_done: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    rank: int
+    pid: int
+    layout: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    rank: int
+    pid: int
+    last_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    rank: int
+    pid: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    reason: str
+
+
+Message = Union[CopyBlocks, BlocksCopied, Hello, Heartbeat, Bye, Shutdown]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The receiver's id ranges; ``None`` checks only non-negativity."""
+
+    num_device_blocks: int | None = None
+    num_host_blocks: int | None = None
+
+
+# ---------------------------------------------------------------- encode
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Frames for ``socket.send_multipart(frames, copy=False)``."""
+    if isinstance(msg, CopyBlocks):
+        return _encode_batch(msg)
+    if isinstance(msg, BlocksCopied):
+        hdr = {
+            "v": PROTOCOL_VERSION,
+            "seq": msg.seq,
+            "rank": msg.rank,
+            "ok": msg.ok,
+            "ops": [{"id": r.id, "ok": r.ok, "done": r.done, "error": r.error} for r in msg.results],
+            "t_recv": msg.t_recv,
+            "t_done": msg.t_done,
+        }
+        return [T_ACK, orjson.dumps(hdr)]
+    if isinstance(msg, Hello):
+        hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid, "layout": msg.layout}
+        return [T_HELLO, orjson.dumps(hdr)]
+    if isinstance(msg, Heartbeat):
+        hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid, "last_seq": msg.last_seq}
+        return [T_HEARTBEAT, orjson.dumps(hdr)]
+    if isinstance(msg, Bye):
+        hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid, "reason": msg.reason}
+        return [T_BYE, orjson.dumps(hdr)]
+    if isinstance(msg, Shutdown):
+        return [T_SHUTDOWN, orjson.dumps({"v": PROTOCOL_VERSION, "reason": msg.reason})]
+    raise TypeError(f"not a zkv message: {type(msg).__name__}")
+
+
+def _encode_batch(msg: CopyBlocks) -> list[bytes]:
+    ops_hdr: list[dict[str, Any]] = []
+    frames: list[bytes] = []
+    for op in msg.ops:
+        src = as_ids(op.src)
+        dst = as_ids(op.dst)
+        ops_hdr.append(
+            {
+                "id": op.id,
+                "kind": op.kind,
+                "n_src": len(src),
+                "n_dst": len(dst),
+                "n_keys": len(op.keys),
+                "layerwise": op.layerwise,
+            }
+        )
+        frames += [src.tobytes(), dst.tobytes(), b"".join(op.keys)]
+    hdr = {"v": PROTOCOL_VERSION, "seq": msg.seq, "step": msg.step, "ops": ops_hdr}
+    return [T_BATCH, orjson.dumps(hdr), *frames]
+
+
+# ---------------------------------------------------------------- decode
+
+
+def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
+    """Decode a multipart message; raise :class:`ProtocolError` on anything malformed.
+
+    ``frames`` may hold ``bytes``, ``memoryview`` or ``zmq.Frame`` objects.
+    """
+    if len(frames) < 2:
+        raise ProtocolError(f"expected at least 2 frames, got {len(frames)}")
+    tag = _buf(frames[0]).tobytes()
+    hdr = _header(frames[1])
+    rest = frames[2:]
+    if tag == T_BATCH:
+        return _decode_batch(hdr, rest, limits or Limits())
+    if rest:
+        raise ProtocolError(f"{tag.decode(errors='replace')}: unexpected {len(rest)} payload frames")
+    if tag == T_ACK:
+        results = tuple(_decode_result(r) for r in _get(hdr, "ops", list))
+        ids = [r.id for r in results]
+        if len(set(ids)) != len(ids):
+            raise ProtocolError("ack: duplicate op ids")
+        return BlocksCopied(
+            seq=_nonneg(hdr, "seq"),
+            rank=_nonneg(hdr, "rank"),
+            ok=_get(hdr, "ok", bool),
+            results=results,
+            t_recv=_num(hdr, "t_recv"),
+            t_done=_num(hdr, "t_done"),
+        )
+    if tag == T_HELLO:
+        return Hello(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _get(hdr, "layout", str))
+    if tag == T_HEARTBEAT:
+        return Heartbeat(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _int(hdr, "last_seq"))
+    if tag == T_BYE:
+        return Bye(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _get(hdr, "reason", str))
+    if tag == T_SHUTDOWN:
+        return Shutdown(_get(hdr, "reason", str))
+    raise ProtocolError(f"unknown message type {tag[:32]!r}")
+
+
+def peek_seq(frames: Sequence[Any]) -> int | None:
+    """Best-effort ``seq`` of a batch that failed to decode, so it can be acked as failed."""
+    try:
+        seq = orjson.loads(_buf(frames[1]))["seq"]
+    except Exception:
+        return None
+    return seq if type(seq) is int and seq >= 0 else None
+
+
+def _decode_batch(hdr: dict[str, Any], payload: Sequence[Any], limits: Limits) -> CopyBlocks:
+    seq = _nonneg(hdr, "seq")
+    step = _nonneg(hdr, "step")
+    ops_hdr = _get(hdr, "ops", list)
+    if len(payload) != 3 * len(ops_hdr):
+        raise ProtocolError(
+            f"batch {seq}: {len(ops_hdr)} ops need {3 * len(ops_hdr)} payload frames, got {len(payload)}"
+        )
+    bounds = {"device": limits.num_device_blocks, "host": limits.num_host_blocks}
+    ops: list[Op] = []
+    seen: set[int] = set()
+    for i, oh in enumerate(ops_hdr):
+        if not isinstance(oh, dict):
+            raise ProtocolError(f"batch {seq}: op {i} is not an object")
+        op_id = _nonneg(oh, "id")
+        if op_id in seen:
+            raise ProtocolError(f"batch {seq}: duplicate op id {op_id}")
+        seen.add(op_id)
+        kind = _get(oh, "kind", str)
+        if kind not in _SIDES:
+            raise ProtocolError(f"batch {seq}: op {op_id} has unknown kind {kind!r}")
+        src_space, dst_space, has_keys = _SIDES[kind]
+        n_src, n_dst, n_keys = _nonneg(oh, "n_src"), _nonneg(oh, "n_dst"), _nonneg(oh, "n_keys")
+        layerwise = _get(oh, "layerwise", bool)
+        src = _ids(payload[3 * i], n_src, seq, op_id, "src", bounds.get(src_space or ""))
+        dst = _ids(payload[3 * i + 1], n_dst, seq, op_id, "dst", bounds.get(dst_space or ""))
+        keys = _keys(payload[3 * i + 2], n_keys, seq, op_id)
+        n = max(n_src, n_dst, n_keys)
+        want = (n if src_space else 0, n if dst_space else 0, n if has_keys else 0)
+        if (n_src, n_dst, n_keys) != want:
+            raise ProtocolError(
+                f"batch {seq}: op {op_id} ({kind}) has mismatched lengths "
+                f"src={n_src} dst={n_dst} keys={n_keys}"
+            )
+        if dst_space and len(np.unique(dst)) != n_dst:
+            raise ProtocolError(f"batch {seq}: op {op_id} writes one {dst_space} block twice")
+        ops.append(Op(op_id, kind, src, dst, keys, layerwise))
+    return CopyBlocks(seq=seq, step=step, ops=tuple(ops))
+
+
+def _ids(frame: Any, n: int, seq: int, op_id: int, side: str, bound: int | None) -> np.ndarray:
+    buf = _buf(frame)
+    if buf.nbytes != 4 * n:
+        raise ProtocolError(f"batch {seq}: op {op_id} {side} frame has {buf.nbytes} bytes, want {4 * n}")
+    arr = np.frombuffer(buf, dtype="<i4") if n else _EMPTY_IDS
+    if n and (int(arr.min()) < 0 or (bound is not None and int(arr.max()) >= bound)):
+        raise ProtocolError(
+            f"batch {seq}: op {op_id} {side} block id out of range "
+            f"[0, {bound if bound is not None else 'inf'}): min={int(arr.min())} max={int(arr.max())}"
+        )
+    return arr
+
+
+def _keys(frame: Any, n: int, seq: int, op_id: int) -> tuple[bytes, ...]:
+    raw = _buf(frame).tobytes()
+    if len(raw) != DIGEST_SIZE * n:
+        raise ProtocolError(
+            f"batch {seq}: op {op_id} keys frame has {len(raw)} bytes, want {DIGEST_SIZE * n}"
+        )
+    return tuple(raw[j : j + DIGEST_SIZE] for j in range(0, len(raw), DIGEST_SIZE))
+
+
+def _decode_result(r: Any) -> OpResult:
+    if not isinstance(r, dict):
+        raise ProtocolError("ack: op result is not an object")
+    err = r.get("error")
+    if err is not None and not isinstance(err, str):
+        raise ProtocolError("ack: op error must be a string or null")
+    return OpResult(_nonneg(r, "id"), _get(r, "ok", bool), _nonneg(r, "done"), err)
+
+
+def _buf(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
+    try:
+        return memoryview(buf).cast("B")
+    except TypeError as e:
+        raise ProtocolError(f"frame is not a byte buffer: {type(frame).__name__}") from e
+
+
+def _header(frame: Any) -> dict[str, Any]:
+    try:
+        hdr = orjson.loads(_buf(frame))
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"header is not JSON: {e}") from e
+    if not isinstance(hdr, dict):
+        raise ProtocolError("header is not a JSON object")
+    v = hdr.get("v")
+    if v != PROTOCOL_VERSION or type(v) is not int:
+        raise ProtocolError(f"unknown protocol version {v!r} (this side speaks {PROTOCOL_VERSION})")
+    return hdr
+
+
+def _get(d: dict[str, Any], name: str, typ: type) -> Any:
+    if name not in d:
+        raise ProtocolError(f"missing field {name!r}")
+    val = d[name]
+    # bool is an int subclass: an int field must not accept true/false and vice versa.
+    if type(val) is not typ:
+        raise ProtocolError(f"field {name!r} must be {typ.__name__}, got {type(val).__name__}")
+    return val
+
+
+def _int(d: dict[str, Any], name: str) -> int:
+    return int(_get(d, name, int))
+
+
+def _nonneg(d: dict[str, Any], name: str) -> int:
+    val = _int(d, name)
+    if val < 0:
+        raise ProtocolError(f"field {name!r} must be >= 0, got {val}")
+    return val
+
+
+def _num(d: dict[str, Any], name: str) -> float:
+    val = d.get(name)
+    if type(val) not in (int, float):
+        raise ProtocolError(f"field {name!r} must be a number, got {type(val).__name__}")
+    return float(val)

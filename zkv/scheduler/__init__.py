@@ -1,0 +1,1 @@
+"""Scheduler side: pure bookkeeping over block ids (no torch, no cupy)."""

@@ -1,0 +1,1 @@
+"""Per-rank worker actor: executes batches of copy ops and acks them."""
