@@ -19,6 +19,10 @@ Op kinds and which id space each side uses::
       h2d      host ids       device ids     -        swap in (layer by layer when layerwise)
       s2h      -              host ids       digests  load from L3 storage
       h2s      host ids       -              digests  write to L3 storage
+      fill     -              device ids     digests  simulated forward: write the pattern of
+                                                      (rank, digest) into new blocks (replay, tests)
+      check    device ids     -              digests  simulated forward: verify that pattern
+                                                      (fails the op on the first mismatch)
 
 ``decode`` refuses anything malformed with :class:`~zkv.errors.ProtocolError`: unknown
 type or version, wrong field types, frame lengths that disagree with the header,
@@ -42,7 +46,8 @@ DIGEST_SIZE = 16
 BlockHash = NewType("BlockHash", bytes)
 
 D2H, BACKUP, H2D, S2H, H2S = "d2h", "backup", "h2d", "s2h", "h2s"
-OP_KINDS = (D2H, BACKUP, H2D, S2H, H2S)
+FILL, CHECK = "fill", "check"
+OP_KINDS = (D2H, BACKUP, H2D, S2H, H2S, FILL, CHECK)
 #: (src id space, dst id space, keys on) per kind; None = that side is empty.
 _SIDES: dict[str, tuple[str | None, str | None, bool]] = {
     D2H: ("device", "host", False),
@@ -50,6 +55,8 @@ _SIDES: dict[str, tuple[str | None, str | None, bool]] = {
     H2D: ("host", "device", False),
     S2H: (None, "host", True),
     H2S: ("host", None, True),
+    FILL: (None, "device", True),
+    CHECK: ("device", None, True),
 }
 
 T_BATCH = b"CopyBlocks"

@@ -1,0 +1,92 @@
+"""Cache geometry shared by the scheduler, the workers and the launcher.
+
+The layout travels to child processes as JSON in ``$ZKV_CONFIG`` and each worker's
+``Hello`` carries its :meth:`CacheLayout.fingerprint`, so a rank whose cache differs
+from the scheduler's is refused before any batch is published. The same fingerprint is
+the L3 namespace, so incompatible caches never mix in a shared store.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import orjson
+import xxhash
+
+from zkv.errors import ConfigError
+
+_DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1, "int8": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """Geometry of one rank's KV cache.
+
+    Device cache: per layer ``(K, V)``, each ``[num_device_blocks, kv_heads, block_size, head_dim]``.
+    Host pool, page-first (one host block = every layer's K and V, contiguous)::
+
+        host_pool[num_host_blocks, num_layers, 2, kv_heads, block_size, head_dim]
+        └ block b ┘ = | L0 K | L0 V | L1 K | L1 V | ... |   each chunk = kv_heads*block_size*head_dim*itemsize
+    """
+
+    num_layers: int
+    kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str = "float16"
+    num_device_blocks: int = 0
+    num_host_blocks: int = 0
+    world_size: int = 1
+    model: str = "zkv-synthetic"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_heads", "block_size", "head_dim", "world_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_device_blocks < 0 or self.num_host_blocks < 0:
+            raise ConfigError("block counts must be >= 0")
+        if self.dtype not in _DTYPE_SIZES:
+            raise ConfigError(f"unsupported dtype {self.dtype!r}; one of {sorted(_DTYPE_SIZES)}")
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPE_SIZES[self.dtype]
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one layer's K (or V) of one block."""
+        return self.kv_heads * self.block_size * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block, all layers, K and V (= one host block, one L3 value)."""
+        return 2 * self.num_layers * self.chunk_bytes
+
+    def fingerprint(self) -> str:
+        """Model, dtype, block geometry and world size; not the pool sizes (those may differ
+        between instances that share a store)."""
+        ident = (
+            f"{self.model}|{self.dtype}|L{self.num_layers}|H{self.kv_heads}|B{self.block_size}"
+            f"|D{self.head_dim}|W{self.world_size}|page-first"
+        )
+        return xxhash.xxh3_64_hexdigest(ident.encode())
+
+    def to_json(self) -> str:
+        return orjson.dumps(asdict(self)).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> CacheLayout:
+        try:
+            raw = orjson.loads(text)
+            return cls(**raw)
+        except (orjson.JSONDecodeError, TypeError) as e:
+            raise ConfigError(f"bad cache layout JSON: {e}") from e
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> CacheLayout:
+        env = os.environ if env is None else env
+        text = env.get("ZKV_CONFIG")
+        if not text:
+            raise ConfigError("ZKV_CONFIG is not set (zkvrun sets it for every rank)")
+        return cls.from_json(text)
