@@ -3,6 +3,16 @@
 Event names are ``component.noun_pastverb`` constants defined here so that tests and
 ``zkv logs`` filters refer to one spelling. Each process writes one file
 ``{log_dir}/{component}-{rank}.jsonl`` (or stderr when no directory is given).
+
+Every line carries ``ts`` (epoch seconds, float), ``level``, ``event``, ``component``,
+``pid``, and ``rank`` / ``seq`` where they apply. Three ways to get a logger:
+
+- :func:`configure` once per process, then ``structlog.get_logger()``: component, pid
+  and rank come from contextvars bound by ``configure`` -- in the thread that called it.
+- :func:`get_logger` from any thread (contextvars are per thread, so a sidecar worker
+  thread inside a model process binds its own ``component`` / ``rank``).
+- :func:`open_logger`: a logger on its own file that leaves structlog's global
+  configuration alone (the launcher uses it, since ``zkv replay`` runs it in-process).
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -37,9 +48,15 @@ RANK_STARTED = "launch.rank_started"
 RANK_EXITED = "launch.rank_exited"
 RANK_RESTARTED = "launch.rank_restarted"
 GROUP_FAILED = "launch.group_failed"
+GROUP_STARTED = "launch.group_started"
+GROUP_STOPPED = "launch.group_stopped"
+SCHEDULER_STARTED = "launch.scheduler_started"
+SCHEDULER_EXITED = "launch.scheduler_exited"
+SIGNAL_FORWARDED = "launch.signal_forwarded"
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR, "critical": logging.CRITICAL}
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR, "critical": logging.CRITICAL}
+_LEVELS = LEVELS  # older spelling
 
 
 def _add_ts(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
@@ -49,6 +66,53 @@ def _add_ts(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
 
 def _dumps(obj: Any, **_: Any) -> str:
     return orjson.dumps(obj, default=str).decode()
+
+
+def _processors(contextvars: bool) -> list[Any]:
+    procs: list[Any] = [structlog.contextvars.merge_contextvars] if contextvars else []
+    return procs + [
+        structlog.processors.add_log_level,
+        _add_ts,
+        structlog.processors.format_exc_info,
+        structlog.processors.JSONRenderer(serializer=_dumps),
+    ]
+
+
+def _level_no(level: str | None) -> int:
+    level = (level or os.environ.get("ZKV_LOG_LEVEL") or "info").lower()
+    return LEVELS.get(level, logging.INFO)
+
+
+class _Sink:
+    """The one stream every configured logger writes to; ``configure`` swaps its target.
+
+    Loggers bound before a reconfiguration (``get_logger().bind(...)`` captures the
+    output stream) keep writing to the current file instead of a closed one.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._target: TextIO | None = None
+        self._owned = False
+
+    def swap(self, target: TextIO | None, owned: bool) -> None:
+        with self._lock:
+            old, old_owned = self._target, self._owned
+            self._target, self._owned = target, owned
+        if old is not None and old_owned and old is not target:
+            old.close()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            out = self._target or sys.stderr
+            return out.write(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            (self._target or sys.stderr).flush()
+
+
+_SINK = _Sink()
 
 
 def configure(
@@ -61,27 +125,21 @@ def configure(
     """Route structlog to one JSON-lines file per process; return its path (or None).
 
     ``log_dir`` defaults to ``$ZKV_LOG_DIR``; without one, lines go to ``stream``/stderr.
+    Calling it again closes the file the previous call opened.
     """
     log_dir = log_dir or os.environ.get("ZKV_LOG_DIR") or None
-    level = (level or os.environ.get("ZKV_LOG_LEVEL") or "info").lower()
     path = None
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
         name = component if rank is None else f"{component}-{rank}"
         path = os.path.join(log_dir, f"{name}.jsonl")
-        out: TextIO = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives as long as the process)
+        _SINK.swap(open(path, "a", buffering=1, encoding="utf-8"), owned=True)  # noqa: SIM115
     else:
-        out = stream or sys.stderr
+        _SINK.swap(stream, owned=False)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            _add_ts,
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(serializer=_dumps),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        processors=_processors(contextvars=True),
+        wrapper_class=structlog.make_filtering_bound_logger(_level_no(level)),
+        logger_factory=structlog.WriteLoggerFactory(file=_SINK),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
@@ -90,3 +148,68 @@ def configure(
         binds["rank"] = rank
     structlog.contextvars.bind_contextvars(**binds)
     return path
+
+
+def close() -> None:
+    """Close the file :func:`configure` opened; later lines go to stderr."""
+    _SINK.swap(None, owned=False)
+
+
+def get_logger(component: str, **binds: Any) -> Any:
+    """A logger bound to ``component`` (and ``pid`` and ``binds``), safe from any thread.
+
+    Values are bound on the logger itself, not in contextvars (which a new thread does
+    not inherit). It is a lazy proxy: it follows the configuration in force at each
+    call, so a module-level ``log = get_logger(...)`` made before :func:`configure`
+    still writes to the configured file.
+    """
+    return structlog.get_logger(component=component, pid=os.getpid(), **binds)
+
+
+class FileLogger:
+    """A JSON-lines logger on its own file, independent of structlog's global config.
+
+    ``with FileLogger(path, "launcher") as log: log.info(RANK_STARTED, rank=0)``.
+    Thread-safe (one lock per file); the file is line-buffered.
+    """
+
+    def __init__(self, path: str | None, component: str, level: str | None = None,
+                 **binds: Any) -> None:
+        if path:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            out: TextIO = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+            self._file: TextIO | None = out
+        else:
+            self._file, out = None, sys.stderr
+        self.path = path
+        self.log = structlog.wrap_logger(
+            structlog.WriteLogger(out),
+            processors=_processors(contextvars=False),
+            wrapper_class=structlog.make_filtering_bound_logger(_level_no(level)),
+            cache_logger_on_first_use=True,
+            component=component,
+            pid=os.getpid(),
+            **binds,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.log, name)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self.log = structlog.wrap_logger(structlog.ReturnLogger())
+
+    def __enter__(self) -> FileLogger:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def open_logger(component: str, log_dir: str | None = None, name: str | None = None,
+                level: str | None = None, **binds: Any) -> FileLogger:
+    """:class:`FileLogger` on ``{log_dir}/{name or component}.jsonl`` (stderr without a dir)."""
+    path = os.path.join(log_dir, f"{name or component}.jsonl") if log_dir else None
+    return FileLogger(path, component, level=level, **binds)

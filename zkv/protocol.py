@@ -65,6 +65,9 @@ T_HELLO = b"Hello"
 T_HEARTBEAT = b"Heartbeat"
 T_BYE = b"Bye"
 T_SHUTDOWN = b"Shutdown"
+#: Prefix of the per-rank subscription marker (see :func:`ready_topic`). Starts with 0xFF so it
+#: never prefixes a message type tag.
+READY_TOPIC_PREFIX = b"\xffzkv-ready/"
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 _EMPTY_IDS.setflags(write=False)
@@ -161,6 +164,29 @@ class Limits:
 
     num_device_blocks: int | None = None
     num_host_blocks: int | None = None
+
+
+def ready_topic(rank: int, pid: int) -> bytes:
+    """The subscription marker a worker's SUB adds after its catch-all ``b""`` subscription.
+
+    A SUB sends its subscriptions upstream in the order it made them, over one pipe, so when
+    the dispatcher's XPUB reports this topic, the catch-all subscription is already in place:
+    that rank provably receives everything published from then on (no slow-joiner drop).
+    When the SUB goes away the XPUB reports the marker's unsubscription, which tells the
+    dispatcher the rank is gone without waiting for a heartbeat timeout. Nothing is ever
+    published on this topic.
+    """
+    return b"%s%d/%d" % (READY_TOPIC_PREFIX, rank, pid)
+
+
+def parse_ready_topic(topic: bytes) -> tuple[int, int] | None:
+    """``(rank, pid)`` of a :func:`ready_topic`, or ``None`` for any other topic."""
+    if not topic.startswith(READY_TOPIC_PREFIX):
+        return None
+    parts = topic[len(READY_TOPIC_PREFIX) :].split(b"/")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
 
 
 # ---------------------------------------------------------------- encode

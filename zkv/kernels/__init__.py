@@ -1,1 +1,57 @@
-"""Block copy backends (torch-CPU, CuPy) and a slow reference oracle."""
+"""Block copy backends (torch-CPU, CuPy) and a slow reference oracle.
+
+Pure: tensors and index arrays in, nothing else (no sockets, no scheduler). Pick a
+backend at runtime::
+
+    backend = get_backend()          # "auto": cupy when CUDA works, else torch-CPU
+    host_pool = backend.allocate_host_pool(layout)
+    backend.begin_batch()
+    backend.copy_d2h(kv_caches, host_pool, src_ids, dst_ids)
+    for layer in range(layout.num_layers):
+        backend.copy_h2d(host_pool, kv_caches, host_ids, dev_ids, layer)
+        events[layer] = backend.record_event()   # model: wait_event_on_compute(events[i])
+
+Importing this package never imports cupy or touches a GPU.
+"""
+
+from __future__ import annotations
+
+from zkv.errors import ConfigError
+from zkv.kernels.base import DONE, CopyBackend, EventHandle
+from zkv.kernels.cpu import TorchCpuBackend
+
+__all__ = ["DONE", "CopyBackend", "EventHandle", "TorchCpuBackend", "cuda_available", "get_backend"]
+
+_CPU_NAMES = ("cpu", "torch", "torch-cpu")
+
+
+def cuda_available() -> bool:
+    """True when both torch and cupy can use a CUDA device (cupy imported only then)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:  # a broken cupy install means: no GPU backend
+        return False
+
+
+def get_backend(name: str = "auto", *, device: int | None = None) -> CopyBackend:
+    """``"auto"`` (cupy if :func:`cuda_available`, else cpu), ``"cupy"`` or ``"cpu"``."""
+    if name == "auto":
+        name = "cupy" if cuda_available() else "cpu"
+    if name in _CPU_NAMES:
+        return TorchCpuBackend()
+    if name == "cupy":
+        if not cuda_available():
+            raise ConfigError(
+                "copy backend 'cupy' needs CUDA, but torch or cupy sees no GPU; "
+                "use 'cpu' or 'auto'"
+            )
+        from zkv.kernels.cupy_backend import CupyBackend
+
+        return CupyBackend(device=device)
+    raise ConfigError(f"unknown copy backend {name!r}; one of 'auto', 'cupy', {', '.join(map(repr, _CPU_NAMES))}")

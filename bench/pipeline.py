@@ -1,0 +1,170 @@
+"""Actor pipeline latency: publish → every rank's ack, over ipc://, with worker processes.
+
+    .venv/bin/python bench/pipeline.py [--ranks 1,2,4] [--empty 2000] [--copies 300]
+
+For each world size it starts ``python -m zkv.worker`` processes the way zkvrun does,
+then measures one batch at a time (publish, then poll until the batch completed):
+
+- ``empty``: batches with no ops (the floor: encode, PUB fan-out, decode, ack, aggregate);
+- ``copy``:  32 blocks d2h + 32 blocks h2d (layer by layer) of a small layout.
+
+Targets (not asserted): 4 ranks, empty batches p50 <= 100 us, p99 <= 1 ms. Runs < 1 min.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from zkv import log as zlog  # noqa: E402
+from zkv import protocol as P  # noqa: E402
+from zkv.config import CacheLayout  # noqa: E402
+from zkv.scheduler.dispatcher import Dispatcher  # noqa: E402
+
+NUM_COPY_BLOCKS = 32
+
+
+def bench_layout(world_size: int) -> CacheLayout:
+    # 4 layers x (K, V) x 2 heads x 16 tokens x 64 dims x fp16 = 32 KiB per block
+    return CacheLayout(num_layers=4, kv_heads=2, block_size=16, head_dim=64, dtype="float16",
+                       num_device_blocks=2 * NUM_COPY_BLOCKS, num_host_blocks=NUM_COPY_BLOCKS,
+                       world_size=world_size)
+
+
+@dataclass
+class Row:
+    ranks: int
+    workload: str
+    n: int
+    lat_us: np.ndarray
+
+    def fmt(self) -> str:
+        p50, p99 = np.percentile(self.lat_us, [50, 99])
+        return (f"{self.ranks:>5}  {self.workload:<24} {self.n:>6}  {p50:>9.1f}  {p99:>9.1f}"
+                f"  {self.lat_us.mean():>9.1f}  {self.lat_us.max():>9.1f}")
+
+
+def start_group(folder: str, world_size: int) -> tuple[Dispatcher, list[subprocess.Popen[bytes]]]:
+    layout = bench_layout(world_size)
+    pub, pull = f"ipc://{folder}/pub", f"ipc://{folder}/pull"
+    d = Dispatcher(pub, pull, world_size, layout.fingerprint(), heartbeat_timeout_s=10.0)
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                    "ZKV_CONFIG": layout.to_json(), "ZKV_PUB_ENDPOINT": pub,
+                    "ZKV_PULL_ENDPOINT": pull, "ZKV_BACKEND": "cpu", "ZKV_LOG_LEVEL": "warning"})
+        env.pop("ZKV_LOG_DIR", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env,
+                                      stdin=subprocess.DEVNULL))
+    try:
+        d.wait_for_ranks(120)
+    except BaseException:
+        stop_group(d, procs)
+        raise
+    return d, procs
+
+
+def stop_group(d: Dispatcher, procs: list[subprocess.Popen[bytes]]) -> None:
+    try:
+        d.close(shutdown=True)
+    finally:
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def one_at_a_time(d: Dispatcher, make_ops: list[list[P.Op]], n: int, warmup: int) -> np.ndarray:
+    lat = np.empty(n)
+    for i in range(warmup + n):
+        seq = d.publish(make_ops[i % len(make_ops)], step=i)
+        while True:
+            done = d.poll(1.0)
+            if done:
+                break
+        (b,) = done
+        if b.seq != seq or not b.ok:
+            raise RuntimeError(f"batch {seq} failed: {b}")
+        if i >= warmup:
+            lat[i - warmup] = b.latency_s * 1e6
+    return lat
+
+
+def copy_batches(layout: CacheLayout) -> list[list[P.Op]]:
+    """Evict device 0..31 to host, load host into device 32..63; then the other way."""
+    n = NUM_COPY_BLOCKS
+    lo, hi, host = (P.as_ids(range(n)), P.as_ids(range(n, 2 * n)), P.as_ids(range(n)))
+    return [
+        [P.Op(0, P.D2H, lo, host), P.Op(1, P.H2D, host, hi, layerwise=True)],
+        [P.Op(0, P.D2H, hi, host), P.Op(1, P.H2D, host, lo, layerwise=True)],
+    ]
+
+
+def pipelined(d: Dispatcher, n: int, depth: int) -> float:
+    """Batches/s with ``depth`` empty batches in flight."""
+    t0 = time.perf_counter()
+    sent = completed = 0
+    while completed < n:
+        while sent < n and d.in_flight < depth:
+            d.publish([], step=sent)
+            sent += 1
+        completed += len(d.poll(1.0))
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--empty", type=int, default=3000)
+    ap.add_argument("--copies", type=int, default=300)
+    args = ap.parse_args()
+    zlog.configure("bench", level="warning")
+    rows: list[Row] = []
+    rates: list[tuple[int, float]] = []
+    t_start = time.monotonic()
+    for world_size in [int(x) for x in args.ranks.split(",")]:
+        folder = tempfile.mkdtemp(prefix="zkv-bench-")
+        try:
+            d, procs = start_group(folder, world_size)
+            try:
+                rows.append(Row(world_size, "empty", args.empty,
+                                one_at_a_time(d, [[]], args.empty, warmup=200)))
+                layout = bench_layout(world_size)
+                label = f"copy {NUM_COPY_BLOCKS}x{layout.block_bytes >> 10}KiB d2h+h2d"
+                rows.append(Row(world_size, label, args.copies,
+                                one_at_a_time(d, copy_batches(layout), args.copies, warmup=20)))
+                rates.append((world_size, pipelined(d, args.empty, depth=8)))
+            finally:
+                stop_group(d, procs)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    print(f"actor pipeline: publish -> all acks, one batch in flight, ipc://, "
+          f"{os.cpu_count()} cores, latencies in us")
+    print(f"{'ranks':>5}  {'workload':<24} {'n':>6}  {'p50':>9}  {'p99':>9}  {'mean':>9}  {'max':>9}")
+    for row in rows:
+        print(row.fmt())
+    print("empty batches, 8 in flight: " + ", ".join(f"{w} ranks {r:,.0f}/s" for w, r in rates))
+    target = [r for r in rows if r.ranks == 4 and r.workload == "empty"]
+    if target:
+        p50, p99 = np.percentile(target[0].lat_us, [50, 99])
+        print(f"target 4 ranks empty: p50 {p50:.0f} us (<= 100: {'met' if p50 <= 100 else 'MISSED'}), "
+              f"p99 {p99:.0f} us (<= 1000: {'met' if p99 <= 1000 else 'MISSED'})")
+    print(f"total {time.monotonic() - t_start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

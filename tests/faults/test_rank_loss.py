@@ -1,0 +1,158 @@
+"""Rank failures with real worker processes: killed, frozen, seq gap, wrong layout, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.worker.helpers import WorkerGroup, events_named, poll_until_done, short_ipc_dir
+from zkv import protocol as P
+from zkv.config import CacheLayout
+from zkv.errors import RankLost
+
+pytest.importorskip("zkv.kernels")
+
+LAYOUT = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=8,
+                     num_device_blocks=8, num_host_blocks=8, world_size=2)
+
+
+@pytest.fixture
+def folder() -> Iterator[str]:
+    with short_ipc_dir() as d:
+        yield d
+
+
+def _hold_batch_in_flight(g: WorkerGroup, rank: int) -> int:
+    """Freeze ``rank`` and publish a batch: the others ack it, ``rank`` cannot."""
+    os.kill(g.procs[rank].pid, signal.SIGSTOP)
+    seq = g.d.publish([P.Op(0, P.D2H, P.as_ids([0]), P.as_ids([0]))], step=0)
+    assert g.d.poll(0.2) == [] and g.d.in_flight == 1
+    return seq
+
+
+def test_killed_rank_is_lost_within_heartbeat_timeout(folder: str) -> None:
+    g = WorkerGroup(folder, 2, LAYOUT, heartbeat_timeout_s=3.0)
+    try:
+        assert g.run([]).ok
+        seq = _hold_batch_in_flight(g, 1)
+        with capture_logs() as logs:
+            g.procs[1].kill()
+            t0 = time.monotonic()
+            done = poll_until_done(g.d, seq, timeout=10)[seq]
+            elapsed = time.monotonic() - t0
+        assert elapsed < g.d.heartbeat_timeout_s, elapsed
+        assert not done.ok and done.lost_ranks == frozenset({1})
+        assert done.results[0].error is not None and done.results[0].error.startswith("rank 1 lost")
+        (lost,) = events_named(logs, "dispatcher.rank_lost")
+        assert lost["rank"] == 1
+        with pytest.raises(RankLost):
+            g.d.publish([], step=1)
+    finally:
+        codes = g.close()
+    assert codes == [0, -signal.SIGKILL]
+
+
+def test_frozen_rank_is_lost_by_heartbeat_timeout(folder: str) -> None:
+    g = WorkerGroup(folder, 2, LAYOUT, heartbeat_timeout_s=1.0)
+    try:
+        seq = _hold_batch_in_flight(g, 0)
+        t0 = time.monotonic()
+        with capture_logs() as logs:
+            done = poll_until_done(g.d, seq, timeout=10)[seq]
+        elapsed = time.monotonic() - t0
+        assert 0.5 < elapsed < 3.0, elapsed
+        assert not done.ok and done.lost_ranks == frozenset({0})
+        (lost,) = events_named(logs, "dispatcher.rank_lost")
+        assert lost["rank"] == 0 and "no heartbeat" in lost["reason"]
+    finally:
+        codes = g.close()
+    assert codes[1] == 0
+
+
+def test_missed_ack_deadline_loses_the_rank(folder: str) -> None:
+    g = WorkerGroup(folder, 2, LAYOUT, heartbeat_timeout_s=60.0, ack_timeout_s=0.5)
+    try:
+        seq = _hold_batch_in_flight(g, 1)
+        with capture_logs() as logs:
+            done = poll_until_done(g.d, seq, timeout=10)[seq]
+        assert done.lost_ranks == frozenset({1})
+        (lost,) = events_named(logs, "dispatcher.rank_lost")
+        assert "no ack for seq 0" in lost["reason"]
+    finally:
+        g.close()
+
+
+def test_seq_gap_stops_the_worker_with_status_3(folder: str) -> None:
+    g = WorkerGroup(folder, 2, LAYOUT)
+    try:
+        assert g.run([]).ok
+        g.d._next_seq += 1  # seq 1 is never published: every rank sees a gap
+        with capture_logs() as logs:
+            seq = g.d.publish([], step=1)
+            done = poll_until_done(g.d, seq)[seq]
+        assert not done.ok
+        lost = events_named(logs, "dispatcher.rank_lost")
+        assert lost and all("seq gap: expected 1 got 2" in e["reason"] for e in lost)
+        for p in g.procs:
+            assert p.wait(10) == 3
+    finally:
+        g.close()
+
+
+def test_sigterm_stops_the_worker_cleanly(folder: str) -> None:
+    g = WorkerGroup(folder, 2, LAYOUT)
+    try:
+        g.procs[0].terminate()
+        assert g.procs[0].wait(10) == 0
+        with capture_logs() as logs:
+            poll_until_done_or_lost(g)
+        (lost,) = events_named(logs, "dispatcher.rank_lost")
+        assert lost["rank"] == 0 and "sigterm" in lost["reason"]
+    finally:
+        g.close()
+
+
+def poll_until_done_or_lost(g: WorkerGroup, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not g.d.lost_ranks:
+        assert time.monotonic() < deadline, "no rank was declared lost"
+        g.d.poll(0.05)
+
+
+def test_wrong_layout_is_refused(folder: str) -> None:
+    other = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=16,
+                        num_device_blocks=8, num_host_blocks=8, world_size=1)
+    theirs = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=8,
+                         num_device_blocks=8, num_host_blocks=8, world_size=1)
+    import subprocess
+    import sys
+
+    from tests.worker.helpers import endpoints, worker_env
+    from zkv.scheduler.dispatcher import RANK_REFUSED, Dispatcher
+
+    pub, pull = endpoints(folder)
+    d = Dispatcher(pub, pull, 1, theirs.fingerprint())
+    proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"],
+                            env=worker_env(0, other.to_json(), pub, pull),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with capture_logs() as logs:
+            deadline = time.monotonic() + 60
+            while not events_named(logs, RANK_REFUSED):
+                assert time.monotonic() < deadline
+                with pytest.raises(TimeoutError, match=r"ranks \[0\] of 1"):
+                    d.wait_for_ranks(0.2)
+        (refused,) = events_named(logs, RANK_REFUSED)
+        assert refused["rank"] == 0 and other.fingerprint() in refused["error"]
+    finally:
+        d.close(shutdown=True)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

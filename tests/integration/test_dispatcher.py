@@ -1,0 +1,245 @@
+"""The Dispatcher against hand-driven fake ranks over real ipc:// sockets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+from structlog.testing import capture_logs
+
+from tests.worker.helpers import FakeRank, endpoints, events_named, poll_until_done, short_ipc_dir
+from zkv import protocol as P
+from zkv.errors import RankLost
+from zkv.scheduler.dispatcher import RANK_REFUSED, Dispatcher
+
+FP = "layout-fp"
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    c: zmq.Context[Any] = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def eps() -> Iterator[tuple[str, str]]:
+    with short_ipc_dir() as d:
+        yield endpoints(d)
+
+
+@pytest.fixture
+def group(ctx: zmq.Context[Any], eps: tuple[str, str]) -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
+    """A dispatcher with 3 joined fake ranks."""
+    d = Dispatcher(*eps, 3, FP, context=ctx)
+    ranks = [FakeRank(ctx, *eps, r, FP).join() for r in range(3)]
+    try:
+        d.wait_for_ranks(5)
+        yield d, ranks
+    finally:
+        d.close(shutdown=False)
+        for r in ranks:
+            r.close()
+
+
+def _op(i: int, n: int = 2) -> P.Op:
+    return P.Op(i, P.D2H, P.as_ids(range(n)), P.as_ids(range(10, 10 + n)))
+
+
+def test_scheduler_side_imports_no_tensor_libraries() -> None:
+    code = ("import sys, zkv.scheduler.dispatcher; "
+            "bad = [m for m in ('torch', 'cupy', 'zkv.worker', 'zkv.kernels') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_join_publish_and_ack(group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    d, ranks = group
+    assert d.publish([_op(0), _op(1, 3)], step=5) == 0
+    assert d.publish([], step=6) == 1
+    assert d.in_flight == 2
+    for r in ranks:
+        b0, b1 = r.recv_batch(), r.recv_batch()
+        assert (b0.seq, b0.step, [op.id for op in b0.ops]) == (0, 5, [0, 1])
+        assert (b1.seq, b1.step, b1.ops) == (1, 6, ())
+        r.ack(b0)
+        r.ack(b1)
+    done = poll_until_done(d, {0, 1})
+    assert done[0].ok and done[0].lost_ranks == frozenset()
+    assert done[0].results == {0: P.OpResult(0, True, 2), 1: P.OpResult(1, True, 3)}
+    assert done[1].ok and done[1].results == {}
+    assert d.in_flight == 0
+
+
+def test_ack_aggregation_is_minimum_over_ranks(group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    d, ranks = group
+    d.publish([_op(0, 4), _op(7, 4)], step=0)
+    batches = [r.recv_batch() for r in ranks]
+    ranks[0].ack(batches[0], {0: P.OpResult(0, True, 4), 7: P.OpResult(7, False, 3, "disk full")})
+    ranks[1].ack(batches[1], {0: P.OpResult(0, True, 4), 7: P.OpResult(7, False, 1, "timeout")})
+    # two of three acks: not complete, whatever we wait
+    assert d.poll(0.2) == []
+    assert d.in_flight == 1
+    ranks[2].send(P.BlocksCopied(0, 2, False, (P.OpResult(0, False, 2, "bad block"),)))  # no op 7
+    (done,) = poll_until_done(d, 0).values()
+    assert not done.ok
+    assert done.results[0] == P.OpResult(0, False, 2, "rank 2: bad block")
+    assert done.results[7] == P.OpResult(7, False, 0, "rank 0: disk full")
+
+
+def test_batches_complete_in_seq_order_only_when_all_acked(
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    d, ranks = group
+    seqs = [d.publish([_op(0)], step=s) for s in range(5)]
+    got = {r.rank: [r.recv_batch() for _ in seqs] for r in ranks}
+    for r in ranks[:2]:
+        for b in got[r.rank]:
+            r.ack(b)
+    for b in got[2][:3]:
+        ranks[2].ack(b)
+    done = poll_until_done(d, {0, 1, 2})
+    assert sorted(done) == [0, 1, 2]
+    assert d.in_flight == 2
+    for b in got[2][3:]:
+        ranks[2].ack(b)
+    assert sorted(poll_until_done(d, {3, 4})) == [3, 4]
+
+
+def test_bad_acks_are_refused_and_ignored(group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    d, ranks = group
+    d.publish([_op(0)], step=0)
+    batches = [r.recv_batch() for r in ranks]
+    with capture_logs() as logs:
+        ranks[0].ack(batches[0])
+        ranks[0].ack(batches[0])  # duplicate
+        ranks[1].send(P.BlocksCopied(99, 1, True, ()))  # unknown seq
+        ranks[1].send(P.BlocksCopied(0, 1, True, (P.OpResult(5, True, 1),)))  # unknown op
+        ranks[1].send_raw([P.T_ACK, b"{not json"])  # malformed
+        ranks[1].send_raw([P.T_ACK, b'{"v": 1, "seq": true}'])
+        ranks[1].send(P.BlocksCopied(0, 9, True, ()))  # rank out of range
+        ranks[1].send(P.Shutdown("nonsense on the ack channel"))
+        assert d.poll(0.2) == []
+        ranks[1].ack(batches[1])
+        ranks[2].ack(batches[2])
+        (done,) = poll_until_done(d, 0).values()
+    assert done.ok and done.results == {0: P.OpResult(0, True, 2)}
+    refused = events_named(logs, "dispatcher.ack_refused")
+    assert len(refused) == 7, refused
+    assert d.lost_ranks == frozenset()
+
+
+def test_publish_misuse(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
+    d = Dispatcher(*eps, 1, FP, context=ctx)
+    r = FakeRank(ctx, *eps, 0, FP)
+    try:
+        with pytest.raises(RuntimeError, match="wait_for_ranks"):
+            d.publish([], step=0)
+        r.join()
+        d.wait_for_ranks(5)
+        with pytest.raises(ValueError, match="duplicate op ids"):
+            d.publish([_op(1), _op(1)], step=0)
+        assert d.publish([], step=0) == 0  # the refused batch took no seq
+    finally:
+        d.close(shutdown=False)
+        r.close()
+
+
+def test_hello_before_subscription_does_not_count(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
+    """The slow-joiner case: a hello over PUSH that outruns the SUB's subscription."""
+    d = Dispatcher(*eps, 2, FP, context=ctx)
+    r0 = FakeRank(ctx, *eps, 0, FP).join()
+    r1 = FakeRank(ctx, *eps, 1, FP)
+    try:
+        r1.hello()
+        with pytest.raises(TimeoutError) as err:
+            d.wait_for_ranks(0.3)
+        msg = str(err.value)
+        assert "ranks [1] of 2" in msg and "subscription never arrived" in msg
+        r1.subscribe()
+        d.wait_for_ranks(5)
+        d.publish([_op(0)], step=0)
+        assert r1.recv_batch().seq == 0  # not dropped
+        assert r0.recv_batch().seq == 0
+    finally:
+        d.close(shutdown=False)
+        r0.close()
+        r1.close()
+
+
+def test_layout_mismatch_is_refused(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
+    d = Dispatcher(*eps, 2, FP, context=ctx)
+    r0 = FakeRank(ctx, *eps, 0, FP).join()
+    r1 = FakeRank(ctx, *eps, 1, "other-layout").join()
+    try:
+        with capture_logs() as logs, pytest.raises(TimeoutError) as err:
+            d.wait_for_ranks(0.5)
+        assert "ranks [1] of 2" in str(err.value) and "refused" in str(err.value)
+        (refused,) = events_named(logs, RANK_REFUSED)
+        assert refused["rank"] == 1 and "other-layout" in refused["error"]
+        r1.hello(FP)  # the same rank, now with the right layout
+        d.wait_for_ranks(5)
+    finally:
+        d.close(shutdown=False)
+        r0.close()
+        r1.close()
+
+
+def test_no_hello_names_missing_ranks(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
+    d = Dispatcher(*eps, 4, FP, context=ctx)
+    r2 = FakeRank(ctx, *eps, 2, FP).join()
+    try:
+        with pytest.raises(TimeoutError, match=r"ranks \[0, 1, 3\] of 4.*rank 0: no hello"):
+            d.wait_for_ranks(0.3)
+    finally:
+        d.close(shutdown=False)
+        r2.close()
+
+
+def test_close_publishes_shutdown(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
+    d = Dispatcher(*eps, 2, FP, context=ctx)
+    ranks = [FakeRank(ctx, *eps, r, FP).join() for r in range(2)]
+    try:
+        d.wait_for_ranks(5)
+        for r in ranks:
+            r.send(P.Bye(r.rank, r.pid, "shutdown"))  # early byes: close must not wait long
+        d.close(shutdown=True)
+        for r in ranks:
+            assert r.recv() == P.Shutdown("scheduler closed")
+        with pytest.raises(RuntimeError):
+            d.publish([], step=0)
+        d.close()  # idempotent
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def test_rank_loss_fails_in_flight_and_later_publish(
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    d, ranks = group
+    d.publish([_op(0), _op(1)], step=0)
+    d.publish([], step=1)
+    batches = [r.recv_batch() for r in ranks]
+    ranks[0].ack(batches[0])
+    r2 = ranks[2]
+    with capture_logs() as logs:
+        r2.send(P.Bye(2, r2.pid, "seq gap: expected 0 got 1"))
+        done = poll_until_done(d, {0, 1}, timeout=5)
+    (lost,) = events_named(logs, "dispatcher.rank_lost")
+    assert lost["rank"] == 2 and "seq gap: expected 0 got 1" in lost["reason"]
+    assert d.lost_ranks == frozenset({2}) and d.in_flight == 0
+    for b in done.values():
+        assert not b.ok and b.lost_ranks == frozenset({2})
+        for op_id, res in b.results.items():
+            assert res == P.OpResult(op_id, False, 0, res.error)
+            assert res.error is not None and res.error.startswith("rank 2 lost: ")
+    assert set(done[0].results) == {0, 1}
+    with pytest.raises(RankLost) as err:
+        d.publish([], step=2)
+    assert err.value.rank == 2
+    # late acks of the failed batches are ignored quietly
+    ranks[1].ack(batches[1])
+    assert d.poll(0.05) == []

@@ -1,0 +1,304 @@
+"""TorchCpuBackend against the reference oracle, byte for byte."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.kernels.helpers import (
+    DTYPES,
+    as_bytes,
+    clone,
+    ids,
+    layout,
+    pick,
+    random_caches,
+    same_caches,
+)
+from zkv.kernels import DONE, TorchCpuBackend
+from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
+
+
+@pytest.fixture
+def backend() -> TorchCpuBackend:
+    return TorchCpuBackend()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_d2h_matches_oracle(backend: TorchCpuBackend, dtype: str) -> None:
+    lay = layout(dtype)
+    kv, host = random_caches(backend, lay, seed=1)
+    want = host.clone()
+    rng = np.random.default_rng(1)
+    src, dst = pick(rng, lay.num_device_blocks, 7), pick(rng, lay.num_host_blocks, 7)
+
+    backend.copy_d2h(kv, host, src, dst)
+    ref_copy_d2h(kv, want, src, dst)
+
+    assert as_bytes(host) == as_bytes(want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_h2d_matches_oracle(backend: TorchCpuBackend, dtype: str) -> None:
+    lay = layout(dtype)
+    kv, host = random_caches(backend, lay, seed=2)
+    want = clone(kv)
+    rng = np.random.default_rng(2)
+    src, dst = pick(rng, lay.num_host_blocks, 5), pick(rng, lay.num_device_blocks, 5)
+
+    backend.copy_h2d(host, kv, src, dst, layer=1)
+    ref_copy_h2d(host, want, src, dst, layer=1)
+
+    assert same_caches(kv, want)
+    # Only layer 1 moved.
+    assert as_bytes(kv[0][0]) == as_bytes(want[0][0])
+
+
+def test_d2h_layer_subset_writes_only_those_layers(backend: TorchCpuBackend) -> None:
+    lay = layout(num_layers=4)
+    kv, host = random_caches(backend, lay, seed=3)
+    want = host.clone()
+    src, dst = ids([4, 0, 11]), ids([8, 2, 3])
+
+    backend.copy_d2h(kv, host, src, dst, layers=range(1, 3))
+    ref_copy_d2h(kv, want, src, dst, layers=range(1, 3))
+
+    assert as_bytes(host) == as_bytes(want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_round_trip_is_byte_identical(backend: TorchCpuBackend, dtype: str) -> None:
+    lay = layout(dtype, num_layers=2, num_device_blocks=20, num_host_blocks=10)
+    kv, host = random_caches(backend, lay, seed=4)
+    src, mid, back = ids([3, 17, 5, 9]), ids([9, 0, 4, 1]), ids([12, 13, 14, 15])
+    before = [(as_bytes(k[src.tolist()]), as_bytes(v[src.tolist()])) for k, v in kv]
+
+    backend.copy_d2h(kv, host, src, mid)
+    for layer in range(lay.num_layers):
+        backend.copy_h2d(host, kv, mid, back, layer)
+
+    assert [(as_bytes(k[back.tolist()]), as_bytes(v[back.tolist()])) for k, v in kv] == before
+
+
+def test_nan_payloads_and_negative_zero_survive(backend: TorchCpuBackend) -> None:
+    lay = layout("float32", num_layers=1)
+    kv, host = random_caches(backend, lay)
+    k, v = kv[0]
+    bits = np.array([0x7F800001, 0xFFC00123, 0x80000000, 0x7FFFFFFF], dtype=np.uint32)
+    k.view(torch.int32).view(-1).copy_(torch.from_numpy(np.resize(bits, k.numel()).view(np.int32)))
+    want = host.clone()
+
+    backend.copy_d2h(kv, host, ids([0, 5]), ids([1, 2]))
+    ref_copy_d2h(kv, want, ids([0, 5]), ids([1, 2]))
+
+    assert as_bytes(host) == as_bytes(want)
+
+
+def test_odd_geometry_strided_and_misaligned_caches(backend: TorchCpuBackend) -> None:
+    """Chunks of 3*5*7 bytes (no wide element fits), a device cache whose blocks are
+    interleaved K/V (stride 2 chunks), and one that starts 1 byte past an allocation."""
+    lay = layout("uint8", kv_heads=3, block_size=5, head_dim=7, num_layers=2)
+    shape = (lay.num_device_blocks, 3, 5, 7)
+    gen = torch.Generator().manual_seed(5)
+    joint = torch.randint(0, 256, (lay.num_device_blocks, 2, *shape[1:]), dtype=torch.uint8, generator=gen)
+    raw = torch.randint(0, 256, (lay.num_device_blocks * 105 * 2 + 1,), dtype=torch.uint8, generator=gen)
+    shifted = raw[1:].view(2, *shape)
+    kv = [(joint[:, 0], joint[:, 1]), (shifted[0], shifted[1])]
+    host = backend.allocate_host_pool(lay)
+    want = host.clone()
+    src, dst = ids([1, 10, 4]), ids([0, 8, 3])
+
+    backend.copy_d2h(kv, host, src, dst)
+    ref_copy_d2h(kv, want, src, dst)
+    assert as_bytes(host) == as_bytes(want)
+
+    want_kv = clone(kv)
+    backend.copy_h2d(host, kv, dst, ids([11, 0, 2]), layer=0)
+    ref_copy_h2d(host, want_kv, dst, ids([11, 0, 2]), layer=0)
+    assert same_caches(kv, want_kv)
+
+
+def test_tiny_staging_buffer_chunks_correctly() -> None:
+    backend = TorchCpuBackend(staging_bytes=1)  # one row per chunk
+    lay = layout(num_device_blocks=30, num_host_blocks=30)
+    kv, host = random_caches(backend, lay, seed=6)
+    want = host.clone()
+    rng = np.random.default_rng(6)
+    src, dst = pick(rng, 30, 25), pick(rng, 30, 25)
+
+    backend.copy_d2h(kv, host, src, dst)
+    ref_copy_d2h(kv, want, src, dst)
+
+    assert as_bytes(host) == as_bytes(want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from(DTYPES),
+    num_layers=st.integers(1, 3),
+    kv_heads=st.integers(1, 3),
+    block_size=st.sampled_from([1, 2, 16]),
+    head_dim=st.sampled_from([1, 3, 8, 64]),
+    staging_bytes=st.sampled_from([1, 300, 1 << 20]),
+)
+def test_random_scattered_copies_match_oracle(
+    data: st.DataObject,
+    dtype: str,
+    num_layers: int,
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    staging_bytes: int,
+) -> None:
+    backend = TorchCpuBackend(staging_bytes=staging_bytes)
+    lay = layout(dtype, num_layers=num_layers, kv_heads=kv_heads, block_size=block_size, head_dim=head_dim)
+    kv, host = random_caches(backend, lay, seed=data.draw(st.integers(0, 2**16)))
+    n = data.draw(st.integers(0, lay.num_host_blocks))
+    src = data.draw(st.lists(st.integers(0, lay.num_device_blocks - 1), min_size=n, max_size=n))
+    dst = data.draw(st.permutations(range(lay.num_host_blocks)))[:n]
+    layers = data.draw(st.sampled_from([None, range(num_layers), range(num_layers - 1, num_layers)]))
+
+    want_host = host.clone()
+    backend.copy_d2h(kv, host, ids(src), ids(dst), layers=layers)
+    ref_copy_d2h(kv, want_host, ids(src), ids(dst), layers=layers)
+    assert as_bytes(host) == as_bytes(want_host)
+
+    # Back into distinct device blocks (dst of an h2d must be distinct, src may repeat).
+    back = data.draw(st.permutations(range(lay.num_device_blocks)))[:n]
+    layer = data.draw(st.integers(0, num_layers - 1))
+    want_kv = clone(kv)
+    backend.copy_h2d(host, kv, ids(dst), ids(back), layer)
+    ref_copy_h2d(host, want_kv, ids(dst), ids(back), layer)
+    assert same_caches(kv, want_kv)
+
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "match"),
+    [
+        ([0, 12], [0, 1], r"device block id out of range \[0, 12\): min=0 max=12"),
+        ([0, -1], [0, 1], "device block id out of range"),
+        ([0, 1], [0, 9], r"host block id out of range \[0, 9\)"),
+        ([0, 1], [0], "differ in length: 2 != 1"),
+        ([[0, 1]], [[0, 1]], "one-dimensional"),
+    ],
+)
+def test_d2h_rejects_bad_ids_before_writing(
+    backend: TorchCpuBackend, src: list[int], dst: list[int], match: str
+) -> None:
+    lay = layout()
+    kv, host = random_caches(backend, lay)
+    before = as_bytes(host)
+
+    with pytest.raises(ValueError, match=match):
+        backend.copy_d2h(kv, host, np.array(src, dtype=np.int32), np.array(dst, dtype=np.int32))
+
+    assert as_bytes(host) == before
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "layer", "match"),
+    [
+        ([9], [0], 0, "host block id out of range"),
+        ([0], [12], 0, "device block id out of range"),
+        ([0], [1], 3, r"layer 3 out of range \[0, 3\)"),
+        ([0], [1], -1, "layer -1 out of range"),
+    ],
+)
+def test_h2d_rejects_bad_ids_before_writing(
+    backend: TorchCpuBackend, src: list[int], dst: list[int], layer: int, match: str
+) -> None:
+    lay = layout()
+    kv, host = random_caches(backend, lay)
+    before = clone(kv)
+
+    with pytest.raises(ValueError, match=match):
+        backend.copy_h2d(host, kv, ids(src), ids(dst), layer)
+
+    assert same_caches(kv, before)
+
+
+def test_bad_layer_range_and_mismatched_caches_rejected(backend: TorchCpuBackend) -> None:
+    lay = layout()
+    kv, host = random_caches(backend, lay)
+    before = as_bytes(host)
+    with pytest.raises(ValueError, match="layer 3 out of range"):
+        backend.copy_d2h(kv, host, ids([0]), ids([0]), layers=range(2, 4))
+    with pytest.raises(ValueError, match="dtype"):
+        backend.copy_d2h([(k.float(), v.float()) for k, v in kv], host, ids([0]), ids([0]))
+    with pytest.raises(ValueError, match="host pool must be"):
+        backend.copy_d2h(kv[:2], host, ids([0]), ids([0]))
+    assert as_bytes(host) == before
+
+
+def test_empty_ids_are_a_no_op(backend: TorchCpuBackend) -> None:
+    lay = layout()
+    kv, host = random_caches(backend, lay)
+    before = as_bytes(host)
+    backend.copy_d2h(kv, host, ids([]), ids([]))
+    backend.copy_h2d(host, kv, ids([]), ids([]), 0)
+    assert as_bytes(host) == before
+
+
+# ------------------------------------------------------------------ host blocks, events, threads
+
+
+def test_host_block_is_writable_zero_copy_view(backend: TorchCpuBackend) -> None:
+    lay = layout("bfloat16")
+    host = backend.allocate_host_pool(lay)
+    assert not host.any()
+
+    view = backend.host_block(host, 4)
+    assert len(view) == lay.block_bytes and not view.readonly
+    view[:] = bytes(range(256)) * (lay.block_bytes // 256) + bytes(lay.block_bytes % 256)
+
+    assert as_bytes(host[4])[:256] == bytes(range(256))
+    assert not host[3].view(torch.uint8).any() and not host[5].view(torch.uint8).any()
+    with pytest.raises(ValueError, match="host block id 9 out of range"):
+        backend.host_block(host, 9)
+
+
+def test_cpu_events_are_complete_and_ordering_is_a_no_op(backend: TorchCpuBackend) -> None:
+    backend.begin_batch()
+    handle = backend.record_event()
+    assert handle == DONE
+    assert backend.event_done(handle)
+    backend.wait_event_on_compute(handle)
+    backend.synchronize_event(handle)
+    backend.synchronize()
+
+
+def test_concurrent_copies_from_two_threads(backend: TorchCpuBackend) -> None:
+    """Staging buffers are per thread: two threads copying disjoint blocks both land."""
+    lay = layout(num_device_blocks=40, num_host_blocks=40)
+    kv, host = random_caches(backend, lay, seed=7)
+    want = host.clone()
+    halves = [(ids(range(0, 20)), ids(range(20, 40))), (ids(range(20, 40)), ids(range(0, 20)))]
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def run(src: np.ndarray, dst: np.ndarray) -> None:
+        try:
+            barrier.wait(timeout=10)
+            for _ in range(5):
+                backend.copy_d2h(kv, host, src, dst)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=h) for h in halves]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors
+    for src, dst in halves:
+        ref_copy_d2h(kv, want, src, dst)
+    assert as_bytes(host) == as_bytes(want)

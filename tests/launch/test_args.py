@@ -1,0 +1,107 @@
+"""zkvrun's pure parts (argument split, env, commands) and run() called in-process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.zkvrun import (
+    Endpoints,
+    LaunchConfig,
+    describe_exit,
+    main,
+    make_endpoints,
+    parse_args,
+    rank_env,
+    resolve_cmd,
+    run,
+    scheduler_env,
+)
+
+EP = Endpoints("ipc:///x/pub", "ipc:///x/pull")
+
+
+def test_command_starts_at_the_first_non_option() -> None:
+    cfg, cmd, sched = parse_args(["--nproc-per-node", "3", "-c", "pass", "--nnodes", "9"])
+    assert (cfg.nproc_per_node, cfg.nnodes, cmd, sched) == (3, 1, ["-c", "pass", "--nnodes", "9"],
+                                                           None)
+    _, cmd, _ = parse_args(["-m", "pkg.worker", "--x"])
+    assert cmd == ["-m", "pkg.worker", "--x"]
+    _, cmd, _ = parse_args(["--grace-s=1", "--", "--weird-binary", "a"])
+    assert cmd == ["--weird-binary", "a"]
+    cfg, cmd, sched = parse_args(["--scheduler", "-m zkv.sched --flag 'a b'", "--insecure-tcp",
+                                  "--max_restarts", "2", "w.py"])
+    assert sched == ["-m", "zkv.sched", "--flag", "a b"]
+    assert (cfg.insecure_tcp, cfg.max_restarts, cmd) == (True, 2, ["w.py"])
+
+
+def test_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--nproc-per-node", "2"]) == 2
+    assert main(["--grace-s"]) == 2
+    assert main(["--nproc-per-node", "x", "w.py"]) == 2
+    assert main(["--help"]) == 0
+    assert "CMD [ARGS ...]" in capsys.readouterr().out
+
+
+def test_rank_env_multi_node() -> None:
+    cfg = LaunchConfig(nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1",
+                       master_port=4000, insecure_tcp=True, log_dir="/l", run_id="r")
+    ep = make_endpoints(cfg)
+    assert ep == Endpoints("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4001")
+    env = rank_env(cfg, 3, ep, base_env={"PATH": "/bin", "RANK": "77"})
+    assert env == {
+        "PATH": "/bin", "RANK": "7", "LOCAL_RANK": "3", "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "4000", "ZKV_PUB_ENDPOINT": "tcp://10.0.0.1:4000",
+        "ZKV_PULL_ENDPOINT": "tcp://10.0.0.1:4001", "ZKV_ROLE": "worker", "ZKV_LOG_DIR": "/l",
+        "ZKV_RUN_ID": "r",
+    }
+    s = scheduler_env(cfg, ep, base_env={"RANK": "77", "LOCAL_RANK": "1"})
+    assert "RANK" not in s and "LOCAL_RANK" not in s and s["ZKV_ROLE"] == "scheduler"
+    assert make_endpoints(LaunchConfig(nnodes=2, master_addr="::1", insecure_tcp=True)).pub == \
+        "tcp://[::1]:29511"
+
+
+def test_config_checks() -> None:
+    assert LaunchConfig().check() is None
+    assert "--insecure-tcp" in (LaunchConfig(nnodes=2).check() or "")
+    assert "--node-rank" in (LaunchConfig(nnodes=2, node_rank=2, insecure_tcp=True).check() or "")
+    assert LaunchConfig(nproc_per_node=0).check() is not None
+    assert LaunchConfig(max_restarts=-1).check() is not None
+
+
+def test_resolve_cmd_and_describe_exit() -> None:
+    assert resolve_cmd(["-m", "a.b", "x"]) == [sys.executable, "-m", "a.b", "x"]
+    assert resolve_cmd(["w.py", "1"]) == [sys.executable, "w.py", "1"]
+    assert resolve_cmd(["-c", "pass"]) == [sys.executable, "-c", "pass"]
+    assert resolve_cmd(["/bin/true"]) == ["/bin/true"]
+    with pytest.raises(ValueError):
+        resolve_cmd([])
+    assert describe_exit(3) == "code 3"
+    assert describe_exit(-9) == "code -9 (SIGKILL)"
+
+
+def test_run_in_process_restores_signal_handlers(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+    code = (f"import os; open({str(out)!r} + os.environ['RANK'], 'w')"
+            ".write(os.environ['ZKV_RUN_ID'])")
+    cfg = LaunchConfig(nproc_per_node=2, log_dir=str(tmp_path / "logs"), run_id="inproc")
+    assert run(cfg, [sys.executable, "-c", code], None) == 0
+    assert [(tmp_path / f"out{i}").read_text() for i in range(2)] == ["inproc", "inproc"]
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert cfg.run_id == "inproc" and cfg.log_dir == str(tmp_path / "logs")  # not mutated
+    assert (tmp_path / "logs" / "launcher.jsonl").exists()
+
+
+def test_run_defaults_log_dir_and_run_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("ZKV_LOG_DIR", str(tmp_path / "envlogs"))
+    code = "import os; assert os.environ['ZKV_LOG_DIR'] and len(os.environ['ZKV_RUN_ID']) == 12"
+    assert run(LaunchConfig(), [sys.executable, "-c", code], None) == 0
+    assert os.path.exists(tmp_path / "envlogs" / "launcher.jsonl")
+    assert capsys.readouterr().err == ""  # the directory was given: nothing to announce

@@ -1,0 +1,363 @@
+"""zkvrun with real processes: env, endpoints, failure teardown, restarts, scheduler, signals.
+
+Children are small Python scripts that write files under ``$T_OUT`` (atomically, via
+rename); the tests poll for those files with a deadline, never sleep to synchronize.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from zkv import log as zlog
+from zkv.config import CacheLayout
+
+TIMEOUT_S = 30
+
+PRELUDE = r'''
+import json, os, signal, sys, time
+OUT = os.environ["T_OUT"]
+RANK = os.environ.get("RANK")
+
+def put(name, text):
+    tmp = os.path.join(OUT, name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(OUT, name))
+
+def wait_for(*names, timeout=20):
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(os.path.join(OUT, n)) for n in names):
+        if time.monotonic() > deadline:
+            sys.exit(99)
+        time.sleep(0.01)
+
+def record_signal(tag):
+    def handler(signum, frame):
+        put(f"sig-{tag}", str(signum))
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+'''
+
+
+def script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(PRELUDE + body)
+    return str(path)
+
+
+def zkvrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launch.zkvrun", *args]
+
+
+def env_for(out: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKV_", "RANK"))}
+    env.update(T_OUT=str(out), **extra)
+    return env
+
+
+def run_zkvrun(tmp_path: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(zkvrun_cmd(*args), env=env_for(tmp_path, **extra_env), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def wait_files(d: Path, *names: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((d / n).exists() for n in names):
+        assert time.monotonic() < deadline, f"timed out waiting for {names} in {d}"
+        time.sleep(0.01)
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def events(log_dir: Path, name: str = "launcher.jsonl") -> list[dict]:
+    return [orjson.loads(line) for line in (log_dir / name).read_text().splitlines()]
+
+
+WRITE_ENV = r'''
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+        "MASTER_PORT", "ZKV_PUB_ENDPOINT", "ZKV_PULL_ENDPOINT", "ZKV_LOG_DIR", "ZKV_RUN_ID",
+        "ZKV_ROLE", "ZKV_CONFIG"]
+info = {k: os.environ.get(k) for k in keys}
+pub = os.environ["ZKV_PUB_ENDPOINT"]
+if pub.startswith("ipc://"):
+    info["dir_mode"] = os.stat(os.path.dirname(pub[len("ipc://"):])).st_mode
+info["own_group"] = os.getpgid(0) == os.getpid()
+info["pid"] = os.getpid()
+put(f"env-{RANK or 'sched'}.json", json.dumps(info))
+'''
+
+
+def test_four_ranks_get_their_env_and_a_private_ipc_dir(tmp_path: Path) -> None:
+    layout = CacheLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=8, world_size=4)
+    worker = script(tmp_path, "worker.py", WRITE_ENV)
+    logs = tmp_path / "logs"
+    r = run_zkvrun(tmp_path, "--nproc-per-node", "4", "--log-dir", str(logs), "--run-id", "r1",
+                   "--config", layout.to_json(), worker)
+    assert r.returncode == 0, r.stderr
+    infos = [json.loads((tmp_path / f"env-{i}.json").read_text()) for i in range(4)]
+    pub = infos[0]["ZKV_PUB_ENDPOINT"]
+    ipc_dir = os.path.dirname(pub[len("ipc://"):])
+    for i, info in enumerate(infos):
+        assert info["RANK"] == info["LOCAL_RANK"] == str(i)
+        assert (info["WORLD_SIZE"], info["LOCAL_WORLD_SIZE"], info["NODE_RANK"]) == ("4", "4", "0")
+        assert (info["MASTER_ADDR"], info["MASTER_PORT"]) == ("127.0.0.1", "29511")
+        assert info["ZKV_PUB_ENDPOINT"] == f"ipc://{ipc_dir}/pub"
+        assert info["ZKV_PULL_ENDPOINT"] == f"ipc://{ipc_dir}/pull"
+        assert stat.S_IMODE(info["dir_mode"]) == 0o700
+        assert (info["ZKV_ROLE"], info["ZKV_RUN_ID"]) == ("worker", "r1")
+        assert info["ZKV_LOG_DIR"] == str(logs)
+        assert CacheLayout.from_json(info["ZKV_CONFIG"]) == layout
+        assert info["own_group"] is True
+    assert not os.path.exists(ipc_dir)  # removed at exit
+    evs = events(logs)
+    started = [e for e in evs if e["event"] == zlog.RANK_STARTED]
+    exited = [e for e in evs if e["event"] == zlog.RANK_EXITED]
+    assert sorted(e["rank"] for e in started) == [0, 1, 2, 3]
+    assert {e["child_pid"] for e in started} == {info["pid"] for info in infos}
+    assert sorted((e["rank"], e["code"]) for e in exited) == [(i, 0) for i in range(4)]
+    assert all(e["component"] == "launcher" and e["run_id"] == "r1" for e in evs)
+    assert evs[-1]["event"] == zlog.GROUP_STOPPED
+
+
+def test_failing_rank_tears_the_group_down(tmp_path: Path) -> None:
+    worker = script(tmp_path, "worker.py", r'''
+put(f"pid-{RANK}", str(os.getpid()))
+if RANK == "1":
+    wait_for("pid-0", "pid-2")
+    sys.exit(3)
+if RANK == "2":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # needs the SIGKILL after grace
+time.sleep(60)
+''')
+    logs = tmp_path / "logs"
+    r = run_zkvrun(tmp_path, "--nproc-per-node", "3", "--grace-s", "0.5", "--log-dir", str(logs),
+                   worker)
+    assert r.returncode == 1
+    pids = [int((tmp_path / f"pid-{i}").read_text()) for i in range(3)]
+    assert (f"zkvrun: rank 1 (pid {pids[1]}) exited with code 3; no restarts left; "
+            "tearing down 2 processes") in r.stderr
+    assert pid_gone(pids[0]) and pid_gone(pids[2])
+    evs = events(logs)
+    failed = [e for e in evs if e["event"] == zlog.GROUP_FAILED]
+    assert len(failed) == 1 and (failed[0]["rank"], failed[0]["code"]) == (1, 3)
+    codes = {e["rank"]: e["code"] for e in evs if e["event"] == zlog.RANK_EXITED}
+    assert codes == {0: -signal.SIGTERM, 1: 3, 2: -signal.SIGKILL}
+
+
+def test_rank_killed_by_a_signal_is_reported_by_name(tmp_path: Path) -> None:
+    worker = script(tmp_path, "worker.py", "os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs"), worker)
+    assert r.returncode == 1
+    assert "exited with code -9 (SIGKILL); no restarts left; tearing down 0 processes" in r.stderr
+
+
+def test_max_restarts_restarts_a_rank_with_the_same_env(tmp_path: Path) -> None:
+    worker = script(tmp_path, "worker.py", r'''
+if os.path.exists(os.path.join(OUT, "marker")):
+    put("second", os.environ["RANK"] + " " + os.environ["ZKV_PUB_ENDPOINT"])
+    sys.exit(0)
+put("marker", os.environ["RANK"] + " " + os.environ["ZKV_PUB_ENDPOINT"])
+sys.exit(5)
+''')
+    logs = tmp_path / "logs"
+    r = run_zkvrun(tmp_path, "--max-restarts", "1", "--log-dir", str(logs), worker)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "second").read_text() == (tmp_path / "marker").read_text()
+    assert "exited with code 5; restarting (1/1)" in r.stderr
+    restarted = [e for e in events(logs) if e["event"] == zlog.RANK_RESTARTED]
+    assert [(e["rank"], e["restart"], e["code"]) for e in restarted] == [(0, 1, 5)]
+
+
+def test_restarts_run_out(tmp_path: Path) -> None:
+    worker = script(tmp_path, "worker.py", r'''
+with open(os.path.join(OUT, "attempts"), "a") as f:
+    f.write("x\n")
+sys.exit(4)
+''')
+    r = run_zkvrun(tmp_path, "--max-restarts", "2", "--log-dir", str(tmp_path / "logs"), worker)
+    assert r.returncode == 1
+    assert (tmp_path / "attempts").read_text() == "x\n" * 3
+    assert "exited with code 4; no restarts left; tearing down 0 processes" in r.stderr
+
+
+def test_scheduler_exit_zero_ends_the_group(tmp_path: Path) -> None:
+    sched = script(tmp_path, "sched.py", WRITE_ENV + r'''
+assert sys.argv[1:] == ["--flag", "a b"], sys.argv
+wait_for("env-0.json", "env-1.json")
+''')
+    worker = script(tmp_path, "worker.py", WRITE_ENV + "time.sleep(60)\n")
+    logs = tmp_path / "logs"
+    # RANK in zkvrun's own env must not leak into the scheduler's.
+    r = run_zkvrun(tmp_path, "--nproc-per-node", "2", "--log-dir", str(logs),
+                   "--scheduler", f"{sched} --flag 'a b'", worker, RANK="99")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "env-sched.json").read_text())
+    ranks = [json.loads((tmp_path / f"env-{i}.json").read_text()) for i in range(2)]
+    assert s["ZKV_ROLE"] == "scheduler" and s["RANK"] is None and s["LOCAL_RANK"] is None
+    assert s["WORLD_SIZE"] == "2" and s["ZKV_LOG_DIR"] == str(logs)
+    for key in ("ZKV_PUB_ENDPOINT", "ZKV_PULL_ENDPOINT", "ZKV_RUN_ID"):
+        assert s[key] == ranks[0][key] == ranks[1][key]
+    assert all(pid_gone(info["pid"]) for info in ranks)
+    evs = events(logs)
+    assert [e["event"] for e in evs if e.get("role") == "scheduler"] == [
+        zlog.SCHEDULER_STARTED, zlog.SCHEDULER_EXITED]
+    assert [e["reason"] for e in evs if e["event"] == zlog.GROUP_STOPPED] == ["scheduler_done"]
+
+
+def test_scheduler_failure_exits_with_its_code(tmp_path: Path) -> None:
+    worker = script(tmp_path, "worker.py", WRITE_ENV + "time.sleep(60)\n")
+    code = ('import os,sys,time\n'
+            'while not os.path.exists(os.environ["T_OUT"]+"/env-0.json"): time.sleep(0.01)\n'
+            'sys.exit(7)')
+    r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs"),
+                   "--scheduler", f"-c '{code}'", worker)
+    assert r.returncode == 7
+    assert "zkvrun: scheduler (pid" in r.stderr
+    assert "exited with code 7; tearing down 1 processes" in r.stderr
+    assert pid_gone(json.loads((tmp_path / "env-0.json").read_text())["pid"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_is_forwarded_to_every_child(tmp_path: Path, sig: signal.Signals) -> None:
+    body = 'record_signal(TAG)\nput("ready-" + TAG, "")\ntime.sleep(60)\n'
+    worker = script(tmp_path, "worker.py", "TAG = RANK\n" + body)
+    sched = script(tmp_path, "sched.py", 'TAG = "sched"\n' + body)
+    with subprocess.Popen(zkvrun_cmd("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+                                     "--scheduler", sched, worker),
+                          env=env_for(tmp_path), cwd=tmp_path, stderr=subprocess.PIPE,
+                          text=True) as p:
+        try:
+            wait_files(tmp_path, "ready-0", "ready-1", "ready-sched")
+            p.send_signal(sig)
+            _, err = p.communicate(timeout=TIMEOUT_S)
+        finally:
+            p.kill()
+    assert p.returncode == 128 + sig
+    assert f"zkvrun: got {sig.name}; forwarding to 3 processes" in err
+    for tag in ("0", "1", "sched"):
+        assert (tmp_path / f"sig-{tag}").read_text() == str(int(sig))
+
+
+def test_second_signal_skips_the_grace_period(tmp_path: Path) -> None:
+    worker = script(tmp_path, "worker.py", r'''
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+put(f"pid-{RANK}", str(os.getpid()))
+time.sleep(60)
+''')
+    logs = tmp_path / "logs"
+    with subprocess.Popen(zkvrun_cmd("--grace-s", "60", "--log-dir", str(logs), worker),
+                          env=env_for(tmp_path), cwd=tmp_path, stderr=subprocess.PIPE) as p:
+        try:
+            wait_files(tmp_path, "pid-0")
+            p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            while not any(e["event"] == zlog.SIGNAL_FORWARDED for e in events(logs)):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=TIMEOUT_S)
+        finally:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM
+    assert pid_gone(int((tmp_path / "pid-0").read_text()))
+
+
+def test_multi_node_needs_insecure_tcp(tmp_path: Path) -> None:
+    r = run_zkvrun(tmp_path, "--nnodes", "2", "-c", "pass")
+    assert r.returncode == 2
+    assert "zkvrun: error:" in r.stderr and "--insecure-tcp" in r.stderr
+    assert not list(tmp_path.iterdir())  # nothing started, no log dir
+
+
+def test_second_node_ranks_and_tcp_endpoints(tmp_path: Path) -> None:
+    worker = script(tmp_path, "worker.py", WRITE_ENV)
+    logs = tmp_path / "logs"
+    r = run_zkvrun(tmp_path, "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2",
+                   "--insecure-tcp", "--master-port", "30011", "--log-dir", str(logs),
+                   "--scheduler", "-c 'raise SystemExit(9)'", worker)
+    assert r.returncode == 0, r.stderr  # no scheduler on node rank 1
+    for lr in range(2):
+        info = json.loads((tmp_path / f"env-{2 + lr}.json").read_text())
+        assert (info["LOCAL_RANK"], info["WORLD_SIZE"], info["NODE_RANK"]) == (str(lr), "4", "1")
+        assert info["ZKV_PUB_ENDPOINT"] == "tcp://127.0.0.1:30011"
+        assert info["ZKV_PULL_ENDPOINT"] == "tcp://127.0.0.1:30012"
+    assert not (tmp_path / "env-sched.json").exists()
+    assert {e["event"] for e in events(logs, "launcher-node1.jsonl")} >= {zlog.RANK_STARTED}
+
+
+def test_bad_layout_is_refused(tmp_path: Path) -> None:
+    layout = CacheLayout(num_layers=1, kv_heads=1, block_size=4, head_dim=4, world_size=1)
+    r = run_zkvrun(tmp_path, "--nproc-per-node", "2", "--config", layout.to_json(), "-c", "pass")
+    assert r.returncode == 2 and "world_size=1" in r.stderr and "WORLD_SIZE=2" in r.stderr
+    r = run_zkvrun(tmp_path, "--config", "{not json", "-c", "pass")
+    assert r.returncode == 2 and "bad cache layout JSON" in r.stderr
+
+
+def test_missing_command_is_a_usage_error(tmp_path: Path) -> None:
+    r = run_zkvrun(tmp_path, "--nproc-per-node", "2")
+    assert r.returncode == 2 and "missing the per-rank command" in r.stderr
+    r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs"), "/nonexistent/zkv-binary")
+    assert r.returncode == 1 and "cannot start rank 0" in r.stderr
+
+
+def dead_or_zombie(pid: int) -> bool:
+    """Gone, or a zombie waiting for whoever adopted it (an orphan's reaper may be slow)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_dead(pid: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not dead_or_zombie(pid):
+        assert time.monotonic() < deadline, f"pid {pid} still running"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
+def test_what_an_exited_rank_left_behind_is_killed(tmp_path: Path) -> None:
+    worker = script(tmp_path, "worker.py", r'''
+import subprocess
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+put("grandchild", str(child.pid))
+os._exit(0)
+''')
+    r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs"), worker)
+    assert r.returncode == 0, r.stderr
+    wait_dead(int((tmp_path / "grandchild").read_text()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
+def test_sigkilled_zkvrun_leaves_no_orphans(tmp_path: Path) -> None:
+    worker = script(tmp_path, "worker.py", WRITE_ENV + "time.sleep(60)\n")
+    with subprocess.Popen(zkvrun_cmd("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+                                     worker), env=env_for(tmp_path), cwd=tmp_path) as p:
+        try:
+            wait_files(tmp_path, "env-0.json", "env-1.json")
+        finally:
+            p.kill()
+    infos = [json.loads((tmp_path / f"env-{i}.json").read_text()) for i in range(2)]
+    # A SIGKILLed zkvrun cannot remove its ipc directory; this test does.
+    shutil.rmtree(os.path.dirname(infos[0]["ZKV_PUB_ENDPOINT"][len("ipc://"):]))
+    for info in infos:
+        wait_dead(info["pid"])

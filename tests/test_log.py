@@ -1,0 +1,86 @@
+"""zkv.log: one JSON-lines file per process, the common fields, thread-safe binding."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+import structlog
+
+from zkv import log as zlog
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog() -> Iterator[None]:
+    yield
+    zlog.close()
+    structlog.contextvars.clear_contextvars()
+    structlog.reset_defaults()
+
+
+def lines(path: Path) -> list[dict]:
+    return [orjson.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_configure_writes_one_file_per_process_with_common_fields(tmp_path: Path) -> None:
+    path = zlog.configure("worker", rank=2, log_dir=str(tmp_path))
+    assert path == str(tmp_path / "worker-2.jsonl")
+    structlog.get_logger().info(zlog.BATCH_DONE, seq=7, num_blocks=3)
+    structlog.get_logger().debug("dropped.below_level")
+    [rec] = lines(tmp_path / "worker-2.jsonl")
+    assert isinstance(rec.pop("ts"), float)
+    assert rec == {"event": zlog.BATCH_DONE, "level": "info", "component": "worker",
+                   "pid": os.getpid(), "rank": 2, "seq": 7, "num_blocks": 3}
+
+
+def test_log_dir_and_level_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZKV_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("ZKV_LOG_LEVEL", "debug")
+    assert zlog.configure("scheduler") == str(tmp_path / "scheduler.jsonl")
+    structlog.get_logger().debug("x.seen")
+    assert [r["event"] for r in lines(tmp_path / "scheduler.jsonl")] == ["x.seen"]
+
+
+def test_get_logger_binds_per_logger_so_threads_have_their_fields(tmp_path: Path) -> None:
+    early = zlog.get_logger("sidecar", rank=1)  # made before configure(): follows it
+    zlog.configure("model", rank=1, log_dir=str(tmp_path))
+
+    def in_thread() -> None:
+        zlog.get_logger("sidecar", rank=1).info(zlog.WORKER_STARTED)
+        structlog.get_logger().info("bare.logged")  # contextvars do not reach threads
+
+    t = threading.Thread(target=in_thread)
+    t.start()
+    t.join(timeout=10)
+    early.info(zlog.WORKER_STOPPED, seq=3)
+    recs = lines(tmp_path / "model-1.jsonl")
+    assert [(r["event"], r.get("component"), r.get("rank")) for r in recs] == [
+        (zlog.WORKER_STARTED, "sidecar", 1), ("bare.logged", None, None),
+        (zlog.WORKER_STOPPED, "sidecar", 1)]
+    assert recs[0]["pid"] == recs[2]["pid"] == os.getpid()
+
+
+def test_reconfigure_closes_the_old_file_and_bound_loggers_follow(tmp_path: Path) -> None:
+    zlog.configure("a", log_dir=str(tmp_path))
+    bound = structlog.get_logger().bind(seq=1)
+    zlog.configure("b", log_dir=str(tmp_path))
+    bound.info("after.reconfigure")
+    assert (tmp_path / "a.jsonl").read_text() == ""
+    assert [r["event"] for r in lines(tmp_path / "b.jsonl")] == ["after.reconfigure"]
+
+
+def test_open_logger_leaves_global_config_alone(tmp_path: Path) -> None:
+    before = structlog.get_config()
+    with zlog.open_logger("launcher", str(tmp_path), run_id="r") as log:
+        log.info(zlog.RANK_STARTED, rank=0, child_pid=5)
+        log.debug("not.written")
+    assert structlog.get_config() == before
+    [rec] = lines(tmp_path / "launcher.jsonl")
+    assert {k: rec[k] for k in ("event", "component", "run_id", "rank", "child_pid", "pid")} == {
+        "event": zlog.RANK_STARTED, "component": "launcher", "run_id": "r", "rank": 0,
+        "child_pid": 5, "pid": os.getpid()}
+    log.info("after.close")  # closed: dropped, no error

@@ -1,0 +1,196 @@
+"""zkv logs: merge by ts, filters, malformed lines, follow mode, the CLI."""
+
+from __future__ import annotations
+
+import io
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import orjson
+import pytest
+
+from zkv import cli, logview
+from zkv.logview import Filters, Record, format_record, format_ts
+
+
+def ev(ts: float, event: str, level: str = "info", **kw: object) -> bytes:
+    return orjson.dumps({"ts": ts, "level": level, "event": event, **kw}) + b"\n"
+
+
+def write(path: Path, *lines: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(b"".join(lines))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    write(tmp_path / "scheduler.jsonl",
+          ev(1.0, "dispatcher.batch_published", component="scheduler", seq=1),
+          ev(4.0, "dispatcher.batch_acked", component="scheduler", seq=1),
+          ev(6.0, "dispatcher.rank_lost", "error", component="scheduler", rank=1))
+    write(tmp_path / "worker-0.jsonl",
+          ev(2.0, "worker.batch_done", component="worker", rank=0, seq=1),
+          ev(4.0, "worker.tie", "debug", component="worker", rank=0))
+    write(tmp_path / "worker-1.jsonl",
+          ev(3.0, "worker.batch_done", component="worker", rank=1, seq=1),
+          ev(5.0, "worker.copy_failed", "warning", component="worker", rank=1, seq=2))
+    (tmp_path / "notes.txt").write_text("not a log\n")
+    return tmp_path
+
+
+def events(out: str) -> list[str]:
+    return [orjson.loads(line)["event"] for line in out.splitlines()]
+
+
+def test_merge_by_ts_across_files(run_dir: Path) -> None:
+    out = io.StringIO()
+    assert logview.view(str(run_dir), as_json=True, out=out) == 7
+    # ts 4.0 appears in two files: file order (scheduler < worker-0) breaks the tie
+    assert events(out.getvalue()) == [
+        "dispatcher.batch_published", "worker.batch_done", "worker.batch_done",
+        "dispatcher.batch_acked", "worker.tie", "worker.copy_failed", "dispatcher.rank_lost"]
+
+
+@pytest.mark.parametrize(("filters", "expected"), [
+    (Filters(ranks=frozenset({1})), ["worker.batch_done", "worker.copy_failed",
+                                     "dispatcher.rank_lost"]),
+    (Filters(ranks=frozenset({0, 1}), seq=1), ["worker.batch_done", "worker.batch_done"]),
+    (Filters(seq=1), ["dispatcher.batch_published", "worker.batch_done", "worker.batch_done",
+                      "dispatcher.batch_acked"]),
+    (Filters(min_level="warning"), ["worker.copy_failed", "dispatcher.rank_lost"]),
+    (Filters(event="BATCH_"), ["dispatcher.batch_published", "worker.batch_done",
+                               "worker.batch_done", "dispatcher.batch_acked"]),
+    (Filters(event="lost", min_level="error", ranks=frozenset({1})), ["dispatcher.rank_lost"]),
+])
+def test_filters(run_dir: Path, filters: Filters, expected: list[str]) -> None:
+    out = io.StringIO()
+    logview.view(str(run_dir), filters, out=out, as_json=True)
+    assert events(out.getvalue()) == expected
+
+
+def test_pretty_format() -> None:
+    rec = logview.parse_line(
+        orjson.dumps({"ts": 1.5, "level": "warning", "event": "worker.copy_failed",
+                      "component": "worker", "rank": 1, "pid": 9, "seq": 2,
+                      "error": "bad block", "dur_ms": 0.1234567, "ok": False,
+                      "exception": "Traceback\n  boom"}), "w.jsonl", 1, 0.0)
+    assert format_record(rec) == (
+        f"{format_ts(1.5)}  WARN   worker[1]      worker.copy_failed  "
+        'seq=2 error="bad block" dur_ms=0.123457 ok=false\n    Traceback\n      boom')
+    assert format_ts(1.5).endswith(".500") and len(format_ts(1.5)) == len("HH:MM:SS.mmm")
+    bare = logview.parse_line(b'{"ts":2,"event":"x.y"}', "s.jsonl", 3, 0.0)
+    assert format_record(bare) == f"{format_ts(2)}  INFO   ?              x.y"
+
+
+def test_malformed_lines_are_shown_and_never_crash(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    write(tmp_path / "a.jsonl", ev(1.0, "a.one"), b"garbage {\n", b"[1, 2]\n",
+          b'{"ts": "soon", "event": "x"}\n', b"\xff\xfe\n", b"\n", ev(3.0, "a.two"))
+    write(tmp_path / "b.jsonl", ev(2.0, "b.one"), b'{"ts": 2.5, "ev')  # writer died mid-line
+    assert logview.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [x.split("  ")[-1] for x in lines] == [
+        "a.one", "garbage {", "[1, 2]", '{"ts": "soon", "event": "x"}', "\ufffd\ufffd",
+        "b.one", '{"ts": 2.5, "ev', "a.two"]
+    assert lines[1] == "--:--:--.---  MALFORMED  a.jsonl:2  garbage {"
+    assert lines[6].startswith("--:--:--.---  MALFORMED  b.jsonl:2  ")
+    assert logview.main([str(tmp_path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert events(captured.out) == ["a.one", "b.one", "a.two"]
+    assert "zkv logs: malformed line a.jsonl:2: garbage {" in captured.err
+    assert logview.main([str(tmp_path), "--rank", "0"]) == 0  # filters hide what they can't read
+    assert capsys.readouterr().out == ""
+
+
+def test_cli_logs_subcommand(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["logs", str(run_dir), "--rank", "0", "--rank", "1", "--seq", "1",
+                     "--json"]) == 0
+    assert events(capsys.readouterr().out) == ["worker.batch_done", "worker.batch_done"]
+    assert cli.main(["logs", str(run_dir / "missing")]) == 1
+    assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_cli_replay_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("zkv.replay")
+    fake.main = lambda argv: seen.append(argv) or 5  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "zkv.replay", fake)
+    assert cli.main(["replay", "--trace", "t.json", "-h", "--x=1"]) == 5
+    assert seen == [["--trace", "t.json", "-h", "--x=1"]]
+
+
+class Lines(io.StringIO):
+    """Collects output written from the follow thread; read under a lock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def write(self, s: str) -> int:
+        with self.lock:
+            return super().write(s)
+
+    def events(self) -> list[str]:
+        with self.lock:
+            return events(self.getvalue())
+
+
+def wait_until(pred: object, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_follow_picks_up_new_lines_and_new_files(tmp_path: Path) -> None:
+    write(tmp_path / "a.jsonl", ev(1.0, "a.one"))
+    out, stop = Lines(), threading.Event()
+    t = threading.Thread(target=logview.follow, args=(str(tmp_path), None, out, True, 0.02, stop))
+    t.start()
+    try:
+        wait_until(lambda: out.events() == ["a.one"])
+        write(tmp_path / "a.jsonl", ev(2.0, "a.two")[:10])  # half a line: held back
+        write(tmp_path / "b.jsonl", ev(1.5, "b.new_file"))
+        wait_until(lambda: out.events() == ["a.one", "b.new_file"])
+        write(tmp_path / "a.jsonl", ev(2.0, "a.two")[10:])
+        wait_until(lambda: out.events() == ["a.one", "b.new_file", "a.two"])
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert not t.is_alive()
+
+
+def test_follow_cli_stops_on_ctrl_c(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "zkv.cli", "logs", "-f", str(tmp_path), "--poll-s", "0.02"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p, \
+            selectors.DefaultSelector() as sel:
+        try:
+            sel.register(p.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+            write(tmp_path / "w-0.jsonl", ev(time.time(), "worker.started", component="worker",
+                                             rank=0))
+            assert sel.select(timeout=15), "no output from zkv logs -f"
+            line = p.stdout.readline().decode()  # type: ignore[union-attr]
+            assert "worker[0]" in line and "worker.started" in line
+            p.send_signal(signal.SIGINT)
+            _, err = p.communicate(timeout=15)
+        finally:
+            p.kill()
+    assert p.returncode == 0, err
+
+
+def test_truncated_file_is_read_again(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    write(path, ev(1.0, "a.one"), ev(2.0, "a.two"))
+    tail = logview.Tail(str(path))
+    assert [r.data and r.data["event"] for r in tail.records(final=False)] == ["a.one", "a.two"]
+    os.truncate(path, 0)
+    write(path, ev(3.0, "a.three"))
+    assert [r.data and r.data["event"] for r in tail.records(final=False)] == ["a.three"]
+    assert Record(0.0, "x", 1, "raw", None).malformed

@@ -1,0 +1,289 @@
+"""Wire format: every message round-trips; anything malformed is refused with ProtocolError."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+import zmq
+
+from zkv import protocol as P
+from zkv.errors import ProtocolError
+
+D1, D2, D3 = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
+
+
+def _batch() -> P.CopyBlocks:
+    return P.CopyBlocks(
+        seq=7,
+        step=3,
+        ops=(
+            P.Op(0, P.D2H, P.as_ids([1, 2]), P.as_ids([10, 11])),
+            P.Op(1, P.BACKUP, P.as_ids([3]), P.as_ids([12])),
+            P.Op(2, P.H2D, P.as_ids([10, 11]), P.as_ids([4, 5]), layerwise=True),
+            P.Op(3, P.S2H, dst=P.as_ids([13, 14]), keys=(D1, D2)),
+            P.Op(4, P.H2S, src=P.as_ids([12]), keys=(D3,)),
+            P.Op(5, P.FILL, dst=P.as_ids([6]), keys=(D1,)),
+            P.Op(6, P.CHECK, src=P.as_ids([6]), keys=(D1,)),
+        ),
+    )
+
+
+def _same_batch(a: P.CopyBlocks, b: P.CopyBlocks) -> None:
+    assert (a.seq, a.step, len(a.ops)) == (b.seq, b.step, len(b.ops))
+    for x, y in zip(a.ops, b.ops):
+        assert (x.id, x.kind, x.keys, x.layerwise) == (y.id, y.kind, y.keys, y.layerwise)
+        assert x.src.tolist() == y.src.tolist()
+        assert x.dst.tolist() == y.dst.tolist()
+        assert y.src.dtype == np.dtype("<i4") and y.dst.dtype == np.dtype("<i4")
+
+
+def test_batch_round_trip_every_kind() -> None:
+    msg = _batch()
+    frames = P.encode(msg)
+    assert frames[0] == P.T_BATCH
+    assert len(frames) == 2 + 3 * len(msg.ops)
+    assert frames[2] == np.array([1, 2], dtype="<i4").tobytes()  # raw little-endian ids
+    _same_batch(msg, P.decode(frames, P.Limits(16, 16)))
+
+
+def test_empty_batch_round_trip() -> None:
+    out = P.decode(P.encode(P.CopyBlocks(0, 0, ())))
+    assert out == P.CopyBlocks(0, 0, ())
+
+
+def test_batch_round_trip_through_zmq_frames() -> None:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://proto")
+        b.connect("inproc://proto")
+        a.send_multipart(P.encode(_batch()), copy=False)
+        assert b.poll(2000)
+        frames = b.recv_multipart(copy=False)
+        _same_batch(_batch(), P.decode(frames, P.Limits(16, 16)))  # type: ignore[arg-type]
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        P.BlocksCopied(3, 1, True, (P.OpResult(0, True, 2), P.OpResult(1, False, 1, "boom")),
+                       t_recv=1.5, t_done=2.25),
+        P.BlocksCopied(0, 0, False, ()),
+        P.Hello(2, 1234, "abcdef"),
+        P.Heartbeat(1, 99, -1),
+        P.Heartbeat(1, 99, 42),
+        P.Bye(0, 5, "seq gap: expected 3 got 5"),
+        P.Shutdown("done"),
+    ],
+)
+def test_control_round_trip(msg: P.Message) -> None:
+    assert P.decode(P.encode(msg)) == msg
+
+
+def test_ready_topic_round_trip() -> None:
+    topic = P.ready_topic(3, 4567)
+    assert P.parse_ready_topic(topic) == (3, 4567)
+    for tag in (P.T_BATCH, P.T_SHUTDOWN, P.T_ACK, P.T_HELLO):
+        assert not tag.startswith(P.READY_TOPIC_PREFIX)
+        assert not topic.startswith(tag)
+    assert P.parse_ready_topic(b"CopyBlocks") is None
+    assert P.parse_ready_topic(P.READY_TOPIC_PREFIX + b"x/1") is None
+
+
+def test_encode_rejects_non_messages() -> None:
+    with pytest.raises(TypeError):
+        P.encode("hello")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- malformed input
+
+
+def _hdr(frames: list[bytes]) -> dict:
+    return orjson.loads(frames[1])
+
+
+def _with_hdr(frames: list[bytes], hdr: dict) -> list[bytes]:
+    return [frames[0], orjson.dumps(hdr), *frames[2:]]
+
+
+def _refused(frames: list, limits: P.Limits | None = None, match: str | None = None) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        P.decode(frames, limits)
+
+
+@pytest.mark.parametrize("v", [0, 2, "1", 1.0, True, None])
+def test_bad_version_refused(v: object) -> None:
+    frames = P.encode(_batch())
+    hdr = _hdr(frames)
+    hdr["v"] = v
+    _refused(_with_hdr(frames, hdr), match="version")
+    ack = P.encode(P.Hello(0, 1, "x"))
+    _refused([ack[0], orjson.dumps({**_hdr(ack), "v": v})], match="version")
+
+
+def test_missing_version_refused() -> None:
+    _refused([P.T_SHUTDOWN, orjson.dumps({"reason": "x"})], match="version")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seq", True), ("seq", 1.0), ("seq", "1"), ("seq", -1), ("step", False), ("ops", {})],
+)
+def test_batch_field_types_refused(field: str, value: object) -> None:
+    frames = P.encode(_batch())
+    hdr = _hdr(frames)
+    hdr[field] = value
+    _refused(_with_hdr(frames, hdr))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("id", True), ("id", -1), ("kind", 1), ("n_src", "2"), ("n_dst", False),
+     ("layerwise", 1), ("layerwise", None)],
+)
+def test_op_field_types_refused(field: str, value: object) -> None:
+    frames = P.encode(_batch())
+    hdr = _hdr(frames)
+    hdr["ops"][0][field] = value
+    _refused(_with_hdr(frames, hdr))
+
+
+@pytest.mark.parametrize(
+    ("msg", "field", "value"),
+    [
+        (P.BlocksCopied(1, 0, True, ()), "ok", 1),
+        (P.BlocksCopied(1, 0, True, ()), "rank", True),
+        (P.BlocksCopied(1, 0, True, ()), "t_recv", "now"),
+        (P.BlocksCopied(1, 0, True, ()), "ops", [{"id": 0, "ok": 1, "done": 0, "error": None}]),
+        (P.BlocksCopied(1, 0, True, ()), "ops", [{"id": 0, "ok": True, "done": 0, "error": 3}]),
+        (P.BlocksCopied(1, 0, True, ()), "ops", ["x"]),
+        (P.Hello(0, 1, "fp"), "layout", 5),
+        (P.Hello(0, 1, "fp"), "pid", False),
+        (P.Heartbeat(0, 1, 3), "last_seq", 3.0),
+        (P.Bye(0, 1, "x"), "reason", None),
+        (P.Shutdown("x"), "reason", ["x"]),
+    ],
+)
+def test_control_field_types_refused(msg: P.Message, field: str, value: object) -> None:
+    frames = P.encode(msg)
+    hdr = _hdr(frames)
+    hdr[field] = value
+    _refused(_with_hdr(frames, hdr))
+
+
+def test_ack_duplicate_op_ids_refused() -> None:
+    frames = P.encode(P.BlocksCopied(1, 0, True, (P.OpResult(4, True, 1), P.OpResult(4, True, 1))))
+    _refused(frames, match="duplicate")
+
+
+def test_frame_count_mismatch_refused() -> None:
+    frames = P.encode(_batch())
+    _refused(frames[:-1], match="payload frames")
+    _refused([*frames, b""], match="payload frames")
+    _refused([*P.encode(P.Hello(0, 1, "x")), b"extra"], match="unexpected")
+
+
+def test_frame_length_mismatch_refused() -> None:
+    frames = P.encode(_batch())
+    bad = list(frames)
+    bad[2] = bad[2][:-4]  # op 0 src: one id short
+    _refused(bad, match="src frame")
+    bad = list(frames)
+    bad[3] = bad[3] + b"\x00"  # op 0 dst: not a multiple of 4
+    _refused(bad, match="dst frame")
+    bad = list(frames)
+    bad[2 + 3 * 3 + 2] = bad[2 + 3 * 3 + 2][:-1]  # op 3 keys: truncated digest
+    _refused(bad, match="keys frame")
+
+
+def test_truncated_frames_refused() -> None:
+    frames = P.encode(_batch())
+    _refused([], match="at least 2")
+    _refused(frames[:1], match="at least 2")
+    _refused([frames[0], frames[1][: len(frames[1]) // 2], *frames[2:]], match="JSON")
+
+
+def test_mismatched_lengths_within_op_refused() -> None:
+    msg = P.CopyBlocks(0, 0, (P.Op(0, P.D2H, P.as_ids([1, 2]), P.as_ids([3])),))
+    _refused(P.encode(msg), match="mismatched lengths")
+    msg = P.CopyBlocks(0, 0, (P.Op(0, P.S2H, P.as_ids([1]), P.as_ids([3]), keys=(D1,)),))
+    _refused(P.encode(msg), match="mismatched lengths")
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        P.Op(0, P.D2H, P.as_ids([8]), P.as_ids([0])),  # device src >= 8
+        P.Op(0, P.D2H, P.as_ids([0]), P.as_ids([4])),  # host dst >= 4
+        P.Op(0, P.H2D, P.as_ids([4]), P.as_ids([0])),  # host src >= 4
+        P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([-1])),  # negative
+        P.Op(0, P.FILL, dst=P.as_ids([9]), keys=(D1,)),
+        P.Op(0, P.S2H, dst=P.as_ids([2**31 - 1]), keys=(D1,)),
+    ],
+)
+def test_ids_out_of_range_refused(op: P.Op) -> None:
+    _refused(P.encode(P.CopyBlocks(0, 0, (op,))), P.Limits(8, 4), match="out of range")
+
+
+def test_negative_ids_refused_without_limits() -> None:
+    _refused(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.D2H, P.as_ids([-2]), P.as_ids([0])),))),
+             match="out of range")
+
+
+def test_duplicate_op_ids_refused() -> None:
+    ops = (P.Op(3, P.D2H, P.as_ids([0]), P.as_ids([0])), P.Op(3, P.D2H, P.as_ids([1]), P.as_ids([1])))
+    _refused(P.encode(P.CopyBlocks(0, 0, ops)), match="duplicate op id")
+
+
+def test_duplicate_destination_refused() -> None:
+    _refused(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.H2D, P.as_ids([0, 1]), P.as_ids([5, 5])),))),
+             match="twice")
+    # duplicate sources are fine (one host block copied to two device blocks)
+    P.decode(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.H2D, P.as_ids([0, 0]), P.as_ids([5, 6])),))))
+
+
+def test_unknown_type_and_kind_refused() -> None:
+    _refused([b"Nonsense", orjson.dumps({"v": 1})], match="unknown message type")
+    frames = P.encode(_batch())
+    hdr = _hdr(frames)
+    hdr["ops"][0]["kind"] = "teleport"
+    _refused(_with_hdr(frames, hdr), match="unknown kind")
+
+
+@pytest.mark.parametrize("header", [b"not json", b"[1, 2]", b"", b"\xff\xfe", b"42"])
+def test_non_json_or_non_object_header_refused(header: bytes) -> None:
+    _refused([P.T_BATCH, header])
+    _refused([P.T_HEARTBEAT, header])
+
+
+def test_non_buffer_frame_refused() -> None:
+    _refused([P.T_HELLO, 12345])
+
+
+def test_missing_field_refused() -> None:
+    frames = P.encode(P.Heartbeat(0, 1, 2))
+    hdr = _hdr(frames)
+    del hdr["last_seq"]
+    _refused(_with_hdr(frames, hdr), match="missing")
+
+
+def test_peek_seq() -> None:
+    frames = P.encode(_batch())
+    assert P.peek_seq(frames) == 7
+    hdr = _hdr(frames)
+    hdr["v"] = 99
+    assert P.peek_seq(_with_hdr(frames, hdr)) == 7
+    assert P.peek_seq([P.T_BATCH, b"garbage"]) is None
+    assert P.peek_seq([P.T_BATCH]) is None
+    assert P.peek_seq([P.T_BATCH, orjson.dumps({"seq": True})]) is None
+    assert P.peek_seq([P.T_BATCH, orjson.dumps({"seq": -3})]) is None
+
+
+def test_as_ids_rejects_2d() -> None:
+    with pytest.raises(ValueError):
+        P.as_ids([[1, 2]])

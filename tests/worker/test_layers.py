@@ -1,0 +1,145 @@
+"""LayerDoneCounter: per-layer completion, failure, timeouts, bounded history."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from zkv.errors import TransferError
+from zkv.worker.layers import LayerDoneCounter
+
+
+class RecordingBackend:
+    def __init__(self) -> None:
+        self.waited: list[Any] = []
+
+    def wait_event_on_compute(self, handle: Any) -> None:
+        self.waited.append(handle)
+
+
+def _waiter(c: LayerDoneCounter, seq: int, layer: int, out: list[Any]) -> threading.Thread:
+    def run() -> None:
+        try:
+            c.wait_layer(seq, layer, timeout=5)
+            out.append("ok")
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_marked_layer_returns_and_waits_on_its_event() -> None:
+    be = RecordingBackend()
+    c = LayerDoneCounter(3, be)
+    c.begin(0)
+    c.mark(0, 0, "e0")
+    c.wait_layer(0, 0)
+    assert be.waited == ["e0"]
+    assert c.is_done(0, 0) and not c.is_done(0, 1)
+    c.mark(0, 1, "e1")
+    c.mark(0, 2, "e2")
+    c.wait_layer(0, 2, timeout=0)
+    c.wait_layer(0, 1, timeout=0)
+    assert be.waited == ["e0", "e2", "e1"]
+
+
+def test_unmarked_layer_times_out() -> None:
+    c = LayerDoneCounter(2)
+    c.begin(0)
+    c.mark(0, 0)
+    with pytest.raises(TimeoutError, match="layer 1 of batch 0"):
+        c.wait_layer(0, 1, timeout=0.01)
+
+
+def test_waiter_on_future_seq_wakes_when_marked() -> None:
+    c = LayerDoneCounter(2)
+    out: list[Any] = []
+    t = _waiter(c, 5, 1, out)
+    c.begin(5)
+    c.mark(5, 0)
+    assert out == []  # layer 1 not yet; the waiter cannot have returned
+    c.mark(5, 1)
+    t.join(5)
+    assert out == ["ok"]
+
+
+def test_mark_all_marks_remaining_layers_with_one_event() -> None:
+    be = RecordingBackend()
+    c = LayerDoneCounter(4, be)
+    c.begin(1)
+    c.mark_all(1, "ev")
+    for layer in range(4):
+        c.wait_layer(1, layer, timeout=0)
+    assert be.waited == ["ev"] * 4
+
+
+def test_failed_seq_raises_for_present_and_future_waiters() -> None:
+    c = LayerDoneCounter(2)
+    out: list[Any] = []
+    t = _waiter(c, 3, 1, out)
+    c.begin(3)
+    c.mark(3, 0)
+    c.fail(3, "h2d failed: boom")
+    t.join(5)
+    assert isinstance(out[0], TransferError) and "boom" in str(out[0])
+    with pytest.raises(TransferError, match="batch 3 failed"):
+        c.wait_layer(3, 0, timeout=0)  # even a layer that was marked
+    c.fail(4, "refused")  # a seq that never began
+    with pytest.raises(TransferError, match="refused"):
+        c.wait_layer(4, 0, timeout=0)
+
+
+def test_close_releases_waiters_on_unfinished_seqs() -> None:
+    c = LayerDoneCounter(2)
+    c.begin(0)
+    c.mark_all(0)
+    out: list[Any] = []
+    t = _waiter(c, 1, 0, out)
+    c.close("worker stopped: seq gap")
+    t.join(5)
+    assert isinstance(out[0], TransferError) and "seq gap" in str(out[0])
+    c.wait_layer(0, 1, timeout=0)  # finished before the close: still fine
+
+
+def test_misuse() -> None:
+    c = LayerDoneCounter(2)
+    c.begin(0)
+    with pytest.raises(ValueError, match="already began"):
+        c.begin(0)
+    with pytest.raises(ValueError, match="out of order"):
+        c.mark(0, 1)
+    with pytest.raises(ValueError, match="out of range"):
+        c.wait_layer(0, 2)
+    with pytest.raises(ValueError):
+        LayerDoneCounter(0)
+
+
+def test_history_is_bounded_and_forgotten_seqs_count_as_done() -> None:
+    be = RecordingBackend()
+    c = LayerDoneCounter(1, be, history=4)
+    for seq in range(100):
+        c.begin(seq)
+        c.mark(seq, 0, seq)
+    assert len(c._batches) == 4
+    c.wait_layer(3, 0, timeout=0)  # forgotten: returns, no event to wait on
+    assert be.waited == []
+    c.wait_layer(99, 0, timeout=0)
+    assert be.waited == [99]
+    with pytest.raises(ValueError, match="already began"):
+        c.begin(10)
+
+
+def test_many_waiters_many_layers() -> None:
+    c = LayerDoneCounter(8)
+    outs: list[list[Any]] = [[] for _ in range(8)]
+    threads = [_waiter(c, 0, layer, outs[layer]) for layer in range(8)]
+    c.begin(0)
+    for layer in range(8):
+        c.mark(0, layer)
+    for t in threads:
+        t.join(5)
+    assert outs == [["ok"]] * 8

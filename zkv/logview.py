@@ -1,0 +1,272 @@
+"""``zkv logs``: merge the JSON-lines logs of every process of a run by time, filter, follow.
+
+Each ``*.jsonl`` file of the directory is time-ordered (one writer per file), so the
+files are heap-merged by ``ts`` in O(n log f) for n lines and f files, streaming (a
+file is never loaded whole). A line that is not a JSON object is shown as
+``MALFORMED file:line`` and never stops the viewer; it sorts with the line before it
+in its file. ``-f`` keeps polling every file (and new files) for complete new lines.
+
+Pretty format, one line per event::
+
+    12:03:04.567  INFO   worker[1]      worker.batch_done  seq=7 num_blocks=16 dur_ms=0.8
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import heapq
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import orjson
+
+DEFAULT_POLL_S = 0.25
+_LEVEL_NUM = {"debug": 10, "info": 20, "warn": 30, "warning": 30, "error": 40,
+              "exception": 40, "critical": 50, "fatal": 50}
+_LEVEL_SHORT = {10: "DEBUG", 20: "INFO", 30: "WARN", 40: "ERROR", 50: "CRIT"}
+_HEADER_KEYS = frozenset(("ts", "level", "event", "component", "rank", "pid", "exception"))
+_MAX_RAW = 300
+
+
+@dataclass(slots=True)
+class Record:
+    """One line of one file. ``data`` is None for a malformed line, whose ``ts`` is the
+    previous good line's (so it keeps its place in the merge)."""
+
+    ts: float
+    source: str
+    lineno: int
+    raw: str
+    data: dict[str, Any] | None
+
+    @property
+    def malformed(self) -> bool:
+        return self.data is None
+
+
+def parse_line(line: bytes, source: str, lineno: int, prev_ts: float) -> Record:
+    raw = line.decode("utf-8", errors="replace")
+    try:
+        data = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return Record(prev_ts, source, lineno, raw, None)
+    if not isinstance(data, dict):
+        return Record(prev_ts, source, lineno, raw, None)
+    ts = data.get("ts")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return Record(prev_ts, source, lineno, raw, None)
+    return Record(float(ts), source, lineno, raw, data)
+
+
+def level_num(level: object) -> int:
+    return _LEVEL_NUM.get(str(level).lower(), 20)
+
+
+@dataclass(slots=True)
+class Filters:
+    """Conjunction of the given filters. A malformed line passes ``min_level`` (it counts
+    as an error) and fails the others, which it cannot be checked against."""
+
+    ranks: frozenset[int] | None = None
+    seq: int | None = None
+    min_level: str | None = None
+    event: str | None = None
+
+    def match(self, rec: Record) -> bool:
+        data = rec.data
+        if data is None:
+            return self.ranks is None and self.seq is None and self.event is None
+        if self.min_level is not None and level_num(data.get("level")) < level_num(self.min_level):
+            return False
+        if self.ranks is not None and _as_int(data.get("rank")) not in self.ranks:
+            return False
+        if self.seq is not None and _as_int(data.get("seq")) != self.seq:
+            return False
+        return self.event is None or self.event.lower() in str(data.get("event", "")).lower()
+
+
+def _as_int(v: object) -> int | None:
+    if isinstance(v, bool):
+        return None
+    try:
+        return int(v)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+
+
+class Tail:
+    """Reads one file from where it last stopped; a truncated file restarts at 0."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.source = os.path.basename(path)
+        self.offset = 0
+        self.lineno = 0
+        self.last_ts = 0.0
+
+    def records(self, final: bool) -> Iterator[Record]:
+        """New lines since the last call. ``final=False`` leaves an unterminated last
+        line (a writer mid-line) for the next call; ``final=True`` takes it too."""
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115 (closed by the with below)
+        except OSError:
+            return
+        with f:
+            if os.fstat(f.fileno()).st_size < self.offset:
+                self.offset = self.lineno = 0
+            f.seek(self.offset)
+            while line := f.readline():
+                if not line.endswith(b"\n") and not final:
+                    return
+                self.offset += len(line)
+                self.lineno += 1
+                line = line.rstrip(b"\r\n")
+                if not line.strip():
+                    continue
+                rec = parse_line(line, self.source, self.lineno, self.last_ts)
+                self.last_ts = rec.ts
+                yield rec
+
+
+def log_files(path: str) -> list[str]:
+    """``path`` itself if it is a file, else its ``*.jsonl`` files, sorted by name."""
+    if os.path.isfile(path):
+        return [path]
+    return sorted(glob.glob(os.path.join(glob.escape(path), "*.jsonl")))
+
+
+def merge(tails: Iterable[Tail], final: bool) -> Iterator[Record]:
+    """Heap-merge the new records of every tail by ``ts`` (ties keep file order)."""
+    return heapq.merge(*(t.records(final) for t in tails), key=lambda r: r.ts)
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, str):
+        if v and not any(c.isspace() or c in "\"'=" for c in v):
+            return v
+        return orjson.dumps(v).decode()
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return orjson.dumps(v, default=str).decode()
+
+
+def format_ts(ts: float) -> str:
+    """Local ``HH:MM:SS.mmm``."""
+    ms = int((ts - int(ts)) * 1000)
+    return f"{time.strftime('%H:%M:%S', time.localtime(ts))}.{ms:03d}"
+
+
+def format_record(rec: Record) -> str:
+    """``HH:MM:SS.mmm  LEVEL  component[rank]  event  k=v ...`` (+ an indented traceback)."""
+    data = rec.data
+    if data is None:
+        raw = rec.raw if len(rec.raw) <= _MAX_RAW else rec.raw[:_MAX_RAW] + "..."
+        return f"--:--:--.---  MALFORMED  {rec.source}:{rec.lineno}  {raw}"
+    who = str(data.get("component", "?"))
+    if data.get("rank") is not None:
+        who += f"[{data['rank']}]"
+    level = _LEVEL_SHORT.get(level_num(data.get("level")), "INFO")
+    kv = " ".join(f"{k}={_fmt_value(v)}" for k, v in data.items() if k not in _HEADER_KEYS)
+    line = f"{format_ts(rec.ts)}  {level:<5}  {who:<14} {data.get('event', '?')}"
+    if kv:
+        line += f"  {kv}"
+    exc = data.get("exception")
+    if exc:
+        line += "\n" + "\n".join("    " + x for x in str(exc).rstrip().splitlines())
+    return line
+
+
+def _emit(records: Iterable[Record], filters: Filters, out: TextIO, as_json: bool,
+          err: TextIO) -> int:
+    n = 0
+    for rec in records:
+        if not filters.match(rec):
+            continue
+        if as_json and rec.malformed:
+            print(f"zkv logs: malformed line {rec.source}:{rec.lineno}: {rec.raw[:_MAX_RAW]}",
+                  file=err)
+            continue
+        print(rec.raw if as_json else format_record(rec), file=out)
+        n += 1
+    return n
+
+
+def view(path: str, filters: Filters | None = None, out: TextIO | None = None,
+         as_json: bool = False) -> int:
+    """Print the merged logs once; the number of lines printed."""
+    out = out or sys.stdout
+    tails = [Tail(p) for p in log_files(path)]
+    return _emit(merge(tails, final=True), filters or Filters(), out, as_json, sys.stderr)
+
+
+def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
+           as_json: bool = False, poll_s: float = DEFAULT_POLL_S,
+           stop: threading.Event | None = None) -> int:
+    """Print what is there, then new lines of every file (and of new files) every
+    ``poll_s`` until ``stop`` is set or Ctrl-C; the number of lines printed."""
+    out = out or sys.stdout
+    filters = filters or Filters()
+    stop = stop or threading.Event()
+    poll_s = min(max(poll_s, 0.01), 5.0)
+    tails: dict[str, Tail] = {}
+    n = 0
+    try:
+        while True:
+            for p in log_files(path):
+                tails.setdefault(p, Tail(p))
+            n += _emit(merge([tails[p] for p in sorted(tails)], final=False), filters, out,
+                       as_json, sys.stderr)
+            out.flush()
+            if stop.wait(poll_s):
+                return n
+    except KeyboardInterrupt:
+        return n
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", metavar="DIR", help="log directory of a run (or one .jsonl file)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    p.add_argument("--rank", type=int, nargs="+", action="extend", default=None, metavar="R",
+                   help="only events of these ranks")
+    p.add_argument("--seq", type=int, default=None, metavar="N", help="only events of batch N")
+    p.add_argument("--level", default=None, choices=["debug", "info", "warning", "error",
+                   "critical"], help="minimum level")
+    p.add_argument("--event", default=None, metavar="SUBSTR",
+                   help="only events whose name contains SUBSTR (case-insensitive)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON lines")
+    p.add_argument("--poll-s", type=float, default=DEFAULT_POLL_S, help=argparse.SUPPRESS)
+
+
+def run_args(ns: argparse.Namespace) -> int:
+    filters = Filters(ranks=frozenset(ns.rank) if ns.rank else None, seq=ns.seq,
+                      min_level=ns.level, event=ns.event)
+    try:
+        if ns.follow:
+            follow(ns.dir, filters, as_json=ns.json, poll_s=ns.poll_s)
+            return 0
+        if not os.path.exists(ns.dir):
+            print(f"zkv logs: {ns.dir}: no such file or directory", file=sys.stderr)
+            return 1
+        view(ns.dir, filters, as_json=ns.json)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `zkv logs DIR | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="zkv logs", description="Merge and follow zkv logs.")
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Chained block hashing, deterministic across processes and machines.
+
+``h_i = XXH3-128(h_{i-1} ‖ tokens_i as int32 LE ‖ extra_i)``, with ``h_{-1}`` a fixed 16-byte
+root. ``extra_i`` is empty, or ``0xff`` followed by the 16-byte hashes of the multimodal
+items that overlap block i (``item.start < end and item.end > start``: an item that ends
+exactly at the block's start does not count). Only full blocks are hashed.
+
+Never Python's ``hash()``: it is salted per process. Digests are ``bytes`` of 16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+BlockHash = NewType("BlockHash", bytes)
+DIGEST_SIZE = 16
+ROOT_HASH = BlockHash(b"zkv-root-v1\x00\x00\x00\x00\x00")
+_EXTRA_TAG = b"\xff"
+
+_xxh128 = xxhash.xxh3_128_digest
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalItem:
+    """A multimodal input occupying token positions ``[start, end)``; ``digest`` names its content."""
+
+    start: int
+    end: int
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"multimodal item needs 0 <= start < end, got [{self.start}, {self.end})")
+        if len(self.digest) != DIGEST_SIZE:
+            raise ValueError(f"multimodal item digest must be {DIGEST_SIZE} bytes")
+
+
+def hash_block(parent: bytes, token_bytes: bytes, extra: bytes = b"") -> BlockHash:
+    """One chain step; ``token_bytes`` are the block's int32 LE token ids."""
+    return BlockHash(_xxh128(parent + token_bytes + extra))
+
+
+def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError("token ids must be one-dimensional")
+    if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
+        raise ValueError("token ids must fit in int32")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def hash_tokens(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    *,
+    parent: bytes = ROOT_HASH,
+    start_token: int = 0,
+    mm_items: Sequence[MultiModalItem] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``, chained from ``parent``.
+
+    ``start_token`` is the absolute position of ``token_ids[0]`` (so a caller can extend a
+    request's hashes incrementally with ``parent`` = its last hash); it must be a multiple
+    of ``block_size``. ``mm_items`` use absolute positions. O(n) in blocks.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be > 0")
+    if start_token % block_size:
+        raise ValueError("start_token must be a multiple of block_size")
+    if len(parent) != DIGEST_SIZE:
+        raise ValueError(f"parent digest must be {DIGEST_SIZE} bytes")
+    data = _token_bytes(token_ids)
+    step = 4 * block_size
+    num_full = len(data) // step
+    out: list[BlockHash] = []
+    if not mm_items:
+        h = parent
+        for off in range(0, num_full * step, step):
+            h = _xxh128(h + data[off : off + step])
+            out.append(h)  # type: ignore[arg-type]
+        return out
+    items = sorted(mm_items, key=lambda it: (it.start, it.end))
+    h = parent
+    first = 0  # items before `first` end at or before the current block's start
+    for b in range(num_full):
+        start = start_token + b * block_size
+        end = start + block_size
+        while first < len(items) and items[first].end <= start:
+            first += 1
+        overlapping = []
+        j = first
+        while j < len(items) and items[j].start < end:
+            if items[j].end > start:
+                overlapping.append(items[j].digest)
+            j += 1
+        extra = _EXTRA_TAG + b"".join(overlapping) if overlapping else b""
+        h = _xxh128(h + data[b * step : (b + 1) * step] + extra)
+        out.append(h)  # type: ignore[arg-type]
+    return out
+
+
+def hash_ids_chain(ids: Sequence[int], *, parent: bytes = ROOT_HASH) -> list[BlockHash]:
+    """Chain-hash opaque per-block ids (trace replay: one id per block, equal paths → equal hashes)."""
+    out: list[BlockHash] = []
+    h = parent
+    for i in ids:
+        h = _xxh128(h + int(i).to_bytes(8, "little", signed=True))
+        out.append(h)  # type: ignore[arg-type]
+    return out

@@ -1,0 +1,834 @@
+"""CacheManager: prefix matching, allocation, eviction, write policies, commit on ack.
+
+Pure bookkeeping over block ids. Each call records the copies it needs as pending ops;
+``take_ops()`` hands a step's ops out (one op per kind), ``on_ops_done(results)`` commits
+or rolls them back. The tree only reaches a stable status on a successful ack::
+
+    allocate → swap-in   HOST ──h2d──► SWAP_TO_DEVICE ──ack ok──► DEVICE (host copy kept)
+                                                        └─fail──► HOST   (block → request)
+    evict (write_back)   DEVICE ─d2h─► SWAP_TO_HOST   ──ack ok──► HOST
+                                                        └─fail──► dropped
+    finish (policy)      DEVICE ─backup (d2h copy)────  ──ack ok──► DEVICE + host copy
+    prefetch             (new) ─s2h─► LOADING_FROM_STORAGE ─ok─► HOST  (prefix found on all ranks)
+                                                        └─rest─► removed, negative-cached
+    host copy committed  ─h2s─► (storage write; host block pinned until acked)
+
+Ownership invariant (``check_invariants``): every device / host block is free XOR owned
+by exactly one running request (its freshly allocated blocks) or one node (attached, or
+DELETING until its last op is acked).
+
+Costs: ``match_prefix``, ``allocate`` and ``finish`` are O(blocks touched); each eviction
+is O(1) (oldest entry of the tier's LRU), except a dropped node's host-only subtree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op, OpResult
+from zkv.scheduler.block_pool import BlockPool
+from zkv.scheduler.radix import (
+    DELETING,
+    DEVICE,
+    HOST,
+    LOADING_FROM_STORAGE,
+    ON_DEVICE,
+    SWAP_TO_DEVICE,
+    SWAP_TO_HOST,
+    Node,
+    RadixTree,
+    Status,
+)
+
+WRITE_BACK = "write_back"
+WRITE_THROUGH = "write_through"
+WRITE_THROUGH_SELECTIVE = "write_through_selective"
+WRITE_POLICIES = (WRITE_BACK, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE)
+
+#: ``exists(hashes) -> n``: how many leading hashes the L3 store holds (one batched query).
+StorageExists = Callable[[Sequence[bytes]], int]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    num_device_blocks: int
+    num_host_blocks: int = 0
+    block_size: int = 16
+    write_policy: str = WRITE_THROUGH_SELECTIVE
+    write_through_threshold: int = 2
+    storage_write: bool = False  # write blocks that reach host to L3 (h2s)
+    negative_cache_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.block_size <= 0 or self.num_device_blocks < 0 or self.num_host_blocks < 0:
+            raise ValueError("block_size must be > 0 and block counts >= 0")
+        if self.write_through_threshold < 1:
+            raise ValueError("write_through_threshold must be >= 1")
+
+    @property
+    def backup_threshold(self) -> int | None:
+        """Hit count at which a device block is backed up to host; None = never (write_back)."""
+        if self.write_policy == WRITE_BACK:
+            return None
+        return 1 if self.write_policy == WRITE_THROUGH else self.write_through_threshold
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Result of ``match_prefix``: cached blocks per tier, from the start of the prompt."""
+
+    num_device: int
+    num_host: int
+    num_storage: int
+    block_size: int
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens that need no recompute once host blocks are swapped in (storage excluded)."""
+        return (self.num_device + self.num_host) * self.block_size
+
+
+@dataclass(slots=True)
+class _Request:
+    req_id: str
+    hashes: list[bytes]
+    nodes: list[Node] = field(default_factory=list)     # ref'd path, DEVICE/HOST at match time
+    loading: list[Node] = field(default_factory=list)   # ref'd LOADING_FROM_STORAGE nodes
+    fresh: dict[int, int] = field(default_factory=dict)  # logical index -> owned device block
+    table: list[int] = field(default_factory=list)       # device block per logical block
+    allocated: bool = False
+    num_storage: int = 0
+    valid_blocks: int | None = None  # set when a swap-in failed: recompute from here
+
+
+@dataclass(slots=True)
+class _PendingOp:
+    op_id: int
+    kind: str
+    nodes: list[Node] = field(default_factory=list)
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    req_ids: list[str | None] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CacheStats:
+    match_queries: int = 0
+    match_blocks: int = 0        # blocks asked for in match_prefix
+    hit_device: int = 0          # blocks
+    hit_host: int = 0
+    hit_storage: int = 0
+    evicted_device: int = 0      # blocks that left L1 (d2h, metadata only, or dropped)
+    evicted_host: int = 0        # host copies dropped
+    dropped: int = 0             # nodes removed from the tree (KV lost from L1/L2)
+    swapped_in: int = 0          # h2d blocks committed
+    swapped_out: int = 0         # d2h blocks committed
+    backed_up: int = 0           # backup blocks committed
+    loaded: int = 0              # s2h blocks committed
+    stored: int = 0              # h2s blocks committed
+    failed_ops: int = 0
+    failed_blocks: int = 0
+    rotations: int = 0           # LRU heads skipped because a child was still in flight
+
+
+class CacheManager:
+    """The scheduler-side cache: see the module docstring for the state machine."""
+
+    def __init__(self, config: CacheConfig, storage_exists: StorageExists | None = None) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.device = BlockPool(config.num_device_blocks, "device")
+        self.host = BlockPool(config.num_host_blocks, "host")
+        self.tree = RadixTree()
+        self.storage_exists = storage_exists
+        self.stats = CacheStats()
+        self._threshold = config.backup_threshold
+        self._reqs: dict[str, _Request] = {}
+        self._deleting: set[Node] = set()
+        self._open: dict[str, _PendingOp] = {}     # this step's ops, by kind
+        self._pending: dict[int, _PendingOp] = {}  # taken, not yet acked
+        self._next_op_id = 0
+        self._negative: dict[bytes, float] = {}    # hash -> expiry (storage failed to deliver)
+        self._clock = 0
+
+    # ================================================================ matching
+
+    def match_prefix(self, req_id: str, block_hashes: Sequence[bytes]) -> Match:
+        """Longest cached prefix: device, then host, then (through ``storage_exists``) L3.
+
+        The device and host nodes found are held (ref) for the request until ``finish``.
+        Calling it again before ``allocate`` re-matches from scratch.
+        """
+        st = self._reqs.get(req_id)
+        if st is not None:
+            if st.allocated:
+                raise ValueError(f"request {req_id!r} is already allocated; finish it first")
+            self._release(st)
+        st = _Request(req_id, list(block_hashes))
+        self._reqs[req_id] = st
+        self._clock += 1
+        now = self._clock
+        index = self.tree.index
+        tree = self.tree
+        nodes = st.nodes
+        num_dev = 0
+        for h in st.hashes:
+            n = index.get(h)
+            if n is None:
+                break
+            s = n.status
+            if s is DEVICE:
+                if len(nodes) != num_dev:  # tier order guarantees no DEVICE after HOST
+                    break
+                num_dev += 1
+            elif s is not HOST:
+                break
+            if n.ref == 0:
+                if n.dprev is not None:
+                    tree.dlru_remove(n)
+                if n.hprev is not None:
+                    tree.hlru_remove(n)
+            n.ref += 1
+            n.hits += 1
+            n.last_access = now
+            nodes.append(n)
+        num_host = len(nodes) - num_dev
+        num_storage = 0
+        rest = st.hashes[len(nodes):]
+        if rest and self.storage_exists is not None:
+            num_storage = self._storage_lookup(rest)
+        st.num_storage = num_storage
+        stats = self.stats
+        stats.match_queries += 1
+        stats.match_blocks += len(st.hashes)
+        stats.hit_device += num_dev
+        stats.hit_host += num_host
+        stats.hit_storage += num_storage
+        return Match(num_dev, num_host, num_storage, self.block_size)
+
+    def _storage_lookup(self, rest: list[bytes]) -> int:
+        if self._negative:
+            now = time.monotonic()
+            for i, h in enumerate(rest):
+                exp = self._negative.get(h)
+                if exp is not None:
+                    if exp > now:
+                        rest = rest[:i]
+                        break
+                    del self._negative[h]
+        if not rest:
+            return 0
+        n = int(self.storage_exists(rest))  # type: ignore[misc]
+        if not 0 <= n <= len(rest):
+            raise RuntimeError(f"storage_exists returned {n} for {len(rest)} hashes")
+        return n
+
+    # ================================================================ prefetch
+
+    def prefetch(self, req_id: str) -> int:
+        """Start loading the request's storage hits into host blocks (one s2h op).
+
+        Returns how many blocks are being loaded (fewer when host space runs out). The
+        nodes stay ``LOADING_FROM_STORAGE`` until acked; ``allocate`` uses what arrived.
+        """
+        st = self._req(req_id)
+        if st.allocated or st.loading or not st.num_storage:
+            return 0
+        start = len(st.nodes)
+        want = st.hashes[start : start + st.num_storage]
+        parent = st.nodes[-1] if st.nodes else self.tree.root
+        op = None
+        for h in want:
+            if h in self.tree.index:  # raced with another request's insert: stop here
+                break
+            hb = self._take_host_block()
+            if hb is None:
+                break
+            n = self.tree.add(parent, h, LOADING_FROM_STORAGE, host=hb)
+            n.ref = 1
+            n.busy = 1
+            n.in_store = True
+            n.last_access = self._clock
+            st.loading.append(n)
+            if op is None:
+                op = self._op(S2H)
+            op.nodes.append(n)
+            op.dst.append(hb)
+            op.keys.append(h)
+            op.req_ids.append(req_id)
+            parent = n
+        st.num_storage = len(st.loading)
+        return len(st.loading)
+
+    def prefetch_done(self, req_id: str) -> bool:
+        """True when none of the request's storage loads is still in flight."""
+        return not self._req(req_id).loading
+
+    # ================================================================ allocation
+
+    def num_blocks_needed(self, req_id: str, num_tokens: int) -> int:
+        """Device blocks ``allocate(req_id, num_tokens)`` would take (swap-ins + new)."""
+        st = self._req(req_id)
+        total = -(-num_tokens // self.block_size)
+        if st.allocated:
+            return max(0, total - len(st.table))
+        k = _usable_prefix(st.nodes)
+        swaps = sum(1 for n in st.nodes[:k] if n.status is HOST)
+        return swaps + max(0, total - k)
+
+    def can_allocate(self, req_id: str, num_tokens: int) -> bool:
+        need = self.num_blocks_needed(req_id, num_tokens)
+        return need <= self.device.num_free + self.tree.num_dlru
+
+    def allocate(self, req_id: str, num_tokens: int) -> list[int] | None:
+        """Device block table covering ``num_tokens`` tokens, or ``None`` when the device
+        tier cannot make room (the request is unchanged). Matched host blocks are swapped in (one
+        layerwise h2d op per step); the rest are fresh blocks owned by the request.
+        Called again with more tokens, it grows the table (decode)."""
+        st = self._req(req_id)
+        need = self.num_blocks_needed(req_id, num_tokens)
+        if need > self.device.num_free + self.tree.num_dlru:
+            return None
+        if not self._evict_device(need - self.device.num_free):
+            return None  # evictions done so far stand; they are ordinary cache state
+        total = -(-num_tokens // self.block_size)
+        if not st.allocated:
+            st.allocated = True
+            for n in st.loading:  # still loading: not used by this request
+                self._unref(n)
+            st.loading = []
+            # A matched host block that another request of this step is already swapping
+            # in is not shared (one owner if that h2d fails): recompute from there.
+            k = _usable_prefix(st.nodes)
+            for n in reversed(st.nodes[k:]):
+                self._unref(n)
+            del st.nodes[k:]
+            table = st.table
+            op = None
+            for n in st.nodes:
+                if n.status is HOST:
+                    b = self.device.allocate_one()
+                    assert b is not None
+                    n.dev = b
+                    n.status = SWAP_TO_DEVICE
+                    n.busy += 1
+                    n.parent.ndev += 1  # type: ignore[union-attr]
+                    if op is None:
+                        op = self._op(H2D)
+                    op.nodes.append(n)
+                    op.src.append(n.host)
+                    op.dst.append(b)
+                    op.req_ids.append(req_id)
+                table.append(n.dev)
+        n_new = total - len(st.table)
+        if n_new > 0:
+            ids = self.device.allocate(n_new)
+            assert ids is not None, "eviction made too little room"
+            base = len(st.table)
+            for i, b in enumerate(ids):
+                st.fresh[base + i] = b
+            st.table.extend(ids)
+        return list(st.table)
+
+    def block_table(self, req_id: str) -> list[int]:
+        return list(self._req(req_id).table)
+
+    def take_recompute(self) -> dict[str, int]:
+        """Requests whose swapped-in blocks failed: req_id -> number of leading valid blocks
+        (the engine recomputes the rest into the same block table)."""
+        out = {}
+        for st in self._reqs.values():
+            if st.valid_blocks is not None:
+                out[st.req_id] = st.valid_blocks
+                st.valid_blocks = None
+        return out
+
+    # ================================================================ finish
+
+    def finish(self, req_id: str, num_computed_tokens: int | None = None,
+               block_hashes: Sequence[bytes] | None = None) -> None:
+        """Cache the request's computed full blocks, apply the write policy, drop its refs
+        and free what cannot be cached. ``block_hashes`` may extend the prompt's hashes
+        (decode tokens); ``num_computed_tokens`` defaults to the whole table."""
+        st = self._reqs.pop(req_id, None)
+        if st is None:
+            raise ValueError(f"unknown request {req_id!r}")
+        if block_hashes is not None:
+            st.hashes = list(block_hashes)
+        for n in st.loading:
+            self._unref(n)
+        st.loading = []
+        full = len(st.table) if num_computed_tokens is None else num_computed_tokens // self.block_size
+        full = min(full, len(st.hashes), len(st.table))
+        path = self._insert_path(st, full)
+        if self._threshold is not None:
+            thr = self._threshold
+            for n in path:
+                if n.hits >= thr and n.host < 0 and n.status is DEVICE and not n.busy:
+                    self._backup(n)
+        for b in st.fresh.values():  # blocks not adopted by a node
+            self.device.free_one(b)
+        tree = self.tree
+        for n in reversed(path):  # leaf first: ancestors end up nearer the young end
+            n.ref -= 1
+            if n.ref == 0 and not n.busy:
+                if n.status is DEVICE:
+                    tree.dlru_push(n)
+                if n.host_ok:
+                    tree.hlru_push(n)
+
+    def _insert_path(self, st: _Request, full: int) -> list[Node]:
+        """Nodes for the first ``full`` blocks, each ref'd once for the caller to release;
+        adopted fresh blocks are removed from ``st.fresh``. Request refs beyond ``full`` are
+        released here."""
+        nodes = st.nodes
+        fresh = st.fresh
+        path: list[Node] = []
+        for n in nodes[full:]:
+            self._unref(n)
+        del nodes[full:]
+        index = self.tree.index
+        parent = self.tree.root
+        now = self._clock
+        for i in range(full):
+            b = fresh.get(i)
+            if i < len(nodes):
+                n = nodes[i]
+                if b is not None and n.status is HOST and not n.busy and parent.status is DEVICE:
+                    self._attach_device(n, b)  # swap-in failed and the request recomputed it
+                    del fresh[i]
+                path.append(n)
+                parent = n
+                continue
+            h = st.hashes[i]
+            n = index.get(h)
+            if parent.status is not DEVICE:
+                break
+            if n is None:
+                n = self.tree.add(parent, h, DEVICE, dev=b)  # type: ignore[arg-type]
+                del fresh[i]
+            elif n.status is DEVICE:
+                pass  # cached meanwhile by another request: our copy is freed below
+            elif n.status is HOST and not n.busy:
+                self._attach_device(n, b)  # type: ignore[arg-type]
+                del fresh[i]
+            else:
+                break  # in flight: stop caching here
+            if n.ref == 0:
+                self.tree.dlru_remove(n)
+                self.tree.hlru_remove(n)
+            n.ref += 1
+            n.hits += 1
+            n.last_access = now
+            path.append(n)
+            parent = n
+        # Request refs on matched nodes become the path's refs (released by the caller).
+        return path
+
+    def _attach_device(self, n: Node, b: int) -> None:
+        n.dev = b
+        n.status = DEVICE
+        n.parent.ndev += 1  # type: ignore[union-attr]
+
+    def _backup(self, n: Node) -> None:
+        hb = self._take_host_block()
+        if hb is None:
+            return  # host tier full of pinned blocks: no backup this time
+        n.host = hb
+        n.busy += 1
+        op = self._op(BACKUP)
+        op.nodes.append(n)
+        op.src.append(n.dev)
+        op.dst.append(hb)
+        op.req_ids.append(None)
+
+    # ================================================================ eviction
+
+    def _evict_device(self, n_blocks: int) -> bool:
+        """Free ``n_blocks`` device blocks from the oldest device-LRU tails; False when
+        every remaining candidate has a child with an op in flight."""
+        tree = self.tree
+        dev_pool = self.device
+        for _ in range(max(0, n_blocks)):
+            n = tree.dlru_oldest()
+            # The oldest entry is a chain tail unless a child still has an op in flight;
+            # then rotate it to the young end (rare; counted in stats.rotations).
+            for _ in range(tree.num_dlru):
+                if n is None or n.ndev == 0:
+                    break
+                tree.dlru_remove(n)
+                tree.dlru_push(n)
+                self.stats.rotations += 1
+                n = tree.dlru_oldest()
+            if n is None or n.ndev:
+                return False
+            tree.dlru_remove(n)
+            self.stats.evicted_device += 1
+            b = n.dev
+            n.parent.ndev -= 1  # type: ignore[union-attr]
+            n.dev = -1
+            dev_pool.free_one(b)  # reusable this step: the worker runs d2h before compute
+            if n.host_ok:
+                n.status = HOST  # backed up: metadata only
+                tree.hlru_remove(n)
+                tree.hlru_push(n)  # now host-only: younger than its host-only children
+                continue
+            hb = self._take_host_block() if self._threshold is None else None
+            if hb is None:
+                n.status = HOST  # transiently, so the subtree drop sees a host-only node
+                self._drop_subtree(n)
+                continue
+            n.host = hb
+            n.status = SWAP_TO_HOST
+            n.busy += 1
+            op = self._op(D2H)
+            op.nodes.append(n)
+            op.src.append(b)
+            op.dst.append(hb)
+            op.req_ids.append(None)
+        return True
+
+    def _take_host_block(self) -> int | None:
+        b = self.host.allocate_one()
+        if b is not None:
+            return b
+        tree = self.tree
+        n = tree.hlru_oldest()
+        # A host-only node must outlive its host-only children; when an ack order put a
+        # parent first, rotate it to the young end (rare; counted in stats.rotations).
+        for _ in range(tree.num_hlru):
+            if n is None or n.status is not HOST or not n.children:
+                break
+            tree.hlru_remove(n)
+            tree.hlru_push(n)
+            self.stats.rotations += 1
+            n = tree.hlru_oldest()
+        if n is None or (n.status is HOST and n.children):
+            return None
+        tree.hlru_remove(n)
+        self.stats.evicted_host += 1
+        b = n.host
+        n.host = -1
+        n.host_ok = False
+        if n.status is HOST:
+            self.tree.detach(n)
+            self.stats.dropped += 1
+        return b  # handed over directly, never back on the free list
+
+    def _drop_subtree(self, n: Node) -> None:
+        """Remove a node without a device block, and its host-only subtree. Nodes with an op
+        in flight become DELETING and free their blocks when acked."""
+        for d in self.tree.subtree_postorder(n):
+            assert d.ref == 0, f"dropping {d} held by a request"
+            assert d.dev < 0 or d.status is DELETING or d is n, f"dropping {d} still on device"
+            self.tree.detach(d)
+            self.stats.dropped += 1
+            if d.busy:
+                d.status = DELETING
+                self._deleting.add(d)
+            else:
+                self._free_node_blocks(d)
+
+    def _free_node_blocks(self, n: Node) -> None:
+        if n.dev >= 0:
+            self.device.free_one(n.dev)
+            n.dev = -1
+        if n.host >= 0:
+            self.host.free_one(n.host)
+            n.host = -1
+        n.host_ok = False
+
+    # ================================================================ ops and acks
+
+    def _op(self, kind: str) -> _PendingOp:
+        op = self._open.get(kind)
+        if op is None:
+            op = _PendingOp(self._next_op_id, kind)
+            self._next_op_id += 1
+            self._open[kind] = op
+        return op
+
+    def take_ops(self) -> list[Op]:
+        """This step's ops, one per kind, in the order workers run them. They are in flight
+        until ``on_ops_done`` reports them."""
+        out = []
+        for kind in (D2H, BACKUP, H2D, S2H, H2S):
+            p = self._open.pop(kind, None)
+            if p is None:
+                continue
+            self._pending[p.op_id] = p
+            out.append(Op(
+                p.op_id, kind,
+                src=np.asarray(p.src, dtype="<i4"), dst=np.asarray(p.dst, dtype="<i4"),
+                keys=tuple(p.keys), layerwise=kind == H2D,
+            ))
+        assert not self._open
+        return out
+
+    @property
+    def num_pending_ops(self) -> int:
+        return len(self._pending)
+
+    def on_ops_done(self, results: Iterable[OpResult]) -> list[int]:
+        """Commit (or roll back) acked ops; ``done`` is the number of leading blocks that
+        succeeded on every rank. Returns op ids that were not pending (ignored)."""
+        unknown = []
+        for r in results:
+            p = self._pending.pop(r.id, None)
+            if p is None:
+                unknown.append(r.id)
+                continue
+            done = max(0, min(r.done, len(p.nodes)))
+            if done < len(p.nodes):
+                self.stats.failed_ops += 1
+                self.stats.failed_blocks += len(p.nodes) - done
+            commit = _COMMIT[p.kind]
+            commit(self, p, done)
+        return unknown
+
+    def fail_pending(self) -> None:
+        """Roll back every op in flight (e.g. a rank was lost and its acks never come)."""
+        self.on_ops_done([OpResult(op_id, False, 0, "aborted") for op_id in list(self._pending)])
+
+    def _settle(self, n: Node) -> bool:
+        """Drop one in-flight op from ``n``; True when a DELETING node was finally freed."""
+        n.busy -= 1
+        if n.status is DELETING:
+            if n.busy == 0:
+                self._deleting.discard(n)
+                self._free_node_blocks(n)
+            return True
+        return False
+
+    def _relist(self, nodes: list[Node], path_order: bool = True) -> None:
+        """Put settled nodes on the LRU lists they qualify for, leaf first: ``nodes`` in
+        path order (root → leaf) are pushed reversed, eviction order as given."""
+        tree = self.tree
+        for n in reversed(nodes) if path_order else nodes:
+            if n.ref or n.busy or n.status is DELETING:
+                continue
+            if n.status is DEVICE and n.dprev is None:
+                tree.dlru_push(n)
+            if n.host_ok and n.hprev is None and n.status in (DEVICE, HOST):
+                tree.hlru_push(n)
+
+    def _commit_d2h(self, p: _PendingOp, done: int) -> None:
+        settled = []
+        for i, n in enumerate(p.nodes):
+            if self._settle(n):
+                continue
+            if i < done:
+                n.status = HOST
+                n.host_ok = True
+                self.stats.swapped_out += 1
+                self._maybe_store(n)
+                settled.append(n)
+            else:
+                self._drop_subtree(n)  # its only copy is gone
+        self._relist(settled, path_order=False)  # d2h ops list chain tails first
+
+    def _commit_backup(self, p: _PendingOp, done: int) -> None:
+        settled = []
+        for i, n in enumerate(p.nodes):
+            if self._settle(n):
+                continue
+            if i < done:
+                n.host_ok = True
+                self.stats.backed_up += 1
+                self._maybe_store(n)
+            else:
+                self.host.free_one(n.host)
+                n.host = -1
+            settled.append(n)
+        self._relist(settled)
+
+    def _commit_h2d(self, p: _PendingOp, done: int) -> None:
+        settled = []
+        for i, n in enumerate(p.nodes):
+            if self._settle(n):
+                continue
+            settled.append(n)
+            if i < done:
+                n.status = DEVICE
+                self.stats.swapped_in += 1
+                continue
+            # Device copy is garbage: back to HOST; the block goes to the request (recompute).
+            b = n.dev
+            n.dev = -1
+            n.status = HOST
+            n.parent.ndev -= 1  # type: ignore[union-attr]
+            st = self._reqs.get(p.req_ids[i] or "")
+            idx = _index_of(st.nodes, n) if st is not None else -1
+            if st is not None and idx >= 0 and idx < len(st.table) and st.table[idx] == b:
+                st.fresh[idx] = b
+                st.valid_blocks = idx if st.valid_blocks is None else min(st.valid_blocks, idx)
+            else:
+                self.device.free_one(b)
+        self._relist(settled)
+
+    def _commit_s2h(self, p: _PendingOp, done: int) -> None:
+        settled = []
+        failed = []
+        for i, n in enumerate(p.nodes):
+            if self._settle(n):
+                continue
+            st = self._reqs.get(p.req_ids[i] or "")
+            if st is not None and n in st.loading:
+                st.loading.remove(n)
+                if i < done and not failed:
+                    st.nodes.append(n)  # the request keeps its ref; swapped in at allocate
+                else:
+                    n.ref -= 1
+            if i < done and not failed:
+                n.status = HOST
+                n.host_ok = True
+                self.stats.loaded += 1
+                settled.append(n)
+            else:
+                failed.append(n)
+        expiry = time.monotonic() + self.config.negative_cache_s
+        for n in failed:
+            self._negative[n.hash] = expiry
+        for n in reversed(failed):  # deepest first; a failed node's children failed too
+            if n.status is not DELETING and n.hash in self.tree.index and n.ref == 0:
+                self._drop_subtree(n)
+        self._relist(settled)
+
+    def _commit_h2s(self, p: _PendingOp, done: int) -> None:
+        settled = []
+        for i, n in enumerate(p.nodes):
+            if self._settle(n):
+                continue
+            if i < done:
+                n.in_store = True
+                self.stats.stored += 1
+            settled.append(n)
+        self._relist(settled)
+
+    def _maybe_store(self, n: Node) -> None:
+        if not self.config.storage_write or n.in_store:
+            return
+        n.busy += 1
+        op = self._op(H2S)
+        op.nodes.append(n)
+        op.src.append(n.host)
+        op.keys.append(n.hash)
+        op.req_ids.append(None)
+
+    # ================================================================ lifecycle
+
+    def abort(self, req_id: str) -> None:
+        """Forget a request without caching anything it computed."""
+        self.finish(req_id, num_computed_tokens=0)
+
+    def reset(self) -> None:
+        """Drop every cached block. Refused while requests run; nodes with ops in flight
+        become DELETING and free their blocks when acked."""
+        if self._reqs:
+            raise ValueError(f"reset with {len(self._reqs)} running requests")
+        for op in self._open.values():  # never dispatched: nothing will ack them
+            for n in op.nodes:
+                n.busy -= 1
+        self._open.clear()
+        for n in self.tree.subtree_postorder(self.tree.root)[:-1]:
+            self.tree.detach(n)
+            if n.busy:
+                n.status = DELETING
+                self._deleting.add(n)
+            else:
+                self._free_node_blocks(n)
+        self._negative.clear()
+
+    def resize(self, num_device_blocks: int | None = None, num_host_blocks: int | None = None) -> bool:
+        """Grow or shrink the pools; shrinking succeeds only when the ids past the new size
+        are free (call ``reset`` or let requests finish first)."""
+        ok = True
+        if num_device_blocks is not None:
+            ok = self.device.resize(num_device_blocks) and ok
+        if num_host_blocks is not None:
+            ok = self.host.resize(num_host_blocks) and ok
+        return ok
+
+    def num_running(self) -> int:
+        return len(self._reqs)
+
+    def status_counts(self) -> dict[str, int]:
+        counts = {s.name: 0 for s in Status}
+        for n in self.tree.index.values():
+            counts[n.status.name] += 1
+        counts[DELETING.name] += len(self._deleting)
+        return counts
+
+    def snapshot(self) -> dict[str, object]:
+        """Stats for logs and metrics."""
+        s = self.stats
+        return {
+            "hit_device": s.hit_device, "hit_host": s.hit_host, "hit_storage": s.hit_storage,
+            "match_blocks": s.match_blocks, "evicted_device": s.evicted_device,
+            "evicted_host": s.evicted_host, "dropped": s.dropped, "swapped_in": s.swapped_in,
+            "swapped_out": s.swapped_out, "backed_up": s.backed_up, "loaded": s.loaded,
+            "stored": s.stored, "failed_ops": s.failed_ops,
+            "free_device": self.device.num_free, "free_host": self.host.num_free,
+            "nodes": self.status_counts(), "pending_ops": len(self._pending),
+        }
+
+    # ================================================================ helpers
+
+    def _req(self, req_id: str) -> _Request:
+        st = self._reqs.get(req_id)
+        if st is None:
+            raise ValueError(f"unknown request {req_id!r} (call match_prefix first)")
+        return st
+
+    def _unref(self, n: Node) -> None:
+        n.ref -= 1
+        assert n.ref >= 0, f"negative ref on {n}"
+        if n.ref == 0:
+            self._relist([n])
+
+    def _release(self, st: _Request) -> None:
+        for n in reversed(st.nodes):
+            self._unref(n)
+        for n in st.loading:
+            self._unref(n)
+        for b in st.fresh.values():
+            self.device.free_one(b)
+        st.nodes, st.loading, st.fresh, st.table = [], [], {}, []
+
+    # ================================================================ invariants
+
+    def check_invariants(self) -> None:
+        """Assert every invariant of the design; O(everything), for tests."""
+        from zkv.scheduler.invariants import check
+
+        check(self)
+
+
+def _usable_prefix(nodes: list[Node]) -> int:
+    for i, n in enumerate(nodes):
+        if n.status is not DEVICE and n.status is not HOST:
+            return i
+    return len(nodes)
+
+
+def _index_of(nodes: list[Node], n: Node) -> int:
+    for i, m in enumerate(nodes):
+        if m is n:
+            return i
+    return -1
+
+
+_COMMIT: dict[str, Callable[[CacheManager, _PendingOp, int], None]] = {
+    D2H: CacheManager._commit_d2h,
+    BACKUP: CacheManager._commit_backup,
+    H2D: CacheManager._commit_h2d,
+    S2H: CacheManager._commit_s2h,
+    H2S: CacheManager._commit_h2s,
+}

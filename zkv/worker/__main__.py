@@ -1,0 +1,72 @@
+"""``python -m zkv.worker``: one rank's worker actor as its own process.
+
+Environment (zkvrun sets it): ``RANK``, ``ZKV_CONFIG`` (layout JSON), ``ZKV_PUB_ENDPOINT``,
+``ZKV_PULL_ENDPOINT``; optional ``ZKV_BACKEND`` (auto | cpu | cupy), ``ZKV_STORE_DIR``
+(a :class:`~zkv.storage.LocalDirStore` root), ``ZKV_HEARTBEAT_S``, ``ZKV_LOG_DIR``,
+``ZKV_LOG_LEVEL``.
+
+Exit status: 0 after Shutdown or SIGTERM/SIGINT, 3 after a seq gap, 2 on a bad
+configuration, 1 on any other fatal error. The worker also stops when its parent process
+goes away, so an orphan never lingers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from zkv import log as zlog
+from zkv.config import CacheLayout
+from zkv.errors import ConfigError
+from zkv.storage import LocalDirStore
+from zkv.worker.actor import EXIT_FATAL, WorkerActor
+from zkv.worker.sidecar import endpoints_from_env, rank_from_env, resolve_backend
+
+EXIT_CONFIG = 2
+_PARENT_CHECK_S = 0.5
+
+
+def _watch_parent(actor: WorkerActor, stopped: threading.Event) -> None:
+    parent = os.getppid()
+    while not stopped.wait(_PARENT_CHECK_S):
+        if os.getppid() != parent:
+            actor.stop("parent process exited")
+            return
+
+
+def main() -> int:
+    try:
+        rank = rank_from_env()
+        layout = CacheLayout.from_env()
+        pub, pull = endpoints_from_env()
+        heartbeat_s = float(os.environ.get("ZKV_HEARTBEAT_S", "0.25"))
+    except (ConfigError, ValueError) as e:
+        print(f"zkv.worker: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    zlog.configure("worker", rank)
+    try:
+        backend = resolve_backend(os.environ.get("ZKV_BACKEND", "auto"))
+        kv_caches = backend.allocate_device_cache(layout)
+        host_pool = backend.allocate_host_pool(layout)
+    except Exception as e:
+        print(f"zkv.worker: rank {rank}: cannot allocate the cache: {e!r}", file=sys.stderr)
+        return EXIT_FATAL
+    store_dir = os.environ.get("ZKV_STORE_DIR")
+    store = LocalDirStore(store_dir, layout.fingerprint()) if store_dir else None
+    actor = WorkerActor(rank, layout, kv_caches, host_pool, backend, pub_endpoint=pub,
+                        pull_endpoint=pull, store=store, heartbeat_interval_s=heartbeat_s)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: actor.stop(signal.Signals(signum).name.lower()))
+    stopped = threading.Event()
+    watcher = threading.Thread(target=_watch_parent, args=(actor, stopped), daemon=True)
+    watcher.start()
+    try:
+        return actor.run()
+    finally:
+        stopped.set()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,407 @@
+"""The per-rank worker actor: receive batches, run their copies in order, ack them.
+
+::
+
+    SUB ──► decode(limits) ──► seq check ──► execute ──────────────────────────► PUSH ack
+     │        │ malformed: refuse, ack failed     1. d2h + backup, all layers (one merged copy)
+     │        │ (if its seq is the expected one)  2. h2d layer by layer, event + counter.mark
+     │        └ gap: Bye("seq gap ..."), stop     3. fill / check (simulated forward pass)
+     └ Shutdown: Bye("shutdown"), stop            4. s2h / h2s on I/O threads (done = prefix)
+
+One thread owns both sockets. Batches run strictly in seq order; a seq gap is a rank
+failure (never a silent skip). A failing op becomes an error result in the ack and the
+actor keeps running. Heartbeats go out every ``heartbeat_interval_s`` from the same
+thread, while idle and while waiting on storage I/O, so a live heartbeat means a live
+actor loop. Every receive polls with a timeout, so ``stop()`` takes effect within
+~0.1 s.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+import zmq
+
+from zkv import log as ev
+from zkv import protocol as P
+from zkv.config import CacheLayout
+from zkv.errors import ConfigError, ProtocolError, StorageError
+from zkv.storage import Store, pack_key
+from zkv.worker.layers import LayerDoneCounter
+
+EXIT_OK = 0
+EXIT_FATAL = 1
+EXIT_SEQ_GAP = 3
+
+_MAX_POLL_MS = 100
+_BYE_LINGER_MS = 250
+_COPY_KINDS = (P.D2H, P.BACKUP)
+_SIM_KINDS = (P.FILL, P.CHECK)
+_IO_KINDS = (P.S2H, P.H2S)
+
+
+def _logger(rank: int) -> Any:
+    get = getattr(ev, "get_logger", None)
+    if get is not None:
+        return get("worker", rank=rank)
+    import structlog
+
+    return structlog.get_logger(component="worker", rank=rank, pid=os.getpid())
+
+
+class WorkerActor:
+    """One rank's actor. Build it anywhere, then call :meth:`run` in the thread that will
+    own its sockets (the :class:`~zkv.worker.sidecar.Sidecar` runs it as a daemon thread,
+    ``python -m zkv.worker`` in the main thread).
+
+    ``kv_caches``: per layer ``(K, V)``, each ``[num_device_blocks, kv_heads, block_size,
+    head_dim]``; ``host_pool``: ``[num_host_blocks, num_layers, 2, kv_heads, block_size,
+    head_dim]``. Their first dimensions bound the ids a batch may name.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        layout: CacheLayout,
+        kv_caches: Sequence[tuple[Any, Any]],
+        host_pool: Any,
+        backend: Any,
+        *,
+        pub_endpoint: str,
+        pull_endpoint: str,
+        store: Store | None = None,
+        context: zmq.Context[Any] | None = None,
+        heartbeat_interval_s: float = 0.25,
+        io_threads: int = 4,
+    ) -> None:
+        if len(kv_caches) != layout.num_layers:
+            raise ConfigError(f"kv_caches has {len(kv_caches)} layers, layout has "
+                              f"{layout.num_layers}")
+        self.rank = rank
+        self.layout = layout
+        self.kv_caches = list(kv_caches)
+        self.host_pool = host_pool
+        self.backend = backend
+        self.store = store
+        self.pub_endpoint = pub_endpoint
+        self.pull_endpoint = pull_endpoint
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.limits = P.Limits(int(self.kv_caches[0][0].shape[0]), int(host_pool.shape[0]))
+        self.counter = LayerDoneCounter(layout.num_layers, backend)
+        self.exit_code: int | None = None
+        self.exit_reason: str | None = None
+        self._ctx = context
+        self._io_threads = io_threads
+        self._io: cf.ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
+        self._stop_reason = "stopped"
+        self._expected = 0
+        self._last_seq = -1
+        self._pid = os.getpid()
+        self._log = _logger(rank)
+        self._push: zmq.Socket[Any] | None = None
+        self._next_hb = 0.0
+
+    @property
+    def last_seq(self) -> int:
+        """Seq of the last batch acked (-1 before the first)."""
+        return self._last_seq
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Ask the loop to stop (thread-safe, returns at once; the loop exits within ~0.1 s)."""
+        self._stop_reason = reason
+        self._stop.set()
+
+    # ------------------------------------------------------------ loop
+
+    def run(self) -> int:
+        """Serve until Shutdown, :meth:`stop`, a seq gap or a fatal error; return an exit code
+        (``EXIT_OK``, ``EXIT_SEQ_GAP``, ``EXIT_FATAL``)."""
+        own_ctx = self._ctx is None
+        ctx: zmq.Context[Any] = zmq.Context() if own_ctx else self._ctx  # type: ignore[assignment]
+        sub = ctx.socket(zmq.SUB)
+        push = ctx.socket(zmq.PUSH)
+        self._push = push
+        code, reason = EXIT_FATAL, "fatal error"
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 0)
+            push.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(self.pull_endpoint)
+            sub.connect(self.pub_endpoint)
+            # Catch-all first, then the marker: the dispatcher seeing the marker proves the
+            # catch-all is in place (see zkv.protocol.ready_topic).
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.SUBSCRIBE, P.ready_topic(self.rank, self._pid))
+            self._send(P.Hello(self.rank, self._pid, self.layout.fingerprint()))
+            self._log.info(ev.WORKER_STARTED, pub=self.pub_endpoint, pull=self.pull_endpoint,
+                           num_device_blocks=self.limits.num_device_blocks,
+                           num_host_blocks=self.limits.num_host_blocks)
+            code, reason = self._loop(sub)
+        except Exception as e:
+            self._log.exception(ev.WORKER_STOPPED, reason="fatal error", error=repr(e))
+            code, reason = EXIT_FATAL, f"fatal error: {e!r}"
+        finally:
+            self.exit_code, self.exit_reason = code, reason
+            self.counter.close(f"rank {self.rank} worker stopped: {reason}")
+            try:
+                self._send(P.Bye(self.rank, self._pid, reason))
+            except zmq.ZMQError:
+                pass
+            sub.close(0)
+            push.close(_BYE_LINGER_MS)
+            self._push = None
+            if self._io is not None:
+                self._io.shutdown(wait=True, cancel_futures=True)
+            if own_ctx:
+                ctx.term()
+            self._log.info(ev.WORKER_STOPPED, reason=reason, exit_code=code,
+                           last_seq=self._last_seq)
+        return code
+
+    def _loop(self, sub: zmq.Socket[Any]) -> tuple[int, str]:
+        stop = self._stop
+        self._next_hb = time.monotonic() + self.heartbeat_interval_s
+        while not stop.is_set():
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                self._maybe_heartbeat()
+                wait = max(0.0, self._next_hb - time.monotonic())
+                sub.poll(min(_MAX_POLL_MS, int(wait * 1000) + 1))
+                continue
+            done = self._on_frames(frames)
+            if done is not None:
+                return done
+            self._maybe_heartbeat()
+        return EXIT_OK, self._stop_reason
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_hb:
+            self._next_hb = now + self.heartbeat_interval_s
+            self._send(P.Heartbeat(self.rank, self._pid, self._last_seq))
+
+    def _send(self, msg: P.Message) -> None:
+        assert self._push is not None
+        self._push.send_multipart(P.encode(msg), copy=False)
+
+    def _on_frames(self, frames: list[bytes]) -> tuple[int, str] | None:
+        t_recv = time.time()
+        try:
+            msg = P.decode(frames, self.limits)
+        except ProtocolError as e:
+            return self._refuse(frames, e)
+        if isinstance(msg, P.CopyBlocks):
+            if msg.seq == self._expected:
+                self._run_batch(msg, t_recv)
+                return None
+            if msg.seq > self._expected:
+                return self._seq_gap(msg.seq)
+            self._log.error(ev.BATCH_REFUSED, seq=msg.seq, error=f"old seq (expected "
+                            f"{self._expected})")
+            return None
+        if isinstance(msg, P.Shutdown):
+            return EXIT_OK, "shutdown"
+        self._log.error(ev.BATCH_REFUSED, error=f"unexpected {type(msg).__name__} on the "
+                        "batch channel")
+        return None
+
+    def _seq_gap(self, seq: int) -> tuple[int, str]:
+        reason = f"seq gap: expected {self._expected} got {seq}"
+        self._log.error(ev.SEQ_GAP, expected=self._expected, seq=seq)
+        return EXIT_SEQ_GAP, reason
+
+    def _refuse(self, frames: Sequence[Any], error: ProtocolError) -> tuple[int, str] | None:
+        """A malformed message never touches the cache. If it is the batch we expect, ack
+        it as failed so the scheduler fails its ops now rather than at a timeout."""
+        seq = P.peek_seq(frames) if bytes(frames[0]) == P.T_BATCH else None
+        self._log.error(ev.BATCH_REFUSED, seq=seq, expected=self._expected, error=str(error))
+        if seq is None or seq < self._expected:
+            return None
+        if seq > self._expected:
+            return self._seq_gap(seq)  # the batch we expect never came
+        msg = f"batch refused: {error}"
+        results = tuple(P.OpResult(i, False, 0, msg) for i in _peek_op_ids(frames))
+        self.counter.fail(seq, msg)
+        self._ack(P.BlocksCopied(seq, self.rank, False, results, time.time(), time.time()))
+        return None
+
+    def _ack(self, ack: P.BlocksCopied) -> None:
+        self._expected = ack.seq + 1
+        self._last_seq = ack.seq
+        self._send(ack)
+
+    # ------------------------------------------------------------ one batch
+
+    def _run_batch(self, batch: P.CopyBlocks, t_recv: float) -> None:
+        seq = batch.seq
+        results: dict[int, P.OpResult] = {}
+        self.counter.begin(seq)
+        try:
+            handle = self._run_copies(batch, results)
+            self._run_sim(batch, results, handle)
+            self._run_io(batch, results, handle)
+            if handle is not None:
+                self.backend.synchronize_event(handle)
+        except Exception as e:  # a backend that breaks outside any one op
+            self._log.exception(ev.COPY_FAILED, seq=seq, error=repr(e))
+            self.counter.fail(seq, repr(e))
+            for op in batch.ops:
+                if op.id not in results or results[op.id].ok:
+                    results[op.id] = P.OpResult(op.id, False, 0, f"batch failed: {e!r}")
+        ordered = tuple(results[op.id] for op in batch.ops)
+        ok = all(r.ok for r in ordered)
+        self._ack(P.BlocksCopied(seq, self.rank, ok, ordered, t_recv, time.time()))
+        self._log.debug(ev.BATCH_DONE, seq=seq, num_ops=len(ordered), ok=ok,
+                        dur_ms=round((time.time() - t_recv) * 1e3, 3))
+
+    def _run_copies(self, batch: P.CopyBlocks, results: dict[int, P.OpResult]) -> Any:
+        """d2h/backup (all layers), then h2d layer by layer with an event per layer."""
+        b, kv, host, seq = self.backend, self.kv_caches, self.host_pool, batch.seq
+        b.begin_batch()
+        d2h = [op for op in batch.ops if op.kind in _COPY_KINDS]
+        h2d = [op for op in batch.ops if op.kind == P.H2D]
+        if d2h:
+            self._copy(seq, d2h, lambda s, d: b.copy_d2h(kv, host, s, d), results)
+        if not h2d:
+            handle = b.record_event()
+            self.counter.mark_all(seq, handle)
+            return handle
+        failed: dict[int, P.OpResult] = {}
+        handle = None
+        for layer in range(self.layout.num_layers):
+            live = [op for op in h2d if op.id not in failed]
+            if live:
+                self._copy(seq, live, lambda s, d, i=layer: b.copy_h2d(host, kv, s, d, i),
+                           failed, layer=layer)
+            handle = b.record_event()
+            self.counter.mark(seq, layer, handle)
+        for op in h2d:
+            results[op.id] = failed.get(op.id) or P.OpResult(op.id, True, op.num_blocks)
+        return handle
+
+    def _copy(self, seq: int, ops: list[P.Op], copy: Callable[[np.ndarray, np.ndarray], None],
+              out: dict[int, P.OpResult], layer: int | None = None) -> None:
+        """One merged copy for ``ops``; if it fails, op by op so each op gets its own
+        outcome. Copies are idempotent, so redoing the ones that succeeded is harmless.
+        For d2h ``out`` gets every op's result; for one h2d layer only failures."""
+        report_ok = layer is None
+        try:
+            if len(ops) == 1:
+                copy(ops[0].src, ops[0].dst)
+            else:
+                copy(np.concatenate([op.src for op in ops]), np.concatenate([op.dst for op in ops]))
+        except Exception:
+            for op in ops:
+                try:
+                    copy(op.src, op.dst)
+                except Exception as e:
+                    self._log.error(ev.COPY_FAILED, seq=seq, op_id=op.id, kind=op.kind,
+                                    layer=layer, num_blocks=op.num_blocks, error=repr(e))
+                    out[op.id] = P.OpResult(op.id, False, 0, f"{op.kind} failed: {e!r}")
+                else:
+                    if report_ok:
+                        out[op.id] = P.OpResult(op.id, True, op.num_blocks)
+            return
+        if report_ok:
+            for op in ops:
+                out[op.id] = P.OpResult(op.id, True, op.num_blocks)
+
+    def _run_sim(self, batch: P.CopyBlocks, results: dict[int, P.OpResult], handle: Any) -> None:
+        """fill / check: the simulated forward pass (replay, tests)."""
+        sims = [op for op in batch.ops if op.kind in _SIM_KINDS]
+        if not sims:
+            return
+        from zkv.kernels import reference
+
+        if handle is not None:
+            self.backend.synchronize_event(handle)
+        for op in sims:
+            try:
+                if op.kind == P.FILL:
+                    reference.fill_pattern(self.kv_caches, op.dst, op.keys, self.rank)
+                    results[op.id] = P.OpResult(op.id, True, op.num_blocks)
+                    continue
+                n = int(reference.check_pattern(self.kv_caches, op.src, op.keys, self.rank))
+                if n == op.num_blocks:
+                    results[op.id] = P.OpResult(op.id, True, n)
+                else:
+                    err = (f"check: block {n} (device block {int(op.src[n])}) does not hold "
+                           "the expected pattern")
+                    self._log.error(ev.COPY_FAILED, seq=batch.seq, op_id=op.id, kind=op.kind,
+                                    num_blocks=op.num_blocks, done=n, error=err)
+                    results[op.id] = P.OpResult(op.id, False, n, err)
+            except Exception as e:
+                self._log.error(ev.COPY_FAILED, seq=batch.seq, op_id=op.id, kind=op.kind,
+                                num_blocks=op.num_blocks, error=repr(e))
+                results[op.id] = P.OpResult(op.id, False, 0, f"{op.kind} failed: {e!r}")
+
+    # ------------------------------------------------------------ storage
+
+    def _run_io(self, batch: P.CopyBlocks, results: dict[int, P.OpResult], handle: Any) -> None:
+        """s2h / h2s: one I/O task per block; an op's ``done`` is its prefix of successes."""
+        ios = [op for op in batch.ops if op.kind in _IO_KINDS]
+        if not ios:
+            return
+        if self.store is None:
+            for op in ios:
+                results[op.id] = P.OpResult(op.id, False, 0, "no L3 store on this worker")
+            return
+        if handle is not None:
+            self.backend.synchronize_event(handle)  # an h2s may read what a d2h just wrote
+        if self._io is None:
+            self._io = cf.ThreadPoolExecutor(self._io_threads, thread_name_prefix="zkv-io")
+        tasks = [(op, [self._io.submit(self._io_one, op, i) for i in range(op.num_blocks)])
+                 for op in ios]
+        pending = {f for _, futs in tasks for f in futs}
+        while pending:
+            _, pending = cf.wait(pending, timeout=self.heartbeat_interval_s)
+            self._maybe_heartbeat()
+        for op, futs in tasks:
+            done, error = 0, None
+            for f in futs:
+                error = f.result()
+                if error is not None:
+                    break
+                done += 1
+            if error is not None:
+                self._log.error(ev.COPY_FAILED, seq=batch.seq, op_id=op.id, kind=op.kind,
+                                num_blocks=op.num_blocks, done=done, error=error)
+            results[op.id] = P.OpResult(op.id, error is None, done, error)
+
+    def _io_one(self, op: P.Op, i: int) -> str | None:
+        """Move block ``i`` of ``op``; None on success, else why not."""
+        assert self.store is not None
+        key = pack_key(op.keys[i], self.rank)
+        try:
+            if op.kind == P.H2S:
+                self.store.put(key, self.backend.host_block(self.host_pool, int(op.src[i])))
+                return None
+            if self.store.get_into(key, self.backend.host_block(self.host_pool, int(op.dst[i]))):
+                return None
+            return f"s2h: block {i} ({op.keys[i].hex()}) is not in the store"
+        except StorageError as e:
+            return f"{op.kind}: block {i}: {e}"
+        except Exception as e:
+            return f"{op.kind}: block {i}: {e!r}"
+
+
+def _peek_op_ids(frames: Sequence[Any]) -> list[int]:
+    """Op ids of a batch that failed to decode, where they can be read (else none)."""
+    try:
+        ops = orjson.loads(bytes(frames[1]))["ops"]
+        ids = [op["id"] for op in ops]
+    except Exception:
+        return []
+    if all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids):
+        return ids
+    return []

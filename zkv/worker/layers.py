@@ -1,0 +1,148 @@
+"""Per-layer completion of a batch's copies, for the model forward to wait on.
+
+The actor runs a batch as ``d2h/backup (all layers) → h2d layer 0 → h2d layer 1 → ...`` on
+one transfer stream and records one event after each h2d layer::
+
+    transfer stream:  [d2h ... ][h2d L0] e0 [h2d L1] e1 ... [h2d Ln-1] en-1
+    compute stream:          wait(e0) [layer 0] wait(e1) [layer 1] ...
+
+Because the stream is in order, ``e_i`` done implies every d2h of the batch is done: a
+device block evicted in this step may be reused by this step's forward, and it must not
+be written before its d2h read it. With no h2d ops every layer gets the event recorded
+right after the d2h.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from zkv.errors import TransferError
+
+
+@dataclass(slots=True)
+class _Batch:
+    handles: list[Any]
+    num_marked: int = 0
+    error: str | None = None
+
+
+class LayerDoneCounter:
+    """Which layers of which batch (``seq``) have their copies recorded.
+
+    ``mark`` is O(1) and layers are marked in order (0, 1, ...). The history of finished
+    batches is bounded (``history`` seqs, oldest forgotten first); waiting on a forgotten
+    seq returns at once, since seqs finish in order and it finished long ago. Waiting on a
+    seq that has not begun yet blocks until it begins and the layer is marked (the forward
+    may run ahead of the batch's arrival). Thread-safe; waiters block on one condition.
+    """
+
+    def __init__(self, num_layers: int, backend: Any = None, *, history: int = 1024) -> None:
+        if num_layers <= 0:
+            raise ValueError(f"num_layers must be > 0, got {num_layers}")
+        self.num_layers = num_layers
+        self._backend = backend
+        self._history = max(1, history)
+        self._cond = threading.Condition()
+        self._batches: dict[int, _Batch] = {}
+        self._finished: deque[int] = deque()
+        self._forgotten_upto = -1
+        self._closed: str | None = None
+
+    def begin(self, seq: int) -> None:
+        with self._cond:
+            if seq in self._batches or seq <= self._forgotten_upto:
+                raise ValueError(f"batch {seq} already began")
+            self._batches[seq] = _Batch([None] * self.num_layers)
+
+    def mark(self, seq: int, layer: int, event_handle: Any = None) -> None:
+        """Layer ``layer`` of ``seq`` is recorded (its copies are queued before the event)."""
+        with self._cond:
+            batch = self._batches[seq]
+            if layer != batch.num_marked:
+                raise ValueError(f"batch {seq}: layer {layer} marked out of order "
+                                 f"(next is {batch.num_marked})")
+            batch.handles[layer] = event_handle
+            batch.num_marked = layer + 1
+            if batch.num_marked == self.num_layers:
+                self._finish(seq)
+            self._cond.notify_all()
+
+    def mark_all(self, seq: int, event_handle: Any = None) -> None:
+        """Every remaining layer of ``seq`` is recorded by one event (no h2d in the batch)."""
+        with self._cond:
+            batch = self._batches[seq]
+            for layer in range(batch.num_marked, self.num_layers):
+                batch.handles[layer] = event_handle
+            if batch.num_marked < self.num_layers:
+                batch.num_marked = self.num_layers
+                self._finish(seq)
+            self._cond.notify_all()
+
+    def fail(self, seq: int, error: str) -> None:
+        """``seq`` cannot complete; its waiters (present and future) raise TransferError."""
+        with self._cond:
+            batch = self._batches.get(seq)
+            if batch is None:
+                if seq <= self._forgotten_upto:
+                    return
+                batch = self._batches[seq] = _Batch([None] * self.num_layers)
+            batch.error = error
+            if batch.num_marked < self.num_layers:
+                self._finish(seq)
+            self._cond.notify_all()
+
+    def close(self, reason: str) -> None:
+        """The actor stopped: every waiter on an unfinished seq raises TransferError."""
+        with self._cond:
+            self._closed = reason
+            self._cond.notify_all()
+
+    def is_done(self, seq: int, layer: int) -> bool:
+        with self._cond:
+            batch = self._batches.get(seq)
+            if batch is None:
+                return seq <= self._forgotten_upto
+            return batch.error is None and batch.num_marked > layer
+
+    def wait_layer(self, seq: int, layer: int, timeout: float | None = None) -> None:
+        """Block until layer ``layer`` of ``seq`` is recorded, then make compute wait on it.
+
+        On GPU the compute stream waits on the layer's event (the host does not block on
+        the copy); on CPU the copy ran synchronously and is done. Raises TransferError if
+        the batch failed or the actor stopped, TimeoutError after ``timeout`` seconds.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._ready(seq, layer), timeout)
+            if not ok:
+                raise TimeoutError(f"layer {layer} of batch {seq} not done within {timeout} s")
+            batch = self._batches.get(seq)
+            if batch is None:
+                if seq <= self._forgotten_upto:
+                    return  # finished long ago
+                raise TransferError(f"batch {seq} will not run: {self._closed}")
+            if batch.error is not None:
+                raise TransferError(f"batch {seq} failed: {batch.error}")
+            if batch.num_marked <= layer:
+                raise TransferError(f"batch {seq} will not complete: {self._closed}")
+            handle = batch.handles[layer]
+        if handle is not None and self._backend is not None:
+            self._backend.wait_event_on_compute(handle)
+
+    def _ready(self, seq: int, layer: int) -> bool:
+        batch = self._batches.get(seq)
+        if batch is None:
+            return seq <= self._forgotten_upto or self._closed is not None
+        return batch.num_marked > layer or batch.error is not None or self._closed is not None
+
+    def _finish(self, seq: int) -> None:
+        """Called with the lock held, once per seq: keep at most ``history`` finished."""
+        self._finished.append(seq)
+        while len(self._finished) > self._history:
+            old = self._finished.popleft()
+            del self._batches[old]
+            self._forgotten_upto = max(self._forgotten_upto, old)

@@ -1,0 +1,124 @@
+"""Run a rank's worker actor as a daemon thread inside a model worker process.
+
+::
+
+    with Sidecar(kv_caches) as zkv:          # RANK, ZKV_* from zkvrun / torchrun
+        for step in ...:
+            for i, layer in enumerate(model.layers):
+                zkv.wait_layer(seq, i)        # compute waits on the layer's h2d event
+                hidden = layer(hidden, kv_caches[i])
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from zkv.config import CacheLayout
+from zkv.errors import ConfigError
+from zkv.storage import Store
+from zkv.worker.actor import WorkerActor
+
+_JOIN_TIMEOUT_S = 2.0
+
+
+def resolve_backend(backend: Any) -> Any:
+    """A backend object from a name (``"auto"``, ``"cpu"``, ``"cupy"``) or as given."""
+    if isinstance(backend, str):
+        from zkv.kernels import get_backend
+
+        return get_backend(backend)
+    return backend
+
+
+def endpoints_from_env(env: dict[str, str] | None = None) -> tuple[str, str]:
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    try:
+        return env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"]
+    except KeyError as e:
+        raise ConfigError(f"{e.args[0]} is not set (zkvrun sets it for every rank)") from None
+
+
+def rank_from_env(env: dict[str, str] | None = None) -> int:
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    text = env.get("RANK")
+    if text is None or not text.isdigit():
+        raise ConfigError(f"RANK must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+class Sidecar:
+    """The worker actor of one rank, on a daemon thread, over the model's own KV cache.
+
+    Missing arguments come from the environment zkvrun / torchrun set: ``RANK``,
+    ``ZKV_PUB_ENDPOINT``, ``ZKV_PULL_ENDPOINT``, ``ZKV_CONFIG`` (the layout). The host
+    pool is allocated here (page-first, pinned on GPU).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[tuple[Any, Any]],
+        *,
+        layout: CacheLayout | None = None,
+        rank: int | None = None,
+        pub_endpoint: str | None = None,
+        pull_endpoint: str | None = None,
+        backend: Any = "auto",
+        store: Store | None = None,
+        heartbeat_interval_s: float = 0.25,
+    ) -> None:
+        layout = layout if layout is not None else CacheLayout.from_env()
+        rank = rank if rank is not None else rank_from_env()
+        if pub_endpoint is None or pull_endpoint is None:
+            env_pub, env_pull = endpoints_from_env()
+            pub_endpoint = pub_endpoint or env_pub
+            pull_endpoint = pull_endpoint or env_pull
+        self.backend = resolve_backend(backend)
+        self.layout = layout
+        self.host_pool = self.backend.allocate_host_pool(layout)
+        self.actor = WorkerActor(
+            rank, layout, kv_caches, self.host_pool, self.backend,
+            pub_endpoint=pub_endpoint, pull_endpoint=pull_endpoint, store=store,
+            heartbeat_interval_s=heartbeat_interval_s,
+        )
+        self._thread = threading.Thread(target=self.actor.run, name=f"zkv-worker-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def rank(self) -> int:
+        return self.actor.rank
+
+    @property
+    def last_seq(self) -> int:
+        """Seq of the last batch this rank acked (-1 before the first)."""
+        return self.actor.last_seq
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def exit_reason(self) -> str | None:
+        return self.actor.exit_reason
+
+    def wait_layer(self, seq: int, layer: int, timeout: float | None = None) -> None:
+        """Before layer ``layer`` of the forward of step batch ``seq``; see
+        :meth:`LayerDoneCounter.wait_layer`."""
+        self.actor.counter.wait_layer(seq, layer, timeout)
+
+    def close(self) -> None:
+        """Stop the actor (it says ``Bye``) and join its thread."""
+        self.actor.stop("sidecar closed")
+        self._thread.join(_JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            raise RuntimeError(f"rank {self.rank} worker thread did not stop within "
+                               f"{_JOIN_TIMEOUT_S} s")
+
+    def __enter__(self) -> Sidecar:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
