@@ -28,14 +28,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zkv.config import CacheLayout  # noqa: E402
-from zkv.kernels import TorchCpuBackend, cuda_available  # noqa: E402
-from zkv.kernels.base import CopyBackend  # noqa: E402
-from zkv.kernels.reference import ref_copy_d2h  # noqa: E402
+from zkv.config import CacheLayout
+from zkv.kernels import TorchCpuBackend, cuda_available
+from zkv.kernels.base import CopyBackend
+from zkv.kernels.reference import ref_copy_d2h
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
@@ -46,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-blocks", type=int, default=384)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--staging-mib", type=float, default=None, help="CPU staging buffer (default: backend's)")
+    p.add_argument(
+        "--staging-mib", type=float, default=None, help="CPU staging buffer (default: backend's)"
+    )
     p.add_argument("--no-oracle", action="store_true", help="skip the per-block Python loop row")
     p.add_argument("--cpu-only", action="store_true")
     p.add_argument(
@@ -199,7 +203,10 @@ def bench_cupy(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
         ("h2d", memcpy(rt.memcpyHostToDevice), h2d),
     ):
         table = Table(f"CuPy backend {direction} on {torch.cuda.get_device_name()}", nbytes)
-        runs = {f"contiguous cudaMemcpyAsync {direction}": base, f"cupy {direction} ({n} scattered blocks)": fn}
+        runs = {
+            f"contiguous cudaMemcpyAsync {direction}": base,
+            f"cupy {direction} ({n} scattered blocks)": fn,
+        }
         for run in runs.values():
             run()
         for _ in range(args.reps):

@@ -46,7 +46,9 @@ def as_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def same_caches(a: list[tuple[torch.Tensor, torch.Tensor]], b: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+def same_caches(
+    a: list[tuple[torch.Tensor, torch.Tensor]], b: list[tuple[torch.Tensor, torch.Tensor]]
+) -> bool:
     return all(as_bytes(x) == as_bytes(y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
 
 

@@ -88,7 +88,7 @@ def test_round_trip_is_byte_identical(backend: TorchCpuBackend, dtype: str) -> N
 def test_nan_payloads_and_negative_zero_survive(backend: TorchCpuBackend) -> None:
     lay = layout("float32", num_layers=1)
     kv, host = random_caches(backend, lay)
-    k, v = kv[0]
+    k, _ = kv[0]
     bits = np.array([0x7F800001, 0xFFC00123, 0x80000000, 0x7FFFFFFF], dtype=np.uint32)
     k.view(torch.int32).view(-1).copy_(torch.from_numpy(np.resize(bits, k.numel()).view(np.int32)))
     want = host.clone()
@@ -105,8 +105,12 @@ def test_odd_geometry_strided_and_misaligned_caches(backend: TorchCpuBackend) ->
     lay = layout("uint8", kv_heads=3, block_size=5, head_dim=7, num_layers=2)
     shape = (lay.num_device_blocks, 3, 5, 7)
     gen = torch.Generator().manual_seed(5)
-    joint = torch.randint(0, 256, (lay.num_device_blocks, 2, *shape[1:]), dtype=torch.uint8, generator=gen)
-    raw = torch.randint(0, 256, (lay.num_device_blocks * 105 * 2 + 1,), dtype=torch.uint8, generator=gen)
+    joint = torch.randint(
+        0, 256, (lay.num_device_blocks, 2, *shape[1:]), dtype=torch.uint8, generator=gen
+    )
+    raw = torch.randint(
+        0, 256, (lay.num_device_blocks * 105 * 2 + 1,), dtype=torch.uint8, generator=gen
+    )
     shifted = raw[1:].view(2, *shape)
     kv = [(joint[:, 0], joint[:, 1]), (shifted[0], shifted[1])]
     host = backend.allocate_host_pool(lay)
@@ -157,12 +161,16 @@ def test_random_scattered_copies_match_oracle(
     staging_bytes: int,
 ) -> None:
     backend = TorchCpuBackend(staging_bytes=staging_bytes)
-    lay = layout(dtype, num_layers=num_layers, kv_heads=kv_heads, block_size=block_size, head_dim=head_dim)
+    lay = layout(
+        dtype, num_layers=num_layers, kv_heads=kv_heads, block_size=block_size, head_dim=head_dim
+    )
     kv, host = random_caches(backend, lay, seed=data.draw(st.integers(0, 2**16)))
     n = data.draw(st.integers(0, lay.num_host_blocks))
     src = data.draw(st.lists(st.integers(0, lay.num_device_blocks - 1), min_size=n, max_size=n))
     dst = data.draw(st.permutations(range(lay.num_host_blocks)))[:n]
-    layers = data.draw(st.sampled_from([None, range(num_layers), range(num_layers - 1, num_layers)]))
+    layers = data.draw(
+        st.sampled_from([None, range(num_layers), range(num_layers - 1, num_layers)])
+    )
 
     want_host = host.clone()
     backend.copy_d2h(kv, host, ids(src), ids(dst), layers=layers)
@@ -281,16 +289,16 @@ def test_concurrent_copies_from_two_threads(backend: TorchCpuBackend) -> None:
     lay = layout(num_device_blocks=40, num_host_blocks=40)
     kv, host = random_caches(backend, lay, seed=7)
     want = host.clone()
-    halves = [(ids(range(0, 20)), ids(range(20, 40))), (ids(range(20, 40)), ids(range(0, 20)))]
+    halves = [(ids(range(20)), ids(range(20, 40))), (ids(range(20, 40)), ids(range(20)))]
     barrier = threading.Barrier(2)
-    errors: list[BaseException] = []
+    errors: list[Exception] = []
 
     def run(src: np.ndarray, dst: np.ndarray) -> None:
         try:
             barrier.wait(timeout=10)
             for _ in range(5):
                 backend.copy_d2h(kv, host, src, dst)
-        except BaseException as e:  # surfaced below
+        except Exception as e:  # noqa: BLE001 - surfaced in the main thread below
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=h) for h in halves]

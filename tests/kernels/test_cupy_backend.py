@@ -105,7 +105,9 @@ def test_odd_geometry_strided_and_misaligned(backend: Any) -> None:
     lay = layout("uint8", kv_heads=3, block_size=5, head_dim=7, num_layers=2)
     shape = (lay.num_device_blocks, 3, 5, 7)
     gen = torch.Generator().manual_seed(5)
-    joint = torch.randint(0, 256, (shape[0], 2, *shape[1:]), dtype=torch.uint8, generator=gen).cuda()
+    joint = torch.randint(
+        0, 256, (shape[0], 2, *shape[1:]), dtype=torch.uint8, generator=gen
+    ).cuda()
     raw = torch.randint(0, 256, (shape[0] * 210 + 1,), dtype=torch.uint8, generator=gen).cuda()
     shifted = raw[1:].view(2, *shape)
     kv = [(joint[:, 0], joint[:, 1]), (shifted[0], shifted[1])]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from typing_extensions import Self
 
 from tests.kernels.helpers import as_bytes, clone, ids, layout, random_caches, same_caches
 from zkv.kernels import DONE, TorchCpuBackend
@@ -25,7 +26,7 @@ from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
 
 
 class _Ctx:
-    def __enter__(self) -> _Ctx:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -63,7 +64,9 @@ class FakeKernel:
         self.width = width
         self.log = log
 
-    def __call__(self, grid: tuple[int, int, int], block: tuple[int], args: tuple[Any, ...]) -> None:
+    def __call__(
+        self, grid: tuple[int, int, int], block: tuple[int], args: tuple[Any, ...]
+    ) -> None:
         ids_arr, n, src0, src1, ss, dst0, dst1, ds, chunk_elems, piece = args
         self.log.append(("launch", self.width, grid, block))
         assert grid[0] == int(n) and grid[1] == 2 and 1 <= grid[2] <= 65535
@@ -84,7 +87,9 @@ class FakeKernel:
 
 
 class FakeModule:
-    def __init__(self, code: str, options: tuple[str, ...] = (), log: list[Any] | None = None) -> None:
+    def __init__(
+        self, code: str, options: tuple[str, ...] = (), log: list[Any] | None = None
+    ) -> None:
         assert "ZKV_COPY_KERNEL(16, uint4)" in code
         self.log = log if log is not None else []
 
@@ -111,10 +116,10 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     )
     cupy = types.ModuleType("cupy")
     cupy.cuda = cuda  # type: ignore[attr-defined]
-    cupy.RawModule = lambda code, options=(): FakeModule(code, options, log)  # type: ignore[attr-defined]
+    cupy.RawModule = lambda code, options=(): FakeModule(code, options, log)  # type: ignore
     cupy.empty = lambda shape, dtype: FakeArray(shape, dtype)  # type: ignore[attr-defined]
     cupyx = types.ModuleType("cupyx")
-    cupyx.empty_pinned = lambda shape, dtype: np.empty(shape, dtype=dtype)  # type: ignore[attr-defined]
+    cupyx.empty_pinned = lambda shape, dtype: np.empty(shape, dtype=dtype)  # type: ignore
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -140,7 +145,9 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
 def _caches(fake: dict[str, Any], lay: Any, seed: int) -> tuple[list[Any], torch.Tensor]:
     kv, _ = random_caches(TorchCpuBackend(), lay, seed=seed)
     host = fake["host_pool"](lay)
-    host.view(torch.uint8).copy_(torch.randint(0, 256, host.view(torch.uint8).shape, dtype=torch.uint8))
+    host.view(torch.uint8).copy_(
+        torch.randint(0, 256, host.view(torch.uint8).shape, dtype=torch.uint8)
+    )
     return kv, host
 
 

@@ -35,7 +35,7 @@ def cuda_available() -> bool:
         import cupy
 
         return bool(cupy.cuda.is_available())
-    except Exception:  # a broken cupy install means: no GPU backend
+    except (ImportError, OSError, RuntimeError):  # a broken cupy install: no GPU backend
         return False
 
 
@@ -48,10 +48,11 @@ def get_backend(name: str = "auto", *, device: int | None = None) -> CopyBackend
     if name == "cupy":
         if not cuda_available():
             raise ConfigError(
-                "copy backend 'cupy' needs CUDA, but torch or cupy sees no GPU; "
-                "use 'cpu' or 'auto'"
+                "copy backend 'cupy' needs CUDA, but torch or cupy sees no GPU; use 'cpu' or 'auto'"
             )
         from zkv.kernels.cupy_backend import CupyBackend
 
         return CupyBackend(device=device)
-    raise ConfigError(f"unknown copy backend {name!r}; one of 'auto', 'cupy', {', '.join(map(repr, _CPU_NAMES))}")
+    raise ConfigError(
+        f"unknown copy backend {name!r}; one of 'auto', 'cupy', {', '.join(map(repr, _CPU_NAMES))}"
+    )

@@ -228,7 +228,9 @@ class CopyBackend(abc.ABC):
                         f"host block shape {block_shape}"
                     )
                 if t.dtype != host_pool.dtype:
-                    raise ValueError(f"layer {layer}: dtype {t.dtype} != host pool {host_pool.dtype}")
+                    raise ValueError(
+                        f"layer {layer}: dtype {t.dtype} != host pool {host_pool.dtype}"
+                    )
                 if t.shape[0] and not t[0].is_contiguous():
                     raise ValueError(f"layer {layer}: each device block must be contiguous")
                 if num_device_blocks not in (-1, t.shape[0]):
@@ -256,9 +258,8 @@ def check_ids(
         raise ValueError(f"src_ids and dst_ids differ in length: {len(src)} != {len(dst)}")
     for arr, bound, what in ((src, src_bound, src_what), (dst, dst_bound, dst_what)):
         if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= bound):
-            raise ValueError(
-                f"{what} block id out of range [0, {bound}): min={int(arr.min())} max={int(arr.max())}"
-            )
+            lo, hi = int(arr.min()), int(arr.max())
+            raise ValueError(f"{what} block id out of range [0, {bound}): min={lo} max={hi}")
     return src, dst
 
 
@@ -266,5 +267,5 @@ def layer_list(layers: range | None, num_layers: int) -> range:
     if layers is None:
         return range(num_layers)
     if not isinstance(layers, range):
-        raise ValueError(f"layers must be a range or None, got {type(layers).__name__}")
+        raise TypeError(f"layers must be a range or None, got {type(layers).__name__}")
     return layers

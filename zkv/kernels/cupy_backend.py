@@ -220,7 +220,10 @@ class CupyBackend(CopyBackend):
         src: tuple[int, int, int],
         dst: tuple[int, int, int],
     ) -> None:
-        """One launch: for kv in (K, V), j < n: dst[kv] + ids[1,j]*stride <- src[kv] + ids[0,j]*stride."""
+        """One launch for K and V of n blocks; ``src``/``dst`` are (K base, V base, stride).
+
+        For kv in (K, V), j < n: ``dst[kv] + ids[1, j] * dst[2] <- src[kv] + ids[0, j] * src[2]``.
+        """
         width = _vector_width(chunk_bytes, (*src, *dst))
         chunk_elems = chunk_bytes // width
         piece = _THREADS * _ELEMS_PER_THREAD
@@ -276,7 +279,9 @@ class CupyBackend(CopyBackend):
         for layer in layers:
             for t in kv_caches[layer]:
                 if t.device != self.device:
-                    raise ValueError(f"layer {layer}: cache on {t.device}, backend on {self.device}")
+                    raise ValueError(
+                        f"layer {layer}: cache on {t.device}, backend on {self.device}"
+                    )
         return geo
 
     def _host_device_ptr(self, host_pool: torch.Tensor) -> int:

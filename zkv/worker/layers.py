@@ -70,6 +70,15 @@ class LayerDoneCounter:
                 self._finish(seq)
             self._cond.notify_all()
 
+    def begin_done(self, seq: int, event_handle: Any = None) -> None:
+        """``begin`` + ``mark_all`` under one lock (a batch without h2d ops)."""
+        with self._cond:
+            if seq in self._batches or seq <= self._forgotten_upto:
+                raise ValueError(f"batch {seq} already began")
+            self._batches[seq] = _Batch([event_handle] * self.num_layers, self.num_layers)
+            self._finish(seq)
+            self._cond.notify_all()
+
     def mark_all(self, seq: int, event_handle: Any = None) -> None:
         """Every remaining layer of ``seq`` is recorded by one event (no h2d in the batch)."""
         with self._cond:
