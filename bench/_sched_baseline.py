@@ -102,12 +102,10 @@ class ListLRUCache:
         entries = self.entries
         lru = self.lru
         for _ in range(need - free):
-            for i, h in enumerate(lru):  # oldest leaf
-                if entries[h][1] == 0:
-                    break
-            else:
+            i = next((j for j, x in enumerate(lru) if entries[x][1] == 0), -1)  # oldest leaf
+            if i < 0:
                 return False
-            del lru[i]
+            h = lru.pop(i)
             p = entries.pop(h)[0]
             if p is not None:
                 entries[p][1] -= 1
@@ -130,20 +128,30 @@ class ListLRUCache:
         self.lru.extend(reversed(hashes[:n]))
 
 
-def run_list_lru(requests: Sequence[Sequence[Hashable]], capacity: int,
-                 clock) -> tuple[int, int, int, list[int]]:
-    """Replay through ListLRUCache; returns (hits, total, fails, per-request ns)."""
+def run_list_lru(requests: Sequence[Sequence[Hashable]], capacity: int, clock, cpu_clock,
+                 budget_ns: int | None = None) -> tuple[int, int, int, list[int], list[int]]:
+    """Replay through ListLRUCache; returns (hits, total, fails, per-request wall ns, CPU
+    stamps: one before each request and one at the end). With ``budget_ns``, stops once the
+    timed steps add up to more than that (a prefix of the replay)."""
     c = ListLRUCache(capacity)
     hits = total = fails = 0
-    times = []
+    times: list[int] = []
+    cpu: list[int] = []
+    spent = 0
     for i, hashes in enumerate(requests):
+        if budget_ns is not None and spent > budget_ns:
+            break
         rid = str(i)
+        cpu.append(cpu_clock())
         t0 = clock()
         k = c.match(rid, hashes)
         ok = c.allocate(rid)
         c.finish(rid, cache=ok)
-        times.append(clock() - t0)
+        dt = clock() - t0
+        times.append(dt)
+        spent += dt
         hits += k
         total += len(hashes)
         fails += not ok
-    return hits, total, fails, times
+    cpu.append(cpu_clock())
+    return hits, total, fails, times, cpu

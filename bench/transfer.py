@@ -9,9 +9,11 @@ from other processes hits all of them alike:
     d2h          ``copy_d2h`` of n random device blocks -> n random host blocks, all layers
     h2d          ``copy_h2d`` layer by layer, n random host blocks -> n random device blocks
 
-and the table shows median GB/s, best GB/s and median / median-of-contiguous. The CPU
-part always runs; the CuPy part runs when CUDA is available. Memory is touched before
-timing (an untouched calloc page reads as the shared zero page and flatters reads).
+and the table shows median GB/s, best GB/s and median / median of the contiguous copy.
+CPU rows: the default backend (ops below torch's parallel grain: one core, no OpenMP
+regions) and ``parallel=True`` (torch's intra-op pool). ``--threads 1 2`` repeats the
+CPU table per torch thread count. The CuPy part runs when CUDA is available. Memory is
+touched before timing (an untouched calloc page reads as the shared zero page).
 """
 
 from __future__ import annotations
@@ -106,11 +108,9 @@ def setup(backend: CopyBackend, lay: CacheLayout, seed: int):
 
 
 def bench_cpu(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
-    backend = (
-        TorchCpuBackend()
-        if args.staging_mib is None
-        else TorchCpuBackend(staging_bytes=int(args.staging_mib * 2**20))
-    )
+    staging = {} if args.staging_mib is None else {"staging_bytes": int(args.staging_mib * 2**20)}
+    backend = TorchCpuBackend(**staging)
+    par = TorchCpuBackend(parallel=True, **staging)
     kv, host = setup(backend, lay, args.seed)
     rng = np.random.default_rng(args.seed)
     src = rng.choice(lay.num_device_blocks, n, replace=False).astype("<i4")
@@ -121,14 +121,16 @@ def bench_cpu(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
     touch(a, torch.Generator().manual_seed(1))
     touch(b, torch.Generator().manual_seed(2))
 
-    def h2d() -> None:
+    def h2d(be: TorchCpuBackend) -> None:
         for layer in range(lay.num_layers):
-            backend.copy_h2d(host, kv, dst, src, layer)
+            be.copy_h2d(host, kv, dst, src, layer)
 
     runs: dict[str, Callable[[], object]] = {
         "contiguous torch copy_": lambda: b.copy_(a),
         f"cpu d2h ({n} scattered blocks)": lambda: backend.copy_d2h(kv, host, src, dst),
-        f"cpu h2d ({n} scattered blocks)": h2d,
+        f"cpu h2d ({n} scattered blocks)": lambda: h2d(backend),
+        "cpu d2h, parallel=True": lambda: par.copy_d2h(kv, host, src, dst),
+        "cpu h2d, parallel=True": lambda: h2d(par),
     }
     table = Table(
         f"torch-CPU backend, {torch.get_num_threads()} threads: {lay.num_layers} layers x "

@@ -236,7 +236,8 @@ def test_negative_ids_refused_without_limits() -> None:
 
 
 def test_duplicate_op_ids_refused() -> None:
-    ops = (P.Op(3, P.D2H, P.as_ids([0]), P.as_ids([0])), P.Op(3, P.D2H, P.as_ids([1]), P.as_ids([1])))
+    ops = (P.Op(3, P.D2H, P.as_ids([0]), P.as_ids([0])),
+           P.Op(3, P.D2H, P.as_ids([1]), P.as_ids([1])))
     _refused(P.encode(P.CopyBlocks(0, 0, ops)), match="duplicate op id")
 
 

@@ -66,7 +66,8 @@ class LocalDirStore:
     put durable across a machine crash (slower; the cache does not need it).
     """
 
-    def __init__(self, root: str | os.PathLike[str], namespace: str, *, fsync: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike[str], namespace: str, *,
+                 fsync: bool = False) -> None:
         if not namespace or "/" in namespace or namespace.startswith("."):
             raise ValueError(f"bad namespace {namespace!r}")
         self.root = os.fspath(root)

@@ -33,7 +33,8 @@ def eps() -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture
-def group(ctx: zmq.Context[Any], eps: tuple[str, str]) -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
+def group(ctx: zmq.Context[Any],
+          eps: tuple[str, str]) -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
     """A dispatcher with 3 joined fake ranks."""
     d = Dispatcher(*eps, 3, FP, context=ctx)
     ranks = [FakeRank(ctx, *eps, r, FP).join() for r in range(3)]
@@ -52,7 +53,8 @@ def _op(i: int, n: int = 2) -> P.Op:
 
 def test_scheduler_side_imports_no_tensor_libraries() -> None:
     code = ("import sys, zkv.scheduler.dispatcher; "
-            "bad = [m for m in ('torch', 'cupy', 'zkv.worker', 'zkv.kernels') if m in sys.modules]; "
+            "bad = [m for m in ('torch', 'cupy', 'zkv.worker', 'zkv.kernels') "
+            "if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -148,7 +150,8 @@ def test_publish_misuse(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
         r.close()
 
 
-def test_hello_before_subscription_does_not_count(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
+def test_hello_before_subscription_does_not_count(ctx: zmq.Context[Any],
+                                                  eps: tuple[str, str]) -> None:
     """The slow-joiner case: a hello over PUSH that outruns the SUB's subscription."""
     d = Dispatcher(*eps, 2, FP, context=ctx)
     r0 = FakeRank(ctx, *eps, 0, FP).join()

@@ -52,8 +52,9 @@ def test_every_block_round_trips_on_every_rank(group: WorkerGroup) -> None:
     assert done.ok, done
     done = group.run([P.Op(0, P.D2H, ids(range(HALF)), ids(range(HALF)))], step=1)
     assert done.results == {0: P.OpResult(0, True, HALF)}
-    done = group.run([P.Op(0, P.H2D, ids(range(HALF)), ids(range(HALF, NUM_DEVICE)), layerwise=True),
-                      P.Op(1, P.CHECK, src=ids(range(HALF, NUM_DEVICE)), keys=keys)], step=2)
+    upper = ids(range(HALF, NUM_DEVICE))
+    done = group.run([P.Op(0, P.H2D, ids(range(HALF)), upper, layerwise=True),
+                      P.Op(1, P.CHECK, src=upper, keys=keys)], step=2)
     assert done.ok and done.results[1] == P.OpResult(1, True, HALF), done
     # every block moved twice more, reversed, through the other host blocks
     back = list(reversed(range(HALF, NUM_DEVICE)))

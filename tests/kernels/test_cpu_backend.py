@@ -24,9 +24,9 @@ from zkv.kernels import DONE, TorchCpuBackend
 from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
 
 
-@pytest.fixture
-def backend() -> TorchCpuBackend:
-    return TorchCpuBackend()
+@pytest.fixture(params=[False, True], ids=["inline", "parallel"])
+def backend(request: pytest.FixtureRequest) -> TorchCpuBackend:
+    return TorchCpuBackend(parallel=request.param)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,17 +86,30 @@ def test_round_trip_is_byte_identical(backend: TorchCpuBackend, dtype: str) -> N
 
 
 def test_nan_payloads_and_negative_zero_survive(backend: TorchCpuBackend) -> None:
+    """The CPU backend moves rows as complex128 elements: signaling NaNs, NaN payloads,
+    -0.0 and denormals (as float64 or as two float32 halves) must come through bit-exact."""
     lay = layout("float32", num_layers=1)
     kv, host = random_caches(backend, lay)
     k, _ = kv[0]
-    bits = np.array([0x7F800001, 0xFFC00123, 0x80000000, 0x7FFFFFFF], dtype=np.uint32)
-    k.view(torch.int32).view(-1).copy_(torch.from_numpy(np.resize(bits, k.numel()).view(np.int32)))
+    bits = np.array(
+        [
+            0x7FF0000000000001,  # float64 signaling NaN
+            0xFFF8000000000123,  # float64 quiet NaN with payload
+            0x8000000000000000,  # float64 -0.0
+            0x000FFFFFFFFFFFFF,  # float64 largest denormal
+            0x7F800001FFC00123,  # two float32 NaNs
+        ],
+        dtype=np.uint64,
+    )
+    pattern = np.resize(bits, k.numel() // 2).view(np.int64)
+    k.view(torch.int64).view(-1).copy_(torch.from_numpy(pattern))
     want = host.clone()
 
     backend.copy_d2h(kv, host, ids([0, 5]), ids([1, 2]))
     ref_copy_d2h(kv, want, ids([0, 5]), ids([1, 2]))
 
     assert as_bytes(host) == as_bytes(want)
+    assert as_bytes(host[2, 0, 0]) == pattern.tobytes()[: lay.chunk_bytes]
 
 
 def test_odd_geometry_strided_and_misaligned_caches(backend: TorchCpuBackend) -> None:
@@ -127,8 +140,9 @@ def test_odd_geometry_strided_and_misaligned_caches(backend: TorchCpuBackend) ->
     assert same_caches(kv, want_kv)
 
 
-def test_tiny_staging_buffer_chunks_correctly() -> None:
-    backend = TorchCpuBackend(staging_bytes=1)  # one row per chunk
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tiny_staging_buffer_chunks_correctly(parallel: bool) -> None:
+    backend = TorchCpuBackend(staging_bytes=1, parallel=parallel)  # one row per op
     lay = layout(num_device_blocks=30, num_host_blocks=30)
     kv, host = random_caches(backend, lay, seed=6)
     want = host.clone()
@@ -150,6 +164,7 @@ def test_tiny_staging_buffer_chunks_correctly() -> None:
     block_size=st.sampled_from([1, 2, 16]),
     head_dim=st.sampled_from([1, 3, 8, 64]),
     staging_bytes=st.sampled_from([1, 300, 1 << 20]),
+    parallel=st.booleans(),
 )
 def test_random_scattered_copies_match_oracle(
     data: st.DataObject,
@@ -159,8 +174,9 @@ def test_random_scattered_copies_match_oracle(
     block_size: int,
     head_dim: int,
     staging_bytes: int,
+    parallel: bool,
 ) -> None:
-    backend = TorchCpuBackend(staging_bytes=staging_bytes)
+    backend = TorchCpuBackend(staging_bytes=staging_bytes, parallel=parallel)
     lay = layout(
         dtype, num_layers=num_layers, kv_heads=kv_heads, block_size=block_size, head_dim=head_dim
     )

@@ -258,7 +258,9 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free_invalid(self, data: st.DataObject) -> None:
         """A list with at least one bad id: nothing is freed."""
-        good = data.draw(st.lists(st.sampled_from(sorted(self.used)), unique=True)) if self.used else []
+        good: list[int] = []
+        if self.used:
+            good = data.draw(st.lists(st.sampled_from(sorted(self.used)), unique=True))
         free_ids = sorted(set(range(self.size)) - self.used)
         bad_choices = [st.integers(-5, -1), st.integers(self.size, self.size + 5)]
         if free_ids:

@@ -29,7 +29,8 @@ def item(start: int, end: int, tag: int = 1) -> MultiModalItem:
 
 def block_alone(tokens: list[int], b: int, parent: bytes, items: list[MultiModalItem]) -> bytes:
     """Hash of block ``b`` alone (incrementally), so a test sees that block's own inputs."""
-    (h,) = hash_tokens(tokens[b * BS : (b + 1) * BS], BS, parent=parent, start_token=b * BS, mm_items=items)
+    block = tokens[b * BS : (b + 1) * BS]
+    (h,) = hash_tokens(block, BS, parent=parent, start_token=b * BS, mm_items=items)
     return h
 
 
@@ -56,7 +57,8 @@ def test_matches_the_documented_formula() -> None:
     assert hash_tokens(TOKENS, BS) == want
     digest = bytes(range(16))
     mm = [MultiModalItem(5, 6, digest)]
-    h1 = xxhash.xxh3_128_digest(want[0] + np.asarray(TOKENS[4:8], "<i4").tobytes() + b"\xff" + digest)
+    block1 = np.asarray(TOKENS[4:8], "<i4").tobytes()
+    h1 = xxhash.xxh3_128_digest(want[0] + block1 + b"\xff" + digest)
     assert hash_tokens(TOKENS[:8], BS, mm_items=mm) == [want[0], h1]
     assert hash_block(ROOT_HASH, np.asarray(TOKENS[:4], "<i4").tobytes()) == want[0]
 
@@ -88,7 +90,8 @@ print(",".join(h.hex() for h in hash_ids_chain([7, -3, 2**40])))
 def _hashes_in_child(seed: str) -> list[str]:
     env = dict(os.environ, PYTHONHASHSEED=seed)
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=60, check=True,
+        [sys.executable, "-c", _CHILD],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
     )
     return out.stdout.split()
 

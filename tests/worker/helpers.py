@@ -56,7 +56,8 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "cond
             time.sleep(0.005)  # a polling interval, not synchronization
 
 
-def poll_until_done(d: Dispatcher, seqs: set[int] | int, timeout: float = 10.0) -> dict[int, BatchDone]:
+def poll_until_done(d: Dispatcher, seqs: set[int] | int,
+                    timeout: float = 10.0) -> dict[int, BatchDone]:
     """Poll the dispatcher until every seq in ``seqs`` completed; return them by seq."""
     want = {seqs} if isinstance(seqs, int) else set(seqs)
     got: dict[int, BatchDone] = {}

@@ -98,7 +98,8 @@ def test_d2h_h2d_round_trip_is_byte_identical(stack: ExitStack, folder: str) -> 
         for h, key in zip(host.tolist(), keys):
             got = bytes(rig.cpu.host_block(sc.host_pool, h))
             assert got == reference.expected_block_bytes(LAYOUT, key, sc.rank)
-    done = rig.run([P.Op(0, P.H2D, host, dst, layerwise=True), P.Op(1, P.CHECK, src=dst, keys=keys)])
+    done = rig.run([P.Op(0, P.H2D, host, dst, layerwise=True),
+                    P.Op(1, P.CHECK, src=dst, keys=keys)])
     assert done.ok and done.results[1] == P.OpResult(1, True, 8), done
     for sc in rig.sidecars:
         kv = sc.actor.kv_caches
@@ -133,7 +134,8 @@ def test_empty_batches_are_acked_and_mark_every_layer(stack: ExitStack, folder: 
 class GatedBackend:
     """The CPU backend, with chosen copies held until the test opens a gate."""
 
-    def __init__(self, inner: Any, gate_h2d_layer: int | None = None, gate_d2h: bool = False) -> None:
+    def __init__(self, inner: Any, gate_h2d_layer: int | None = None,
+                 gate_d2h: bool = False) -> None:
         self._inner = inner
         self.gate_h2d_layer = gate_h2d_layer
         self.gate_d2h = gate_d2h
@@ -363,7 +365,8 @@ def _ack(fake: FakeScheduler) -> P.BlocksCopied:
     return msg
 
 
-def test_malformed_batch_is_acked_failed_and_actor_lives(raw: tuple[FakeScheduler, Sidecar]) -> None:
+def test_malformed_batch_is_acked_failed_and_actor_lives(
+        raw: tuple[FakeScheduler, Sidecar]) -> None:
     fake, sc = raw
     fake.send(_batch_frames(0))
     assert _ack(fake).ok
@@ -413,3 +416,39 @@ def test_raw_shutdown(raw: tuple[FakeScheduler, Sidecar]) -> None:
     bye = fake.recv()
     assert isinstance(bye, P.Bye) and bye.reason == "shutdown"
     wait_until(lambda: not sc.alive, 5, "the actor to stop")
+
+
+def test_sidecar_reads_its_environment(stack: ExitStack, folder: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    pub, pull = endpoints(folder)
+    layout = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=8,
+                         num_device_blocks=4, num_host_blocks=4, world_size=1)
+    d = Dispatcher(pub, pull, 1, layout.fingerprint())
+    stack.callback(d.close)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("ZKV_PUB_ENDPOINT", pub)
+    monkeypatch.setenv("ZKV_PULL_ENDPOINT", pull)
+    monkeypatch.setenv("ZKV_CONFIG", layout.to_json())
+    kv = kernels.get_backend("cpu").allocate_device_cache(layout)
+    with Sidecar(kv, backend="cpu") as sc:
+        d.wait_for_ranks(10)
+        assert (sc.rank, sc.layout) == (0, layout)
+        assert tuple(sc.host_pool.shape) == (4, 2, 2, 1, 4, 8)
+        seq = d.publish([], step=0)
+        sc.wait_layer(seq, 1, timeout=5)
+        assert poll_until_done(d, seq)[seq].ok
+        assert sc.last_seq == 0
+
+
+def test_sidecar_without_environment_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zkv.errors import ConfigError
+
+    for name in ("RANK", "ZKV_PUB_ENDPOINT", "ZKV_PULL_ENDPOINT", "ZKV_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    kv = kernels.get_backend("cpu").allocate_device_cache(LAYOUT)
+    with pytest.raises(ConfigError, match="ZKV_CONFIG"):
+        Sidecar(kv, backend="cpu")
+    with pytest.raises(ConfigError, match="RANK"):
+        Sidecar(kv, layout=LAYOUT, backend="cpu")
+    with pytest.raises(ConfigError, match="ZKV_PUB_ENDPOINT"):
+        Sidecar(kv, layout=LAYOUT, rank=0, backend="cpu")

@@ -217,7 +217,7 @@ class CopyBackend(abc.ABC):
         if host_pool.device.type != "cpu":
             raise ValueError(f"host pool must live on the CPU, got {host_pool.device}")
         block_shape = tuple(host_pool.shape[3:])
-        num_device_blocks = -1
+        num_device_blocks = kv_caches[0][0].shape[0]
         for layer in layers:
             if not 0 <= layer < num_layers:
                 raise ValueError(f"layer {layer} out of range [0, {num_layers})")
@@ -233,11 +233,10 @@ class CopyBackend(abc.ABC):
                     )
                 if t.shape[0] and not t[0].is_contiguous():
                     raise ValueError(f"layer {layer}: each device block must be contiguous")
-                if num_device_blocks not in (-1, t.shape[0]):
+                if t.shape[0] != num_device_blocks:
                     raise ValueError("all layers must have the same number of device blocks")
-                num_device_blocks = t.shape[0]
         chunk_bytes = math.prod(block_shape) * host_pool.element_size()
-        return Geometry(num_layers, max(num_device_blocks, 0), host_pool.shape[0], chunk_bytes)
+        return Geometry(num_layers, num_device_blocks, host_pool.shape[0], chunk_bytes)
 
 
 def as_index(ids: Ids, name: str) -> np.ndarray:

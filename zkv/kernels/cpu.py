@@ -1,26 +1,41 @@
 """torch-CPU copy backend: the synchronous twin of the CuPy backend, used by CI.
 
-Every (layer, K|V) of a call is one gather and one scatter of whole chunks, chunked
-through a small per-thread staging buffer::
+Each (layer, K|V) of a call is a gather and a scatter of whole chunks through a small
+per-thread staging buffer::
 
-    src rows (device K_l or host[:, l, kv])      staging (<= staging_bytes, stays in cache)      dst rows
-    ┌──────┐ index_select (memcpy per row)        ┌──────┐  index_put_ (one pass)               ┌──────┐
-    │ s0   │ ───────────────────────────────────► │ s0   │ ───────────────────────────────────► │ d0   │
-    │ s1   │                                      │ s1   │                                      │ d1   │
-    └──────┘                                      └──────┘                                      └──────┘
+    src rows                      staging (reused, in cache)        dst rows
+    (K_l, or host[:, l, kv])                                        (host[:, l, kv], or K_l)
+    ┌────┐  index_select          ┌────┐  index_copy_ / index_put_  ┌────┐
+    │ s0 │ ─────────────────────► │ s0 │ ─────────────────────────► │ d0 │
+    │ s1 │  (memcpy per row)      │ s1 │  (one element at a time)   │ d1 │
+    └────┘                        └────┘                            └────┘
 
-Why this shape (measured on a 2-core EPYC, see bench/transfer.py):
+Why this shape (measured on the 2-core EPYC CI machine; bench/transfer.py):
 
-- ``index_select`` along dim 0 of a row-contiguous tensor is a memcpy per row, near
-  the speed of a contiguous copy; ``index_put_`` / ``index_copy_`` move one *element*
-  per iteration, so we view every row as the widest element that divides it:
-  ``complex128`` (16 bytes) is ~5x faster than ``float16`` elements. A copy never
-  does arithmetic on the elements, so any bit pattern (NaN payloads included) survives;
+- ``index_select`` along dim 0 of row-contiguous tensors memcpys each row, close to a
+  contiguous copy. ``index_copy_`` / ``index_put_`` move one *element* per iteration,
+  so every row is viewed as the widest element dividing it: ``complex128`` (16 bytes)
+  is ~20x faster than ``uint8`` and ~3x faster than ``int64``. A copy does no
+  arithmetic on elements, so every bit pattern (NaN payloads, -0.0) survives; the
   tests check byte equality on random bytes.
-- torch has no single-pass gather+scatter; staging keeps the intermediate in cache so
-  DRAM sees about the traffic of one copy.
-- A Python loop runs per (layer, K|V, staging chunk), never per block. torch ops
+- torch has no one-pass gather+scatter; the staging buffer keeps the intermediate in
+  cache so DRAM sees roughly one copy's traffic.
+- A Python loop runs per (layer, K|V, chunk of rows), never per block. torch ops
   release the GIL, so a worker thread copies while the model thread runs.
+
+Threads. By default every op stays below torch's parallel grain (32768 elements), so
+it runs inline in the calling thread: one core, no OpenMP region. With more busy
+threads than cores (a model, several rank processes, CI), each OpenMP region can wait
+a scheduler time slice for a descheduled team member; ``index_put_`` opens one even
+for two rows. Measured, 256 random blocks of 2 MiB, ratio to one contiguous ``copy_``
+at the same torch thread count:
+
+    machine            inline (default)         parallel=True
+    idle, 1 thread     0.59x                    0.69x
+    idle, 2 threads    0.38x (one core)         0.72x
+    load 9, 2 threads  0.4-0.6x                 0.12-0.18x (regions stall)
+
+``torch.set_num_threads`` stays the process's choice, never ours.
 
 Thread safety: calls from different threads are safe (staging is thread-local);
 concurrent calls that write the same blocks are the caller's bug, as on GPU.
@@ -55,26 +70,36 @@ _WIDTHS: tuple[tuple[int, torch.dtype], ...] = (
     else ()
 ) + ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
-DEFAULT_STAGING_BYTES = 8 << 20
+DEFAULT_STAGING_BYTES = 4 << 20  # parallel mode: 2-8 MiB measure alike
+# at::internal::GRAIN_SIZE: an op over fewer elements runs inline in the calling thread.
+_GRAIN_ELEMS = 32768
 
 
 class TorchCpuBackend(CopyBackend):
     """Synchronous block copies with torch CPU ops; events are always complete.
 
-    Complexity per call: O(len(layers) * (1 + n*chunk_bytes / staging_bytes)) torch ops.
+    ``parallel=False`` (default): every op stays under torch's parallel grain, so a
+    copy runs entirely in the calling thread and never opens an OpenMP region: one
+    core, predictable next to a model or other processes. ``parallel=True``: ops of up
+    to ``staging_bytes`` use torch's intra-op pool; faster on an idle machine, but
+    each of its many regions may stall a scheduler slice when cores are oversubscribed.
+
+    Complexity per call: O(len(layers) * (1 + n / rows_per_op)) torch ops, where
+    rows_per_op = staging_bytes / chunk_bytes (parallel) or 32767 / chunk elements.
     """
 
     name = "cpu"
 
-    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES, parallel: bool = False) -> None:
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be > 0, got {staging_bytes}")
         self.device = torch.device("cpu")
         self._staging_bytes = staging_bytes
+        self._parallel = parallel
         self._local = threading.local()
 
     def __repr__(self) -> str:
-        return f"TorchCpuBackend(staging_bytes={self._staging_bytes})"
+        return f"TorchCpuBackend(staging_bytes={self._staging_bytes}, parallel={self._parallel})"
 
     def allocate_host_pool(self, layout: CacheLayout) -> torch.Tensor:
         return torch.zeros(host_pool_shape(layout), dtype=torch_dtype(layout))
@@ -130,15 +155,20 @@ class TorchCpuBackend(CopyBackend):
         self, src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
     ) -> None:
         """``dst[dst_idx[j]] = src[src_idx[j]]`` for rows, through the staging buffer."""
-        n = len(src_idx)
-        row_bytes = src.shape[1] * src.element_size()
-        per = max(1, self._staging_bytes // row_bytes)
-        staging = self._staging(min(n, per), src.shape[1], src.dtype)
+        n, width = len(src_idx), src.shape[1]
+        per = max(1, self._staging_bytes // (width * src.element_size()))
+        if not self._parallel:
+            per = max(1, min(per, (_GRAIN_ELEMS - 1) // width))
+        staging = self._staging(min(n, per), width, src.dtype)
         for start in range(0, n, per):
             s = src_idx[start : start + per]
+            d = dst_idx[start : start + per]
             buf = staging[: len(s)]
             torch.index_select(src, 0, s, out=buf)
-            dst.index_put_((dst_idx[start : start + per],), buf)
+            if self._parallel:
+                dst.index_put_((d,), buf)  # ~10% faster, but always opens a parallel region
+            else:
+                dst.index_copy_(0, d, buf)  # inline below the grain
 
     def _staging(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """This thread's staging buffer, grown on demand and kept (<= staging_bytes + a row)."""

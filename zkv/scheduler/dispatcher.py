@@ -294,18 +294,15 @@ class Dispatcher:
     def _drain(self) -> None:
         """Handle every message already queued on both sockets, without blocking."""
         pull, pub = self._pull, self._pub
-        while True:
+        # EVENTS is cheaper than a NOBLOCK recv that raises zmq.Again.
+        while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = pull.recv_multipart(zmq.NOBLOCK)
             try:
-                frames = pull.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._on_message(frames)
-        while True:
-            try:
-                sub = pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._on_subscription(sub)
+                self._on_message(frames)
+            except Exception as e:  # a message must never take the scheduler down
+                self._log.exception(ev.ACK_REFUSED, error=repr(e), type=_tag(frames))
+        while pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._on_subscription(pub.recv(zmq.NOBLOCK))
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
@@ -376,7 +373,8 @@ class Dispatcher:
         else:
             r.joined_pid = None
             r.hello_pid = None
-            self._log.warning(RANK_LEFT, rank=rank, worker_pid=pid, reason="subscriber disconnected")
+            self._log.warning(RANK_LEFT, rank=rank, worker_pid=pid,
+                              reason="subscriber disconnected")
 
     def _maybe_join(self, r: _Rank) -> None:
         if self._started or r.hello_pid is None or r.hello_pid not in r.sub_pids:

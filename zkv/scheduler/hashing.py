@@ -49,6 +49,8 @@ def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise ValueError("token ids must be one-dimensional")
+    if arr.size and arr.dtype.kind not in "iu":  # 1.5 must not hash like 1
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
     if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
         raise ValueError("token ids must fit in int32")
     return arr.astype("<i4", copy=False).tobytes()
@@ -109,6 +111,10 @@ def hash_ids_chain(ids: Sequence[int], *, parent: bytes = ROOT_HASH) -> list[Blo
     out: list[BlockHash] = []
     h = parent
     for i in ids:
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+            raise ValueError(f"block ids must be integers, got {i!r}")
+        if not -(2**63) <= i < 2**63:
+            raise ValueError(f"block id {i} does not fit in int64")
         h = _xxh128(h + int(i).to_bytes(8, "little", signed=True))
         out.append(h)  # type: ignore[arg-type]
     return out

@@ -70,7 +70,7 @@ def check(cm: CacheManager) -> None:
         if n.status in ON_DEVICE:
             assert parent is tree.root or parent.status in ON_DEVICE, (
                 f"tier order: {n} on device under {parent}")
-        ndev = sum(1 for c in n.children.values() if c.status in ON_DEVICE)
+        ndev = sum(1 for c in (n.children or {}).values() if c.status in ON_DEVICE)
         assert n.ndev == ndev, f"{n}: ndev {n.ndev} != {ndev}"
         want_d = n.status is DEVICE and n.ref == 0 and n.busy == 0
         assert (n.dprev is not None) == want_d, f"{n}: device LRU membership wrong"
@@ -92,9 +92,9 @@ def _walk(cm: CacheManager) -> list[Node]:
     while stack:
         n = stack.pop()
         assert tree.index.get(n.hash) is n, f"{n} reachable but not indexed"
-        assert n.parent is not None and n.parent.children.get(n.hash) is n
+        assert n.parent is not None and (n.parent.children or {}).get(n.hash) is n
         out.append(n)
-        stack.extend(n.children.values())
+        stack.extend((n.children or {}).values())
     return out
 
 

@@ -289,16 +289,19 @@ class CacheManager:
 
     def allocate(self, req_id: str, num_tokens: int) -> list[int] | None:
         """Device block table covering ``num_tokens`` tokens, or ``None`` when the device
-        tier cannot make room (the request is unchanged). Matched host blocks are swapped in (one
-        layerwise h2d op per step); the rest are fresh blocks owned by the request.
+        tier cannot make room (the request is unchanged). Matched host blocks are swapped
+        in (one layerwise h2d op per step); the rest are fresh blocks owned by the request.
         Called again with more tokens, it grows the table (decode)."""
         st = self._req(req_id)
         need = self.num_blocks_needed(req_id, num_tokens)
-        if need > self.device.num_free + self.tree.num_dlru:
+        free = self.device.num_free
+        if need > free + self.tree.num_dlru:
             return None
-        if not self._evict_device(need - self.device.num_free):
+        evicted = self._evict_device(need - free)
+        if evicted is None:
             return None  # evictions done so far stand; they are ordinary cache state
         total = -(-num_tokens // self.block_size)
+        table = st.table
         if not st.allocated:
             st.allocated = True
             for n in st.loading:  # still loading: not used by this request
@@ -310,11 +313,10 @@ class CacheManager:
             for n in reversed(st.nodes[k:]):
                 self._unref(n)
             del st.nodes[k:]
-            table = st.table
             op = None
             for n in st.nodes:
                 if n.status is HOST:
-                    b = self.device.allocate_one()
+                    b = evicted.pop() if evicted else self.device.allocate_one()
                     assert b is not None
                     n.dev = b
                     n.status = SWAP_TO_DEVICE
@@ -327,15 +329,19 @@ class CacheManager:
                     op.dst.append(b)
                     op.req_ids.append(req_id)
                 table.append(n.dev)
-        n_new = total - len(st.table)
+        n_new = total - len(table)
         if n_new > 0:
-            ids = self.device.allocate(n_new)
-            assert ids is not None, "eviction made too little room"
-            base = len(st.table)
-            for i, b in enumerate(ids):
-                st.fresh[base + i] = b
-            st.table.extend(ids)
-        return list(st.table)
+            evicted.reverse()  # the order a free + allocate round trip through the pool gives
+            if len(evicted) < n_new:
+                more = self.device.allocate(n_new - len(evicted))
+                assert more is not None, "eviction made too little room"
+                evicted += more
+            base = len(table)
+            st.fresh.update(zip(range(base, base + n_new), evicted))
+            table += evicted
+        else:
+            assert not evicted
+        return list(table)
 
     def block_table(self, req_id: str) -> list[int]:
         return list(self._req(req_id).table)
@@ -367,70 +373,102 @@ class CacheManager:
         st.loading = []
         full = len(st.table) if num_computed_tokens is None else num_computed_tokens // self.block_size
         full = min(full, len(st.hashes), len(st.table))
-        path = self._insert_path(st, full)
+        path, to_free = self._insert_path(st, full)
         if self._threshold is not None:
             thr = self._threshold
             for n in path:
                 if n.hits >= thr and n.host < 0 and n.status is DEVICE and not n.busy:
                     self._backup(n)
-        for b in st.fresh.values():  # blocks not adopted by a node
-            self.device.free_one(b)
+        if to_free:
+            self.device.free(to_free)
         tree = self.tree
+        dsent = tree._dsent
         for n in reversed(path):  # leaf first: ancestors end up nearer the young end
-            n.ref -= 1
-            if n.ref == 0 and not n.busy:
-                if n.status is DEVICE:
-                    tree.dlru_push(n)
+            r = n.ref - 1
+            n.ref = r
+            if r == 0 and not n.busy:
+                if n.status is DEVICE:  # inline dlru_push: this loop runs once per block
+                    t = dsent.dprev
+                    n.dprev = t
+                    n.dnext = dsent
+                    t.dnext = n  # type: ignore[union-attr]
+                    dsent.dprev = n
+                    tree.num_dlru += 1
                 if n.host_ok:
                     tree.hlru_push(n)
 
-    def _insert_path(self, st: _Request, full: int) -> list[Node]:
-        """Nodes for the first ``full`` blocks, each ref'd once for the caller to release;
-        adopted fresh blocks are removed from ``st.fresh``. Request refs beyond ``full`` are
-        released here."""
+    def _insert_path(self, st: _Request, full: int) -> tuple[list[Node], list[int]]:
+        """Nodes for the first ``full`` blocks, each holding one ref for the caller to
+        release, and the request's device blocks that no node adopted (to free)."""
         nodes = st.nodes
         fresh = st.fresh
-        path: list[Node] = []
-        for n in nodes[full:]:
+        table = st.table
+        orig_matched = len(nodes)
+        for n in reversed(nodes[full:]):  # leaf first, like every release
             self._unref(n)
         del nodes[full:]
-        index = self.tree.index
-        parent = self.tree.root
-        now = self._clock
-        for i in range(full):
-            b = fresh.get(i)
-            if i < len(nodes):
-                n = nodes[i]
+        num_matched = len(nodes)
+        to_free: list[int] = []
+        tree = self.tree
+        parent = tree.root
+        low_fresh = bool(fresh) and min(fresh) < orig_matched
+        adopted_low: set[int] = set()
+        if low_fresh:
+            # Rare: a swap-in failed and the request recomputed into its own block.
+            for i, n in enumerate(nodes):
+                b = fresh.get(i)
                 if b is not None and n.status is HOST and not n.busy and parent.status is DEVICE:
-                    self._attach_device(n, b)  # swap-in failed and the request recomputed it
-                    del fresh[i]
+                    self._attach_device(n, b)
+                    adopted_low.add(i)
+                parent = n
+        elif nodes:
+            parent = nodes[-1]
+        path = list(nodes)  # matched nodes: the request's refs become the path's refs
+        stop = num_matched
+        if parent.status is DEVICE:
+            index = tree.index
+            hashes = st.hashes
+            now = self._clock
+            for stop in range(num_matched, full):
+                h = hashes[stop]
+                n = index.get(h)
+                if n is None:
+                    n = Node(h, parent, DEVICE, table[stop])
+                    n.ref = n.hits = 1
+                    n.last_access = now
+                    pc = parent.children
+                    if pc is None:
+                        parent.children = {h: n}
+                    else:
+                        pc[h] = n
+                    index[h] = n
+                    parent.ndev += 1
+                else:
+                    s_ = n.status
+                    if s_ is DEVICE:
+                        to_free.append(table[stop])  # cached meanwhile by another request
+                    elif s_ is HOST and not n.busy:
+                        self._attach_device(n, table[stop])
+                    else:
+                        break  # in flight: stop caching here
+                    if n.ref == 0:
+                        if n.dprev is not None:
+                            tree.dlru_remove(n)
+                        if n.hprev is not None:
+                            tree.hlru_remove(n)
+                    n.ref += 1
+                    n.hits += 1
+                    n.last_access = now
                 path.append(n)
                 parent = n
-                continue
-            h = st.hashes[i]
-            n = index.get(h)
-            if parent.status is not DEVICE:
-                break
-            if n is None:
-                n = self.tree.add(parent, h, DEVICE, dev=b)  # type: ignore[arg-type]
-                del fresh[i]
-            elif n.status is DEVICE:
-                pass  # cached meanwhile by another request: our copy is freed below
-            elif n.status is HOST and not n.busy:
-                self._attach_device(n, b)  # type: ignore[arg-type]
-                del fresh[i]
             else:
-                break  # in flight: stop caching here
-            if n.ref == 0:
-                self.tree.dlru_remove(n)
-                self.tree.hlru_remove(n)
-            n.ref += 1
-            n.hits += 1
-            n.last_access = now
-            path.append(n)
-            parent = n
-        # Request refs on matched nodes become the path's refs (released by the caller).
-        return path
+                stop = full
+        if low_fresh or stop < orig_matched:
+            to_free += [b for i, b in fresh.items()
+                        if i >= stop or (i < num_matched and i not in adopted_low)]
+        else:  # common: every block from `stop` on is the request's own
+            to_free += table[stop:]
+        return path, to_free
 
     def _attach_device(self, n: Node, b: int) -> None:
         n.dev = b
@@ -451,49 +489,69 @@ class CacheManager:
 
     # ================================================================ eviction
 
-    def _evict_device(self, n_blocks: int) -> bool:
-        """Free ``n_blocks`` device blocks from the oldest device-LRU tails; False when
-        every remaining candidate has a child with an op in flight."""
+    def _evict_device(self, n_blocks: int) -> list[int] | None:
+        """Evict ``n_blocks`` of the oldest device-LRU chain tails. Their ids pass to the
+        caller still allocated (reusable this step: the worker runs d2h before compute).
+        ``None`` (ids returned to the pool) when every remaining candidate has a child with
+        an op in flight."""
+        out: list[int] = []
+        if n_blocks <= 0:
+            return out
         tree = self.tree
-        dev_pool = self.device
-        for _ in range(max(0, n_blocks)):
-            n = tree.dlru_oldest()
-            # The oldest entry is a chain tail unless a child still has an op in flight;
-            # then rotate it to the young end (rare; counted in stats.rotations).
-            for _ in range(tree.num_dlru):
-                if n is None or n.ndev == 0:
-                    break
-                tree.dlru_remove(n)
-                tree.dlru_push(n)
-                self.stats.rotations += 1
-                n = tree.dlru_oldest()
-            if n is None or n.ndev:
-                return False
-            tree.dlru_remove(n)
+        dsent = tree._dsent
+        write_back = self._threshold is None and self.host.num_blocks > 0
+        index = tree.index
+        for _ in range(n_blocks):
+            n = dsent.dnext
+            if n.ndev:  # type: ignore[union-attr]
+                n = self._rotate_device_lru()
+                if n is None:
+                    self.device.free(out)
+                    return None
+            tree.dlru_remove(n)  # type: ignore[arg-type]
+            parent = n.parent  # type: ignore[union-attr]
+            parent.ndev -= 1
+            out.append(n.dev)  # type: ignore[union-attr]
+            n.dev = -1  # type: ignore[union-attr]
             self.stats.evicted_device += 1
-            b = n.dev
-            n.parent.ndev -= 1  # type: ignore[union-attr]
-            n.dev = -1
-            dev_pool.free_one(b)  # reusable this step: the worker runs d2h before compute
-            if n.host_ok:
-                n.status = HOST  # backed up: metadata only
-                tree.hlru_remove(n)
-                tree.hlru_push(n)  # now host-only: younger than its host-only children
+            if n.host_ok:  # type: ignore[union-attr]
+                n.status = HOST  # type: ignore[union-attr]  # backed up: metadata only
+                tree.hlru_remove(n)  # type: ignore[arg-type]
+                tree.hlru_push(n)  # type: ignore[arg-type]  # host-only now: younger than its children
                 continue
-            hb = self._take_host_block() if self._threshold is None else None
+            hb = self._take_host_block() if write_back else None
             if hb is None:
-                n.status = HOST  # transiently, so the subtree drop sees a host-only node
-                self._drop_subtree(n)
+                if not n.children:  # type: ignore[union-attr]  # the common drop: a bare leaf
+                    del parent.children[n.hash]  # type: ignore[union-attr]
+                    del index[n.hash]  # type: ignore[union-attr]
+                    self.stats.dropped += 1
+                else:
+                    n.status = HOST  # type: ignore[union-attr]  # the subtree drop sees host-only nodes
+                    self._drop_subtree(n)  # type: ignore[arg-type]
                 continue
-            n.host = hb
-            n.status = SWAP_TO_HOST
-            n.busy += 1
+            n.host = hb  # type: ignore[union-attr]
+            n.status = SWAP_TO_HOST  # type: ignore[union-attr]
+            n.busy += 1  # type: ignore[union-attr]
             op = self._op(D2H)
-            op.nodes.append(n)
-            op.src.append(b)
+            op.nodes.append(n)  # type: ignore[arg-type]
+            op.src.append(out[-1])
             op.dst.append(hb)
             op.req_ids.append(None)
-        return True
+        return out
+
+    def _rotate_device_lru(self) -> Node | None:
+        """The oldest entry is a chain tail unless a child still has an op in flight (or an
+        ack order put a parent first): rotate such entries to the young end (counted in
+        ``stats.rotations``) and return the first tail, or None."""
+        tree = self.tree
+        for _ in range(tree.num_dlru):
+            n = tree.dlru_oldest()
+            if n is None or n.ndev == 0:
+                return n
+            tree.dlru_remove(n)
+            tree.dlru_push(n)
+            self.stats.rotations += 1
+        return None
 
     def _take_host_block(self) -> int | None:
         b = self.host.allocate_one()
@@ -682,6 +740,7 @@ class CacheManager:
             st = self._reqs.get(p.req_ids[i] or "")
             if st is not None and n in st.loading:
                 st.loading.remove(n)
+                st.num_storage = 0  # what arrived is a host hit now; the rest recomputes
                 if i < done and not failed:
                     st.nodes.append(n)  # the request keeps its ref; swapped in at allocate
                 else:
@@ -749,12 +808,14 @@ class CacheManager:
     def resize(self, num_device_blocks: int | None = None, num_host_blocks: int | None = None) -> bool:
         """Grow or shrink the pools; shrinking succeeds only when the ids past the new size
         are free (call ``reset`` or let requests finish first)."""
-        ok = True
-        if num_device_blocks is not None:
-            ok = self.device.resize(num_device_blocks) and ok
-        if num_host_blocks is not None:
-            ok = self.host.resize(num_host_blocks) and ok
-        return ok
+        plan = [(pool, size) for pool, size in ((self.device, num_device_blocks),
+                                                (self.host, num_host_blocks)) if size is not None]
+        for pool, size in plan:  # all or nothing: check every shrink before changing a pool
+            if size < pool.num_blocks and any(pool.is_allocated(b) for b in range(size, pool.num_blocks)):
+                return False
+        for pool, size in plan:
+            assert pool.resize(size)
+        return True
 
     def num_running(self) -> int:
         return len(self._reqs)

@@ -57,23 +57,17 @@ class Node:
     )
 
     def __init__(self, h: bytes, parent: Node | None, status: Status, dev: int = -1, host: int = -1):
+        # Chained assignments and a lazily created children dict: a node is created per
+        # new block on the scheduling hot path (half the cost of one field per line).
         self.hash = h
         self.parent = parent
-        self.children: dict[bytes, Node] = {}
+        self.children: dict[bytes, Node] | None = None
         self.dev = dev
         self.host = host
         self.status = status
-        self.ref = 0
-        self.hits = 0
-        self.last_access = 0
-        self.busy = 0
-        self.host_ok = False
-        self.in_store = False
-        self.ndev = 0
-        self.dprev: Node | None = None
-        self.dnext: Node | None = None
-        self.hprev: Node | None = None
-        self.hnext: Node | None = None
+        self.ref = self.hits = self.last_access = self.busy = self.ndev = 0
+        self.host_ok = self.in_store = False
+        self.dprev = self.dnext = self.hprev = self.hnext = None
 
     def __repr__(self) -> str:
         return (f"Node({self.hash.hex()[:8]}, {self.status.name}, dev={self.dev}, host={self.host}, "
@@ -85,6 +79,7 @@ class RadixTree:
 
     def __init__(self) -> None:
         self.root = Node(b"", None, DEVICE)
+        self.root.children = {}
         self.index: dict[bytes, Node] = {}
         self._dsent = Node(b"<dlru>", None, DELETING)
         self._dsent.dprev = self._dsent.dnext = self._dsent
@@ -97,7 +92,10 @@ class RadixTree:
 
     def add(self, parent: Node, h: bytes, status: Status, dev: int = -1, host: int = -1) -> Node:
         node = Node(h, parent, status, dev, host)
-        parent.children[h] = node
+        if parent.children is None:
+            parent.children = {h: node}
+        else:
+            parent.children[h] = node
         self.index[h] = node
         if dev >= 0:
             parent.ndev += 1
@@ -107,13 +105,15 @@ class RadixTree:
         """Remove a childless node from the index and its parent (O(1))."""
         assert not node.children, f"detaching {node} with children"
         parent = node.parent
-        assert parent is not None
+        assert parent is not None and parent.children is not None
         del parent.children[node.hash]
         del self.index[node.hash]
         if node.dev >= 0 and node.status in ON_DEVICE:
             parent.ndev -= 1
-        self.dlru_remove(node)
-        self.hlru_remove(node)
+        if node.dprev is not None:
+            self.dlru_remove(node)
+        if node.hprev is not None:
+            self.hlru_remove(node)
 
     def subtree_postorder(self, node: Node) -> list[Node]:
         """Node's descendants then node, children before parents (iterative)."""
@@ -122,7 +122,8 @@ class RadixTree:
         while stack:
             n = stack.pop()
             out.append(n)
-            stack.extend(n.children.values())
+            if n.children:
+                stack.extend(n.children.values())
         out.reverse()
         return out
 

@@ -64,6 +64,11 @@ class WorkerActor:
     ``kv_caches``: per layer ``(K, V)``, each ``[num_device_blocks, kv_heads, block_size,
     head_dim]``; ``host_pool``: ``[num_host_blocks, num_layers, 2, kv_heads, block_size,
     head_dim]``. Their first dimensions bound the ids a batch may name.
+
+    ``compute_stream`` (a raw ``cudaStream_t``) is the model's stream that each batch's
+    copies wait on first (``backend.begin_batch``), so a d2h never reads a block the
+    previous step's forward still writes; ``None`` means the actor thread's current
+    stream (the default stream), right for a model that computes on it.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class WorkerActor:
         context: zmq.Context[Any] | None = None,
         heartbeat_interval_s: float = 0.25,
         io_threads: int = 4,
+        compute_stream: int | None = None,
     ) -> None:
         if len(kv_caches) != layout.num_layers:
             raise ConfigError(f"kv_caches has {len(kv_caches)} layers, layout has "
@@ -93,6 +99,7 @@ class WorkerActor:
         self.pub_endpoint = pub_endpoint
         self.pull_endpoint = pull_endpoint
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.compute_stream = compute_stream
         self.limits = P.Limits(int(self.kv_caches[0][0].shape[0]), int(host_pool.shape[0]))
         self.counter = LayerDoneCounter(layout.num_layers, backend)
         self.exit_code: int | None = None
@@ -249,7 +256,7 @@ class WorkerActor:
     def _run_batch(self, batch: P.CopyBlocks, t_recv: float) -> None:
         seq = batch.seq
         if not batch.ops:  # the hot path of an idle cache: nothing to copy, ack at once
-            self.backend.begin_batch()
+            self.backend.begin_batch(self.compute_stream)
             self.counter.begin_done(seq, self.backend.record_event())
             self._ack(P.BlocksCopied(seq, self.rank, True, (), t_recv, time.time()))
             self._hot_log.debug(ev.BATCH_DONE, seq=seq, num_ops=0, ok=True)
@@ -278,7 +285,7 @@ class WorkerActor:
     def _run_copies(self, batch: P.CopyBlocks, results: dict[int, P.OpResult]) -> Any:
         """d2h/backup (all layers), then h2d layer by layer with an event per layer."""
         b, kv, host, seq = self.backend, self.kv_caches, self.host_pool, batch.seq
-        b.begin_batch()
+        b.begin_batch(self.compute_stream)
         d2h = [op for op in batch.ops if op.kind in _COPY_KINDS]
         h2d = [op for op in batch.ops if op.kind == P.H2D]
         if d2h:

@@ -54,7 +54,8 @@ class Sidecar:
 
     Missing arguments come from the environment zkvrun / torchrun set: ``RANK``,
     ``ZKV_PUB_ENDPOINT``, ``ZKV_PULL_ENDPOINT``, ``ZKV_CONFIG`` (the layout). The host
-    pool is allocated here (page-first, pinned on GPU).
+    pool is allocated here (page-first, pinned on GPU). ``compute_stream``: the model's
+    CUDA stream as a raw handle (default: the default stream); see :class:`WorkerActor`.
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class Sidecar:
         backend: Any = "auto",
         store: Store | None = None,
         heartbeat_interval_s: float = 0.25,
+        compute_stream: int | None = None,
     ) -> None:
         layout = layout if layout is not None else CacheLayout.from_env()
         rank = rank if rank is not None else rank_from_env()
@@ -81,7 +83,7 @@ class Sidecar:
         self.actor = WorkerActor(
             rank, layout, kv_caches, self.host_pool, self.backend,
             pub_endpoint=pub_endpoint, pull_endpoint=pull_endpoint, store=store,
-            heartbeat_interval_s=heartbeat_interval_s,
+            heartbeat_interval_s=heartbeat_interval_s, compute_stream=compute_stream,
         )
         self._thread = threading.Thread(target=self.actor.run, name=f"zkv-worker-{rank}",
                                         daemon=True)
