@@ -275,13 +275,22 @@ class CacheManager:
 
     def num_blocks_needed(self, req_id: str, num_tokens: int) -> int:
         """Device blocks ``allocate(req_id, num_tokens)`` would take (swap-ins + new)."""
-        st = self._req(req_id)
+        return self._plan(self._req(req_id), num_tokens)[0]
+
+    def _plan(self, st: _Request, num_tokens: int) -> tuple[int, int]:
+        """(device blocks needed, usable matched prefix) for allocating ``num_tokens``."""
         total = -(-num_tokens // self.block_size)
         if st.allocated:
-            return max(0, total - len(st.table))
-        k = _usable_prefix(st.nodes)
-        swaps = sum(1 for n in st.nodes[:k] if n.status is HOST)
-        return swaps + max(0, total - k)
+            return max(0, total - len(st.table)), len(st.nodes)
+        k = swaps = 0
+        for n in st.nodes:  # stop at a node another request of this step is swapping in
+            s_ = n.status
+            if s_ is HOST:
+                swaps += 1
+            elif s_ is not DEVICE:
+                break
+            k += 1
+        return swaps + max(0, total - k), k
 
     def can_allocate(self, req_id: str, num_tokens: int) -> bool:
         need = self.num_blocks_needed(req_id, num_tokens)
@@ -293,7 +302,7 @@ class CacheManager:
         in (one layerwise h2d op per step); the rest are fresh blocks owned by the request.
         Called again with more tokens, it grows the table (decode)."""
         st = self._req(req_id)
-        need = self.num_blocks_needed(req_id, num_tokens)
+        need, k = self._plan(st, num_tokens)
         free = self.device.num_free
         if need > free + self.tree.num_dlru:
             return None
@@ -309,10 +318,10 @@ class CacheManager:
             st.loading = []
             # A matched host block that another request of this step is already swapping
             # in is not shared (one owner if that h2d fails): recompute from there.
-            k = _usable_prefix(st.nodes)
-            for n in reversed(st.nodes[k:]):
-                self._unref(n)
-            del st.nodes[k:]
+            if k < len(st.nodes):
+                for n in reversed(st.nodes[k:]):
+                    self._unref(n)
+                del st.nodes[k:]
             op = None
             for n in st.nodes:
                 if n.status is HOST:
@@ -870,13 +879,6 @@ class CacheManager:
         from zkv.scheduler.invariants import check
 
         check(self)
-
-
-def _usable_prefix(nodes: list[Node]) -> int:
-    for i, n in enumerate(nodes):
-        if n.status is not DEVICE and n.status is not HOST:
-            return i
-    return len(nodes)
 
 
 def _index_of(nodes: list[Node], n: Node) -> int:
