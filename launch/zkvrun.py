@@ -142,6 +142,10 @@ def rank_env(config: LaunchConfig, local_rank: int, endpoints: Endpoints,
         "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
         "NODE_RANK": str(config.node_rank),
     })
+    # Like torchrun: ranks that share a node's cores get one OpenMP thread each unless the
+    # caller chose otherwise (oversubscribed OpenMP regions stall for whole time slices).
+    if config.nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 

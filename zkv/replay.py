@@ -290,11 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float16")
     p.add_argument("--device-blocks", type=int, default=768)
-    p.add_argument("--host-blocks", type=int, default=2048)
+    p.add_argument("--host-blocks", type=int, default=1024)
     p.add_argument("--policy", choices=WRITE_POLICIES, default="write_back")
     p.add_argument("--threshold", type=int, default=2, help="write_through_selective hit threshold")
     p.add_argument("--store-dir", default=None,
-                   help="local-directory L3 (default: a fresh temp dir; 'none' disables L3)")
+                   help="local-directory L3 (default: a fresh temp dir, in /dev/shm if present; "
+                        "'none' disables L3)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -326,7 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype,
                          args.device_blocks, args.host_blocks, world_size=args.ranks)
-    with tempfile.TemporaryDirectory(prefix="zkv-l3-") as tmp:
+    # The default L3 directory lives in /dev/shm when there is one: on this class of VM a
+    # file put costs ~1.5 ms on the disk-backed /tmp and ~0.06 ms on tmpfs.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="zkv-l3-", dir=shm) as tmp:
         store_dir = None if args.store_dir == "none" else (args.store_dir or tmp)
         sched = ["-m", "zkv.replay", "--node", *_without_store_dir(argv if argv is not None else sys.argv[1:])]
         if store_dir:
