@@ -58,8 +58,9 @@ def test_rank_env_multi_node() -> None:
         "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "4000", "ZKV_PUB_ENDPOINT": "tcp://10.0.0.1:4000",
         "ZKV_PULL_ENDPOINT": "tcp://10.0.0.1:4001", "ZKV_ROLE": "worker", "ZKV_LOG_DIR": "/l",
-        "ZKV_RUN_ID": "r",
+        "ZKV_RUN_ID": "r", "OMP_NUM_THREADS": "1",
     }
+    assert rank_env(cfg, 3, ep, base_env={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
     s = scheduler_env(cfg, ep, base_env={"RANK": "77", "LOCAL_RANK": "1"})
     assert "RANK" not in s and "LOCAL_RANK" not in s and s["ZKV_ROLE"] == "scheduler"
     assert make_endpoints(LaunchConfig(nnodes=2, master_addr="::1", insecure_tcp=True)).pub == \
