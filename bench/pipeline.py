@@ -87,6 +87,7 @@ def start_group(folder: str, world_size: int) -> tuple[Dispatcher, list[subproce
                     "ZKV_CONFIG": layout.to_json(), "ZKV_PUB_ENDPOINT": pub,
                     "ZKV_PULL_ENDPOINT": pull, "ZKV_BACKEND": "cpu", "ZKV_LOG_LEVEL": "warning"})
         env.pop("ZKV_LOG_DIR", None)
+        env.setdefault("OMP_NUM_THREADS", "1")  # as zkvrun / torchrun set it
         procs.append(subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env,
                                       stdin=subprocess.DEVNULL))
     try:

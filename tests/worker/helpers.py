@@ -146,6 +146,7 @@ def worker_env(rank: int, layout_json: str, pub: str, pull: str, **extra: str) -
         "ZKV_HEARTBEAT_S": "0.1",
         "ZKV_LOG_LEVEL": "warning",
     })
+    env.setdefault("OMP_NUM_THREADS", "1")  # as zkvrun / torchrun set it
     env.update(extra)
     return env
 
