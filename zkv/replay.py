@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from zkv import metrics as M
 from zkv.config import CacheLayout
 from zkv.protocol import CHECK, FILL, Op, OpResult, as_ids
 from zkv.scheduler.hashing import hash_ids_chain, hash_tokens
@@ -99,6 +100,7 @@ class Replayer:
         self.latencies: list[float] = []
         self.s = Summary()
         self.carry: list[Op] = []  # backups / storage writes from finish, sent with the next step
+        self.moved = {k: 0 for k in M.DIRECTIONS}  # blocks every rank copied, per direction
 
     def run(self, workload: Sequence[tuple[str, list[bytes]]]) -> Summary:
         t0 = time.perf_counter()
@@ -137,9 +139,13 @@ class Replayer:
             self.s.requests += 1
             self.s.blocks += len(hashes)
             m = matches[rid]
+            from_storage = max(0, cached - m.num_device - m.num_host)
             self.s.hit_device += m.num_device
             self.s.hit_host += cached - m.num_device
-            self.s.hit_storage += max(0, cached - m.num_device - m.num_host)
+            self.s.hit_storage += from_storage
+            M.HITS_BLOCKS.inc(m.num_device, tier="device")
+            M.HITS_BLOCKS.inc(cached - m.num_device - from_storage, tier="host")
+            M.HITS_BLOCKS.inc(from_storage, tier="storage")
             if cached:
                 sim.append(self._sim(CHECK, table[:cached], hashes[:cached]))
             if len(hashes) > cached:
@@ -149,6 +155,18 @@ class Replayer:
         for rid in running:
             cm.finish(rid)
         self.carry = cm.take_ops()
+
+    def _record(self, ops: list[Op], results: dict[int, OpResult]) -> None:
+        """Prometheus counters: blocks and bytes that every rank moved, pools, in flight."""
+        per_block = self.layout.block_bytes * self.layout.world_size
+        for o in ops:
+            r = results.get(o.id)
+            if r is not None and r.done:
+                self.moved[o.kind] += r.done
+                M.record_move(o.kind, r.done, r.done * per_block)
+        M.INFLIGHT_BATCHES.set(self.dp.in_flight)  # type: ignore[attr-defined]
+        M.FREE_BLOCKS.set(self.cm.device.num_free, pool="device")
+        M.FREE_BLOCKS.set(self.cm.host.num_free, pool="host")
 
     def _sim(self, kind: str, ids: list[int], keys: list[bytes]) -> Op:
         self.sim_id += 1
@@ -161,6 +179,8 @@ class Replayer:
             return
         seq = self.dp.publish(ops + sim, self.step)  # type: ignore[attr-defined]
         self.step += 1
+        M.BATCHES.inc()
+        M.INFLIGHT_BATCHES.set(self.dp.in_flight)  # type: ignore[attr-defined]
         done = None
         deadline = time.monotonic() + 120
         while done is None:
@@ -175,6 +195,7 @@ class Replayer:
         mgr = [results[o.id] for o in ops if o.id in results]
         self.s.failed_ops += sum(1 for r in mgr if not r.ok)
         self.cm.on_ops_done(mgr)
+        self._record(ops, results)
         for o in sim:
             r = results.get(o.id)
             if o.kind == CHECK:
@@ -182,6 +203,7 @@ class Replayer:
                 if r is None or not r.ok or r.done != len(o.keys):
                     self.s.mismatched += len(o.keys) - (r.done if r else 0)
         if not done.ok and done.lost_ranks:
+            M.LOST_RANKS.inc(len(done.lost_ranks))
             raise RuntimeError(f"lost ranks {sorted(done.lost_ranks)}")
 
 
@@ -231,6 +253,9 @@ def node_main(args: argparse.Namespace) -> int:
     dp = Dispatcher(os.environ["ZKV_PUB_ENDPOINT"], os.environ["ZKV_PULL_ENDPOINT"],
                     layout.world_size, layout.fingerprint(), heartbeat_timeout_s=10.0,
                     ack_timeout_s=60.0)
+    server = M.serve(args.metrics_port) if args.metrics_port is not None else None
+    if server is not None:
+        print(f"zkv replay: metrics at {server.url}", file=sys.stderr, flush=True)
     try:
         dp.wait_for_ranks(60.0)
         rp = Replayer(cm, dp, layout, args.batch, progress=not args.no_progress)
@@ -238,16 +263,18 @@ def node_main(args: argparse.Namespace) -> int:
         cm.check_invariants()
     finally:
         dp.close()
-    _print_summary(s, cm, layout, rp.latencies, args)
+        if server is not None:
+            server.shutdown()
+        if args.metrics_file:
+            with open(args.metrics_file, "w", encoding="utf-8") as f:
+                f.write(M.REGISTRY.render())
+    _print_summary(s, rp.moved, layout, rp.latencies, args)
     return 0 if s.mismatched == 0 and s.failed_ops == 0 else 1
 
 
-def _print_summary(s: Summary, cm: CacheManager, layout: CacheLayout, lat: list[float],
+def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: list[float],
                    args: argparse.Namespace) -> None:
-    st = cm.stats
     per_block = layout.block_bytes * layout.world_size
-    moved = {"d2h": st.swapped_out, "backup": st.backed_up, "h2d": st.swapped_in,
-             "s2h": st.loaded, "h2s": st.stored}
     total_bytes = sum(moved.values()) * per_block
     p50, p99 = (np.percentile(np.array(lat) * 1e3, [50, 99]) if lat else (0.0, 0.0))
     blocks = max(1, s.blocks)
@@ -298,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'none' disables L3)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any)")
+    p.add_argument("--metrics-file", default=None, help="write the final metrics here")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
     return p
