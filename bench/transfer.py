@@ -10,10 +10,12 @@ from other processes hits all of them alike:
     h2d          ``copy_h2d`` layer by layer, n random host blocks -> n random device blocks
 
 and the table shows median GB/s, best GB/s and median / median of the contiguous copy.
-CPU rows: the default backend (ops below torch's parallel grain: one core, no OpenMP
-regions) and ``parallel=True`` (torch's intra-op pool). ``--threads 1 2`` repeats the
-CPU table per torch thread count. The CuPy part runs when CUDA is available. Memory is
-touched before timing (an untouched calloc page reads as the shared zero page).
+CPU rows: each chunk-copy implementation of the torch-CPU backend, in the same process:
+``ext`` (the C extension zkv.kernels._blockcopy, when built) and ``memmove`` (the ctypes
+fallback). ``--threads 1 2`` repeats the CPU table per torch thread count (that only
+changes the contiguous ``copy_``: the backend copies in the calling thread). The CuPy
+part runs when CUDA is available. Memory is touched before timing (an untouched calloc
+page reads as the shared zero page).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zkv.config import CacheLayout
 from zkv.kernels import TorchCpuBackend, cuda_available
 from zkv.kernels.base import CopyBackend
+from zkv.kernels.cpu import _blockcopy, available_impls
 from zkv.kernels.reference import ref_copy_d2h
 
 
@@ -50,9 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-blocks", type=int, default=384)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--staging-mib", type=float, default=None, help="CPU staging buffer (default: backend's)"
-    )
     p.add_argument("--no-oracle", action="store_true", help="skip the per-block Python loop row")
     p.add_argument("--cpu-only", action="store_true")
     p.add_argument(
@@ -80,11 +80,11 @@ class Table:
     def print(self, baseline: str) -> None:
         base = self.gbps(baseline, statistics.median)
         print(f"\n{self.title}  ({self.nbytes / 2**20:.0f} MiB per copy)")
-        print(f"  {'copy':<34}{'median GB/s':>12}{'best GB/s':>12}{'vs contiguous':>15}")
+        print(f"  {'copy':<40}{'median GB/s':>12}{'best GB/s':>12}{'vs contiguous':>15}")
         for name in self.times:
             med = self.gbps(name, statistics.median)
             best = self.gbps(name, min)
-            print(f"  {name:<34}{med:>12.2f}{best:>12.2f}{med / base:>14.2f}x")
+            print(f"  {name:<40}{med:>12.2f}{best:>12.2f}{med / base:>14.2f}x")
 
 
 def touch(t: torch.Tensor, gen: torch.Generator) -> None:
@@ -108,10 +108,8 @@ def setup(backend: CopyBackend, lay: CacheLayout, seed: int):
 
 
 def bench_cpu(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
-    staging = {} if args.staging_mib is None else {"staging_bytes": int(args.staging_mib * 2**20)}
-    backend = TorchCpuBackend(**staging)
-    par = TorchCpuBackend(parallel=True, **staging)
-    kv, host = setup(backend, lay, args.seed)
+    backends = {impl: TorchCpuBackend(impl=impl) for impl in available_impls()}
+    kv, host = setup(backends[available_impls()[0]], lay, args.seed)
     rng = np.random.default_rng(args.seed)
     src = rng.choice(lay.num_device_blocks, n, replace=False).astype("<i4")
     dst = rng.choice(lay.num_host_blocks, n, replace=False).astype("<i4")
@@ -121,24 +119,34 @@ def bench_cpu(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
     touch(a, torch.Generator().manual_seed(1))
     touch(b, torch.Generator().manual_seed(2))
 
-    def h2d(be: TorchCpuBackend) -> None:
-        for layer in range(lay.num_layers):
-            be.copy_h2d(host, kv, dst, src, layer)
+    def d2h(be: TorchCpuBackend) -> Callable[[], None]:
+        return lambda: be.copy_d2h(kv, host, src, dst)
 
-    runs: dict[str, Callable[[], object]] = {
-        "contiguous torch copy_": lambda: b.copy_(a),
-        f"cpu d2h ({n} scattered blocks)": lambda: backend.copy_d2h(kv, host, src, dst),
-        f"cpu h2d ({n} scattered blocks)": lambda: h2d(backend),
-        "cpu d2h, parallel=True": lambda: par.copy_d2h(kv, host, src, dst),
-        "cpu h2d, parallel=True": lambda: h2d(par),
-    }
+    def h2d(be: TorchCpuBackend) -> Callable[[], None]:
+        def run() -> None:
+            for layer in range(lay.num_layers):
+                be.copy_h2d(host, kv, dst, src, layer)
+
+        return run
+
+    runs: dict[str, Callable[[], object]] = {"contiguous torch copy_": lambda: b.copy_(a)}
+    if "ext" in backends:
+        # The same bytes as one memcpy in the calling thread: the backend's own ceiling.
+        zero = np.zeros(1, dtype=np.int64)
+        args1 = (a.data_ptr(), 0, b.data_ptr(), 0, nbytes, zero.ctypes.data, zero.ctypes.data, 1)
+        runs["contiguous memcpy (1 thread)"] = lambda: _blockcopy.copy_chunks(*args1)
+    for impl, be in backends.items():
+        runs[f"cpu d2h {impl} ({n} scattered blocks)"] = d2h(be)
+        runs[f"cpu h2d {impl} ({n} scattered blocks)"] = h2d(be)
+    if "ext" not in backends:
+        print("\nnote: C extension zkv.kernels._blockcopy not built; only the memmove fallback")
     table = Table(
         f"torch-CPU backend, {torch.get_num_threads()} threads: {lay.num_layers} layers x "
         f"{lay.kv_heads} heads x {lay.block_size} tokens x {lay.head_dim} dim {lay.dtype}, "
         f"chunk {lay.chunk_bytes // 1024} KiB",
         nbytes,
     )
-    for fn in runs.values():  # warm-up: staging buffers, allocator, page tables
+    for fn in runs.values():  # warm-up: allocator, page tables
         fn()
     for _ in range(args.reps):
         for name, fn in runs.items():
@@ -149,13 +157,15 @@ def bench_cpu(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
         t0 = time.perf_counter()
         ref_copy_d2h(kv, host, src, dst)
         table.add("oracle d2h (Python loop per block)", time.perf_counter() - t0)
-    # Spot check: the last d2h and h2d moved the right bytes.
+    # Spot check: each implementation's d2h moves the right bytes into a cleared block.
     j = n // 2
-    got = bytes(backend.host_block(host, int(dst[j])))
     want = b"".join(
         t[int(src[j])].contiguous().view(torch.uint8).numpy().tobytes() for pair in kv for t in pair
     )
-    assert got == want, "copy_d2h moved the wrong bytes"
+    for impl, be in backends.items():
+        host[int(dst[j])].zero_()
+        be.copy_d2h(kv, host, src, dst)
+        assert bytes(be.host_block(host, int(dst[j]))) == want, f"{impl}: d2h moved wrong bytes"
     table.print("contiguous torch copy_")
 
 

@@ -20,13 +20,21 @@ from tests.kernels.helpers import (
     random_caches,
     same_caches,
 )
-from zkv.kernels import DONE, TorchCpuBackend
+from zkv.kernels import DONE, TorchCpuBackend, cpu
+from zkv.kernels.cpu import IMPLS, available_impls
 from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
 
 
-@pytest.fixture(params=[False, True], ids=["inline", "parallel"])
+def _impl_or_skip(impl: str) -> str:
+    if impl not in available_impls():
+        pytest.skip("C extension zkv.kernels._blockcopy not built (pip install -e . with gcc)")
+    return impl
+
+
+@pytest.fixture(params=IMPLS)
 def backend(request: pytest.FixtureRequest) -> TorchCpuBackend:
-    return TorchCpuBackend(parallel=request.param)
+    """Every test runs with the C extension and with the ctypes memmove fallback."""
+    return TorchCpuBackend(impl=_impl_or_skip(request.param))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,7 +94,7 @@ def test_round_trip_is_byte_identical(backend: TorchCpuBackend, dtype: str) -> N
 
 
 def test_nan_payloads_and_negative_zero_survive(backend: TorchCpuBackend) -> None:
-    """The CPU backend moves rows as complex128 elements: signaling NaNs, NaN payloads,
+    """The CPU backend moves raw bytes (memcpy): signaling NaNs, NaN payloads,
     -0.0 and denormals (as float64 or as two float32 halves) must come through bit-exact."""
     lay = layout("float32", num_layers=1)
     kv, host = random_caches(backend, lay)
@@ -140,19 +148,49 @@ def test_odd_geometry_strided_and_misaligned_caches(backend: TorchCpuBackend) ->
     assert same_caches(kv, want_kv)
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-def test_tiny_staging_buffer_chunks_correctly(parallel: bool) -> None:
-    backend = TorchCpuBackend(staging_bytes=1, parallel=parallel)  # one row per op
-    lay = layout(num_device_blocks=30, num_host_blocks=30)
+def test_many_blocks_every_chunk_lands(backend: TorchCpuBackend) -> None:
+    lay = layout(num_device_blocks=300, num_host_blocks=300, num_layers=2)
     kv, host = random_caches(backend, lay, seed=6)
     want = host.clone()
     rng = np.random.default_rng(6)
-    src, dst = pick(rng, 30, 25), pick(rng, 30, 25)
+    src, dst = pick(rng, 300, 257), pick(rng, 300, 257)
 
     backend.copy_d2h(kv, host, src, dst)
     ref_copy_d2h(kv, want, src, dst)
 
     assert as_bytes(host) == as_bytes(want)
+
+
+def test_strided_path_when_chunks_are_not_contiguous(
+    backend: TorchCpuBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check_caches refuses non-contiguous blocks today; the strided torch path that
+    would take them must still be exact, here forced on the usual caches."""
+    monkeypatch.setattr(cpu, "_chunks_contiguous", lambda t: False)
+    lay = layout("bfloat16")
+    kv, host = random_caches(backend, lay, seed=8)
+    want_host, want_kv = host.clone(), clone(kv)
+    src, dst, back = ids([4, 0, 11]), ids([8, 2, 3]), ids([1, 5, 0])
+
+    backend.copy_d2h(kv, host, src, dst)
+    ref_copy_d2h(kv, want_host, src, dst)
+    assert as_bytes(host) == as_bytes(want_host)
+    backend.copy_h2d(host, kv, dst, back, layer=2)
+    ref_copy_h2d(host, want_kv, dst, back, layer=2)
+    assert same_caches(kv, want_kv)
+
+
+def test_strided_copy_of_transposed_blocks() -> None:
+    """Blocks whose bytes are not one run (heads and tokens transposed) copy exactly."""
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randint(-(2**15), 2**15, (6, 4, 3, 5), dtype=torch.int16, generator=gen)
+    src = base.view(torch.float16).transpose(1, 2)  # [6, 3, 4, 5], t[0] not contiguous
+    assert not src[0].is_contiguous()
+    dst = torch.zeros(7, 3, 4, 5, dtype=torch.float16)
+    cpu._copy_strided(src, np.array([5, 0, 2]), dst, np.array([1, 6, 3]))
+    for s, d in ((5, 1), (0, 6), (2, 3)):
+        assert as_bytes(dst[d]) == as_bytes(src[s])
+    assert not dst[[0, 2, 4, 5]].view(torch.int16).any()
 
 
 @settings(max_examples=40, deadline=None)
@@ -163,8 +201,7 @@ def test_tiny_staging_buffer_chunks_correctly(parallel: bool) -> None:
     kv_heads=st.integers(1, 3),
     block_size=st.sampled_from([1, 2, 16]),
     head_dim=st.sampled_from([1, 3, 8, 64]),
-    staging_bytes=st.sampled_from([1, 300, 1 << 20]),
-    parallel=st.booleans(),
+    impl=st.sampled_from(available_impls()),
 )
 def test_random_scattered_copies_match_oracle(
     data: st.DataObject,
@@ -173,10 +210,9 @@ def test_random_scattered_copies_match_oracle(
     kv_heads: int,
     block_size: int,
     head_dim: int,
-    staging_bytes: int,
-    parallel: bool,
+    impl: str,
 ) -> None:
-    backend = TorchCpuBackend(staging_bytes=staging_bytes, parallel=parallel)
+    backend = TorchCpuBackend(impl=impl)
     lay = layout(
         dtype, num_layers=num_layers, kv_heads=kv_heads, block_size=block_size, head_dim=head_dim
     )
@@ -263,6 +299,19 @@ def test_bad_layer_range_and_mismatched_caches_rejected(backend: TorchCpuBackend
     assert as_bytes(host) == before
 
 
+def test_device_cache_off_cpu_rejected_before_writing(backend: TorchCpuBackend) -> None:
+    """Raw addresses of non-CPU memory must never reach memcpy (meta: no real GPU needed)."""
+    lay = layout()
+    kv, host = random_caches(backend, lay)
+    before = as_bytes(host)
+    meta = [(k.to("meta"), v.to("meta")) for k, v in kv]
+    with pytest.raises(ValueError, match="device cache on meta"):
+        backend.copy_d2h(meta, host, ids([0]), ids([0]))
+    with pytest.raises(ValueError, match="device cache on meta"):
+        backend.copy_h2d(host, meta, ids([0]), ids([0]), 1)
+    assert as_bytes(host) == before
+
+
 def test_empty_ids_are_a_no_op(backend: TorchCpuBackend) -> None:
     lay = layout()
     kv, host = random_caches(backend, lay)
@@ -301,7 +350,7 @@ def test_cpu_events_are_complete_and_ordering_is_a_no_op(backend: TorchCpuBacken
 
 
 def test_concurrent_copies_from_two_threads(backend: TorchCpuBackend) -> None:
-    """Staging buffers are per thread: two threads copying disjoint blocks both land."""
+    """The backend keeps no per-call state: two threads copying disjoint blocks both land."""
     lay = layout(num_device_blocks=40, num_host_blocks=40)
     kv, host = random_caches(backend, lay, seed=7)
     want = host.clone()
@@ -326,3 +375,18 @@ def test_concurrent_copies_from_two_threads(backend: TorchCpuBackend) -> None:
     for src, dst in halves:
         ref_copy_d2h(kv, want, src, dst)
     assert as_bytes(host) == as_bytes(want)
+
+
+# ------------------------------------------------------------------ implementation choice
+
+
+def test_default_impl_is_the_extension_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    if cpu._blockcopy is not None:
+        assert TorchCpuBackend().impl == "ext"
+    monkeypatch.setattr(cpu, "_blockcopy", None)
+    assert available_impls() == ("memmove",)
+    assert TorchCpuBackend().impl == "memmove"
+    with pytest.raises(ValueError, match="not built"):
+        TorchCpuBackend(impl="ext")
+    with pytest.raises(ValueError, match="unknown CPU copy impl 'torch'"):
+        TorchCpuBackend(impl="torch")

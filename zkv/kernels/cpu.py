@@ -1,51 +1,46 @@
 """torch-CPU copy backend: the synchronous twin of the CuPy backend, used by CI.
 
-Each (layer, K|V) of a call is a gather and a scatter of whole chunks through a small
-per-thread staging buffer::
+Every (block, layer, K|V) is one contiguous chunk of ``chunk_bytes`` on both sides, so
+a copy is a list of equal-sized ``memcpy``\\ s. For each (layer, K|V) of a call::
 
-    src rows                      staging (reused, in cache)        dst rows
-    (K_l, or host[:, l, kv])                                        (host[:, l, kv], or K_l)
-    ┌────┐  index_select          ┌────┐  index_copy_ / index_put_  ┌────┐
-    │ s0 │ ─────────────────────► │ s0 │ ─────────────────────────► │ d0 │
-    │ s1 │  (memcpy per row)      │ s1 │  (one element at a time)   │ d1 │
-    └────┘                        └────┘                            └────┘
+    src rows                          dst rows
+    (K_l, or host[:, l, kv])          (host[:, l, kv], or K_l)
+    ┌────┐  memcpy(chunk_bytes)       ┌────┐
+    │ s0 │ ─────────────────────────► │ d0 │   address = base + id * block stride
+    │ s1 │ ─────────────────────────► │ d1 │   (bytes; any stride, e.g. interleaved K/V)
+    └────┘                            └────┘
 
-Why this shape (measured on the 2-core EPYC CI machine; bench/transfer.py):
+Two implementations of that loop (``TorchCpuBackend(impl=...)``, default the first
+available):
 
-- ``index_select`` along dim 0 of row-contiguous tensors memcpys each row, close to a
-  contiguous copy. ``index_copy_`` / ``index_put_`` move one *element* per iteration,
-  so every row is viewed as the widest element dividing it: ``complex128`` (16 bytes)
-  is ~20x faster than ``uint8`` and ~3x faster than ``int64``. A copy does no
-  arithmetic on elements, so every bit pattern (NaN payloads, -0.0) survives; the
-  tests check byte equality on random bytes.
-- torch has no one-pass gather+scatter; the staging buffer keeps the intermediate in
-  cache so DRAM sees roughly one copy's traffic.
-- A Python loop runs per (layer, K|V, chunk of rows), never per block. torch ops
-  release the GIL, so a worker thread copies while the model thread runs.
+- ``"ext"``: the C extension ``zkv.kernels._blockcopy`` (built by ``pip install -e .``
+  where a C compiler exists); one call per (layer, K|V) with all the ids, the whole
+  loop with the GIL released.
+- ``"memmove"``: a Python loop of ``ctypes.memmove`` over addresses computed with numpy;
+  each call releases the GIL. Always available; ~0.7 us of interpreter time per chunk.
 
-Threads. By default every op stays below torch's parallel grain (32768 elements), so
-it runs inline in the calling thread: one core, no OpenMP region. With more busy
-threads than cores (a model, several rank processes, CI), each OpenMP region can wait
-a scheduler time slice for a descheduled team member; ``index_put_`` opens one even
-for two rows. Measured, 256 random blocks of 2 MiB, ratio to one contiguous ``copy_``
-at the same torch thread count:
+Why not torch ops: ``index_select`` memcpys rows, but ``index_copy_`` / ``index_put_``
+scatter one *element* at a time, which reached only 0.4-0.75x of one contiguous
+``copy_`` of the same bytes (bench/transfer.py); torch has no row-wise scatter. A chunk
+that is not contiguous (``check_caches`` refuses those today) would take a strided
+torch path, correct but slow. Bytes move verbatim: NaN payloads, -0.0 and every other
+bit pattern survive (the tests compare bytes).
 
-    machine            inline (default)         parallel=True
-    idle, 1 thread     0.59x                    0.69x
-    idle, 2 threads    0.38x (one core)         0.72x
-    load 9, 2 threads  0.4-0.6x                 0.12-0.18x (regions stall)
-
-``torch.set_num_threads`` stays the process's choice, never ours.
-
-Thread safety: calls from different threads are safe (staging is thread-local);
-concurrent calls that write the same blocks are the caller's bug, as on GPU.
+Threads: both implementations run in the calling thread (one core, no OpenMP region,
+``torch.set_num_threads`` stays the process's choice) and release the GIL while bytes
+move, so a worker thread copies while the model thread runs. The backend keeps no
+mutable state: calls from different threads are safe; concurrent calls that write the
+same blocks are the caller's bug, as on GPU.
 """
 
 from __future__ import annotations
 
-import platform
-import threading
+import collections
+import ctypes
+import itertools
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from zkv.config import CacheLayout
@@ -53,7 +48,6 @@ from zkv.kernels.base import (
     DONE,
     CopyBackend,
     EventHandle,
-    Geometry,
     Ids,
     KVCaches,
     check_ids,
@@ -62,44 +56,88 @@ from zkv.kernels.base import (
     torch_dtype,
 )
 
-# Widest element first. complex128 only where loads/stores of doubles are plain bit
-# moves (x86-64 SSE, AArch64); elsewhere int64 is the widest safe element.
-_WIDTHS: tuple[tuple[int, torch.dtype], ...] = (
-    ((16, torch.complex128),)
-    if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
-    else ()
-) + ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+try:
+    from zkv.kernels import _blockcopy
+except ImportError:  # not built (no compiler at install time): the memmove loop
+    _blockcopy = None
 
-DEFAULT_STAGING_BYTES = 4 << 20  # parallel mode: 2-8 MiB measure alike
-# at::internal::GRAIN_SIZE: an op over fewer elements runs inline in the calling thread.
-_GRAIN_ELEMS = 32768
+IMPLS = ("ext", "memmove")
+
+# copy(src_base, src_stride, dst_base, dst_stride, chunk_bytes, src_ids, dst_ids):
+# memcpy chunk j from src_base + src_ids[j]*src_stride to dst_base + dst_ids[j]*dst_stride.
+# Ids: contiguous int64 arrays, already checked against their bounds.
+ChunkCopy = Callable[[int, int, int, int, int, np.ndarray, np.ndarray], None]
+
+
+def available_impls() -> tuple[str, ...]:
+    """The chunk-copy implementations usable in this process, fastest first."""
+    return IMPLS if _blockcopy is not None else ("memmove",)
+
+
+def _copy_ext(
+    src_base: int,
+    src_stride: int,
+    dst_base: int,
+    dst_stride: int,
+    chunk: int,
+    src: np.ndarray,
+    dst: np.ndarray,
+) -> None:
+    assert _blockcopy is not None
+    n, src_at, dst_at = len(src), src.ctypes.data, dst.ctypes.data
+    _blockcopy.copy_chunks(src_base, src_stride, dst_base, dst_stride, chunk, src_at, dst_at, n)
+
+
+_memmove = ctypes.memmove  # a CFUNCTYPE: releases the GIL per call
+
+
+def _copy_memmove(
+    src_base: int,
+    src_stride: int,
+    dst_base: int,
+    dst_stride: int,
+    chunk: int,
+    src: np.ndarray,
+    dst: np.ndarray,
+) -> None:
+    src_addrs = (src * src_stride + src_base).tolist()
+    dst_addrs = (dst * dst_stride + dst_base).tolist()
+    # map() + a zero-length deque: the loop runs in C, ~10% less interpreter time.
+    collections.deque(map(_memmove, dst_addrs, src_addrs, itertools.repeat(chunk)), maxlen=0)
+
+
+_IMPL_FUNCS: dict[str, ChunkCopy] = {"ext": _copy_ext, "memmove": _copy_memmove}
 
 
 class TorchCpuBackend(CopyBackend):
-    """Synchronous block copies with torch CPU ops; events are always complete.
+    """Synchronous block copies on CPU memory; events are always complete.
 
-    ``parallel=False`` (default): every op stays under torch's parallel grain, so a
-    copy runs entirely in the calling thread and never opens an OpenMP region: one
-    core, predictable next to a model or other processes. ``parallel=True``: ops of up
-    to ``staging_bytes`` use torch's intra-op pool; faster on an idle machine, but
-    each of its many regions may stall a scheduler slice when cores are oversubscribed.
+    ``impl``: ``"ext"`` (C extension), ``"memmove"`` (ctypes loop) or ``None`` for the
+    first of :func:`available_impls`. Asking for ``"ext"`` where it is not built raises
+    ``ValueError``.
 
-    Complexity per call: O(len(layers) * (1 + n / rows_per_op)) torch ops, where
-    rows_per_op = staging_bytes / chunk_bytes (parallel) or 32767 / chunk elements.
+    Complexity per call: O(len(layers) * n) memcpys of ``chunk_bytes``, O(len(layers))
+    Python-level calls with ``"ext"``, O(len(layers) * n) with ``"memmove"``.
     """
 
     name = "cpu"
 
-    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES, parallel: bool = False) -> None:
-        if staging_bytes <= 0:
-            raise ValueError(f"staging_bytes must be > 0, got {staging_bytes}")
+    def __init__(self, impl: str | None = None) -> None:
+        if impl is None:
+            impl = available_impls()[0]
+        if impl not in IMPLS:
+            raise ValueError(f"unknown CPU copy impl {impl!r}; one of {IMPLS}")
+        if impl not in available_impls():
+            raise ValueError(
+                "CPU copy impl 'ext' needs the C extension zkv.kernels._blockcopy, which is "
+                "not built; reinstall with a C compiler (pip install -e .) or use 'memmove'"
+            )
         self.device = torch.device("cpu")
-        self._staging_bytes = staging_bytes
-        self._parallel = parallel
-        self._local = threading.local()
+        self.impl = impl
+        self._copy = _IMPL_FUNCS[impl]
 
     def __repr__(self) -> str:
-        return f"TorchCpuBackend(staging_bytes={self._staging_bytes}, parallel={self._parallel})"
+        return f"TorchCpuBackend(impl={self.impl!r})"
 
     def allocate_host_pool(self, layout: CacheLayout) -> torch.Tensor:
         return torch.zeros(host_pool_shape(layout), dtype=torch_dtype(layout))
@@ -119,16 +157,21 @@ class TorchCpuBackend(CopyBackend):
         src, dst = check_ids(
             src_ids, dst_ids, geo.num_device_blocks, geo.num_host_blocks, "device", "host"
         )
-        if not len(src) or not len(layers):
+        _check_on_cpu(kv_caches, layers)
+        if not len(src) or not len(layers) or not geo.chunk_bytes:
             return
-        tensors = [t for layer in layers for t in kv_caches[layer]]
-        wide = _widest(geo.chunk_bytes, [host_pool, *tensors])
-        host = _host_rows(host_pool, geo, wide)
-        src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
+        src, dst = _native_ids(src), _native_ids(dst)
+        chunk = geo.chunk_bytes
+        host_base, block_bytes = host_pool.data_ptr(), 2 * geo.num_layers * chunk
         for layer in layers:
             for kv in (0, 1):
-                dev = _device_rows(kv_caches[layer][kv], geo, wide)
-                self._gather_scatter(dev, src_t, host[:, 2 * layer + kv], dst_t)
+                dev = kv_caches[layer][kv]
+                if _chunks_contiguous(dev):
+                    host_at = host_base + (2 * layer + kv) * chunk
+                    dev_at, dev_stride = dev.data_ptr(), _block_stride(dev)
+                    self._copy(dev_at, dev_stride, host_at, block_bytes, chunk, src, dst)
+                else:
+                    _copy_strided(dev, src, host_pool[:, layer, kv], dst)
 
     def copy_h2d(
         self,
@@ -142,46 +185,20 @@ class TorchCpuBackend(CopyBackend):
         src, dst = check_ids(
             src_ids, dst_ids, geo.num_host_blocks, geo.num_device_blocks, "host", "device"
         )
-        if not len(src):
+        _check_on_cpu(kv_caches, (layer,))
+        if not len(src) or not geo.chunk_bytes:
             return
-        wide = _widest(geo.chunk_bytes, [host_pool, *kv_caches[layer]])
-        host = _host_rows(host_pool, geo, wide)
-        src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
+        src, dst = _native_ids(src), _native_ids(dst)
+        chunk = geo.chunk_bytes
+        host_base, block_bytes = host_pool.data_ptr(), 2 * geo.num_layers * chunk
         for kv in (0, 1):
-            dev = _device_rows(kv_caches[layer][kv], geo, wide)
-            self._gather_scatter(host[:, 2 * layer + kv], src_t, dev, dst_t)
-
-    def _gather_scatter(
-        self, src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
-    ) -> None:
-        """``dst[dst_idx[j]] = src[src_idx[j]]`` for rows, through the staging buffer."""
-        n, width = len(src_idx), src.shape[1]
-        per = max(1, self._staging_bytes // (width * src.element_size()))
-        if not self._parallel:
-            per = max(1, min(per, (_GRAIN_ELEMS - 1) // width))
-        staging = self._staging(min(n, per), width, src.dtype)
-        for start in range(0, n, per):
-            s = src_idx[start : start + per]
-            d = dst_idx[start : start + per]
-            buf = staging[: len(s)]
-            torch.index_select(src, 0, s, out=buf)
-            if self._parallel:
-                dst.index_put_((d,), buf)  # ~10% faster, but always opens a parallel region
+            dev = kv_caches[layer][kv]
+            if _chunks_contiguous(dev):
+                host_at = host_base + (2 * layer + kv) * chunk
+                dev_at, dev_stride = dev.data_ptr(), _block_stride(dev)
+                self._copy(host_at, block_bytes, dev_at, dev_stride, chunk, src, dst)
             else:
-                dst.index_copy_(0, d, buf)  # inline below the grain
-
-    def _staging(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """This thread's staging buffer, grown on demand and kept (<= staging_bytes + a row)."""
-        bufs: dict[torch.dtype, torch.Tensor] | None = getattr(self._local, "bufs", None)
-        if bufs is None:
-            bufs = self._local.bufs = {}
-        numel = rows * width
-        buf = bufs.get(dtype)
-        if buf is None or buf.numel() < numel:
-            # One dtype at a time: a new width replaces the others, so memory stays bounded.
-            bufs.clear()
-            buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
-        return buf[:numel].view(rows, width)
+                _copy_strided(host_pool[:, layer, kv], src, dev, dst)
 
     # ---------------------------------------------------------------- ordering (all no-ops)
 
@@ -205,33 +222,46 @@ class TorchCpuBackend(CopyBackend):
         return None
 
 
-# -------------------------------------------------------------------- views
+# -------------------------------------------------------------------- helpers
 
 
-def _widest(chunk_bytes: int, tensors: list[torch.Tensor]) -> torch.dtype:
-    """Widest element dtype that divides a chunk, every block stride and every base address."""
-    for width, dtype in _WIDTHS:
-        if chunk_bytes % width:
-            continue
-        if all(
-            t.data_ptr() % width == 0 and (t.stride(0) * t.element_size()) % width == 0
-            for t in tensors
-        ):
-            return dtype
-    return torch.uint8
+def _native_ids(ids: np.ndarray) -> np.ndarray:
+    """Contiguous native int64, what the chunk copies index with (``check_ids`` gives that)."""
+    return np.ascontiguousarray(ids, dtype=np.int64)
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+def _check_on_cpu(kv_caches: KVCaches, layers: range | tuple[int, ...]) -> None:
+    """Raw addresses are only meaningful for CPU memory (checked before any byte moves)."""
+    for layer in layers:
+        for t in kv_caches[layer]:
+            if t.device.type != "cpu":
+                raise ValueError(
+                    f"layer {layer}: device cache on {t.device}; the cpu backend copies CPU "
+                    "tensors only (use the cupy backend for CUDA)"
+                )
 
 
-def _device_rows(t: torch.Tensor, geo: Geometry, wide: torch.dtype) -> torch.Tensor:
-    """``[num_device_blocks, chunk_bytes / width]`` view of one K or V tensor (no copy)."""
-    return _as_bytes(t).view(geo.num_device_blocks, geo.chunk_bytes).view(wide)
+def _chunks_contiguous(t: torch.Tensor) -> bool:
+    """Every block ``t[i]`` is one dense run of bytes (all blocks share ``t[0]``'s strides)."""
+    return t.shape[0] == 0 or t[0].is_contiguous()
 
 
-def _host_rows(host_pool: torch.Tensor, geo: Geometry, wide: torch.dtype) -> torch.Tensor:
-    """``[num_host_blocks, 2 * num_layers, chunk_bytes / width]``; ``[:, 2l + kv]`` is one
-    layer's K (kv=0) or V (kv=1) of every host block, rows ``block_bytes`` apart."""
-    rows = _as_bytes(host_pool).view(geo.num_host_blocks, 2 * geo.num_layers, geo.chunk_bytes)
-    return rows.view(wide)
+def _block_stride(t: torch.Tensor) -> int:
+    """Bytes from block ``i`` to block ``i + 1`` (any value for a 1-block tensor: only id 0)."""
+    return t.stride(0) * t.element_size()
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_strided(
+    src: torch.Tensor, src_ids: np.ndarray, dst: torch.Tensor, dst_ids: np.ndarray
+) -> None:
+    """``dst[dst_ids[j]] = src[src_ids[j]]`` for blocks of any strides (slow, exact).
+
+    Elements move as same-sized integers, so float bit patterns survive verbatim.
+    """
+    as_int = _INT_OF_SIZE.get(src.element_size(), src.dtype)
+    s = torch.from_numpy(_native_ids(src_ids))
+    d = torch.from_numpy(_native_ids(dst_ids))
+    dst.view(as_int).index_copy_(0, d, src.view(as_int).index_select(0, s))
