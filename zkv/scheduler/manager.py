@@ -510,42 +510,57 @@ class CacheManager:
         dsent = tree._dsent
         write_back = self._threshold is None and self.host.num_blocks > 0
         index = tree.index
+        op = None
+        dropped = 0
+        evicted = 0
+        # One iteration per evicted block: the LRU unlink is inlined (hot path).
         for _ in range(n_blocks):
-            n = dsent.dnext
-            if n.ndev:  # type: ignore[union-attr]
-                n = self._rotate_device_lru()
+            n: Node = dsent.dnext  # type: ignore[assignment]
+            if n.ndev:
+                n = self._rotate_device_lru()  # type: ignore[assignment]
                 if n is None:
                     self.device.free(out)
+                    self.stats.evicted_device += evicted
+                    self.stats.dropped += dropped
                     return None
-            tree.dlru_remove(n)  # type: ignore[arg-type]
-            parent = n.parent  # type: ignore[union-attr]
+            p_ = n.dprev
+            q_ = n.dnext
+            p_.dnext = q_  # type: ignore[union-attr]
+            q_.dprev = p_  # type: ignore[union-attr]
+            n.dprev = n.dnext = None
+            tree.num_dlru -= 1
+            parent: Node = n.parent  # type: ignore[assignment]
             parent.ndev -= 1
-            out.append(n.dev)  # type: ignore[union-attr]
-            n.dev = -1  # type: ignore[union-attr]
-            self.stats.evicted_device += 1
-            if n.host_ok:  # type: ignore[union-attr]
-                n.status = HOST  # type: ignore[union-attr]  # backed up: metadata only
-                tree.hlru_remove(n)  # type: ignore[arg-type]
-                tree.hlru_push(n)  # type: ignore[arg-type]  # host-only now: younger than its children
+            b = n.dev
+            out.append(b)
+            n.dev = -1
+            evicted += 1
+            if n.host_ok:
+                n.status = HOST  # backed up: metadata only
+                tree.hlru_remove(n)
+                tree.hlru_push(n)  # host-only now: younger than its host-only children
                 continue
             hb = self._take_host_block() if write_back else None
             if hb is None:
-                if not n.children:  # type: ignore[union-attr]  # the common drop: a bare leaf
+                if not n.children:  # the common drop: a bare leaf
                     del parent.children[n.hash]  # type: ignore[union-attr]
-                    del index[n.hash]  # type: ignore[union-attr]
-                    self.stats.dropped += 1
+                    del index[n.hash]
+                    dropped += 1
                 else:
-                    n.status = HOST  # type: ignore[union-attr]  # the subtree drop sees host-only nodes
-                    self._drop_subtree(n)  # type: ignore[arg-type]
+                    n.status = HOST  # the subtree drop sees host-only nodes
+                    self._drop_subtree(n)
                 continue
-            n.host = hb  # type: ignore[union-attr]
-            n.status = SWAP_TO_HOST  # type: ignore[union-attr]
-            n.busy += 1  # type: ignore[union-attr]
-            op = self._op(D2H)
-            op.nodes.append(n)  # type: ignore[arg-type]
-            op.src.append(out[-1])
+            n.host = hb
+            n.status = SWAP_TO_HOST
+            n.busy += 1
+            if op is None:
+                op = self._op(D2H)
+            op.nodes.append(n)
+            op.src.append(b)
             op.dst.append(hb)
             op.req_ids.append(None)
+        self.stats.evicted_device += evicted
+        self.stats.dropped += dropped
         return out
 
     def _rotate_device_lru(self) -> Node | None:
