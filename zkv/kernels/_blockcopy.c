@@ -23,6 +23,50 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define ZKV_HAVE_NT 1
+#endif
+
+/* Large copies use non-temporal (cache-bypassing) stores, as glibc's memcpy does past
+ * its own threshold: a batch of blocks does not fit in cache anyway, and regular stores
+ * first read every destination line (read-for-ownership), costing ~40% of bandwidth.
+ * Measured here: 0.53x -> ~0.9x+ of one contiguous copy of the same bytes. */
+#define ZKV_NT_MIN_TOTAL (1u << 20)
+#define ZKV_NT_MIN_CHUNK 256
+#ifndef ZKV_PREFETCH_AHEAD
+#define ZKV_PREFETCH_AHEAD 512
+#endif
+
+#ifdef ZKV_HAVE_NT
+static void
+copy_nt(char *d, const char *s, size_t len)
+{
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    size_t i = 0;
+    if (head > len) {
+        head = len;
+    }
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    len -= head;
+    for (; i + 64 <= len; i += 64) {
+        /* Prefetch ahead: the hardware streamer stops at 4 KiB page boundaries. */
+        _mm_prefetch(s + i + ZKV_PREFETCH_AHEAD, _MM_HINT_NTA);
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, s + i, len - i);
+}
+#endif
+
 static PyObject *
 copy_chunks(PyObject *self, PyObject *args)
 {
@@ -59,9 +103,20 @@ copy_chunks(PyObject *self, PyObject *args)
         Py_ssize_t j;
 
         Py_BEGIN_ALLOW_THREADS
-        for (j = 0; j < n; j++) {
-            memcpy(dst + (Py_ssize_t)did[j] * dst_stride, src + (Py_ssize_t)sid[j] * src_stride,
-                   len);
+#ifdef ZKV_HAVE_NT
+        if (len >= ZKV_NT_MIN_CHUNK && (size_t)n * len >= ZKV_NT_MIN_TOTAL) {
+            for (j = 0; j < n; j++) {
+                copy_nt(dst + (Py_ssize_t)did[j] * dst_stride,
+                        src + (Py_ssize_t)sid[j] * src_stride, len);
+            }
+            _mm_sfence(); /* order the streaming stores before anyone reads the blocks */
+        } else
+#endif
+        {
+            for (j = 0; j < n; j++) {
+                memcpy(dst + (Py_ssize_t)did[j] * dst_stride,
+                       src + (Py_ssize_t)sid[j] * src_stride, len);
+            }
         }
         Py_END_ALLOW_THREADS
     }
