@@ -98,3 +98,26 @@ def test_copies_run_concurrently_from_threads() -> None:
     want = np.empty_like(src)
     want[perm] = src
     assert all(d.tobytes() == want.tobytes() for d in dsts)
+
+
+@pytest.mark.parametrize(("chunk", "dst_offset"), [(32768, 0), (4100, 3), (300, 8)])
+def test_large_batches_take_the_streaming_path_byte_exact(chunk: int, dst_offset: int) -> None:
+    """Past 1 MiB per call the copy uses non-temporal stores: unaligned destinations (a
+    head before the first 16-byte boundary) and chunks that are no multiple of 64 bytes (a
+    tail) must come out exactly as memcpy would write them."""
+    rng = np.random.default_rng(chunk)
+    n = (2 << 20) // chunk + 1  # > 1 MiB in one call
+    rows = n + 5
+    src = rng.integers(0, 256, rows * chunk, dtype=np.uint8)
+    dst_buf = np.zeros(rows * (chunk + 16) + dst_offset, dtype=np.uint8)
+    dst = dst_buf[dst_offset:]
+    s = rng.permutation(rows)[:n].astype(np.int64)
+    d = rng.permutation(rows)[:n].astype(np.int64)
+
+    bc.copy_chunks(addr(src), chunk, addr(dst), chunk + 16, chunk, addr(s), addr(d), n)
+
+    want = np.zeros_like(dst)
+    for i, j in zip(s, d):
+        want[j * (chunk + 16) : j * (chunk + 16) + chunk] = src[i * chunk : (i + 1) * chunk]
+    assert dst.tobytes() == want.tobytes()
+    assert not dst_buf[:dst_offset].any()  # nothing written before the destination
