@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
+import struct
+
 import numpy as np
 import xxhash
 
@@ -106,15 +108,32 @@ def hash_tokens(
     return out
 
 
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    """int64 LE bytes of ``ids``; bool, float, str and ints past int64 raise ValueError
+    (1.5 must not hash like 1)."""
+    if all(type(i) is int for i in ids):  # the common case, without numpy's conversion
+        try:
+            return struct.pack(f"<{len(ids)}q", *ids)
+        except struct.error as e:
+            raise ValueError(f"block ids must fit in int64: {e}") from e
+    try:
+        arr = np.asarray(ids)
+    except OverflowError as e:
+        raise ValueError(f"block ids must fit in int64: {e}") from e
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"block ids must be a 1-D sequence of integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() >= 2**63:
+        raise ValueError("block ids must fit in int64")
+    return arr.astype("<i8", copy=False).tobytes()
+
+
 def hash_ids_chain(ids: Sequence[int], *, parent: bytes = ROOT_HASH) -> list[BlockHash]:
-    """Chain-hash opaque per-block ids (trace replay: one id per block, equal paths → equal hashes)."""
+    """Chain-hash opaque per-block ids (trace replay: one id per block, equal paths → equal
+    hashes). Each id is hashed as 8 bytes, int64 little-endian."""
+    data = _ids_bytes(ids)
     out: list[BlockHash] = []
     h = parent
-    for i in ids:
-        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
-            raise ValueError(f"block ids must be integers, got {i!r}")
-        if not -(2**63) <= i < 2**63:
-            raise ValueError(f"block id {i} does not fit in int64")
-        h = _xxh128(h + int(i).to_bytes(8, "little", signed=True))
+    for off in range(0, len(data), 8):
+        h = _xxh128(h + data[off : off + 8])
         out.append(h)  # type: ignore[arg-type]
     return out
