@@ -578,31 +578,43 @@ class CacheManager:
         return None
 
     def _take_host_block(self) -> int | None:
+        """A host block: a free one, else the oldest host-LRU entry's (a host-only chain
+        tail is dropped; a device node's backup is just forgotten). None when neither."""
         b = self.host.allocate_one()
         if b is not None:
             return b
         tree = self.tree
-        n = tree.hlru_oldest()
-        # A host-only node must outlive its host-only children; when an ack order put a
-        # parent first, rotate it to the young end (rare; counted in stats.rotations).
+        n = tree._hsent.hnext
+        if n is tree._hsent:
+            return None
+        if n.status is HOST and n.children:  # type: ignore[union-attr]
+            n = self._rotate_host_lru()
+            if n is None:
+                return None
+        tree.hlru_remove(n)  # type: ignore[arg-type]
+        self.stats.evicted_host += 1
+        b = n.host  # type: ignore[union-attr]
+        n.host = -1  # type: ignore[union-attr]
+        n.host_ok = False  # type: ignore[union-attr]
+        if n.status is HOST:  # type: ignore[union-attr]
+            parent = n.parent  # type: ignore[union-attr]
+            del parent.children[n.hash]  # type: ignore[union-attr]  # a childless leaf: detach inline
+            del tree.index[n.hash]  # type: ignore[union-attr]
+            self.stats.dropped += 1
+        return b  # handed over directly, never back on the free list
+
+    def _rotate_host_lru(self) -> Node | None:
+        """A host-only node must outlive its host-only children; when an ack order put a
+        parent first, rotate it to the young end (rare; counted in ``stats.rotations``)."""
+        tree = self.tree
         for _ in range(tree.num_hlru):
+            n = tree.hlru_oldest()
             if n is None or n.status is not HOST or not n.children:
-                break
+                return n
             tree.hlru_remove(n)
             tree.hlru_push(n)
             self.stats.rotations += 1
-            n = tree.hlru_oldest()
-        if n is None or (n.status is HOST and n.children):
-            return None
-        tree.hlru_remove(n)
-        self.stats.evicted_host += 1
-        b = n.host
-        n.host = -1
-        n.host_ok = False
-        if n.status is HOST:
-            self.tree.detach(n)
-            self.stats.dropped += 1
-        return b  # handed over directly, never back on the free list
+        return None
 
     def _drop_subtree(self, n: Node) -> None:
         """Remove a node without a device block, and its host-only subtree. Nodes with an op
@@ -702,19 +714,28 @@ class CacheManager:
                 tree.hlru_push(n)
 
     def _commit_d2h(self, p: _PendingOp, done: int) -> None:
-        settled = []
+        # One iteration per evicted block (hot with a host tier): the common case, a node
+        # with no other op in flight that no request holds, is settled inline.
+        store = self.config.storage_write
+        hlru_push = self.tree.hlru_push
+        committed = 0
         for i, n in enumerate(p.nodes):
-            if self._settle(n):
-                continue
+            if n.busy != 1 or n.status is DELETING:
+                if self._settle(n):
+                    continue
+            else:
+                n.busy = 0
             if i < done:
                 n.status = HOST
                 n.host_ok = True
-                self.stats.swapped_out += 1
-                self._maybe_store(n)
-                settled.append(n)
+                committed += 1
+                if store and not n.in_store:
+                    self._maybe_store(n)
+                elif not n.ref and not n.busy:  # d2h ops list chain tails first: push as is
+                    hlru_push(n)
             else:
                 self._drop_subtree(n)  # its only copy is gone
-        self._relist(settled, path_order=False)  # d2h ops list chain tails first
+        self.stats.swapped_out += committed
 
     def _commit_backup(self, p: _PendingOp, done: int) -> None:
         settled = []
