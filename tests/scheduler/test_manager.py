@@ -1079,3 +1079,37 @@ def test_fail_pending_rolls_back_backups_and_storage_writes() -> None:
     assert (n2.host, n2.host_ok, n2.busy) == (-1, False, 0)
     assert (cm.host.num_used, cm.num_pending_ops, cm.stats.failed_ops) == (1, 0, 2)
     assert (cm.stats.backed_up, cm.stats.stored) == (1, 0)
+
+
+def test_each_prefetching_request_gets_its_own_s2h_op() -> None:
+    """An s2h result counts a prefix: one request's missing key must not discard the blocks
+    another request loaded in the same step."""
+    a, b = H(1, 2), H(7, 8)
+    store = Store(*a, *b)
+    cm = make(4, 4, store=store)
+    assert match(cm, "ra", a) == Match(0, 0, 2, BS)
+    assert match(cm, "rb", b) == Match(0, 0, 2, BS)
+    assert cm.prefetch("ra") == 2 and cm.prefetch("rb") == 2
+    op_a, op_b = take(cm)
+    assert shape(op_a) == (S2H, [], [0, 1], tuple(a))
+    assert shape(op_b) == (S2H, [], [2, 3], tuple(b))
+    fail(cm, op_a, done=0)  # every key of `a` went missing on some rank
+    ack(cm, op_b)
+    assert [status(cm, h) for h in a] == [None, None]
+    assert [status(cm, h) for h in b] == [HOST, HOST]
+    assert cm.prefetch_done("rb") and alloc(cm, "rb", 8) is not None
+    (h2d,) = take(cm)
+    assert h2d.kind == H2D and list(h2d.src) == [2, 3]
+
+
+def test_blocks_being_loaded_are_no_storage_hit_for_another_request() -> None:
+    a = H(1, 2, 3)
+    store = Store(*a)
+    cm = make(4, 4, store=store)
+    assert match(cm, "r1", a).num_storage == 3
+    assert cm.prefetch("r1") == 3
+    queries = len(store.queries)
+    # r2 asks for the same prefix while r1's load is in flight: nothing to load for r2
+    assert match(cm, "r2", a) == Match(0, 0, 0, BS)
+    assert cm.prefetch("r2") == 0
+    assert len(store.queries) == queries  # and no storage round trip was spent on it

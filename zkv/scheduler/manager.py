@@ -152,7 +152,7 @@ class CacheManager:
         self._threshold = config.backup_threshold
         self._reqs: dict[str, _Request] = {}
         self._deleting: set[Node] = set()
-        self._open: dict[str, _PendingOp] = {}     # this step's ops, by kind
+        self._open: dict[str, _PendingOp] = {}     # this step's ops: by kind; s2h by request
         self._pending: dict[int, _PendingOp] = {}  # taken, not yet acked
         self._next_op_id = 0
         self._negative: dict[bytes, float] = {}    # hash -> expiry (storage failed to deliver)
@@ -202,7 +202,9 @@ class CacheManager:
         num_host = len(nodes) - num_dev
         num_storage = 0
         rest = st.hashes[len(nodes):]
-        if rest and self.storage_exists is not None:
+        # A next block that is in the tree but not matchable is in flight (e.g. another
+        # request is loading it): not a storage hit for this one, it would load nothing.
+        if rest and self.storage_exists is not None and rest[0] not in index:
             num_storage = self._storage_lookup(rest)
         st.num_storage = num_storage
         stats = self.stats
@@ -258,7 +260,7 @@ class CacheManager:
             n.last_access = self._clock
             st.loading.append(n)
             if op is None:
-                op = self._op(S2H)
+                op = self._op(S2H, f"{S2H}:{req_id}")
             op.nodes.append(n)
             op.dst.append(hb)
             op.keys.append(h)
@@ -641,29 +643,30 @@ class CacheManager:
 
     # ================================================================ ops and acks
 
-    def _op(self, kind: str) -> _PendingOp:
-        op = self._open.get(kind)
+    def _op(self, kind: str, key: str | None = None) -> _PendingOp:
+        """The step's open op of ``kind`` (or under ``key``: loads get one op per request, as
+        an s2h's ``done`` counts a prefix, and one request's missing key must not discard
+        another request's blocks)."""
+        key = key or kind
+        op = self._open.get(key)
         if op is None:
             op = _PendingOp(self._next_op_id, kind)
             self._next_op_id += 1
-            self._open[kind] = op
+            self._open[key] = op
         return op
 
     def take_ops(self) -> list[Op]:
-        """This step's ops, one per kind, in the order workers run them. They are in flight
-        until ``on_ops_done`` reports them."""
+        """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
+        op per kind, one s2h per prefetching request). In flight until ``on_ops_done``."""
         out = []
-        for kind in (D2H, BACKUP, H2D, S2H, H2S):
-            p = self._open.pop(kind, None)
-            if p is None:
-                continue
+        for p in sorted(self._open.values(), key=_kind_rank):  # stable: s2h in request order
             self._pending[p.op_id] = p
             out.append(Op(
-                p.op_id, kind,
+                p.op_id, p.kind,
                 src=np.asarray(p.src, dtype="<i4"), dst=np.asarray(p.dst, dtype="<i4"),
-                keys=tuple(p.keys), layerwise=kind == H2D,
+                keys=tuple(p.keys), layerwise=p.kind == H2D,
             ))
-        assert not self._open
+        self._open.clear()
         return out
 
     @property
@@ -915,6 +918,13 @@ class CacheManager:
         from zkv.scheduler.invariants import check
 
         check(self)
+
+
+_KIND_ORDER = {D2H: 0, BACKUP: 1, H2D: 2, S2H: 3, H2S: 4}
+
+
+def _kind_rank(p: _PendingOp) -> int:
+    return _KIND_ORDER[p.kind]
 
 
 def _index_of(nodes: list[Node], n: Node) -> int:
