@@ -24,121 +24,42 @@ is O(1) (oldest entry of the tier's LRU), except a dropped node's host-only subt
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-import numpy as np
-
-from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op, OpResult
+from zkv.protocol import BACKUP, D2H, H2D, S2H
 from zkv.scheduler.block_pool import BlockPool
+from zkv.scheduler.commit import CommitMixin
 from zkv.scheduler.radix import (
     DELETING,
     DEVICE,
     HOST,
     LOADING_FROM_STORAGE,
-    ON_DEVICE,
     SWAP_TO_DEVICE,
     SWAP_TO_HOST,
     Node,
     RadixTree,
     Status,
 )
+from zkv.scheduler.records import (  # re-exported: the manager's public surface
+    WRITE_BACK,
+    WRITE_POLICIES,
+    WRITE_THROUGH,
+    WRITE_THROUGH_SELECTIVE,
+    CacheConfig,
+    CacheStats,
+    Match,
+    PendingOp,
+    RequestState,
+    StorageExists,
+)
 
-WRITE_BACK = "write_back"
-WRITE_THROUGH = "write_through"
-WRITE_THROUGH_SELECTIVE = "write_through_selective"
-WRITE_POLICIES = (WRITE_BACK, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE)
-
-#: ``exists(hashes) -> n``: how many leading hashes the L3 store holds (one batched query).
-StorageExists = Callable[[Sequence[bytes]], int]
-
-
-@dataclass(frozen=True, slots=True)
-class CacheConfig:
-    num_device_blocks: int
-    num_host_blocks: int = 0
-    block_size: int = 16
-    write_policy: str = WRITE_THROUGH_SELECTIVE
-    write_through_threshold: int = 2
-    storage_write: bool = False  # write blocks that reach host to L3 (h2s)
-    negative_cache_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        if self.block_size <= 0 or self.num_device_blocks < 0 or self.num_host_blocks < 0:
-            raise ValueError("block_size must be > 0 and block counts >= 0")
-        if self.write_through_threshold < 1:
-            raise ValueError("write_through_threshold must be >= 1")
-
-    @property
-    def backup_threshold(self) -> int | None:
-        """Hit count at which a device block is backed up to host; None = never (write_back)."""
-        if self.write_policy == WRITE_BACK:
-            return None
-        return 1 if self.write_policy == WRITE_THROUGH else self.write_through_threshold
+__all__ = [
+    "WRITE_BACK", "WRITE_POLICIES", "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE", "CacheConfig",
+    "CacheManager", "CacheStats", "Match", "StorageExists",
+]
 
 
-@dataclass(frozen=True, slots=True)
-class Match:
-    """Result of ``match_prefix``: cached blocks per tier, from the start of the prompt."""
-
-    num_device: int
-    num_host: int
-    num_storage: int
-    block_size: int
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Tokens that need no recompute once host blocks are swapped in (storage excluded)."""
-        return (self.num_device + self.num_host) * self.block_size
-
-
-@dataclass(slots=True)
-class _Request:
-    req_id: str
-    hashes: list[bytes]
-    nodes: list[Node] = field(default_factory=list)     # ref'd path, DEVICE/HOST at match time
-    loading: list[Node] = field(default_factory=list)   # ref'd LOADING_FROM_STORAGE nodes
-    fresh: dict[int, int] = field(default_factory=dict)  # logical index -> owned device block
-    table: list[int] = field(default_factory=list)       # device block per logical block
-    allocated: bool = False
-    num_storage: int = 0
-    valid_blocks: int | None = None  # set when a swap-in failed: recompute from here
-
-
-@dataclass(slots=True)
-class _PendingOp:
-    op_id: int
-    kind: str
-    nodes: list[Node] = field(default_factory=list)
-    src: list[int] = field(default_factory=list)
-    dst: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    req_ids: list[str | None] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class CacheStats:
-    match_queries: int = 0
-    match_blocks: int = 0        # blocks asked for in match_prefix
-    hit_device: int = 0          # blocks
-    hit_host: int = 0
-    hit_storage: int = 0
-    evicted_device: int = 0      # blocks that left L1 (d2h, metadata only, or dropped)
-    evicted_host: int = 0        # host copies dropped
-    dropped: int = 0             # nodes removed from the tree (KV lost from L1/L2)
-    swapped_in: int = 0          # h2d blocks committed
-    swapped_out: int = 0         # d2h blocks committed
-    backed_up: int = 0           # backup blocks committed
-    loaded: int = 0              # s2h blocks committed
-    stored: int = 0              # h2s blocks committed
-    failed_ops: int = 0
-    failed_blocks: int = 0
-    rotations: int = 0           # LRU heads skipped because a child was still in flight
-
-
-class CacheManager:
+class CacheManager(CommitMixin):
     """The scheduler-side cache: see the module docstring for the state machine."""
 
     def __init__(self, config: CacheConfig, storage_exists: StorageExists | None = None) -> None:
@@ -150,10 +71,10 @@ class CacheManager:
         self.storage_exists = storage_exists
         self.stats = CacheStats()
         self._threshold = config.backup_threshold
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, RequestState] = {}
         self._deleting: set[Node] = set()
-        self._open: dict[str, _PendingOp] = {}     # this step's ops: by kind; s2h by request
-        self._pending: dict[int, _PendingOp] = {}  # taken, not yet acked
+        self._open: dict[str, PendingOp] = {}     # this step's ops: by kind; s2h by request
+        self._pending: dict[int, PendingOp] = {}  # taken, not yet acked
         self._next_op_id = 0
         self._negative: dict[bytes, float] = {}    # hash -> expiry (storage failed to deliver)
         self._clock = 0
@@ -171,7 +92,7 @@ class CacheManager:
             if st.allocated:
                 raise ValueError(f"request {req_id!r} is already allocated; finish it first")
             self._release(st)
-        st = _Request(req_id, list(block_hashes))
+        st = RequestState(req_id, list(block_hashes))
         self._reqs[req_id] = st
         self._clock += 1
         now = self._clock
@@ -279,7 +200,7 @@ class CacheManager:
         """Device blocks ``allocate(req_id, num_tokens)`` would take (swap-ins + new)."""
         return self._plan(self._req(req_id), num_tokens)[0]
 
-    def _plan(self, st: _Request, num_tokens: int) -> tuple[int, int]:
+    def _plan(self, st: RequestState, num_tokens: int) -> tuple[int, int]:
         """(device blocks needed, usable matched prefix) for allocating ``num_tokens``."""
         total = -(-num_tokens // self.block_size)
         if st.allocated:
@@ -408,7 +329,7 @@ class CacheManager:
                 if n.host_ok:
                     tree.hlru_push(n)
 
-    def _insert_path(self, st: _Request, full: int) -> tuple[list[Node], list[int]]:
+    def _insert_path(self, st: RequestState, full: int) -> tuple[list[Node], list[int]]:
         """Nodes for the first ``full`` blocks, each holding one ref for the caller to
         release, and the request's device blocks that no node adopted (to free)."""
         nodes = st.nodes
@@ -641,194 +562,6 @@ class CacheManager:
             n.host = -1
         n.host_ok = False
 
-    # ================================================================ ops and acks
-
-    def _op(self, kind: str, key: str | None = None) -> _PendingOp:
-        """The step's open op of ``kind`` (or under ``key``: loads get one op per request, as
-        an s2h's ``done`` counts a prefix, and one request's missing key must not discard
-        another request's blocks)."""
-        key = key or kind
-        op = self._open.get(key)
-        if op is None:
-            op = _PendingOp(self._next_op_id, kind)
-            self._next_op_id += 1
-            self._open[key] = op
-        return op
-
-    def take_ops(self) -> list[Op]:
-        """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
-        op per kind, one s2h per prefetching request). In flight until ``on_ops_done``."""
-        out = []
-        for p in sorted(self._open.values(), key=_kind_rank):  # stable: s2h in request order
-            self._pending[p.op_id] = p
-            out.append(Op(
-                p.op_id, p.kind,
-                src=np.asarray(p.src, dtype="<i4"), dst=np.asarray(p.dst, dtype="<i4"),
-                keys=tuple(p.keys), layerwise=p.kind == H2D,
-            ))
-        self._open.clear()
-        return out
-
-    @property
-    def num_pending_ops(self) -> int:
-        return len(self._pending)
-
-    def on_ops_done(self, results: Iterable[OpResult]) -> list[int]:
-        """Commit (or roll back) acked ops; ``done`` is the number of leading blocks that
-        succeeded on every rank. Returns op ids that were not pending (ignored)."""
-        unknown = []
-        for r in results:
-            p = self._pending.pop(r.id, None)
-            if p is None:
-                unknown.append(r.id)
-                continue
-            done = max(0, min(r.done, len(p.nodes)))
-            if done < len(p.nodes):
-                self.stats.failed_ops += 1
-                self.stats.failed_blocks += len(p.nodes) - done
-            commit = _COMMIT[p.kind]
-            commit(self, p, done)
-        return unknown
-
-    def fail_pending(self) -> None:
-        """Roll back every op in flight (e.g. a rank was lost and its acks never come)."""
-        self.on_ops_done([OpResult(op_id, False, 0, "aborted") for op_id in list(self._pending)])
-
-    def _settle(self, n: Node) -> bool:
-        """Drop one in-flight op from ``n``; True when a DELETING node was finally freed."""
-        n.busy -= 1
-        if n.status is DELETING:
-            if n.busy == 0:
-                self._deleting.discard(n)
-                self._free_node_blocks(n)
-            return True
-        return False
-
-    def _relist(self, nodes: list[Node], path_order: bool = True) -> None:
-        """Put settled nodes on the LRU lists they qualify for, leaf first: ``nodes`` in
-        path order (root → leaf) are pushed reversed, eviction order as given."""
-        tree = self.tree
-        for n in reversed(nodes) if path_order else nodes:
-            if n.ref or n.busy or n.status is DELETING:
-                continue
-            if n.status is DEVICE and n.dprev is None:
-                tree.dlru_push(n)
-            if n.host_ok and n.hprev is None and n.status in (DEVICE, HOST):
-                tree.hlru_push(n)
-
-    def _commit_d2h(self, p: _PendingOp, done: int) -> None:
-        # One iteration per evicted block (hot with a host tier): the common case, a node
-        # with no other op in flight that no request holds, is settled inline.
-        store = self.config.storage_write
-        hlru_push = self.tree.hlru_push
-        committed = 0
-        for i, n in enumerate(p.nodes):
-            if n.busy != 1 or n.status is DELETING:
-                if self._settle(n):
-                    continue
-            else:
-                n.busy = 0
-            if i < done:
-                n.status = HOST
-                n.host_ok = True
-                committed += 1
-                if store and not n.in_store:
-                    self._maybe_store(n)
-                elif not n.ref and not n.busy:  # d2h ops list chain tails first: push as is
-                    hlru_push(n)
-            else:
-                self._drop_subtree(n)  # its only copy is gone
-        self.stats.swapped_out += committed
-
-    def _commit_backup(self, p: _PendingOp, done: int) -> None:
-        settled = []
-        for i, n in enumerate(p.nodes):
-            if self._settle(n):
-                continue
-            if i < done:
-                n.host_ok = True
-                self.stats.backed_up += 1
-                self._maybe_store(n)
-            else:
-                self.host.free_one(n.host)
-                n.host = -1
-            settled.append(n)
-        self._relist(settled)
-
-    def _commit_h2d(self, p: _PendingOp, done: int) -> None:
-        settled = []
-        for i, n in enumerate(p.nodes):
-            if self._settle(n):
-                continue
-            settled.append(n)
-            if i < done:
-                n.status = DEVICE
-                self.stats.swapped_in += 1
-                continue
-            # Device copy is garbage: back to HOST; the block goes to the request (recompute).
-            b = n.dev
-            n.dev = -1
-            n.status = HOST
-            n.parent.ndev -= 1  # type: ignore[union-attr]
-            st = self._reqs.get(p.req_ids[i] or "")
-            idx = _index_of(st.nodes, n) if st is not None else -1
-            if st is not None and idx >= 0 and idx < len(st.table) and st.table[idx] == b:
-                st.fresh[idx] = b
-                st.valid_blocks = idx if st.valid_blocks is None else min(st.valid_blocks, idx)
-            else:
-                self.device.free_one(b)
-        self._relist(settled)
-
-    def _commit_s2h(self, p: _PendingOp, done: int) -> None:
-        settled = []
-        failed = []
-        for i, n in enumerate(p.nodes):
-            if self._settle(n):
-                continue
-            st = self._reqs.get(p.req_ids[i] or "")
-            if st is not None and n in st.loading:
-                st.loading.remove(n)
-                st.num_storage = 0  # what arrived is a host hit now; the rest recomputes
-                if i < done and not failed:
-                    st.nodes.append(n)  # the request keeps its ref; swapped in at allocate
-                else:
-                    n.ref -= 1
-            if i < done and not failed:
-                n.status = HOST
-                n.host_ok = True
-                self.stats.loaded += 1
-                settled.append(n)
-            else:
-                failed.append(n)
-        expiry = time.monotonic() + self.config.negative_cache_s
-        for n in failed:
-            self._negative[n.hash] = expiry
-        for n in reversed(failed):  # deepest first; a failed node's children failed too
-            if n.status is not DELETING and n.hash in self.tree.index and n.ref == 0:
-                self._drop_subtree(n)
-        self._relist(settled)
-
-    def _commit_h2s(self, p: _PendingOp, done: int) -> None:
-        settled = []
-        for i, n in enumerate(p.nodes):
-            if self._settle(n):
-                continue
-            if i < done:
-                n.in_store = True
-                self.stats.stored += 1
-            settled.append(n)
-        self._relist(settled)
-
-    def _maybe_store(self, n: Node) -> None:
-        if not self.config.storage_write or n.in_store:
-            return
-        n.busy += 1
-        op = self._op(H2S)
-        op.nodes.append(n)
-        op.src.append(n.host)
-        op.keys.append(n.hash)
-        op.req_ids.append(None)
-
     # ================================================================ lifecycle
 
     def abort(self, req_id: str) -> None:
@@ -890,7 +623,7 @@ class CacheManager:
 
     # ================================================================ helpers
 
-    def _req(self, req_id: str) -> _Request:
+    def _req(self, req_id: str) -> RequestState:
         st = self._reqs.get(req_id)
         if st is None:
             raise ValueError(f"unknown request {req_id!r} (call match_prefix first)")
@@ -902,7 +635,7 @@ class CacheManager:
         if n.ref == 0:
             self._relist([n])
 
-    def _release(self, st: _Request) -> None:
+    def _release(self, st: RequestState) -> None:
         for n in reversed(st.nodes):
             self._unref(n)
         for n in st.loading:
@@ -918,26 +651,3 @@ class CacheManager:
         from zkv.scheduler.invariants import check
 
         check(self)
-
-
-_KIND_ORDER = {D2H: 0, BACKUP: 1, H2D: 2, S2H: 3, H2S: 4}
-
-
-def _kind_rank(p: _PendingOp) -> int:
-    return _KIND_ORDER[p.kind]
-
-
-def _index_of(nodes: list[Node], n: Node) -> int:
-    for i, m in enumerate(nodes):
-        if m is n:
-            return i
-    return -1
-
-
-_COMMIT: dict[str, Callable[[CacheManager, _PendingOp, int], None]] = {
-    D2H: CacheManager._commit_d2h,
-    BACKUP: CacheManager._commit_backup,
-    H2D: CacheManager._commit_h2d,
-    S2H: CacheManager._commit_s2h,
-    H2S: CacheManager._commit_h2s,
-}

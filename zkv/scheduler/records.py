@@ -1,0 +1,101 @@
+"""Configuration, results and records of the CacheManager (no behaviour here)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from zkv.scheduler.radix import Node
+
+WRITE_BACK = "write_back"
+WRITE_THROUGH = "write_through"
+WRITE_THROUGH_SELECTIVE = "write_through_selective"
+WRITE_POLICIES = (WRITE_BACK, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE)
+
+#: ``exists(hashes) -> n``: how many leading hashes the L3 store holds (one batched query).
+StorageExists = Callable[[Sequence[bytes]], int]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    num_device_blocks: int
+    num_host_blocks: int = 0
+    block_size: int = 16
+    write_policy: str = WRITE_THROUGH_SELECTIVE
+    write_through_threshold: int = 2
+    storage_write: bool = False  # write blocks that reach host to L3 (h2s)
+    negative_cache_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.block_size <= 0 or self.num_device_blocks < 0 or self.num_host_blocks < 0:
+            raise ValueError("block_size must be > 0 and block counts >= 0")
+        if self.write_through_threshold < 1:
+            raise ValueError("write_through_threshold must be >= 1")
+
+    @property
+    def backup_threshold(self) -> int | None:
+        """Hit count at which a device block is backed up to host; None = never (write_back)."""
+        if self.write_policy == WRITE_BACK:
+            return None
+        return 1 if self.write_policy == WRITE_THROUGH else self.write_through_threshold
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Result of ``match_prefix``: cached blocks per tier, from the start of the prompt."""
+
+    num_device: int
+    num_host: int
+    num_storage: int
+    block_size: int
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens that need no recompute once host blocks are swapped in (storage excluded)."""
+        return (self.num_device + self.num_host) * self.block_size
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    hashes: list[bytes]
+    nodes: list[Node] = field(default_factory=list)     # ref'd path, DEVICE/HOST at match time
+    loading: list[Node] = field(default_factory=list)   # ref'd LOADING_FROM_STORAGE nodes
+    fresh: dict[int, int] = field(default_factory=dict)  # logical index -> owned device block
+    table: list[int] = field(default_factory=list)       # device block per logical block
+    allocated: bool = False
+    num_storage: int = 0
+    valid_blocks: int | None = None  # set when a swap-in failed: recompute from here
+
+
+@dataclass(slots=True)
+class PendingOp:
+    op_id: int
+    kind: str
+    nodes: list[Node] = field(default_factory=list)
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    req_ids: list[str | None] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CacheStats:
+    match_queries: int = 0
+    match_blocks: int = 0        # blocks asked for in match_prefix
+    hit_device: int = 0          # blocks
+    hit_host: int = 0
+    hit_storage: int = 0
+    evicted_device: int = 0      # blocks that left L1 (d2h, metadata only, or dropped)
+    evicted_host: int = 0        # host copies dropped
+    dropped: int = 0             # nodes removed from the tree (KV lost from L1/L2)
+    swapped_in: int = 0          # h2d blocks committed
+    swapped_out: int = 0         # d2h blocks committed
+    backed_up: int = 0           # backup blocks committed
+    loaded: int = 0              # s2h blocks committed
+    stored: int = 0              # h2s blocks committed
+    failed_ops: int = 0
+    failed_blocks: int = 0
+    rotations: int = 0           # LRU heads skipped because a child was still in flight
