@@ -134,8 +134,7 @@ class Replayer:
                 cm.abort(rid)
                 continue
             running.append(rid)
-            st = cm._reqs[rid]
-            cached = len(st.nodes)
+            cached = cm.num_reused_blocks(rid)
             self.s.requests += 1
             self.s.blocks += len(hashes)
             m = matches[rid]

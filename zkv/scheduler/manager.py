@@ -278,6 +278,11 @@ class CacheManager(CommitMixin):
     def block_table(self, req_id: str) -> list[int]:
         return list(self._req(req_id).table)
 
+    def num_reused_blocks(self, req_id: str) -> int:
+        """Leading blocks of the request's table that hold cached KV (device hits and
+        blocks being swapped in); the forward computes the rest."""
+        return len(self._req(req_id).nodes)
+
     def take_recompute(self) -> dict[str, int]:
         """Requests whose swapped-in blocks failed: req_id -> number of leading valid blocks
         (the engine recomputes the rest into the same block table)."""
