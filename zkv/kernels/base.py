@@ -199,6 +199,30 @@ class CopyBackend(abc.ABC):
 
     # ---------------------------------------------------------------- shared checks
 
+    def checked(
+        self,
+        kv_caches: KVCaches,
+        host_pool: torch.Tensor,
+        src_ids: Ids,
+        dst_ids: Ids,
+        layers: Sequence[int],
+        to_host: bool,
+    ) -> tuple[Geometry, np.ndarray, np.ndarray]:
+        """Every check a copy makes before touching a byte: shapes and dtypes, ids in range
+        for the direction (``to_host``: device -> host), then where the caches live."""
+        geo = self.check_caches(kv_caches, host_pool, layers)
+        if to_host:
+            bounds = (geo.num_device_blocks, geo.num_host_blocks, "device", "host")
+        else:
+            bounds = (geo.num_host_blocks, geo.num_device_blocks, "host", "device")
+        src, dst = check_ids(src_ids, dst_ids, *bounds)
+        self.check_devices(kv_caches, layers)
+        return geo, src, dst
+
+    def check_devices(self, kv_caches: KVCaches, layers: Sequence[int]) -> None:
+        """The backend's own check of where ``layers`` of the cache live (default: none)."""
+        return None
+
     @staticmethod
     def check_caches(
         kv_caches: KVCaches, host_pool: torch.Tensor, layers: Sequence[int]

@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -48,9 +48,9 @@ from zkv.kernels.base import (
     DONE,
     CopyBackend,
     EventHandle,
+    Geometry,
     Ids,
     KVCaches,
-    check_ids,
     host_pool_shape,
     layer_list,
     torch_dtype,
@@ -153,25 +153,12 @@ class TorchCpuBackend(CopyBackend):
         layers: range | None = None,
     ) -> None:
         layers = layer_list(layers, len(kv_caches))
-        geo = self.check_caches(kv_caches, host_pool, layers)
-        src, dst = check_ids(
-            src_ids, dst_ids, geo.num_device_blocks, geo.num_host_blocks, "device", "host"
-        )
-        _check_on_cpu(kv_caches, layers)
+        geo, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, layers, True)
         if not len(src) or not len(layers) or not geo.chunk_bytes:
             return
         src, dst = _native_ids(src), _native_ids(dst)
-        chunk = geo.chunk_bytes
-        host_base, block_bytes = host_pool.data_ptr(), 2 * geo.num_layers * chunk
         for layer in layers:
-            for kv in (0, 1):
-                dev = kv_caches[layer][kv]
-                if _chunks_contiguous(dev):
-                    host_at = host_base + (2 * layer + kv) * chunk
-                    dev_at, dev_stride = dev.data_ptr(), _block_stride(dev)
-                    self._copy(dev_at, dev_stride, host_at, block_bytes, chunk, src, dst)
-                else:
-                    _copy_strided(dev, src, host_pool[:, layer, kv], dst)
+            self._copy_layer(kv_caches, host_pool, geo, layer, src, dst, to_host=True)
 
     def copy_h2d(
         self,
@@ -181,24 +168,34 @@ class TorchCpuBackend(CopyBackend):
         dst_ids: Ids,
         layer: int,
     ) -> None:
-        geo = self.check_caches(kv_caches, host_pool, (layer,))
-        src, dst = check_ids(
-            src_ids, dst_ids, geo.num_host_blocks, geo.num_device_blocks, "host", "device"
-        )
-        _check_on_cpu(kv_caches, (layer,))
+        geo, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, (layer,), False)
         if not len(src) or not geo.chunk_bytes:
             return
         src, dst = _native_ids(src), _native_ids(dst)
+        self._copy_layer(kv_caches, host_pool, geo, layer, src, dst, to_host=False)
+
+    def check_devices(self, kv_caches: KVCaches, layers: Sequence[int]) -> None:
+        _check_on_cpu(kv_caches, layers)
+
+    def _copy_layer(self, kv_caches: KVCaches, host_pool: torch.Tensor, geo: Geometry,
+                    layer: int, src: np.ndarray, dst: np.ndarray, *, to_host: bool) -> None:
+        """K and V of one layer: one chunk copy call each (``src``/``dst`` index the source
+        and destination pools of the direction)."""
         chunk = geo.chunk_bytes
-        host_base, block_bytes = host_pool.data_ptr(), 2 * geo.num_layers * chunk
+        block_bytes = 2 * geo.num_layers * chunk
         for kv in (0, 1):
             dev = kv_caches[layer][kv]
-            if _chunks_contiguous(dev):
-                host_at = host_base + (2 * layer + kv) * chunk
-                dev_at, dev_stride = dev.data_ptr(), _block_stride(dev)
-                self._copy(host_at, block_bytes, dev_at, dev_stride, chunk, src, dst)
-            else:
-                _copy_strided(host_pool[:, layer, kv], src, dev, dst)
+            if not _chunks_contiguous(dev):
+                host_view = host_pool[:, layer, kv]
+                if to_host:
+                    _copy_strided(dev, src, host_view, dst)
+                else:
+                    _copy_strided(host_view, src, dev, dst)
+                continue
+            host = (host_pool.data_ptr() + (2 * layer + kv) * chunk, block_bytes)
+            device = (dev.data_ptr(), _block_stride(dev))
+            (s_at, s_stride), (d_at, d_stride) = (device, host) if to_host else (host, device)
+            self._copy(s_at, s_stride, d_at, d_stride, chunk, src, dst)
 
     # ---------------------------------------------------------------- ordering (all no-ops)
 
@@ -230,7 +227,7 @@ def _native_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
-def _check_on_cpu(kv_caches: KVCaches, layers: range | tuple[int, ...]) -> None:
+def _check_on_cpu(kv_caches: KVCaches, layers: Sequence[int]) -> None:
     """Raw addresses are only meaningful for CPU memory (checked before any byte moves)."""
     for layer in layers:
         for t in kv_caches[layer]:

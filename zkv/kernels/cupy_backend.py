@@ -44,10 +44,8 @@ from zkv.errors import ConfigError
 from zkv.kernels.base import (
     CopyBackend,
     EventHandle,
-    Geometry,
     Ids,
     KVCaches,
-    check_ids,
     host_pool_shape,
     layer_list,
     torch_dtype,
@@ -165,10 +163,7 @@ class CupyBackend(CopyBackend):
         layers: range | None = None,
     ) -> None:
         layers = layer_list(layers, len(kv_caches))
-        geo = self._check(kv_caches, host_pool, layers)
-        src, dst = check_ids(
-            src_ids, dst_ids, geo.num_device_blocks, geo.num_host_blocks, "device", "host"
-        )
+        geo, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, layers, True)
         if not len(src) or not len(layers):
             return
         host = self._host_device_ptr(host_pool)
@@ -193,10 +188,7 @@ class CupyBackend(CopyBackend):
         dst_ids: Ids,
         layer: int,
     ) -> None:
-        geo = self._check(kv_caches, host_pool, (layer,))
-        src, dst = check_ids(
-            src_ids, dst_ids, geo.num_host_blocks, geo.num_device_blocks, "host", "device"
-        )
+        geo, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, (layer,), False)
         if not len(src):
             return
         host = self._host_device_ptr(host_pool)
@@ -274,15 +266,13 @@ class CupyBackend(CopyBackend):
 
     # ---------------------------------------------------------------- checks
 
-    def _check(self, kv_caches: KVCaches, host_pool: torch.Tensor, layers: Any) -> Geometry:
-        geo = self.check_caches(kv_caches, host_pool, layers)
+    def check_devices(self, kv_caches: KVCaches, layers: Any) -> None:
         for layer in layers:
             for t in kv_caches[layer]:
                 if t.device != self.device:
                     raise ValueError(
                         f"layer {layer}: cache on {t.device}, backend on {self.device}"
                     )
-        return geo
 
     def _host_device_ptr(self, host_pool: torch.Tensor) -> int:
         """UVA device address of the pinned host pool.
