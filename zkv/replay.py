@@ -139,12 +139,13 @@ class Replayer:
             self.s.blocks += len(hashes)
             m = matches[rid]
             from_storage = max(0, cached - m.num_device - m.num_host)
-            self.s.hit_device += m.num_device
-            self.s.hit_host += cached - m.num_device
-            self.s.hit_storage += from_storage
-            M.HITS_BLOCKS.inc(m.num_device, tier="device")
-            M.HITS_BLOCKS.inc(cached - m.num_device - from_storage, tier="host")
-            M.HITS_BLOCKS.inc(from_storage, tier="storage")
+            hits = {"device": m.num_device, "host": cached - m.num_device - from_storage,
+                    "storage": from_storage}
+            self.s.hit_device += hits["device"]
+            self.s.hit_host += hits["host"]
+            self.s.hit_storage += hits["storage"]
+            for tier, n in hits.items():
+                M.HITS_BLOCKS.inc(n, tier=tier)
             if cached:
                 sim.append(self._sim(CHECK, table[:cached], hashes[:cached]))
             if len(hashes) > cached:
@@ -287,7 +288,7 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
         f"  requests     {s.requests}   prompt blocks {s.blocks}   wall {s.wall_s:.2f} s "
         f"({s.requests / max(s.wall_s, 1e-9):.1f} req/s)",
         f"  hits         device {s.hit_device} ({s.hit_device / blocks:.1%})   host "
-        f"{s.hit_host - s.hit_storage} ({(s.hit_host - s.hit_storage) / blocks:.1%})   storage "
+        f"{s.hit_host} ({s.hit_host / blocks:.1%})   storage "
         f"{s.hit_storage} ({s.hit_storage / blocks:.1%})",
         "  moved blocks " + "   ".join(f"{k} {v}" for k, v in moved.items())
         + "   (per rank; x ranks for bytes)",
