@@ -164,9 +164,9 @@ def test_many_blocks_every_chunk_lands(backend: TorchCpuBackend) -> None:
 def test_strided_path_when_chunks_are_not_contiguous(
     backend: TorchCpuBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """check_caches refuses non-contiguous blocks today; the strided torch path that
-    would take them must still be exact, here forced on the usual caches."""
-    monkeypatch.setattr(cpu, "_chunks_contiguous", lambda t: False)
+    """Blocks that are no few dense runs take the strided torch path; it must still be
+    exact, here forced on the usual caches."""
+    monkeypatch.setattr(cpu, "_block_runs", lambda t: None)
     lay = layout("bfloat16")
     kv, host = random_caches(backend, lay, seed=8)
     want_host, want_kv = host.clone(), clone(kv)
@@ -390,3 +390,38 @@ def test_default_impl_is_the_extension_when_built(monkeypatch: pytest.MonkeyPatc
         TorchCpuBackend(impl="ext")
     with pytest.raises(ValueError, match="unknown CPU copy impl 'torch'"):
         TorchCpuBackend(impl="torch")
+
+
+def test_vllm_cpu_layout_kv_interleaved_by_head(backend: TorchCpuBackend) -> None:
+    """vLLM's CPU attention cache: one tensor per layer ``[blocks, heads, block, 2*dim]``
+    viewed as ``[blocks, heads, 2*block, dim]``; K is ``[:, :, :block]`` and V the rest.
+    A block's K is one dense run per head; the copies must match the oracle and leave
+    every byte outside the named blocks alone."""
+    lay = layout("bfloat16", kv_heads=3, block_size=4, head_dim=8, num_layers=2)
+    gen = torch.Generator().manual_seed(11)
+    fused = [torch.randint(-(2**15), 2**15, (lay.num_device_blocks, 3, 4, 16),
+                           dtype=torch.int16, generator=gen).view(torch.bfloat16)
+             for _ in range(2)]
+    kv = []
+    for t in fused:
+        v = t.view(lay.num_device_blocks, 3, 8, 8)
+        kv.append((v[:, :, :4], v[:, :, 4:]))
+    assert cpu._block_runs(kv[0][0]) == (4 * 8 * 2, [0, 128, 256])  # one run per head
+    host = backend.allocate_host_pool(lay)
+    want = host.clone()
+    src, dst = ids([3, 0, 11]), ids([2, 8, 0])
+    backend.copy_d2h(kv, host, src, dst)
+    ref_copy_d2h(kv, want, src, dst)
+    assert as_bytes(host) == as_bytes(want)
+
+    before = [as_bytes(t) for t in fused]
+    want_kv = clone(kv)
+    back = ids([5, 1, 9])
+    backend.copy_h2d(host, kv, dst, back, layer=1)
+    ref_copy_h2d(host, want_kv, dst, back, layer=1)
+    assert same_caches(kv, want_kv)
+    assert as_bytes(fused[0]) == before[0]  # layer 0 untouched
+    changed = fused[1].view(torch.int16).view(lay.num_device_blocks, -1)
+    orig = torch.frombuffer(bytearray(before[1]), dtype=torch.int16).view(lay.num_device_blocks, -1)
+    diff_blocks = sorted(set((changed != orig).any(dim=1).nonzero().view(-1).tolist()))
+    assert set(diff_blocks) <= {5, 1, 9}

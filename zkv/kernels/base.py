@@ -23,6 +23,11 @@ Ordering contract (what the worker relies on):
 - ``record_event()`` after a layer's copies; the model calls ``wait_event_on_compute``
   before that layer (GPU: a stream wait, the host never blocks).
 
+Device blocks may be strided (e.g. vLLM's CPU attention cache: one tensor per layer
+``[num_blocks, heads, 2 * block_size, head_dim]`` whose K and V views interleave by head):
+a block's K (or V) is copied in the logical order of its ``[heads, block, dim]`` shape,
+so the host chunk is the same bytes whatever the device strides.
+
 Ids are validated (1-D, same length, inside the pool) before any byte moves; a bad
 call raises ``ValueError`` and leaves both caches untouched. Destination ids must be
 distinct within one call (the protocol refuses duplicates); with duplicates the
@@ -255,8 +260,6 @@ class CopyBackend(abc.ABC):
                     raise ValueError(
                         f"layer {layer}: dtype {t.dtype} != host pool {host_pool.dtype}"
                     )
-                if t.shape[0] and not t[0].is_contiguous():
-                    raise ValueError(f"layer {layer}: each device block must be contiguous")
                 if t.shape[0] != num_device_blocks:
                     raise ValueError("all layers must have the same number of device blocks")
         chunk_bytes = math.prod(block_shape) * host_pool.element_size()

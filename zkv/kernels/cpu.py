@@ -185,17 +185,22 @@ class TorchCpuBackend(CopyBackend):
         block_bytes = 2 * geo.num_layers * chunk
         for kv in (0, 1):
             dev = kv_caches[layer][kv]
-            if not _chunks_contiguous(dev):
+            runs = _block_runs(dev)
+            if runs is None:  # no equal dense runs: exact but slow
                 host_view = host_pool[:, layer, kv]
                 if to_host:
                     _copy_strided(dev, src, host_view, dst)
                 else:
                     _copy_strided(host_view, src, dev, dst)
                 continue
-            host = (host_pool.data_ptr() + (2 * layer + kv) * chunk, block_bytes)
-            device = (dev.data_ptr(), _block_stride(dev))
-            (s_at, s_stride), (d_at, d_stride) = (device, host) if to_host else (host, device)
-            self._copy(s_at, s_stride, d_at, d_stride, chunk, src, dst)
+            run_bytes, offsets = runs
+            stride = _block_stride(dev)
+            host_at = host_pool.data_ptr() + (2 * layer + kv) * chunk
+            for r, off in enumerate(offsets):  # one call per dense run of every block
+                host = (host_at + r * run_bytes, block_bytes)
+                device = (dev.data_ptr() + off, stride)
+                (s_at, s_stride), (d_at, d_stride) = (device, host) if to_host else (host, device)
+                self._copy(s_at, s_stride, d_at, d_stride, run_bytes, src, dst)
 
     # ---------------------------------------------------------------- ordering (all no-ops)
 
@@ -238,9 +243,37 @@ def _check_on_cpu(kv_caches: KVCaches, layers: Sequence[int]) -> None:
                 )
 
 
-def _chunks_contiguous(t: torch.Tensor) -> bool:
-    """Every block ``t[i]`` is one dense run of bytes (all blocks share ``t[0]``'s strides)."""
-    return t.shape[0] == 0 or t[0].is_contiguous()
+#: Above this many dense runs per block, the per-run calls cost more than the strided path.
+_MAX_RUNS = 64
+
+
+def _block_runs(t: torch.Tensor) -> tuple[int, list[int]] | None:
+    """A block ``t[i]`` as equal dense runs: ``(run_bytes, byte offsets in logical order)``.
+
+    The innermost dims that are laid out densely form one run; the outer dims of the
+    block enumerate the runs (vLLM's CPU cache: K of a block is one run per head).
+    ``None`` when a block has more than ``_MAX_RUNS`` runs (e.g. heads and tokens
+    transposed: one run per row).
+    """
+    if t.shape[0] == 0:
+        return 0, [0]  # no block can be named
+    shape, strides = list(t.shape[1:]), list(t.stride()[1:])
+    run = 1
+    k = len(shape)
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == run):
+        run *= shape[k - 1]
+        k -= 1
+    outer = shape[:k]
+    num_runs = 1
+    for d in outer:
+        num_runs *= d
+    if num_runs > _MAX_RUNS:
+        return None
+    offs = np.zeros(1, dtype=np.int64)
+    for d, st_ in zip(outer, strides[:k]):
+        offs = (offs[:, None] + np.arange(d, dtype=np.int64)[None, :] * st_).reshape(-1)
+    size = t.element_size()
+    return run * size, (offs * size).tolist()
 
 
 def _block_stride(t: torch.Tensor) -> int:
