@@ -832,12 +832,13 @@ def test_stats_counters_in_a_small_scenario() -> None:
     cm.abort("r4")
     s = cm.stats
     assert (s.match_queries, s.match_blocks) == (4, 7)
-    assert (s.hit_device, s.hit_host, s.hit_storage) == (3, 1, 0)
+    assert (s.hit_device, s.hit_host, s.hit_storage) == (2, 0, 0)  # r4 never ran: not counted
+    assert s.hit_requests == 3
     assert (s.evicted_device, s.evicted_host, s.dropped) == (1, 0, 0)
     assert (s.swapped_out, s.swapped_in, s.backed_up, s.loaded, s.stored) == (1, 0, 0, 0, 0)
     assert (s.failed_ops, s.failed_blocks) == (0, 0)
     snap = cm.snapshot()
-    assert snap["hit_device"] == 3 and snap["hit_host"] == 1 and snap["evicted_device"] == 1
+    assert snap["hit_device"] == 2 and snap["hit_host"] == 0 and snap["evicted_device"] == 1
     assert (snap["free_device"], snap["free_host"], snap["pending_ops"]) == (0, 1, 0)
     assert snap["nodes"] == {"DEVICE": 2, "HOST": 1, "SWAP_TO_HOST": 0, "SWAP_TO_DEVICE": 0,
                              "LOADING_FROM_STORAGE": 0, "DELETING": 0}

@@ -15,7 +15,7 @@ import numpy as np
 
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op, OpResult
 from zkv.scheduler.radix import DELETING, DEVICE, HOST, Node
-from zkv.scheduler.records import PendingOp
+from zkv.scheduler.records import LOAD, SAVE, WIRE_KIND, PendingOp
 
 if TYPE_CHECKING:
     from zkv.scheduler.manager import CacheManager
@@ -42,10 +42,11 @@ class CommitMixin:
         out = []
         for p in sorted(self._open.values(), key=_kind_rank):  # stable: s2h in request order
             self._pending[p.op_id] = p
+            kind = WIRE_KIND.get(p.kind, p.kind)
             out.append(Op(
-                p.op_id, p.kind,
+                p.op_id, kind,
                 src=np.asarray(p.src, dtype="<i4"), dst=np.asarray(p.dst, dtype="<i4"),
-                keys=tuple(p.keys), layerwise=p.kind == H2D,
+                keys=tuple(p.keys), layerwise=kind == H2D,
             ))
         self._open.clear()
         return out
@@ -200,6 +201,51 @@ class CommitMixin:
             settled.append(n)
         self._relist(settled)
 
+    def _commit_load(self, p: PendingOp, done: int) -> None:
+        """External L1: host blocks copied into engine blocks. The host copies stay as they
+        were; a failure is the engine's to recompute (``take_load_failures``)."""
+        settled = []
+        for i, n in enumerate(p.nodes):
+            if self._settle(n):
+                continue
+            settled.append(n)
+            if i < done:
+                self.stats.loaded_external += 1
+                continue
+            st = self._reqs.get(p.req_ids[i] or "")
+            if st is not None:
+                st.failed_loads.append(p.dst[i])
+        self._relist(settled)
+
+    def _commit_save(self, p: PendingOp, done: int) -> None:
+        """External L1: engine blocks copied into new host blocks: HOST (matchable), or on
+        failure removed with the rest of the op (the op's nodes are a chain, later blocks
+        children of earlier ones) and out of the request's held path."""
+        for n in p.nodes[:done]:
+            if self._settle(n):
+                continue
+            n.status = HOST
+            n.host_ok = True
+            self.stats.saved_external += 1
+            if self.config.storage_write:
+                self._maybe_store(n)
+        failed = p.nodes[done:]
+        for n in reversed(failed):  # deepest first: each is a leaf when it is dropped
+            if self._settle(n):
+                continue
+            st = self._reqs.get(p.req_ids[0] or "")
+            if st is not None and n.ref:
+                idx = _index_of(st.nodes, n)
+                if idx >= 0:
+                    for m in reversed(st.nodes[idx:]):
+                        m.ref -= 1
+                    del st.nodes[idx:]
+            assert n.ref == 0 and not n.children, f"failed save of {n} is still in use"
+            self.tree.detach(n)
+            self._free_node_blocks(n)
+            self.stats.dropped += 1
+        self._relist(p.nodes[:done])
+
     def _maybe_store(self, n: Node) -> None:
         if not self.config.storage_write or n.in_store:
             return
@@ -211,7 +257,7 @@ class CommitMixin:
         op.req_ids.append(None)
 
 
-_KIND_ORDER = {D2H: 0, BACKUP: 1, H2D: 2, S2H: 3, H2S: 4}
+_KIND_ORDER = {D2H: 0, BACKUP: 1, SAVE: 1, H2D: 2, LOAD: 2, S2H: 3, H2S: 4}
 
 
 def _kind_rank(p: PendingOp) -> int:
@@ -231,4 +277,6 @@ _COMMIT: dict[str, Callable[[CacheManager, PendingOp, int], None]] = {
     H2D: CommitMixin._commit_h2d,
     S2H: CommitMixin._commit_s2h,
     H2S: CommitMixin._commit_h2s,
+    LOAD: CommitMixin._commit_load,
+    SAVE: CommitMixin._commit_save,
 }

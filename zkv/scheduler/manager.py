@@ -41,6 +41,8 @@ from zkv.scheduler.radix import (
     Status,
 )
 from zkv.scheduler.records import (  # re-exported: the manager's public surface
+    LOAD,
+    SAVE,
     WRITE_BACK,
     WRITE_POLICIES,
     WRITE_THROUGH,
@@ -131,10 +133,23 @@ class CacheManager(CommitMixin):
         stats = self.stats
         stats.match_queries += 1
         stats.match_blocks += len(st.hashes)
-        stats.hit_device += num_dev
-        stats.hit_host += num_host
-        stats.hit_storage += num_storage
-        return Match(num_dev, num_host, num_storage, self.block_size)
+        m = st.match = Match(num_dev, num_host, num_storage, self.block_size)
+        return m
+
+    def _count_hits(self, st: RequestState, used: int) -> None:
+        """Add the request's hits to the stats once, when its first ``used`` matched blocks
+        are put to use (a request re-matched while it waits is not counted again)."""
+        if st.counted or st.match is None:
+            return
+        st.counted = True
+        m = st.match
+        dev = min(m.num_device, used)
+        host = min(m.num_host, used - dev)
+        stats = self.stats
+        stats.hit_requests += 1
+        stats.hit_device += dev
+        stats.hit_host += host
+        stats.hit_storage += used - dev - host  # arrived from L3 by prefetch
 
     def _storage_lookup(self, rest: list[bytes]) -> int:
         if self._negative:
@@ -245,6 +260,7 @@ class CacheManager(CommitMixin):
                 for n in reversed(st.nodes[k:]):
                     self._unref(n)
                 del st.nodes[k:]
+            self._count_hits(st, len(st.nodes))
             op = None
             for n in st.nodes:
                 if n.status is HOST:
@@ -293,6 +309,149 @@ class CacheManager(CommitMixin):
                 st.valid_blocks = None
         return out
 
+    # ================================================================ incremental caching
+
+    def cache_computed(self, req_id: str, num_tokens: int, *,
+                       block_hashes: Sequence[bytes] | None = None,
+                       device_ids: Sequence[int] | None = None) -> int:
+        """Make the request's first ``num_tokens // block_size`` blocks matchable now, while
+        it still runs (not only at ``finish``). Returns how many blocks were added.
+
+        Owned-device mode: the request's fresh blocks become DEVICE nodes it holds. It stops
+        at a block already in the tree (another request cached or is loading it; ``finish``
+        sorts that out) and waits while the previous block is still being swapped in.
+
+        External-L1 mode (``device_ids`` given: the engine's block per logical block): each
+        new block is saved into a host block (one ``save`` op per request and step) and
+        becomes a HOST node when every rank acked. It waits while an earlier save of the
+        request is in flight, stops at a block another request is saving or loading, and
+        stops when no host block can be freed. ``block_hashes`` may extend the hashes.
+        """
+        st = self._req(req_id)
+        if block_hashes is not None:
+            if list(block_hashes[: len(st.nodes)]) != [n.hash for n in st.nodes]:
+                raise ValueError(f"request {req_id!r}: block_hashes disagree with its prefix")
+            st.hashes = list(block_hashes)
+        full = min(num_tokens // self.block_size, len(st.hashes))
+        if device_ids is not None or st.external:
+            if device_ids is None:
+                raise ValueError(f"request {req_id!r} is external: pass device_ids")
+            self._go_external(st)
+            return self._save_external(st, min(full, len(device_ids)), device_ids)
+        if not st.allocated:
+            raise ValueError(f"request {req_id!r} is not allocated")
+        full = min(full, len(st.table))
+        start = len(st.nodes)
+        parent = st.nodes[-1] if st.nodes else self.tree.root
+        if full <= start or parent.status is not DEVICE:
+            return 0
+        index, tree, now = self.tree.index, self.tree, self._clock
+        for i in range(start, full):
+            h = st.hashes[i]
+            if h in index:
+                break
+            b = st.fresh.pop(i)
+            n = tree.add(parent, h, DEVICE, dev=b)
+            n.ref = n.hits = 1
+            n.last_access = now
+            st.nodes.append(n)
+            parent = n
+        return len(st.nodes) - start
+
+    def _save_external(self, st: RequestState, full: int, device_ids: Sequence[int]) -> int:
+        start = len(st.nodes)
+        parent = st.nodes[-1] if st.nodes else self.tree.root
+        if full <= start or parent.status not in (HOST, DEVICE) or st.loading:
+            return 0  # an earlier save (or a load from L3) of this request is in flight
+        tree, index, now = self.tree, self.tree.index, self._clock
+        op = None
+        for i in range(start, full):
+            h = st.hashes[i]
+            n = index.get(h)
+            if n is not None:
+                if n.status is not HOST:
+                    break  # another request is saving or loading it: take it up later
+                if n.ref == 0 and n.hprev is not None:
+                    tree.hlru_remove(n)
+                n.ref += 1
+                n.hits += 1
+                n.last_access = now
+            else:
+                hb = self._take_host_block()
+                if hb is None:
+                    break  # every host block is held or in flight
+                n = tree.add(parent, h, SWAP_TO_HOST, host=hb)
+                n.ref = n.hits = n.busy = 1
+                n.last_access = now
+                if op is None:
+                    op = self._op(SAVE, f"{SAVE}:{st.req_id}")
+                op.nodes.append(n)
+                op.src.append(int(device_ids[i]))
+                op.dst.append(hb)
+                op.req_ids.append(st.req_id)
+            st.nodes.append(n)
+            parent = n
+        return len(st.nodes) - start
+
+    # ================================================================ external L1
+
+    def load_external(self, req_id: str, first_block: int, device_ids: Sequence[int]) -> int:
+        """Copy the request's matched blocks ``first_block ..`` into the engine's blocks
+        ``device_ids`` (one layerwise ``load`` op). External-L1 mode: the engine owns device
+        memory and its own prefix cache; zkv is L2/L3 behind it. Returns the number of
+        blocks planned (the matched HOST blocks there are, at most ``len(device_ids)``).
+
+        Blocks stay held by the request until ``finish``; a failed load is reported by
+        ``take_load_failures`` (the engine recomputes those blocks).
+        """
+        st = self._req(req_id)
+        if st.loading:
+            raise ValueError(f"request {req_id!r} is still loading from storage")
+        self._go_external(st)
+        if first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {first_block}")
+        nodes = st.nodes[first_block : first_block + len(device_ids)]
+        n_ok = 0
+        for n in nodes:
+            if n.status is not HOST:
+                break
+            n_ok += 1
+        if not n_ok:
+            return 0
+        op = self._op(LOAD)
+        for n, b in zip(nodes[:n_ok], device_ids):
+            n.busy += 1
+            op.nodes.append(n)
+            op.src.append(n.host)
+            op.dst.append(int(b))
+            op.req_ids.append(req_id)
+        return n_ok
+
+    def _go_external(self, st: RequestState) -> None:
+        if self.device.num_blocks:
+            raise ValueError("external-L1 calls need a CacheManager without a device pool "
+                             "(num_device_blocks=0): the engine owns device memory")
+        st.external = st.allocated = True
+        self._count_hits(st, len(st.nodes))
+
+    def take_load_failures(self) -> dict[str, list[int]]:
+        """External-L1 mode: req_id -> engine block ids whose load failed on some rank
+        since the last call (the engine must recompute them)."""
+        out = {}
+        for st in self._reqs.values():
+            if st.failed_loads:
+                out[st.req_id] = st.failed_loads
+                st.failed_loads = []
+        return out
+
+    def is_external(self, req_id: str) -> bool:
+        st = self._reqs.get(req_id)
+        return st is not None and st.external
+
+    def num_held_blocks(self, req_id: str) -> int:
+        """Leading blocks of the request that zkv holds for it (matched, saved or in flight)."""
+        return len(self._req(req_id).nodes)
+
     # ================================================================ finish
 
     def finish(self, req_id: str, num_computed_tokens: int | None = None,
@@ -303,6 +462,9 @@ class CacheManager(CommitMixin):
         st = self._reqs.pop(req_id, None)
         if st is None:
             raise ValueError(f"unknown request {req_id!r}")
+        if st.external:  # the engine frees its own blocks; drop the request's refs
+            self._release(st)
+            return
         if block_hashes is not None:
             st.hashes = list(block_hashes)
         for n in st.loading:
@@ -622,6 +784,7 @@ class CacheManager(CommitMixin):
             "evicted_host": s.evicted_host, "dropped": s.dropped, "swapped_in": s.swapped_in,
             "swapped_out": s.swapped_out, "backed_up": s.backed_up, "loaded": s.loaded,
             "stored": s.stored, "failed_ops": s.failed_ops,
+            "loaded_external": s.loaded_external, "saved_external": s.saved_external,
             "free_device": self.device.num_free, "free_host": self.host.num_free,
             "nodes": self.status_counts(), "pending_ops": len(self._pending),
         }

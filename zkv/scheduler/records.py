@@ -5,12 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from zkv.protocol import BACKUP, H2D
 from zkv.scheduler.radix import Node
 
 WRITE_BACK = "write_back"
 WRITE_THROUGH = "write_through"
 WRITE_THROUGH_SELECTIVE = "write_through_selective"
 WRITE_POLICIES = (WRITE_BACK, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE)
+
+#: Ops of the external-L1 mode (the engine owns the device blocks; see CacheManager):
+#: ``load`` copies host blocks into engine blocks (wire kind h2d, layerwise), ``save``
+#: copies engine blocks into new host blocks (wire kind backup). Their commit differs from
+#: the owned-device h2d / backup, so they are separate kinds inside the scheduler.
+LOAD = "load"
+SAVE = "save"
+WIRE_KIND = {LOAD: H2D, SAVE: BACKUP}
 
 #: ``exists(hashes) -> n``: how many leading hashes the L3 store holds (one batched query).
 StorageExists = Callable[[Sequence[bytes]], int]
@@ -68,6 +77,10 @@ class RequestState:
     allocated: bool = False
     num_storage: int = 0
     valid_blocks: int | None = None  # set when a swap-in failed: recompute from here
+    match: Match | None = None        # the last match_prefix result (hits count once, at use)
+    counted: bool = False             # this request's hits are in CacheStats
+    external: bool = False            # external-L1 mode: device blocks belong to the engine
+    failed_loads: list[int] = field(default_factory=list)  # engine block ids, external mode
 
 
 @dataclass(slots=True)
@@ -99,3 +112,6 @@ class CacheStats:
     failed_ops: int = 0
     failed_blocks: int = 0
     rotations: int = 0           # LRU heads skipped because a child was still in flight
+    loaded_external: int = 0     # load blocks committed (host -> engine blocks)
+    saved_external: int = 0      # save blocks committed (engine blocks -> host)
+    hit_requests: int = 0        # requests whose hits were counted (once each)

@@ -1,0 +1,233 @@
+"""External-L1 mode (the engine owns device blocks; zkv is L2/L3) and incremental caching.
+
+Exact scenarios: which ops with which ids, what is matchable when, what a failure undoes.
+Invariants are checked after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zkv.protocol import BACKUP, H2D, H2S, S2H, OpResult
+from zkv.scheduler.hashing import hash_ids_chain
+from zkv.scheduler.manager import CacheConfig, CacheManager, Match
+from zkv.scheduler.radix import HOST, LOADING_FROM_STORAGE, SWAP_TO_HOST
+
+BS = 4
+
+
+def H(*ids: int) -> list[bytes]:
+    return hash_ids_chain(list(ids))
+
+
+def make(num_host: int, *, storage: set[bytes] | None = None, **kw: object) -> CacheManager:
+    def exists(hashes):  # noqa: ANN001, ANN202
+        k = 0
+        while storage is not None and k < len(hashes) and hashes[k] in storage:
+            k += 1
+        return k
+
+    cm = CacheManager(CacheConfig(0, num_host, BS, **kw),  # type: ignore[arg-type]
+                      storage_exists=exists if storage is not None else None)
+    cm.check_invariants()
+    return cm
+
+
+def ack(cm: CacheManager, ops, done: dict[int, int] | None = None) -> None:  # noqa: ANN001
+    """Every op succeeds unless ``done`` names its leading count (by position in ``ops``)."""
+    results = []
+    for i, op in enumerate(ops):
+        d = (done or {}).get(i, op.num_blocks)
+        results.append(OpResult(op.id, d == op.num_blocks, d, None if d == op.num_blocks else "x"))
+    assert cm.on_ops_done(results) == []
+    cm.check_invariants()
+
+
+def save(cm: CacheManager, rid: str, hashes: list[bytes], dev: list[int]) -> int:
+    cm.match_prefix(rid, hashes)
+    n = cm.cache_computed(rid, len(hashes) * BS, device_ids=dev)
+    cm.check_invariants()
+    return n
+
+
+def test_saved_blocks_become_matchable_on_ack_not_before() -> None:
+    cm = make(8)
+    a = H(1, 2, 3)
+    assert save(cm, "r1", a, [10, 11, 12]) == 3
+    ops = cm.take_ops()
+    assert [(o.kind, o.src.tolist(), o.dst.tolist()) for o in ops] == [(BACKUP, [10, 11, 12], [0, 1, 2])]
+    assert [n.status for n in cm._reqs["r1"].nodes] == [SWAP_TO_HOST] * 3
+    assert cm.match_prefix("r2", a) == Match(0, 0, 0, BS)  # in flight: not a hit
+    cm.abort("r2")
+    ack(cm, ops)
+    assert cm.match_prefix("r2", a) == Match(0, 3, 0, BS)  # while r1 still runs
+    cm.finish("r1")
+    cm.check_invariants()
+    assert cm.stats.saved_external == 3 and cm.tree.num_hlru == 0  # r2 holds them
+    cm.finish("r2")
+    assert cm.tree.num_hlru == 3
+
+
+def test_load_into_engine_blocks_and_count_hits_once() -> None:
+    cm = make(8)
+    a = H(1, 2, 3, 4)
+    save(cm, "r1", a, [0, 1, 2, 3])
+    ack(cm, cm.take_ops())
+    cm.finish("r1")
+    for _ in range(3):  # a waiting request is re-matched every step: no extra hits
+        assert cm.match_prefix("r2", a) == Match(0, 4, 0, BS)
+    assert cm.stats.hit_host == 0
+    # the engine had blocks 0-1 itself (local hit); zkv loads blocks 2-3 into 40, 41
+    assert cm.load_external("r2", 2, [40, 41]) == 2
+    ops = cm.take_ops()
+    assert [(o.kind, o.src.tolist(), o.dst.tolist(), o.layerwise) for o in ops] == [
+        (H2D, [2, 3], [40, 41], True)]
+    assert (cm.stats.hit_host, cm.stats.hit_requests) == (4, 2)  # r1 ran too (no hits)
+    cm.check_invariants()
+    ack(cm, ops)
+    assert cm.stats.loaded_external == 2 and cm.take_load_failures() == {}
+    with pytest.raises(ValueError, match="already allocated"):
+        cm.match_prefix("r2", a)
+    cm.finish("r2")
+    cm.check_invariants()
+    assert cm.stats.hit_host == 4  # finish adds nothing
+
+
+def test_failed_load_is_reported_for_recompute_and_cache_stays() -> None:
+    cm = make(8)
+    a = H(1, 2, 3)
+    save(cm, "r1", a, [0, 1, 2])
+    ack(cm, cm.take_ops())
+    cm.finish("r1")
+    cm.match_prefix("r2", a)
+    cm.load_external("r2", 0, [7, 8, 9])
+    ack(cm, cm.take_ops(), done={0: 1})  # block 0 arrived on every rank, 1 and 2 did not
+    assert cm.take_load_failures() == {"r2": [8, 9]}
+    assert cm.take_load_failures() == {}
+    cm.finish("r2")
+    assert cm.match_prefix("r3", a) == Match(0, 3, 0, BS)  # host copies are intact
+
+
+def test_failed_save_drops_the_tail_and_frees_its_host_blocks() -> None:
+    cm = make(8)
+    a = H(1, 2, 3, 4)
+    save(cm, "r1", a, [5, 6, 7, 8])
+    ack(cm, cm.take_ops(), done={0: 2})
+    assert [n.status for n in cm._reqs["r1"].nodes] == [HOST, HOST]
+    assert cm.host.num_used == 2 and cm.stats.dropped == 2
+    # the request saves the rest again later (same engine blocks, new host blocks)
+    assert cm.cache_computed("r1", 16, device_ids=[5, 6, 7, 8]) == 2
+    ops = cm.take_ops()
+    assert [(o.src.tolist(), o.dst.tolist()) for o in ops] == [([7, 8], [2, 3])]
+    ack(cm, ops)
+    cm.finish("r1")
+    assert cm.match_prefix("r2", a).num_host == 4
+
+
+def test_failed_save_after_the_request_finished() -> None:
+    cm = make(8)
+    save(cm, "r1", H(1, 2), [5, 6])
+    ops = cm.take_ops()
+    cm.finish("r1")  # the engine freed its blocks only after the save; zkv lets go at once
+    cm.check_invariants()
+    ack(cm, ops, done={0: 0})
+    assert cm.host.num_used == 0 and len(cm.tree.index) == 0
+
+
+def test_a_second_save_waits_for_the_first() -> None:
+    cm = make(8)
+    a = H(1, 2, 3, 4)
+    cm.match_prefix("r1", a)
+    assert cm.cache_computed("r1", 8, device_ids=[0, 1, 2, 3]) == 2
+    first = cm.take_ops()
+    assert cm.cache_computed("r1", 16, device_ids=[0, 1, 2, 3]) == 0  # blocks 0-1 in flight
+    ack(cm, first)
+    assert cm.cache_computed("r1", 16, device_ids=[0, 1, 2, 3]) == 2
+    assert [o.src.tolist() for o in cm.take_ops()] == [[2, 3]]
+    cm.check_invariants()
+
+
+def test_shared_prefix_saved_once_and_another_save_stops_at_a_block_in_flight() -> None:
+    cm = make(8)
+    a, b = H(1, 2, 3), H(1, 2, 9)
+    save(cm, "r1", a, [0, 1, 2])
+    assert save(cm, "r2", b, [3, 4, 5]) == 0  # block 0 is being saved by r1
+    ack(cm, cm.take_ops())
+    assert cm.cache_computed("r2", 12, device_ids=[3, 4, 5]) == 3  # 2 shared + 1 new
+    assert [(o.src.tolist(), o.dst.tolist()) for o in cm.take_ops()] == [([5], [3])]
+    assert cm.host.num_used == 4
+
+
+def test_host_pool_full_evicts_unheld_leaves_then_stops() -> None:
+    cm = make(3)
+    save(cm, "r1", H(1, 2), [0, 1])
+    ack(cm, cm.take_ops())
+    cm.finish("r1")  # 2 host blocks evictable
+    assert save(cm, "r2", H(5, 6, 7, 8), [2, 3, 4, 5]) == 3  # 1 free + 2 evicted, then none
+    assert cm.stats.evicted_host == 2 and cm.match_prefix("r3", H(1)).num_host == 0
+    cm.abort("r3")
+    ack(cm, cm.take_ops())
+    assert cm.cache_computed("r2", 16, device_ids=[2, 3, 4, 5]) == 0  # all 3 held by r2
+
+
+def test_storage_prefetch_then_load_counts_storage_hits() -> None:
+    store = set(H(1, 2, 3))
+    cm = make(8, storage=store)
+    a = H(1, 2, 3)
+    assert cm.match_prefix("r1", a) == Match(0, 0, 3, BS)
+    assert cm.prefetch("r1") == 3
+    ops = cm.take_ops()
+    assert [o.kind for o in ops] == [S2H]
+    assert [n.status for n in cm._reqs["r1"].loading] == [LOADING_FROM_STORAGE] * 3
+    ack(cm, ops, done={0: 2})  # the third block did not arrive on some rank
+    assert cm.prefetch_done("r1") and cm.num_held_blocks("r1") == 2
+    assert cm.load_external("r1", 0, [4, 5, 6]) == 2
+    ack(cm, cm.take_ops())
+    assert (cm.stats.hit_host, cm.stats.hit_storage) == (0, 2)
+    # save writes to L3 when configured; the loaded blocks are already there
+    cm.finish("r1")
+
+
+def test_storage_write_after_save() -> None:
+    cm = make(8, storage_write=True)
+    save(cm, "r1", H(1, 2), [0, 1])
+    ack(cm, cm.take_ops())
+    ops = cm.take_ops()
+    assert [(o.kind, o.src.tolist(), o.keys) for o in ops] == [(H2S, [0, 1], tuple(H(1, 2)))]
+    ack(cm, ops)
+    assert cm.stats.stored == 2
+
+
+def test_external_calls_refused_with_a_device_pool() -> None:
+    cm = CacheManager(CacheConfig(4, 4, BS))
+    cm.match_prefix("r1", H(1))
+    with pytest.raises(ValueError, match="num_device_blocks=0"):
+        cm.load_external("r1", 0, [0])
+
+
+def test_block_hashes_must_extend_the_held_prefix() -> None:
+    cm = make(8)
+    save(cm, "r1", H(1, 2), [0, 1])
+    with pytest.raises(ValueError, match="disagree"):
+        cm.cache_computed("r1", 12, block_hashes=H(9, 2, 3), device_ids=[0, 1, 2])
+    assert cm.cache_computed("r1", 12, block_hashes=H(1, 2, 3), device_ids=[0, 1, 2]) == 0
+
+
+# ================================================================ owned-device mode
+
+
+def test_incremental_cache_makes_running_blocks_matchable() -> None:
+    cm = CacheManager(CacheConfig(8, 0, BS))
+    a = H(1, 2, 3)
+    cm.match_prefix("r1", a)
+    assert cm.allocate("r1", 12) == [0, 1, 2]
+    assert cm.cache_computed("r1", 8) == 2  # two blocks computed so far
+    cm.check_invariants()
+    assert cm.match_prefix("r2", a) == Match(2, 0, 0, BS)  # r1 still running
+    assert cm.allocate("r2", 12) == [0, 1, 3]
+    cm.check_invariants()
+    cm.finish("r1")
+    cm.check_invariants()
+    cm.finish("r2")  # block 3 duplicates r1's block 2: freed
+    cm.check_invariants()
+    assert cm.device.num_used == 3 and cm.match_prefix("r3", a).num_device == 3

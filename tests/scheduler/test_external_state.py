@@ -1,0 +1,162 @@
+"""Random external-L1 sequences (engine-owned device blocks, zkv as L2/L3), invariants
+checked after every step.
+
+A simulated engine owns device blocks (a new id per request block) and writes each block's
+hash into it when it computes it; a simulated worker runs zkv's ops on those "contents".
+Every match proves that each matched host block holds the block it claims, every load that
+zkv reports as done put the right bytes into the engine block, and a load that failed on
+some rank is reported for recompute.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from zkv.protocol import BACKUP, H2D, H2S, S2H, OpResult
+from zkv.scheduler.hashing import hash_ids_chain
+from zkv.scheduler.manager import CacheConfig, CacheManager
+from zkv.scheduler.radix import HOST
+
+BS = 4
+GARBAGE = b"garbage"
+
+
+class ExternalMachine(RuleBasedStateMachine):
+    @initialize(nhost=st.integers(1, 10), storage=st.booleans())
+    def setup(self, nhost: int, storage: bool) -> None:
+        self.store: set[bytes] = set()
+        self.cm = CacheManager(CacheConfig(0, nhost, BS, "write_through", storage_write=storage),
+                               storage_exists=self._exists if storage else None)
+        self.engine: dict[int, bytes] = {}   # engine block id -> contents
+        self.host: dict[int, bytes] = {}
+        self.reqs: dict[str, tuple[list[bytes], list[int]]] = {}  # hashes, engine ids
+        self.inflight: dict[int, OpResult] = {}
+        self.n = 0
+        self.next_dev = 0
+
+    def _exists(self, hashes):  # noqa: ANN001, ANN202
+        k = 0
+        while k < len(hashes) and hashes[k] in self.store:
+            k += 1
+        return k
+
+    @precondition(lambda self: len(self.reqs) < 4)
+    @rule(path=st.lists(st.integers(0, 1), min_size=1, max_size=6), prefetch=st.booleans(),
+          data=st.data())
+    def arrive(self, path, prefetch, data):
+        """Match; maybe prefetch from L3 (and maybe wait for it); load what zkv holds into
+        fresh engine blocks past the engine's own (random) local hit."""
+        rid = f"r{self.n}"
+        self.n += 1
+        hashes = hash_ids_chain(path)
+        self.cm.match_prefix(rid, hashes)
+        for n in self.cm._reqs[rid].nodes:
+            assert n.status is HOST and self.host.get(n.host) == n.hash, "host content"
+        if prefetch:
+            self.cm.prefetch(rid)
+            self.cm.check_invariants()
+            self._run_ops(data)
+            if data.draw(st.booleans()):
+                self._ack_all()
+        devs = list(range(self.next_dev, self.next_dev + len(hashes)))
+        self.next_dev += len(hashes)
+        self.reqs[rid] = (hashes, devs)
+        held = self.cm.num_held_blocks(rid) if not self.cm._reqs[rid].loading else 0
+        local = data.draw(st.integers(0, len(hashes)))
+        for i in range(local):  # the engine's own prefix cache had these
+            self.engine[devs[i]] = hashes[i]
+        if held > local and not self.cm._reqs[rid].loading:
+            self.cm.load_external(rid, local, devs[local:held])
+        for i in range(max(local, held), len(hashes)):  # the forward computes the rest
+            self.engine[devs[i]] = hashes[i]
+        self.cm.check_invariants()
+        self._run_ops(data)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def save(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        hashes, devs = self.reqs[rid]
+        if self.cm._reqs[rid].loading or any(  # a save reads only blocks the engine trusts
+                self.engine.get(d) != h for h, d in zip(hashes, devs)):
+            return
+        k = data.draw(st.integers(0, len(hashes)))
+        self.cm.cache_computed(rid, k * BS, device_ids=devs)
+        self.cm.check_invariants()
+        self._run_ops(data)
+
+    def _run_ops(self, data):
+        ops = self.cm.take_ops()
+        self.cm.check_invariants()
+        for op in ops:
+            n = op.num_blocks
+            done = n if data.draw(st.booleans()) else data.draw(st.integers(0, n))
+            for j in range(n):
+                ok = j < done
+                if op.kind == BACKUP:
+                    self.host[int(op.dst[j])] = self.engine.get(int(op.src[j])) if ok else GARBAGE
+                elif op.kind == H2D:
+                    self.engine[int(op.dst[j])] = self.host.get(int(op.src[j])) if ok else GARBAGE
+                elif op.kind == S2H:
+                    if ok and op.keys[j] not in self.store:
+                        done, ok = j, False
+                    self.host[int(op.dst[j])] = op.keys[j] if ok else GARBAGE
+                elif op.kind == H2S and ok:
+                    assert self.host.get(int(op.src[j])) == op.keys[j], "h2s of wrong bytes"
+                    self.store.add(op.keys[j])
+            self.inflight[op.id] = OpResult(op.id, done == n, done, None if done == n else "x")
+
+    def _ack(self, results):
+        self.cm.on_ops_done(results)
+        self.cm.check_invariants()
+        for rid, failed in self.cm.take_load_failures().items():  # the engine recomputes
+            hashes, devs = self.reqs[rid]
+            for d in failed:
+                assert self.engine.get(d) == GARBAGE or d in devs
+                self.engine[d] = hashes[devs.index(d)]
+
+    def _ack_all(self):
+        results = [self.inflight[k] for k in sorted(self.inflight)]
+        self.inflight.clear()
+        self._ack(results)
+
+    @precondition(lambda self: self.inflight)
+    @rule(data=st.data(), mode=st.sampled_from(["one"] * 5 + ["all"] * 3 + ["lose_rank"]))
+    def ack(self, data, mode):
+        if mode == "one":
+            self._ack([self.inflight.pop(data.draw(st.sampled_from(sorted(self.inflight))))])
+        elif mode == "all":
+            self._ack_all()
+        else:
+            self.inflight.clear()
+            self.cm.fail_pending()
+            self.cm.check_invariants()
+            self._ack([])
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def finish(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        del self.reqs[rid]
+        self.cm.finish(rid)
+        self.cm.check_invariants()
+
+    @invariant()
+    def loads_done_hold_the_right_bytes(self):
+        if not hasattr(self, "cm"):
+            return
+        self.cm.check_invariants()
+        if self.inflight or self.cm.num_pending_ops:
+            return
+        for hashes, devs in self.reqs.values():  # every failed load was reported
+            for h, d in zip(hashes, devs):
+                assert self.engine.get(d, h) == h, "engine block holds wrong bytes"
+
+
+ExternalMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestExternalStateMachine = ExternalMachine.TestCase
