@@ -39,6 +39,9 @@ class CacheLayout:
     num_host_blocks: int = 0
     world_size: int = 1
     model: str = "zkv-synthetic"
+    #: Byte order of one K (or V) chunk of a host block: "HND" = [heads, block, dim],
+    #: "NHD" = [block, heads, dim] (what the engine's device layout gives without a transpose).
+    kv_layout: str = "HND"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "world_size"):
@@ -46,6 +49,8 @@ class CacheLayout:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_device_blocks < 0 or self.num_host_blocks < 0:
             raise ConfigError("block counts must be >= 0")
+        if self.kv_layout not in ("HND", "NHD"):
+            raise ConfigError(f"kv_layout must be HND or NHD, got {self.kv_layout!r}")
         if self.dtype not in _DTYPE_SIZES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; one of {sorted(_DTYPE_SIZES)}")
 
@@ -69,6 +74,7 @@ class CacheLayout:
         ident = (
             f"{self.model}|{self.dtype}|L{self.num_layers}|H{self.kv_heads}|B{self.block_size}"
             f"|D{self.head_dim}|W{self.world_size}|page-first"
+            + ("" if self.kv_layout == "HND" else f"|{self.kv_layout}")
         )
         return xxhash.xxh3_64_hexdigest(ident.encode())
 

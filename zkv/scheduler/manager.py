@@ -444,6 +444,9 @@ class CacheManager(CommitMixin):
                 st.failed_loads = []
         return out
 
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
     def is_external(self, req_id: str) -> bool:
         st = self._reqs.get(req_id)
         return st is not None and st.external

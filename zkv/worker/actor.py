@@ -42,6 +42,7 @@ EXIT_SEQ_GAP = 3
 
 _MAX_POLL_MS = 100
 _BYE_LINGER_MS = 250
+_ACK_HISTORY = 1024
 _COPY_KINDS = (P.D2H, P.BACKUP)
 _SIM_KINDS = (P.FILL, P.CHECK)
 _IO_KINDS = (P.S2H, P.H2S)
@@ -86,6 +87,8 @@ class WorkerActor:
         heartbeat_interval_s: float = 0.25,
         io_threads: int = 4,
         compute_stream: int | None = None,
+        gated: bool = False,
+        gate_timeout_s: float = 60.0,
     ) -> None:
         if len(kv_caches) != layout.num_layers:
             raise ConfigError(f"kv_caches has {len(kv_caches)} layers, layout has "
@@ -116,11 +119,60 @@ class WorkerActor:
         self._hot_log = self._log  # bound in run(), once logging is configured
         self._push: zmq.Socket[Any] | None = None
         self._next_hb = 0.0
+        # Gate (engine sidecar): a batch's copies run only once the engine released its seq,
+        # i.e. the forward passes that came before it are done (see :meth:`release`).
+        self.gated = gated
+        self.gate_timeout_s = gate_timeout_s
+        self._gate = threading.Condition()
+        self._released = -1
+        self._acks: dict[int, P.BlocksCopied] = {}  # recent acks by seq (bounded)
 
     @property
     def last_seq(self) -> int:
         """Seq of the last batch acked (-1 before the first)."""
         return self._last_seq
+
+    def release(self, seq: int) -> None:
+        """The engine allows batches up to ``seq`` to touch its KV cache (thread-safe).
+
+        CPU twin of the start event on the compute stream: the engine calls it before the
+        forward that reads batch ``seq``'s loads, after the forwards before it finished, so
+        a copy never races a forward on the same blocks. Only gated actors wait for it.
+        """
+        with self._gate:
+            if seq > self._released:
+                self._released = seq
+                self._gate.notify_all()
+
+    def wait_acked(self, seq: int, timeout: float | None = None) -> P.BlocksCopied | None:
+        """This rank's ack of batch ``seq`` once it is sent (None after ``timeout`` or when
+        the actor stopped). Acks older than the last ~1024 seqs are forgotten (None)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._gate:
+            while True:
+                ack = self._acks.get(seq)
+                if ack is not None or self._last_seq >= seq or self.exit_code is not None:
+                    return ack
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._gate.wait(left if left is None else min(left, 0.1))
+
+    def _wait_released(self, seq: int) -> str | None:
+        """Block (heartbeating) until ``seq`` is released; None, or why it never was."""
+        deadline = time.monotonic() + self.gate_timeout_s
+        while True:
+            with self._gate:
+                if self._released >= seq:
+                    return None
+                self._gate.wait(min(self.heartbeat_interval_s, 0.05))
+                if self._released >= seq:
+                    return None
+            self._maybe_heartbeat()
+            if self._stop.is_set():
+                return f"actor stopping ({self._stop_reason})"
+            if time.monotonic() > deadline:
+                return f"the engine did not release batch {seq} within {self.gate_timeout_s} s"
 
     def stop(self, reason: str = "stopped") -> None:
         """Ask the loop to stop (thread-safe, returns at once; the loop exits within ~0.1 s)."""
@@ -158,7 +210,9 @@ class WorkerActor:
             self._log.exception(ev.WORKER_STOPPED, reason="fatal error", error=repr(e))
             code, reason = EXIT_FATAL, f"fatal error: {e!r}"
         finally:
-            self.exit_code, self.exit_reason = code, reason
+            with self._gate:
+                self.exit_code, self.exit_reason = code, reason
+                self._gate.notify_all()
             self.counter.close(f"rank {self.rank} worker stopped: {reason}")
             try:
                 self._send(P.Bye(self.rank, self._pid, reason))
@@ -248,8 +302,12 @@ class WorkerActor:
 
     def _ack(self, ack: P.BlocksCopied) -> None:
         self._expected = ack.seq + 1
-        self._last_seq = ack.seq
         self._send(ack)
+        with self._gate:
+            self._last_seq = ack.seq
+            self._acks[ack.seq] = ack
+            self._acks.pop(ack.seq - _ACK_HISTORY, None)
+            self._gate.notify_all()
 
     # ------------------------------------------------------------ one batch
 
@@ -263,6 +321,13 @@ class WorkerActor:
             return
         results: dict[int, P.OpResult] = {}
         self.counter.begin(seq)
+        why = self._wait_released(seq) if self.gated else None
+        if why is not None:
+            self._log.error(ev.COPY_FAILED, seq=seq, error=why)
+            self.counter.fail(seq, why)
+            res = tuple(P.OpResult(op.id, False, 0, why) for op in batch.ops)
+            self._ack(P.BlocksCopied(seq, self.rank, False, res, t_recv, time.time()))
+            return
         try:
             handle = self._run_copies(batch, results)
             self._run_sim(batch, results, handle)

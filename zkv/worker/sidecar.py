@@ -56,6 +56,7 @@ class Sidecar:
     ``ZKV_PUB_ENDPOINT``, ``ZKV_PULL_ENDPOINT``, ``ZKV_CONFIG`` (the layout). The host
     pool is allocated here (page-first, pinned on GPU). ``compute_stream``: the model's
     CUDA stream as a raw handle (default: the default stream); see :class:`WorkerActor`.
+    ``gated``: run a batch only after :meth:`release` (an engine that schedules ahead).
     """
 
     def __init__(
@@ -70,6 +71,8 @@ class Sidecar:
         store: Store | None = None,
         heartbeat_interval_s: float = 0.25,
         compute_stream: int | None = None,
+        host_pool: Any = None,
+        gated: bool = False,
     ) -> None:
         layout = layout if layout is not None else CacheLayout.from_env()
         rank = rank if rank is not None else rank_from_env()
@@ -79,11 +82,13 @@ class Sidecar:
             pull_endpoint = pull_endpoint or env_pull
         self.backend = resolve_backend(backend)
         self.layout = layout
-        self.host_pool = self.backend.allocate_host_pool(layout)
+        self.host_pool = (host_pool if host_pool is not None
+                          else self.backend.allocate_host_pool(layout))
         self.actor = WorkerActor(
             rank, layout, kv_caches, self.host_pool, self.backend,
             pub_endpoint=pub_endpoint, pull_endpoint=pull_endpoint, store=store,
             heartbeat_interval_s=heartbeat_interval_s, compute_stream=compute_stream,
+            gated=gated,
         )
         self._thread = threading.Thread(target=self.actor.run, name=f"zkv-worker-{rank}",
                                         daemon=True)
@@ -110,6 +115,15 @@ class Sidecar:
         """Before layer ``layer`` of the forward of step batch ``seq``; see
         :meth:`LayerDoneCounter.wait_layer`."""
         self.actor.counter.wait_layer(seq, layer, timeout)
+
+    def release(self, seq: int) -> None:
+        """``gated=True``: batches up to ``seq`` may now touch the KV cache (call it before
+        the forward that reads batch ``seq``, once earlier forwards are done)."""
+        self.actor.release(seq)
+
+    def wait_acked(self, seq: int, timeout: float | None = None) -> Any:
+        """This rank's ack of batch ``seq`` (a ``BlocksCopied``), or None on timeout."""
+        return self.actor.wait_acked(seq, timeout)
 
     def close(self) -> None:
         """Stop the actor (it says ``Bye``) and join its thread."""

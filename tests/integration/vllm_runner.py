@@ -1,0 +1,122 @@
+"""Run one vLLM engine (CPU build) over phases of prompts; print JSON results.
+
+Used by the end-to-end tests and by bench/vllm_e2e.py (an engine takes 30-70 s to start
+here, so each configuration runs once, as its own process)::
+
+    python -m tests.integration.vllm_runner --spec spec.json --out out.json
+
+``spec``: ``{"model": dir, "tp": 1, "prefix_caching": true, "kv_cache_bytes": N,
+"block_size": 32, "max_model_len": 4096, "connector": {extra config} | null,
+"phases": [{"name": .., "prompts": [[ids..], ..], "max_tokens": 8, "one_by_one": false}]}``.
+Output: per phase the generated token ids of every prompt and the wall time, the
+connector's scheduler-side snapshot after each phase, and zkv's Prometheus metrics.
+
+The EngineCore runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
+snapshot can be read; model workers are still their own processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def build_tiny_llama(path: str, *, layers: int = 4, hidden: int = 256, heads: int = 4,
+                     kv_heads: int = 2, vocab: int = 2048, seed: int = 0) -> str:
+    """A random-weight Llama saved to ``path`` (no hub); float32, 64-dim heads."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=8192,
+                      torch_dtype="float32", tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    return path
+
+
+def _connector_half(llm: Any) -> Any:
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    conn = core.scheduler.connector
+    return None if conn is None else conn.sched
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if spec.get("connector") is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ZkvConnector",
+            kv_connector_module_path="zkv.integrations.vllm_connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["connector"])
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32",
+              block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 4096),
+              kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0,
+              enable_prefix_caching=spec.get("prefix_caching", True),
+              tensor_parallel_size=spec.get("tp", 1), max_num_seqs=spec.get("max_num_seqs", 8),
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
+              enforce_eager=True, **kw)
+    out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
+    half = _connector_half(llm)
+    for ph in spec["phases"]:
+        sp = SamplingParams(temperature=0, max_tokens=ph.get("max_tokens", 8), detokenize=False,
+                            ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
+        t = time.perf_counter()
+        if ph.get("one_by_one"):
+            res, lat = [], []
+            for p in prompts:
+                t1 = time.perf_counter()
+                res += llm.generate([p], sp, use_tqdm=False)
+                lat.append(time.perf_counter() - t1)
+        else:
+            res, lat = llm.generate(prompts, sp, use_tqdm=False), []
+        wall = time.perf_counter() - t
+        if half is not None:
+            half._poll()
+        out["phases"].append({
+            "name": ph.get("name", ""), "wall_s": wall, "latencies_s": lat,
+            "tokens": [list(r.outputs[0].token_ids) for r in res],
+            "zkv": half.snapshot() if half is not None else None,
+        })
+    if half is not None:
+        from zkv.integrations.vllm import metrics
+
+        out["metrics"] = metrics.render()
+    del llm
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with open(args.spec, encoding="utf-8") as f:
+        spec = json.load(f)
+    if spec.get("tp", 1) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+            str(i % (os.cpu_count() or 1)) for i in range(spec["tp"])))
+    result = run(spec)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""zkv inside vLLM: a v1 KV connector (``zkv.integrations.vllm_connector.ZkvConnector``).
+
+::
+
+    config.py      kv_connector_extra_config -> ZkvVllmConfig (refuses bad keys/values)
+    layout.py      vLLM's per-layer KV tensors -> zkv (K, V) views + CacheLayout
+    scheduler.py   the scheduler half (EngineCore process): CacheManager + Dispatcher
+    worker.py      the worker half (each model worker): Sidecar over vLLM's KV tensors
+    metrics.py     prometheus_client counters in the zkv: namespace
+    connector.py   ZkvConnector, the KVConnectorBase_V1 that vLLM loads
+"""

@@ -1,0 +1,185 @@
+"""``kv_connector_extra_config`` of the zkv connector: parsed once, refused whole if wrong.
+
+Keys (all optional)::
+
+    host_blocks              int > 0      zkv host (L2) blocks per rank
+    host_bytes               int | "4GiB" host pool bytes per rank (instead of host_blocks;
+                                          default 2GiB)
+    storage                  URL | "none" L3: file:///path (default file://~/.cache/zkv/l3),
+                                          redis://127.0.0.1:PORT/DB, mooncake://127.0.0.1:PORT
+    storage_write            bool         write blocks that reach host to L3 (default: true
+                                          when there is an L3)
+    policy                   str          write_through (default): save each full block as
+                                          soon as it is computed; write_through_selective:
+                                          once `write_through_threshold` requests used it;
+                                          write_back: when its request finishes
+    write_through_threshold  int >= 1     default 2
+    prefetch                 str          L3 -> host prefetch: timeout (default) |
+                                          wait_complete | best_effort
+    prefetch_timeout_s       float >= 0   base budget of the timeout policy (default 0.5)
+    prefetch_timeout_per_block_ms
+                             float >= 0   budget per block to load (default 2.0)
+    layer_timeout_s          float > 0    a forward waits this long for a layer's load
+                                          before it counts as failed (default 30)
+    log_dir                  str          zkv's JSON logs (default: stderr, level warning)
+    log_level                str          debug | info | warning | error
+    metrics_port             int >= 0     serve zkv's Prometheus metrics on 127.0.0.1:PORT
+                                          from the scheduler process (0: any port)
+    namespace_salt           str          mixed into the L3 namespace
+    inject_load_failures     list[int]    test hook: the n-th load batch (0-based, per rank)
+                                          fails after scribbling over its destination blocks
+    inject_rank              int          the rank those failures happen on (default 0)
+
+A value of the wrong type or out of range, or an unknown key, raises :class:`ConfigError`
+with one line naming the key (vLLM refuses to start).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from zkv.errors import ConfigError
+from zkv.scheduler.records import WRITE_POLICIES, WRITE_THROUGH
+
+PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+DEFAULT_HOST_BYTES = 2 * 2**30
+
+
+def default_storage_url() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return "file://" + os.path.join(base, "zkv", "l3")
+
+
+@dataclass(frozen=True, slots=True)
+class ZkvVllmConfig:
+    host_blocks: int | None = None
+    host_bytes: int | None = None
+    storage: str | None = None             # None: no L3
+    storage_write: bool = True
+    policy: str = WRITE_THROUGH
+    write_through_threshold: int = 2
+    prefetch: str = "timeout"
+    prefetch_timeout_s: float = 0.5
+    prefetch_timeout_per_block_ms: float = 2.0
+    layer_timeout_s: float = 30.0
+    log_dir: str | None = None
+    log_level: str = "warning"
+    metrics_port: int | None = None
+    namespace_salt: str = ""
+    inject_load_failures: tuple[int, ...] = field(default_factory=tuple)
+    inject_rank: int = 0
+
+    def num_host_blocks(self, block_bytes: int) -> int:
+        """Host blocks per rank for blocks of ``block_bytes`` (at least 1)."""
+        if self.host_blocks is not None:
+            return self.host_blocks
+        n = (self.host_bytes or DEFAULT_HOST_BYTES) // max(1, block_bytes)
+        if n < 1:
+            raise ConfigError(f"zkv: host_bytes={self.host_bytes} holds no block of "
+                              f"{block_bytes} bytes")
+        return int(n)
+
+
+def parse_size(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"zkv: {key} must be a byte size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+    else:
+        raise ConfigError(f"zkv: {key} must be a byte size like 4GiB or 1048576, got {value!r}")
+    if n <= 0:
+        raise ConfigError(f"zkv: {key} must be > 0, got {value!r}")
+    return n
+
+
+def _typed(key: str, value: Any, typ: type | tuple[type, ...], what: str) -> Any:
+    if isinstance(value, bool) and typ is not bool:
+        raise ConfigError(f"zkv: {key} must be {what}, got {value!r}")
+    if not isinstance(value, typ):
+        raise ConfigError(f"zkv: {key} must be {what}, got {value!r}")
+    return value
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"zkv: {key} must be one of {', '.join(choices)}; got {value!r}")
+    return str(value)
+
+
+def _number(key: str, value: Any, low: float, strict: bool = False) -> float:
+    v = float(_typed(key, value, (int, float), "a number"))
+    if v < low or (strict and v == low):
+        raise ConfigError(f"zkv: {key} must be {'>' if strict else '>='} {low}, got {value!r}")
+    return v
+
+
+def _storage(value: Any) -> str | None:
+    url = _typed("storage", value, str, "an L3 URL or 'none'")
+    if url.lower() in ("none", "off", ""):
+        return None
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in ("file", "redis", "mooncake"):
+        raise ConfigError(f"zkv: storage must be file:///path, redis://HOST:PORT/DB, "
+                          f"mooncake://HOST:PORT or none; got {url!r}")
+    return url
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
+    """Validate ``kv_connector_extra_config``; see the module docstring for the keys."""
+    extra = dict(extra or {})
+    known = set(ZkvVllmConfig.__dataclass_fields__)
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ConfigError(f"zkv: unknown kv_connector_extra_config key(s) {unknown}; "
+                          f"known: {sorted(known)}")
+    if "host_blocks" in extra and "host_bytes" in extra:
+        raise ConfigError("zkv: give host_blocks or host_bytes, not both")
+    kw: dict[str, Any] = {"storage": default_storage_url()}
+    for key, value in extra.items():
+        if key == "host_blocks":
+            kw[key] = int(_typed(key, value, int, "an integer"))
+            if kw[key] <= 0:
+                raise ConfigError(f"zkv: host_blocks must be > 0, got {value!r}")
+        elif key == "host_bytes":
+            kw[key] = parse_size(key, value)
+        elif key == "storage":
+            kw[key] = _storage(value)
+        elif key == "storage_write":
+            kw[key] = _typed(key, value, bool, "true or false")
+        elif key == "policy":
+            kw[key] = _choice(key, value, WRITE_POLICIES)
+        elif key == "write_through_threshold":
+            kw[key] = int(_number(key, _typed(key, value, int, "an integer"), 1))
+        elif key == "prefetch":
+            kw[key] = _choice(key, value, PREFETCH_POLICIES)
+        elif key in ("prefetch_timeout_s", "prefetch_timeout_per_block_ms"):
+            kw[key] = _number(key, value, 0)
+        elif key == "layer_timeout_s":
+            kw[key] = _number(key, value, 0, strict=True)
+        elif key in ("log_dir", "namespace_salt"):
+            kw[key] = _typed(key, value, str, "a string")
+        elif key == "log_level":
+            kw[key] = _choice(key, value, LOG_LEVELS)
+        elif key == "metrics_port":
+            kw[key] = None if value is None else int(_number(key, _typed(
+                key, value, int, "an integer port"), 0))
+        elif key == "inject_load_failures":
+            seq = _typed(key, value, (list, tuple), "a list of integers")
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seq):
+                raise ConfigError(f"zkv: {key} must be a list of integers >= 0, got {value!r}")
+            kw[key] = tuple(seq)
+        elif key == "inject_rank":
+            kw[key] = int(_number(key, _typed(key, value, int, "an integer"), 0))
+    if kw["storage"] is None:
+        kw.setdefault("storage_write", False)
+    return ZkvVllmConfig(**kw)

@@ -1,0 +1,260 @@
+"""``ZkvConnector``: zkv as vLLM's v1 KV connector (L2 host pool + L3 store behind vLLM).
+
+Select it the standard way::
+
+    --kv-transfer-config '{"kv_connector": "ZkvConnector",
+                           "kv_connector_module_path": "zkv.integrations.vllm_connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"host_bytes": "4GiB"}}'
+
+The scheduler half (:mod:`.scheduler`) lives in the EngineCore process and binds the
+Dispatcher on ``ipc://`` sockets in a per-engine 0700 directory named after vLLM's
+``engine_id``; each worker half (:mod:`.worker`) starts a Sidecar that connects to them.
+Both halves derive the same :class:`~zkv.config.CacheLayout` (and so the same L3
+namespace: model path/name, revision, config digest, dtype, block geometry, per-rank
+heads, world size, byte layout) from vLLM's config and KV cache spec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from zkv import log as zlog
+from zkv.errors import ConfigError
+from zkv.integrations.vllm.config import ZkvVllmConfig, parse_extra_config
+from zkv.integrations.vllm.layout import Geometry, cache_layout, dtype_name, kv_views
+from zkv.integrations.vllm.scheduler import SchedulerHalf, ZkvMetadata
+from zkv.integrations.vllm.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class ZkvConnectorMetadata(KVConnectorMetadata, ZkvMetadata):
+    """:class:`ZkvMetadata` as vLLM's metadata type."""
+
+
+def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Geometry:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"zkv: models with {len(groups)} KV cache groups (hybrid or "
+                          "sliding-window attention) are not supported; one full-attention "
+                          "group is")
+    spec = groups[0].kv_cache_spec
+    for attr in ("num_kv_heads", "head_size", "block_size", "dtype"):
+        if not hasattr(spec, attr):
+            raise ConfigError(f"zkv: KV cache spec {type(spec).__name__} is not attention KV")
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise ConfigError("zkv: K and V of different head sizes are not supported")
+    return Geometry(len(groups[0].layer_names), spec.num_kv_heads, spec.block_size,
+                    spec.head_size, dtype_name(spec.dtype), kv_cache_config.num_blocks)
+
+
+def model_identity(vllm_config: VllmConfig) -> str:
+    """Name or path, revision, and for a local directory a digest of its config.json."""
+    mc = vllm_config.model_config
+    ident = f"{mc.model}@{mc.revision or 'main'}"
+    cfg_path = os.path.join(str(mc.model), "config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path, "rb") as f:
+            ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
+    return ident
+
+
+def world_size(vllm_config: VllmConfig) -> int:
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size != 1:
+        raise ConfigError("zkv: pipeline parallelism is not supported (tensor parallel is)")
+    return int(pc.tensor_parallel_size)
+
+
+def ipc_endpoints(engine_id: str, create: bool) -> tuple[str, str, str]:
+    """(pub, pull, directory) of an engine: ``{tmp}/zkv-{uid}/{engine_id}``, mode 0700."""
+    base = os.path.join(tempfile.gettempdir(), f"zkv-{os.getuid()}")
+    d = os.path.join(base, engine_id.replace("/", "_")[:40])
+    if create:
+        for path in (base, d):
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            st = os.stat(path)
+            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise ConfigError(f"zkv: {path} must be owned by uid {os.getuid()} with mode "
+                                  f"0700 (it is uid {st.st_uid}, mode "
+                                  f"{oct(stat.S_IMODE(st.st_mode))})")
+    return f"ipc://{d}/pub", f"ipc://{d}/pull", d
+
+
+def open_store(url: str | None, namespace: str) -> Any:
+    if url is None:
+        return None
+    try:
+        from zkv.storage import open_store as _open  # type: ignore[attr-defined]
+    except ImportError:
+        _open = None
+    if _open is not None:
+        return _open(url, namespace)
+    if not url.startswith("file://"):
+        raise ConfigError(f"zkv: storage {url!r} needs the zkv.storage backends")
+    from zkv.storage import LocalDirStore
+
+    path = url[len("file://"):]
+    os.makedirs(path, exist_ok=True)
+    return LocalDirStore(path, namespace)
+
+
+class ZkvConnector(KVConnectorBase_V1):
+    """See the module docstring; the halves hold the logic."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        tc = vllm_config.kv_transfer_config
+        self.cfg: ZkvVllmConfig = parse_extra_config(tc.kv_connector_extra_config)
+        if kv_cache_config is None:
+            raise ConfigError("zkv: this vLLM does not pass kv_cache_config to connectors")
+        self.geo = geometry(vllm_config, kv_cache_config)
+        self.world_size = world_size(vllm_config)
+        self.engine_id = str(tc.engine_id)
+        self.model = model_identity(vllm_config) + (f"|{self.cfg.namespace_salt}"
+                                                     if self.cfg.namespace_salt else "")
+        self.sched: SchedulerHalf | None = None
+        self.worker: WorkerHalf | None = None
+        self._ipc_dir: str | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._start_scheduler(vllm_config)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.rank = int(get_tensor_model_parallel_rank())
+            zlog.configure("connector", self.rank, self.cfg.log_dir, self.cfg.log_level)
+            self.worker = WorkerHalf(self.cfg, self.rank)
+
+    def _layout(self, kv_layout: str) -> Any:
+        block_bytes = 2 * self.geo.num_layers * self.geo.kv_heads * self.geo.block_size \
+            * self.geo.head_dim * torch.empty(0, dtype=getattr(torch, self.geo.dtype)).element_size()
+        return cache_layout(self.geo, kv_layout=kv_layout,
+                            num_host_blocks=self.cfg.num_host_blocks(block_bytes),
+                            world_size=self.world_size, model=self.model)
+
+    def _start_scheduler(self, vllm_config: VllmConfig) -> None:
+        from vllm.platforms import current_platform
+
+        zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level)
+        layout = self._layout("HND" if current_platform.is_cpu() else "NHD")
+        pub, pull, self._ipc_dir = ipc_endpoints(self.engine_id, create=True)
+        store = open_store(self.cfg.storage, layout.fingerprint())
+        self.sched = SchedulerHalf(self.cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
+                                   store=store)
+        if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
+            self.sched.log.warning("connector.failure_policy", policy=vllm_config
+                                   .kv_transfer_config.kv_load_failure_policy,
+                                   hint="set kv_load_failure_policy=recompute: a failed load "
+                                        "then costs a recompute, not the request")
+        if self.cfg.metrics_port is not None:
+            from zkv.integrations.vllm import metrics
+
+            metrics.serve(self.cfg.metrics_port)
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        names, views, kind = kv_views(kv_caches, self.geo)
+        layout = self._layout(kind)
+        pub, pull, _ = ipc_endpoints(self.engine_id, create=True)
+        store = open_store(self.cfg.storage, layout.fingerprint())
+        self.worker.start(names, views, layout, pub_endpoint=pub, pull_endpoint=pull,
+                          store=store)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            assert isinstance(connector_metadata, ZkvMetadata)
+            self.worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return None  # the batch was released in bind_connector_metadata
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # saves are planned by the scheduler half once a step is confirmed
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        return self.worker.finished_saving() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self.worker.load_errors()) if self.worker is not None else set()
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.sched is not None
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.sched is not None
+        self.sched.update_state_after_alloc(request, blocks.get_block_ids()[0],
+                                            num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.sched is not None
+        meta = self.sched.build_connector_meta(scheduler_output)
+        out = ZkvConnectorMetadata()
+        out.__dict__.update(meta.__dict__)
+        return out
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.sched is not None:
+            self.sched.update_connector_output(connector_output.invalid_block_ids or ())
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.sched is not None
+        return self.sched.request_finished(request), None
+
+    def get_kv_connector_stats(self) -> Any:
+        return None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.sched is not None:
+            self.sched.close()
+            self.sched = None
+            if self._ipc_dir:
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -1,0 +1,88 @@
+"""The connector's Prometheus metrics (prometheus_client), ``zkv:`` namespace.
+
+Counters are read from the scheduler half at scrape time (a custom collector: nothing is
+added to the hot path); batch latency is a histogram observed on every all-ranks ack.
+Labels: ``model`` (the model identity) and ``rank`` ("all" on the scheduler side, where
+every number is the minimum-over-ranks outcome zkv commits on)::
+
+    zkv:prompt_tokens_total{tier="vllm_local|zkv_host|zkv_store|computed"}
+    zkv:requests_total
+    zkv:blocks_total{op="load|save|store_write|store_read|failed_load"}
+    zkv:bytes_total{op="load|save"}
+    zkv:batch_seconds (histogram: publish -> every rank acked)
+    zkv:host_blocks{state="free|used"}
+
+``serve(port)`` exposes them on 127.0.0.1; ``render()`` returns the text exposition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+BATCH_SECONDS = Histogram("zkv:batch_seconds", "Publish to every rank's ack of a zkv batch.",
+                          ("model", "rank"), registry=REGISTRY,
+                          buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5))
+
+
+class _HalfCollector:
+    def __init__(self, half: Any) -> None:
+        self.half = half
+
+    def collect(self) -> Any:
+        h = self.half
+        labels = [h.layout.model, "all"]
+        c, s = h.counts, h.cm.stats
+        tok = CounterMetricFamily("zkv:prompt_tokens", "Prompt tokens of scheduled requests "
+                                  "by where their KV came from.", labels=["model", "rank", "tier"])
+        for tier, v in (("vllm_local", c.vllm_local), ("zkv_host", c.zkv_host),
+                        ("zkv_store", c.zkv_store), ("computed", c.computed)):
+            tok.add_metric([*labels, tier], v)
+        yield tok
+        req = CounterMetricFamily("zkv:requests", "Requests scheduled through zkv.",
+                                  labels=["model", "rank"])
+        req.add_metric(labels, c.requests)
+        yield req
+        blk = CounterMetricFamily("zkv:blocks", "Blocks moved by zkv, per op.",
+                                  labels=["model", "rank", "op"])
+        for op, v in (("load", s.loaded_external), ("save", s.saved_external),
+                      ("store_write", s.stored), ("store_read", s.loaded),
+                      ("failed_load", c.failed_load_blocks)):
+            blk.add_metric([*labels, op], v)
+        yield blk
+        per_block = h.layout.block_bytes * h.layout.world_size
+        byt = CounterMetricFamily("zkv:bytes", "Bytes moved by zkv over all ranks, per op.",
+                                  labels=["model", "rank", "op"])
+        byt.add_metric([*labels, "load"], s.loaded_external * per_block)
+        byt.add_metric([*labels, "save"], s.saved_external * per_block)
+        yield byt
+        pool = GaugeMetricFamily("zkv:host_blocks", "zkv host pool blocks per rank.",
+                                 labels=["model", "rank", "state"])
+        pool.add_metric([*labels, "free"], h.cm.host.num_free)
+        pool.add_metric([*labels, "used"], h.cm.host.num_used)
+        yield pool
+
+
+_registered: list[_HalfCollector] = []
+
+
+def register_half(half: Any) -> None:
+    """Expose a scheduler half's counters (one per process)."""
+    for col in _registered:
+        REGISTRY.unregister(col)
+    _registered.clear()
+    col = _HalfCollector(half)
+    REGISTRY.register(col)
+    _registered.append(col)
+
+
+def serve(port: int) -> Any:
+    server, _thread = start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
+    return server
+
+
+def render() -> str:
+    return generate_latest(REGISTRY).decode()

@@ -1,0 +1,492 @@
+"""The scheduler half of the zkv vLLM connector (runs in vLLM's EngineCore process).
+
+vLLM keeps L1 (its block pool and prefix cache); zkv's CacheManager runs in external-L1
+mode behind it (host pool per rank = L2, the store = L3). Its ops travel to the worker
+halves over zkv's own Dispatcher (PUB/SUB + PUSH/PULL) and commit on every rank's ack.
+
+Per request::
+
+    get_num_new_matched_tokens ── match (host, then one L3 existence query)
+        │ L3 hits: prefetch (s2h, published at once); None ("ask again") while the
+        │          prefetch policy waits (timeout / wait_complete), best_effort goes on
+        ▼
+    update_state_after_alloc ──── load: host blocks → vLLM's new blocks (layerwise h2d,
+        │                          in this step's batch; the forward waits per layer)
+        ▼
+    update_connector_output ───── the step's forward is done everywhere and no load it
+        │ (each step)              used failed: its full blocks are "confirmed"; saves
+        │                          (engine blocks → new host blocks) are published at
+        │                          once, per write policy; HOST when every rank acked
+        ▼
+    request_finished ──────────── save what is left; hold vLLM's blocks (True) until
+                                   the batch with the last save ran on every rank
+
+Why saves are published as soon as they are planned (not in the next step's batch): vLLM
+may free a preempted request's blocks in its next ``schedule()``, and the worker half runs
+every batch published before a step's metadata to completion before that step's forward
+(and that step's loads) can write into reused blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from zkv import log as zlog
+from zkv.config import CacheLayout
+from zkv.errors import RankLost, StorageError
+from zkv.integrations.vllm.config import ZkvVllmConfig
+from zkv.protocol import H2D
+from zkv.scheduler.dispatcher import Dispatcher
+from zkv.scheduler.hashing import ROOT_HASH, MultiModalItem, hash_tokens
+from zkv.scheduler.manager import (
+    WRITE_BACK,
+    WRITE_THROUGH_SELECTIVE,
+    CacheConfig,
+    CacheManager,
+)
+
+CONNECTOR_DISABLED = "connector.disabled"
+STEP_PUBLISHED = "connector.batch_published"
+_SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_selective keeps
+
+
+@dataclass
+class ZkvMetadata:
+    """What the scheduler half tells every worker half for one step (pickled by vLLM).
+
+    ``release_upto``: every batch up to this seq may run (the worker finishes all earlier
+    ones before this step's forward); ``load_seq`` / ``load_op`` / ``loads``: this step's
+    batch with loads, the load op, and its destination blocks in op order; ``finishing``:
+    req_id -> seq of the batch holding its last save (report it finished once that ran).
+    """
+
+    release_upto: int = -1
+    load_seq: int | None = None
+    load_op: int | None = None
+    loads: list[int] = field(default_factory=list)
+    finishing: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Req:
+    request: Any
+    root: bytes
+    mm_items: tuple[MultiModalItem, ...]
+    hashes: list[bytes]
+    num_prompt_blocks: int
+    epoch: int = 0
+    local: int = 0              # vLLM's own hit (tokens) at the last match
+    ext: int = 0                # tokens zkv promised to load
+    host_blocks_at_match: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    allocated: bool = False
+    confirmed: int = 0          # tokens whose KV every rank computed (or loaded) for sure
+    prefetch_t0: float | None = None
+    prefetch_blocks: int = 0
+    prefetched: bool = False
+    counted: bool = False
+    last_save_seq: int | None = None
+
+
+@dataclass(slots=True)
+class TokenCounts:
+    """Prompt tokens of scheduled requests by where their KV came from (counted once)."""
+
+    requests: int = 0
+    vllm_local: int = 0
+    zkv_host: int = 0
+    zkv_store: int = 0
+    computed: int = 0
+    failed_load_blocks: int = 0
+    sched_cpu_s: float = 0.0
+
+
+def request_root(request: Any) -> bytes:
+    """The chain's parent for a request: LoRA adapter and cache salt change every hash."""
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None)
+    if lora is None and not salt:
+        return ROOT_HASH
+    tag = f"lora={getattr(lora, 'lora_name', '') if lora else ''}|salt={salt or ''}"
+    return xxhash.xxh3_128_digest(ROOT_HASH + tag.encode())
+
+
+def request_mm_items(request: Any) -> tuple[MultiModalItem, ...]:
+    items = []
+    for f in getattr(request, "mm_features", None) or ():
+        pos = f.mm_position
+        ident = str(getattr(f, "identifier", "") or getattr(f, "mm_hash", ""))
+        items.append(MultiModalItem(pos.offset, pos.offset + pos.length,
+                                    xxhash.xxh3_128_digest(ident.encode())))
+    return tuple(items)
+
+
+class SchedulerHalf:
+    """CacheManager + Dispatcher behind vLLM's scheduler; see the module docstring."""
+
+    def __init__(self, cfg: ZkvVllmConfig, layout: CacheLayout, *, pub_endpoint: str,
+                 pull_endpoint: str, store: Any = None, join_timeout_s: float = 120.0) -> None:
+        self.cfg = cfg
+        self.layout = layout
+        self.bs = layout.block_size
+        self.store = store
+        self.log = zlog.get_logger("connector", role="scheduler")
+        self.cm = CacheManager(
+            CacheConfig(0, layout.num_host_blocks, layout.block_size, cfg.policy,
+                        cfg.write_through_threshold,
+                        storage_write=bool(store is not None and cfg.storage_write)),
+            storage_exists=self._storage_exists if store is not None else None,
+        )
+        self.dp = Dispatcher(pub_endpoint, pull_endpoint, layout.world_size,
+                             layout.fingerprint(), heartbeat_timeout_s=30.0, ack_timeout_s=120.0)
+        try:
+            self.dp.wait_for_ranks(join_timeout_s)
+        except BaseException:
+            self.dp.close(shutdown=False)
+            raise
+        self.counts = TokenCounts()
+        self.disabled: str | None = None
+        self._reqs: dict[str, _Req] = {}
+        self._steps: collections.deque[dict[str, tuple[int, int]]] = collections.deque()
+        self._dirty: set[str] = set()
+        self._finishing: dict[str, int] = {}
+        self._done_upto = -1         # every seq <= this completed on all ranks
+        self._done_above: set[int] = set()
+        self._step = 0
+        self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        from zkv.integrations.vllm import metrics
+
+        metrics.register_half(self)
+        self._batch_seconds = metrics.BATCH_SECONDS.labels(layout.model, "all")
+
+    # ------------------------------------------------------------ vLLM calls
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        t0 = time.thread_time()
+        try:
+            return self._num_matched(request, num_computed_tokens)
+        finally:
+            self.counts.sched_cpu_s += time.thread_time() - t0
+
+    def _num_matched(self, request: Any, local: int) -> tuple[int | None, bool]:
+        if self.disabled or getattr(request, "prompt_token_ids", None) is None:
+            return 0, False
+        self._poll()
+        rid = request.request_id
+        r = self._reqs.get(rid)
+        if r is None:
+            r = self._reqs[rid] = self._new_req(request)
+        if r.prefetch_t0 is not None:
+            if not self.cm.prefetch_done(rid) and self._keep_waiting(r):
+                return None, False
+            r.prefetch_t0 = None
+        m = self.cm.match_prefix(rid, r.hashes[: r.num_prompt_blocks])
+        if m.num_storage and not r.prefetched:
+            r.prefetched = True
+            n = self.cm.prefetch(rid)
+            if n:
+                r.prefetch_t0, r.prefetch_blocks = time.monotonic(), n
+                r.host_blocks_at_match = m.num_host
+                self._flush()
+                if self.cfg.prefetch != "best_effort":
+                    return None, False
+        if r.prefetch_t0 is None and not r.prefetched:
+            r.host_blocks_at_match = m.num_host
+        have = min(m.num_host * self.bs, request.num_tokens - 1)  # vLLM computes >= 1 token
+        r.local = local
+        r.ext = max(0, have - local)
+        return r.ext, False
+
+    def _keep_waiting(self, r: _Req) -> bool:
+        if self.cfg.prefetch == "wait_complete":
+            return True
+        if self.cfg.prefetch == "best_effort" or r.prefetch_t0 is None:
+            return False
+        budget = (self.cfg.prefetch_timeout_s
+                  + self.cfg.prefetch_timeout_per_block_ms * 1e-3 * r.prefetch_blocks)
+        return time.monotonic() - r.prefetch_t0 < budget
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        t0 = time.thread_time()
+        try:
+            self._after_alloc(request, block_ids, num_external_tokens)
+        finally:
+            self.counts.sched_cpu_s += time.thread_time() - t0
+
+    def _after_alloc(self, request: Any, block_ids: list[int], ext: int) -> None:
+        r = self._reqs.get(request.request_id)
+        if r is None or self.disabled:
+            return
+        rid = request.request_id
+        r.block_ids = list(block_ids)
+        if r.allocated:  # a second call (more blocks after an async load): ids only
+            return
+        r.allocated = True
+        if ext:
+            start = r.local // self.bs
+            end = -(-(r.local + ext) // self.bs)
+            n = self.cm.load_external(rid, start, r.block_ids[start:end])
+            if n != end - start:  # the match is held: this cannot happen
+                raise RuntimeError(f"zkv: planned {n} loads for {rid}, promised {end - start}")
+        else:
+            self.cm.cache_computed(rid, 0, device_ids=[])  # external mode, hits counted
+        r.confirmed = r.local + ext
+        self._count(r, ext)
+        if self.cfg.policy == WRITE_THROUGH_SELECTIVE:
+            for h in r.hashes[: r.num_prompt_blocks]:
+                self._seen[h] = self._seen.pop(h, 0) + 1
+            while len(self._seen) > _SELECTIVE_MEMORY:
+                self._seen.popitem(last=False)
+
+    def _count(self, r: _Req, ext: int) -> None:
+        if r.counted:
+            return
+        r.counted = True
+        c = self.counts
+        c.requests += 1
+        host_tokens = min(ext, max(0, r.host_blocks_at_match * self.bs - r.local))
+        c.vllm_local += r.local
+        c.zkv_host += host_tokens
+        c.zkv_store += ext - host_tokens
+        c.computed += max(0, r.request.num_prompt_tokens - r.local - ext)
+
+    def build_connector_meta(self, so: Any) -> ZkvMetadata:
+        t0 = time.thread_time()
+        try:
+            return self._build_meta(so)
+        finally:
+            self.counts.sched_cpu_s += time.thread_time() - t0
+
+    def _build_meta(self, so: Any) -> ZkvMetadata:
+        self._step += 1
+        self._poll()
+        rec: dict[str, tuple[int, int]] = {}
+        for new in so.scheduled_new_reqs:
+            r = self._reqs.get(new.req_id)
+            if r is not None:
+                r.block_ids = list(new.block_ids[0])
+                rec[new.req_id] = (r.epoch, new.num_computed_tokens
+                                   + so.num_scheduled_tokens.get(new.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            r = self._reqs.get(rid)
+            if r is None:
+                continue
+            ids = cached.new_block_ids[i]
+            if rid in resumed:
+                r.block_ids = list(ids[0]) if ids else []
+            elif ids:
+                r.block_ids += ids[0]
+            rec[rid] = (r.epoch, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            self._preempted(rid)
+        self._steps.append(rec)
+        meta = ZkvMetadata()
+        ops = self.cm.take_ops()
+        seq = self._publish(ops)
+        if seq is not None:
+            loads = [op for op in ops if op.kind == H2D]
+            if loads:
+                meta.load_seq, meta.load_op = seq, loads[0].id
+                meta.loads = [int(b) for b in loads[0].dst]
+        meta.release_upto = self.dp.next_seq - 1
+        meta.finishing, self._finishing = self._finishing, {}
+        return meta
+
+    def _preempted(self, rid: str) -> None:
+        """vLLM freed the request's blocks: nothing more is saved from them; the request
+        starts over (a new match) when it is scheduled again."""
+        r = self._reqs.get(rid)
+        if r is None:
+            return
+        if self.cm.has_request(rid):
+            self.cm.finish(rid)
+        r.epoch += 1
+        r.allocated, r.block_ids, r.confirmed = False, [], 0
+        r.prefetch_t0, r.prefetched, r.local, r.ext = None, False, 0, 0
+
+    def update_connector_output(self, invalid_block_ids: Iterable[int]) -> None:
+        t0 = time.thread_time()
+        try:
+            self._confirm(set(invalid_block_ids or ()))
+        finally:
+            self.counts.sched_cpu_s += time.thread_time() - t0
+
+    def _confirm(self, invalid: set[int]) -> None:
+        self._poll()
+        if not self._steps:
+            return
+        rec = self._steps.popleft()
+        if invalid:
+            self.counts.failed_load_blocks += len(invalid)
+        for rid, (epoch, upto) in rec.items():
+            r = self._reqs.get(rid)
+            if r is None or r.epoch != epoch or not r.allocated or self.disabled:
+                continue
+            if invalid and not invalid.isdisjoint(r.block_ids):
+                continue  # vLLM recomputes from the failed block; its KV is not trusted yet
+            r.confirmed = max(r.confirmed, upto)
+            self._plan_save(r, final=False)
+        self._flush()
+
+    def request_finished(self, request: Any) -> bool:
+        """True: hold vLLM's blocks until the workers report the last save done."""
+        t0 = time.thread_time()
+        try:
+            return self._finished(request)
+        finally:
+            self.counts.sched_cpu_s += time.thread_time() - t0
+
+    def _finished(self, request: Any) -> bool:
+        rid = request.request_id
+        r = self._reqs.pop(rid, None)
+        if r is None:
+            return False
+        self._poll()
+        if not r.allocated or self.disabled:
+            if self.cm.has_request(rid):
+                self.cm.finish(rid)
+            return False
+        if request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
+            # the last step's forward is done and was not hit by a failed load (vLLM would
+            # not have finished it): every token but the last sampled one has its KV
+            r.confirmed = max(r.confirmed, min(request.num_computed_tokens,
+                                               request.num_tokens - 1))
+        self._plan_save(r, final=True)
+        self._flush()
+        self.cm.finish(rid)
+        seq = r.last_save_seq
+        if seq is not None and not self._seq_done(seq):
+            self._finishing[rid] = seq
+            return True
+        return False
+
+    # ------------------------------------------------------------ saves and batches
+
+    def _plan_save(self, r: _Req, final: bool) -> None:
+        if self.cfg.policy == WRITE_BACK and not final:
+            return
+        upto = r.confirmed
+        self._extend_hashes(r, upto)
+        if self.cfg.policy == WRITE_THROUGH_SELECTIVE and not final:
+            k = 0
+            thr = self.cfg.write_through_threshold
+            while k < len(r.hashes) and self._seen.get(r.hashes[k], 0) >= thr:
+                k += 1
+            upto = min(upto, k * self.bs)
+        rid = r.request.request_id
+        try:
+            n = self.cm.cache_computed(rid, upto, block_hashes=r.hashes, device_ids=r.block_ids)
+        except ValueError as e:  # hashes of a resumed request diverged: stop saving it
+            self.log.error("connector.save_refused", req_id=rid, error=str(e))
+            return
+        if n:
+            self._dirty.add(rid)
+
+    def _extend_hashes(self, r: _Req, upto: int) -> None:
+        full = min(upto, len(r.request.all_token_ids)) // self.bs
+        have = len(r.hashes)
+        if full <= have:
+            return
+        tokens = list(r.request.all_token_ids[have * self.bs : full * self.bs])
+        parent = r.hashes[-1] if r.hashes else r.root
+        r.hashes += hash_tokens(tokens, self.bs, parent=parent, start_token=have * self.bs,
+                                mm_items=r.mm_items)
+
+    def _flush(self) -> None:
+        """Publish the open ops now (saves, prefetches, L3 writes of committed saves)."""
+        seq = self._publish(self.cm.take_ops())
+        if seq is None:
+            return
+        for rid in self._dirty:
+            r = self._reqs.get(rid)
+            if r is not None:
+                r.last_save_seq = seq
+        self._dirty.clear()
+
+    def _publish(self, ops: list[Any]) -> int | None:
+        if not ops:
+            return None
+        try:
+            seq = self.dp.publish(ops, self._step)
+        except RankLost as e:
+            self._disable(f"rank {e.rank} lost: {e.reason}")
+            self.cm.fail_pending()
+            return None
+        self.log.debug(STEP_PUBLISHED, seq=seq, num_ops=len(ops))
+        return seq
+
+    def _poll(self) -> None:
+        for done in self.dp.poll(0.0):
+            self._batch_seconds.observe(done.latency_s)
+            self.cm.on_ops_done(done.results.values())
+            self._mark_done(done.seq)
+            if done.lost_ranks and not self.disabled:
+                self._disable(f"ranks {sorted(done.lost_ranks)} lost")
+        for rid, failed in self.cm.take_load_failures().items():
+            self.log.warning("connector.load_failed", req_id=rid, num_blocks=len(failed))
+
+    def _mark_done(self, seq: int) -> None:
+        self._done_above.add(seq)
+        while self._done_upto + 1 in self._done_above:
+            self._done_upto += 1
+            self._done_above.discard(self._done_upto)
+
+    def _seq_done(self, seq: int) -> bool:
+        return seq <= self._done_upto or seq in self._done_above
+
+    def _disable(self, reason: str) -> None:
+        """A lost rank ends zkv for this engine: vLLM goes on without it (misses only)."""
+        self.disabled = reason
+        self.log.error(CONNECTOR_DISABLED, reason=reason)
+        self.cm.fail_pending()
+
+    # ------------------------------------------------------------ helpers
+
+    def _new_req(self, request: Any) -> _Req:
+        root = request_root(request)
+        mm = request_mm_items(request)
+        hashes = hash_tokens(request.prompt_token_ids, self.bs, parent=root, mm_items=mm)
+        return _Req(request, root, mm, hashes, len(hashes))
+
+    def _storage_exists(self, hashes: list[bytes]) -> int:
+        """Leading count of ``hashes`` the store holds for every rank (store errors: 0)."""
+        from zkv.storage import pack_key
+
+        try:
+            n = len(hashes)
+            for rank in range(self.layout.world_size):
+                found = self.store.exists([pack_key(h, rank) for h in hashes[:n]])
+                k = 0
+                while k < n and found[k]:
+                    k += 1
+                n = k
+                if not n:
+                    break
+            return n
+        except (StorageError, OSError) as e:
+            self.log.error("connector.storage_failed", error=str(e))
+            return 0
+
+    def snapshot(self) -> dict[str, Any]:
+        c = self.counts
+        return {"requests": c.requests, "vllm_local_tokens": c.vllm_local,
+                "zkv_host_tokens": c.zkv_host, "zkv_store_tokens": c.zkv_store,
+                "computed_tokens": c.computed, "failed_load_blocks": c.failed_load_blocks,
+                "saved_blocks": self.cm.stats.saved_external,
+                "loaded_blocks": self.cm.stats.loaded_external,
+                "sched_cpu_us_per_request": 1e6 * c.sched_cpu_s / max(1, c.requests),
+                "disabled": self.disabled, **{f"cm_{k}": v for k, v in self.cm.snapshot().items()
+                                              if isinstance(v, int)}}
+
+    def close(self) -> None:
+        self.dp.close()

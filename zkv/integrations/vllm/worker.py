@@ -1,0 +1,145 @@
+"""The worker half of the zkv vLLM connector (one per model worker process / rank).
+
+A gated :class:`~zkv.worker.sidecar.Sidecar` runs over vLLM's own KV tensors. One step::
+
+    bind_connector_metadata(meta)   release batches <= meta.release_upto, then wait until
+                                    every batch before this step's load batch ran here
+                                    (so no earlier save reads a block this forward writes)
+    forward: wait_for_layer_load(L) layer L of this step's loads is in (CPU: copied;
+                                    GPU: the compute stream waits on its event)
+    get_block_ids_with_load_errors  this rank's ack of the load batch: the blocks past
+                                    ``done`` failed -> vLLM recomputes them
+    get_finished                    requests whose last save batch ran here
+
+``inject_load_failures`` (a test hook) wraps the copy backend so that the n-th load batch
+on ``inject_rank`` scribbles random bytes over its destination blocks and fails: vLLM must
+recompute them, or generated tokens change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zkv import log as zlog
+from zkv.config import CacheLayout
+from zkv.errors import TransferError
+from zkv.integrations.vllm.config import ZkvVllmConfig
+from zkv.integrations.vllm.scheduler import ZkvMetadata
+
+LOAD_FAILED = "connector.load_failed"
+
+
+class _FaultyLoads:
+    """A copy backend whose h2d of chosen load batches writes garbage, then raises."""
+
+    def __init__(self, backend: Any, batches: tuple[int, ...]) -> None:
+        self._b = backend
+        self._fail = set(batches)
+        self._n = -1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._b, name)
+
+    def copy_h2d(self, host_pool: Any, kv_caches: Any, src: Any, dst: Any, layer: int) -> None:
+        if layer == 0:
+            self._n += 1
+        if self._n in self._fail:
+            gen = torch.Generator().manual_seed(self._n)
+            for t in kv_caches[layer]:
+                for d in dst:
+                    blk = t[int(d)]
+                    blk.copy_(torch.randn(blk.shape, generator=gen).to(blk.dtype))
+            raise TransferError(f"injected load failure (load batch {self._n}, layer {layer})")
+        self._b.copy_h2d(host_pool, kv_caches, src, dst, layer)
+
+
+class WorkerHalf:
+    """One rank's Sidecar and the per-step bookkeeping vLLM's worker calls need."""
+
+    def __init__(self, cfg: ZkvVllmConfig, rank: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.log = zlog.get_logger("connector", role="worker", rank=rank)
+        self.sidecar: Any = None
+        self.layer_index: dict[str, int] = {}
+        self.meta: ZkvMetadata | None = None
+        self._finishing: dict[str, int] = {}
+        self._errors: set[int] = set()
+        self._checked: int | None = None
+
+    def start(self, names: list[str], views: list[tuple[Any, Any]], layout: CacheLayout, *,
+              pub_endpoint: str, pull_endpoint: str, store: Any) -> None:
+        from zkv.kernels import get_backend
+        from zkv.worker.sidecar import Sidecar
+
+        backend: Any = get_backend("auto")
+        if self.cfg.inject_load_failures and self.rank == self.cfg.inject_rank:
+            backend = _FaultyLoads(backend, self.cfg.inject_load_failures)
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        self.sidecar = Sidecar(views, layout=layout, rank=self.rank, pub_endpoint=pub_endpoint,
+                               pull_endpoint=pull_endpoint, backend=backend, store=store,
+                               gated=True)
+
+    # ------------------------------------------------------------ per step
+
+    def bind(self, meta: ZkvMetadata) -> None:
+        self.meta = meta
+        self._errors = set()
+        self._checked = None
+        self._finishing.update(meta.finishing)
+        if meta.release_upto < 0 or self.sidecar is None:
+            return
+        self.sidecar.release(meta.release_upto)
+        before = (meta.load_seq if meta.load_seq is not None else meta.release_upto + 1) - 1
+        if before >= 0 and self.sidecar.alive and self.sidecar.last_seq < before:
+            if self.sidecar.wait_acked(before, self.cfg.layer_timeout_s) is None:
+                self.log.error("connector.batch_late", seq=before,
+                               timeout_s=self.cfg.layer_timeout_s)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        meta = self.meta
+        if meta is None or meta.load_seq is None or self.sidecar is None:
+            return
+        i = self.layer_index.get(layer_name)
+        if i is None:
+            return
+        try:
+            self.sidecar.wait_layer(meta.load_seq, i, timeout=self.cfg.layer_timeout_s)
+        except (TransferError, TimeoutError) as e:
+            if not self._errors:
+                self.log.error(LOAD_FAILED, seq=meta.load_seq, layer=i, error=str(e))
+            self._errors.update(meta.loads)
+
+    def load_errors(self) -> set[int]:
+        """Blocks of this step's loads that did not arrive on this rank."""
+        meta = self.meta
+        if meta is None or meta.load_seq is None or self._checked == meta.load_seq:
+            return self._errors
+        self._checked = meta.load_seq
+        ack = None
+        if self.sidecar is not None:
+            ack = self.sidecar.wait_acked(meta.load_seq, self.cfg.layer_timeout_s)
+        res = None if ack is None else next((r for r in ack.results if r.id == meta.load_op), None)
+        if res is None or not res.ok:
+            done = 0 if res is None else res.done
+            self._errors.update(meta.loads[done:])
+            self.log.error(LOAD_FAILED, seq=meta.load_seq, num_blocks=len(meta.loads) - done,
+                           error=None if res is None else res.error)
+        return self._errors
+
+    def finished_saving(self) -> set[str]:
+        if not self._finishing:
+            return set()
+        dead = self.sidecar is None or not self.sidecar.alive
+        last = -1 if dead else self.sidecar.last_seq
+        done = {rid for rid, seq in self._finishing.items() if dead or last >= seq}
+        for rid in done:
+            del self._finishing[rid]
+        return done
+
+    def close(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.close()
+            self.sidecar = None
