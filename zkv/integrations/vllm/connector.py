@@ -115,9 +115,7 @@ def open_store(url: str | None, namespace: str) -> Any:
         raise ConfigError(f"zkv: storage {url!r} needs the zkv.storage backends")
     from zkv.storage import LocalDirStore
 
-    path = url[len("file://"):]
-    os.makedirs(path, exist_ok=True)
-    return LocalDirStore(path, namespace)
+    return LocalDirStore(url[len("file://"):], namespace)  # created on first write
 
 
 class ZkvConnector(KVConnectorBase_V1):

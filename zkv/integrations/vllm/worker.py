@@ -38,12 +38,18 @@ class _FaultyLoads:
         self._b = backend
         self._fail = set(batches)
         self._n = -1
+        self._new_batch = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._b, name)
 
+    def begin_batch(self, compute_stream: Any = None) -> None:
+        self._new_batch = True
+        self._b.begin_batch(compute_stream)
+
     def copy_h2d(self, host_pool: Any, kv_caches: Any, src: Any, dst: Any, layer: int) -> None:
-        if layer == 0:
+        if self._new_batch:  # counted per batch: the actor's per-op retry fails again
+            self._new_batch = False
             self._n += 1
         if self._n in self._fail:
             gen = torch.Generator().manual_seed(self._n)

