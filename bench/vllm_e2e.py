@@ -1,0 +1,143 @@
+"""vLLM (CPU build) with and without zkv: prompt processing and time to first token.
+
+For each model, three engines over the same documents (long shared prefixes) and
+questions; the measured phase asks every document a new question in an order that
+defeats a small vLLM cache:
+
+    big        vLLM, prefix caching on, its KV cache holds every document (the baseline)
+    zkv        vLLM's KV cache holds ~2 documents; zkv's host tier (L2) holds them all
+    recompute  vLLM's KV cache holds ~2 documents; prefix caching off, no connector
+
+Printed: the measured phase's wall time per engine and the ratios zkv/big (target
+<= 1.1) and recompute/zkv; time to first token of a single ~2k-token prompt whose prefix
+is in zkv's host tier vs recomputed; per-tier prompt tokens and the connector's
+scheduler-side cost per request; and whether generated tokens are identical (float32,
+greedy) to the recompute run. Each engine runs in its own process (30-70 s to start).
+
+    python bench/vllm_e2e.py                       # tiny random Llama + SmolLM2-135M
+    python bench/vllm_e2e.py --models tiny --docs 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tests.integration.vllm_runner import build_smollm2, build_tiny_llama  # noqa: E402
+
+BLOCK = 32
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
+
+
+def workload(vocab: int, docs: int, doc_tokens: int, seed: int = 7) -> dict[str, Any]:
+    rng = random.Random(seed)
+    ds = [[rng.randrange(vocab) for _ in range(doc_tokens)] for _ in range(docs)]
+
+    def ask(d: list[int]) -> list[int]:
+        return d + [rng.randrange(vocab) for _ in range(rng.randrange(48, 96))]
+
+    return {
+        "warm": [ask(d) for d in ds],
+        "measured": [ask(d) for d in ds],           # same order: LRU-hostile for vLLM
+        "ttft": [ask(d) for d in ds[: min(4, docs)]],
+    }
+
+
+def run(name: str, spec: dict[str, Any], tmp: str) -> dict[str, Any]:
+    sp, out = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.out.json")
+    with open(sp, "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-m", "tests.integration.vllm_runner", "--spec", sp,
+                        "--out", out], cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode:
+        sys.exit(f"bench: engine {name} failed:\n{p.stderr[-3000:]}")
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def bench_model(label: str, model: str, vocab: int, args: argparse.Namespace,
+                tmp: str) -> None:
+    per_tok = kv_bytes_per_token(model)
+    doc_tokens = args.doc_tokens
+    w = workload(vocab, args.docs, doc_tokens)
+    doc_blocks = -(-(doc_tokens + 128) // BLOCK)
+    small = max(2 * doc_blocks + 8, 2048 // BLOCK + 8) * BLOCK * per_tok
+    big = (args.docs + 2) * doc_blocks * BLOCK * per_tok + small
+    phases = [{"name": "warm", "prompts": w["warm"], "max_tokens": 1},
+              {"name": "measured", "prompts": w["measured"], "max_tokens": args.max_tokens},
+              {"name": "ttft", "prompts": w["ttft"], "max_tokens": 1, "one_by_one": True}]
+    base = {"model": model, "tp": 1, "max_model_len": doc_tokens + 256, "phases": phases,
+            "max_num_batched_tokens": 8192}
+    zkv_cfg = {"host_blocks": (args.docs + 2) * doc_blocks, "storage": "none"}
+    res = {
+        "big": run(f"{label}-big", dict(base, kv_cache_bytes=big, prefix_caching=True), tmp),
+        "zkv": run(f"{label}-zkv", dict(base, kv_cache_bytes=small, prefix_caching=True,
+                                         connector=zkv_cfg), tmp),
+        "recompute": run(f"{label}-recompute", dict(base, kv_cache_bytes=small,
+                                                    prefix_caching=False), tmp),
+    }
+    wall = {k: v["phases"][1]["wall_s"] for k, v in res.items()}
+    ttft = {k: statistics.median(v["phases"][2]["latencies_s"]) for k, v in res.items()}
+    same = all(res[k]["phases"][i]["tokens"] == res["recompute"]["phases"][i]["tokens"]
+               for k in ("big", "zkv") for i in range(3))
+    z = res["zkv"]["phases"][1]["zkv"]
+    zt = res["zkv"]["phases"][2]["zkv"]
+    print(f"\n== {label}: {args.docs} documents x {doc_tokens} tokens, KV {per_tok} B/token; "
+          f"vLLM cache small {small >> 20} MiB / big {big >> 20} MiB")
+    print(f"  measured phase ({args.docs} prompts, {args.max_tokens} output tokens each):")
+    for k in ("big", "zkv", "recompute"):
+        print(f"    {k:10s} {wall[k]:7.3f} s")
+    print(f"  ratio zkv/big       {wall['zkv'] / wall['big']:.3f}x   (target <= 1.1)")
+    print(f"  ratio recompute/zkv {wall['recompute'] / wall['zkv']:.2f}x")
+    print(f"  TTFT of a ~{doc_tokens + 72}-token prompt (median of {len(w['ttft'])}): "
+          f"zkv host {ttft['zkv'] * 1e3:.1f} ms, recomputed {ttft['recompute'] * 1e3:.1f} ms, "
+          f"vLLM big cache {ttft['big'] * 1e3:.1f} ms "
+          f"({ttft['recompute'] / ttft['zkv']:.2f}x faster than recompute)")
+    print(f"  prompt tokens in the measured phase: vLLM local {z['vllm_local_tokens']}, "
+          f"zkv host {z['zkv_host_tokens']}, zkv store {z['zkv_store_tokens']}, "
+          f"computed {z['computed_tokens']} (cumulative incl. warm-up)")
+    print(f"  after the TTFT phase: zkv host {zt['zkv_host_tokens']}; scheduler-side cost "
+          f"{zt['sched_us_per_request']:.0f} us/request over {zt['requests']} requests")
+    print(f"  tokens identical to the recompute run (float32, greedy): {same}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tiny,smollm2")
+    ap.add_argument("--docs", type=int, default=6)
+    ap.add_argument("--doc-tokens", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--workdir", default=None, help="keep models and results here")
+    args = ap.parse_args()
+    tmp = args.workdir or tempfile.mkdtemp(prefix="zkv-bench-vllm-")
+    os.makedirs(tmp, exist_ok=True)
+    for label in args.models.split(","):
+        if label == "tiny":
+            model, vocab = build_tiny_llama(os.path.join(tmp, "tiny")), 2000
+        elif label == "smollm2":
+            model, vocab = build_smollm2(os.path.join(tmp, "smollm2"), tmp), 49000
+        else:
+            sys.exit(f"bench: unknown model {label!r} (tiny, smollm2)")
+        bench_model(label, model, vocab, args, tmp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
