@@ -231,3 +231,14 @@ def test_incremental_cache_makes_running_blocks_matchable() -> None:
     cm.finish("r2")  # block 3 duplicates r1's block 2: freed
     cm.check_invariants()
     assert cm.device.num_used == 3 and cm.match_prefix("r3", a).num_device == 3
+
+
+def test_cancelled_save_rolls_back_like_a_failed_one() -> None:
+    cm = make(8)
+    save(cm, "r1", H(1, 2, 3), [5, 6, 7])
+    assert cm.cancel_saves("r1") == 3  # the engine freed the blocks before the batch left
+    cm.check_invariants()
+    assert cm.take_ops() == [] and cm.host.num_used == 0 and cm.num_held_blocks("r1") == 0
+    assert cm.cancel_saves("r1") == 0
+    assert cm.cache_computed("r1", 12, device_ids=[1, 2, 3]) == 3  # saved anew later
+    assert [o.src.tolist() for o in cm.take_ops()] == [[1, 2, 3]]

@@ -427,6 +427,15 @@ class CacheManager(CommitMixin):
             op.req_ids.append(req_id)
         return n_ok
 
+    def cancel_saves(self, req_id: str) -> int:
+        """Drop the request's save planned this step and not yet taken (the engine freed
+        the blocks it would read, e.g. on preemption). Returns the blocks dropped."""
+        p = self._open.pop(f"{SAVE}:{req_id}", None)
+        if p is None:
+            return 0
+        self._commit_save(p, 0)  # the same roll back as a save that failed everywhere
+        return len(p.nodes)
+
     def _go_external(self, st: RequestState) -> None:
         if self.device.num_blocks:
             raise ValueError("external-L1 calls need a CacheManager without a device pool "

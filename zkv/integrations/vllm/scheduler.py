@@ -15,16 +15,19 @@ Per request::
         ▼
     update_connector_output ───── the step's forward is done everywhere and no load it
         │ (each step)              used failed: its full blocks are "confirmed"; saves
-        │                          (engine blocks → new host blocks) are published at
-        │                          once, per write policy; HOST when every rank acked
+        │                          (engine blocks → new host blocks) are planned per write
+        │                          policy, sent with the next step's batch; HOST when
+        │                          every rank acked
         ▼
     request_finished ──────────── save what is left; hold vLLM's blocks (True) until
                                    the batch with the last save ran on every rank
 
-Why saves are published as soon as they are planned (not in the next step's batch): vLLM
-may free a preempted request's blocks in its next ``schedule()``, and the worker half runs
-every batch published before a step's metadata to completion before that step's forward
-(and that step's loads) can write into reused blocks.
+Saves confirmed at the end of a step travel in the next step's batch, together with its
+loads (one batch per step). vLLM may free a preempted request's blocks in that very
+``schedule()``: its planned save is cancelled before the batch is published. A finishing
+request's saves are published at once and its blocks held until they ran on every rank;
+the worker half runs every batch published before a step's metadata to completion before
+that step's forward, and a batch's saves (d2h) before its loads (h2d).
 """
 
 from __future__ import annotations
@@ -293,6 +296,7 @@ class SchedulerHalf:
         meta = ZkvMetadata()
         ops = self.cm.take_ops()
         seq = self._publish(ops)
+        self._saves_published(seq)
         if seq is not None:
             loads = [op for op in ops if op.kind == H2D]
             if loads:
@@ -303,12 +307,14 @@ class SchedulerHalf:
         return meta
 
     def _preempted(self, rid: str) -> None:
-        """vLLM freed the request's blocks: nothing more is saved from them; the request
-        starts over (a new match) when it is scheduled again."""
+        """vLLM freed the request's blocks: its save planned for this step is dropped (the
+        blocks may be reused by this very step), and it starts over (a new match) when it
+        is scheduled again."""
         r = self._reqs.get(rid)
         if r is None:
             return
         if self.cm.has_request(rid):
+            self.cm.cancel_saves(rid)
             self.cm.finish(rid)
         r.epoch += 1
         r.allocated, r.block_ids, r.confirmed = False, [], 0
@@ -336,7 +342,6 @@ class SchedulerHalf:
                 continue  # vLLM recomputes from the failed block; its KV is not trusted yet
             r.confirmed = max(r.confirmed, upto)
             self._plan_save(r, final=False)
-        self._flush()
 
     def request_finished(self, request: Any) -> bool:
         """True: hold vLLM's blocks until the workers report the last save done."""
@@ -403,8 +408,10 @@ class SchedulerHalf:
                                 mm_items=r.mm_items)
 
     def _flush(self) -> None:
-        """Publish the open ops now (saves, prefetches, L3 writes of committed saves)."""
-        seq = self._publish(self.cm.take_ops())
+        """Publish the open ops now (a finishing request's saves, a prefetch)."""
+        self._saves_published(self._publish(self.cm.take_ops()))
+
+    def _saves_published(self, seq: int | None) -> None:
         if seq is None:
             return
         for rid in self._dirty:
