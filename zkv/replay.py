@@ -145,7 +145,7 @@ class Replayer:
             self.s.hit_host += hits["host"]
             self.s.hit_storage += hits["storage"]
             for tier, n in hits.items():
-                M.HITS_BLOCKS.inc(n, tier=tier)
+                M.HITS_BLOCKS.labels(tier=tier).inc(n)
             if cached:
                 sim.append(self._sim(CHECK, table[:cached], hashes[:cached]))
             if len(hashes) > cached:
@@ -165,8 +165,8 @@ class Replayer:
                 self.moved[o.kind] += r.done
                 M.record_move(o.kind, r.done, r.done * per_block)
         M.INFLIGHT_BATCHES.set(self.dp.in_flight)  # type: ignore[attr-defined]
-        M.FREE_BLOCKS.set(self.cm.device.num_free, pool="device")
-        M.FREE_BLOCKS.set(self.cm.host.num_free, pool="host")
+        M.FREE_BLOCKS.labels(pool="device").set(self.cm.device.num_free)
+        M.FREE_BLOCKS.labels(pool="host").set(self.cm.host.num_free)
 
     def _sim(self, kind: str, ids: list[int], keys: list[bytes]) -> Op:
         self.sim_id += 1
@@ -267,7 +267,7 @@ def node_main(args: argparse.Namespace) -> int:
             server.shutdown()
         if args.metrics_file:
             with open(args.metrics_file, "w", encoding="utf-8") as f:
-                f.write(M.REGISTRY.render())
+                f.write(M.render())
     _print_summary(s, rp.moved, layout, rp.latencies, args)
     return 0 if s.mismatched == 0 and s.failed_ops == 0 else 1
 

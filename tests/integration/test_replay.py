@@ -49,8 +49,8 @@ def test_chat_replay_moves_real_bytes_through_every_tier(tmp_path) -> None:
     for direction in ("d2h", "h2d", "s2h", "h2s"):
         moved = _field(out, rf"{direction} (\d+)")
         assert moved > 0
-        assert metrics[f'zkv_blocks_moved_total{{direction="{direction}"}}'] == moved
-    assert metrics['zkv_hits_blocks_total{tier="storage"}'] == _field(out, r"storage (\d+) \(")
+        assert metrics[f'zkv:moved_blocks_total{{direction="{direction}"}}'] == moved
+    assert metrics['zkv:hit_blocks_total{tier="storage"}'] == _field(out, r"storage (\d+) \(")
     assert os.listdir(tmp_path / "l3")  # blocks reached the local-directory store
     logs = os.listdir(tmp_path / "logs")
     assert {"scheduler.jsonl", "worker-0.jsonl", "worker-1.jsonl", "launcher.jsonl"} <= set(logs)

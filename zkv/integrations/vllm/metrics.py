@@ -12,17 +12,20 @@ every number is the minimum-over-ranks outcome zkv commits on)::
     zkv:batch_seconds (histogram: publish -> every rank acked)
     zkv:host_blocks{state="free|used"}
 
-``serve(port)`` exposes them on 127.0.0.1; ``render()`` returns the text exposition.
+They live in :data:`zkv.metrics.REGISTRY` (``serve(port)``: 127.0.0.1, ``render()``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-REGISTRY = CollectorRegistry(auto_describe=True)
+from zkv.metrics import REGISTRY, render, serve
+
+__all__ = ["BATCH_SECONDS", "REGISTRY", "register_half", "render", "serve"]
+
 BATCH_SECONDS = Histogram("zkv:batch_seconds", "Publish to every rank's ack of a zkv batch.",
                           ("model", "rank"), registry=REGISTRY,
                           buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5))
@@ -78,11 +81,3 @@ def register_half(half: Any) -> None:
     REGISTRY.register(col)
     _registered.append(col)
 
-
-def serve(port: int) -> Any:
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
-    return server
-
-
-def render() -> str:
-    return generate_latest(REGISTRY).decode()
