@@ -13,12 +13,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from zkv import log as ev
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op, OpResult
 from zkv.scheduler.radix import DELETING, DEVICE, HOST, Node
 from zkv.scheduler.records import LOAD, SAVE, WIRE_KIND, PendingOp
 
 if TYPE_CHECKING:
     from zkv.scheduler.manager import CacheManager
+
+
+_log = ev.get_logger("scheduler")
 
 
 class CommitMixin:
@@ -49,6 +53,11 @@ class CommitMixin:
                 keys=tuple(p.keys), layerwise=kind == H2D,
             ))
         self._open.clear()
+        if out:  # one summary per step, not a line per block
+            st = self.stats
+            _log.debug(ev.STEP_DONE, num_ops=len(out), num_blocks=sum(o.num_blocks for o in out),
+                       evicted_device=st.evicted_device, evicted_host=st.evicted_host,
+                       dropped=st.dropped, pending_ops=len(self._pending))
         return out
 
     @property
@@ -68,6 +77,9 @@ class CommitMixin:
             if done < len(p.nodes):
                 self.stats.failed_ops += 1
                 self.stats.failed_blocks += len(p.nodes) - done
+                req_ids = sorted({q for q in p.req_ids if q is not None})
+                _log.warning(ev.OP_FAILED, op_id=p.op_id, kind=p.kind, num_blocks=len(p.nodes),
+                             done=done, error=r.error, req_ids=req_ids[:16])
             commit = _COMMIT[p.kind]
             commit(self, p, done)
         return unknown

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from zkv import log as zlog
@@ -51,6 +52,29 @@ if TYPE_CHECKING:
 
 class ZkvConnectorMetadata(KVConnectorMetadata, ZkvMetadata):
     """:class:`ZkvMetadata` as vLLM's metadata type."""
+
+
+#: Counters reported to vLLM's own stats logging ("KV Transfer metrics: ..."), as deltas.
+STAT_KEYS = ("requests", "vllm_local_tokens", "zkv_host_tokens", "zkv_store_tokens",
+             "computed_tokens", "failed_load_blocks", "saved_blocks", "loaded_blocks")
+
+
+class ZkvConnectorStats(KVConnectorStats):
+    """zkv's counters as vLLM's ``KVConnectorStats`` (sums over an interval)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"zkv_{k}": v for k, v in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Geometry:
@@ -142,6 +166,7 @@ class ZkvConnector(KVConnectorBase_V1):
         self.sched: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         self._ipc_dir: str | None = None
+        self._stats_seen: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._start_scheduler(vllm_config)
         else:
@@ -245,8 +270,19 @@ class ZkvConnector(KVConnectorBase_V1):
         assert self.sched is not None
         return self.sched.request_finished(request), None
 
-    def get_kv_connector_stats(self) -> Any:
-        return None
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.sched is None:
+            return None
+        snap = self.sched.snapshot()
+        now = {k: snap[k] for k in STAT_KEYS}
+        delta = {k: v - self._stats_seen.get(k, 0) for k, v in now.items()}
+        self._stats_seen = now
+        return ZkvConnectorStats(data=delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return ZkvConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self.worker is not None:

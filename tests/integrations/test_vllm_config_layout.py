@@ -1,0 +1,96 @@
+"""The vLLM connector's config parsing and KV layout adapters (no engine needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zkv.errors import ConfigError
+from zkv.integrations.vllm.config import DEFAULT_HOST_BYTES, parse_extra_config, parse_size
+from zkv.integrations.vllm.layout import Geometry, kv_views, split_kv
+
+
+def test_defaults() -> None:
+    cfg = parse_extra_config({})
+    assert cfg.policy == "write_through" and cfg.prefetch == "timeout"
+    assert cfg.storage is not None and cfg.storage.startswith("file://") and cfg.storage_write
+    assert cfg.num_host_blocks(1 << 20) == DEFAULT_HOST_BYTES >> 20
+    assert parse_extra_config({"storage": "none"}).storage_write is False
+
+
+@pytest.mark.parametrize("extra, msg", [
+    ({"host_blockz": 4}, r"unknown kv_connector_extra_config key\(s\) \['host_blockz'\]"),
+    ({"host_blocks": 0}, "host_blocks must be > 0"),
+    ({"host_blocks": "8"}, "host_blocks must be an integer"),
+    ({"host_blocks": True}, "host_blocks must be an integer"),
+    ({"host_blocks": 8, "host_bytes": "1GiB"}, "not both"),
+    ({"host_bytes": "lots"}, "host_bytes must be a byte size"),
+    ({"host_bytes": -5}, "host_bytes must be > 0"),
+    ({"storage": "s3://bucket"}, "storage must be file:///path"),
+    ({"storage": 7}, "storage must be an L3 URL"),
+    ({"policy": "lru"}, "policy must be one of write_back, write_through"),
+    ({"prefetch": "eager"}, "prefetch must be one of timeout"),
+    ({"prefetch_timeout_s": -1}, "prefetch_timeout_s must be >= 0"),
+    ({"layer_timeout_s": 0}, "layer_timeout_s must be > 0"),
+    ({"write_through_threshold": 0}, "write_through_threshold must be >= 1"),
+    ({"inject_load_failures": [1, -2]}, "inject_load_failures must be a list of integers"),
+    ({"log_level": "loud"}, "log_level must be one of"),
+    ({"metrics_port": "9000"}, "metrics_port must be an integer port"),
+])
+def test_bad_values_refused_with_one_line(extra: dict, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg) as e:
+        parse_extra_config(extra)
+    assert "\n" not in str(e.value) and str(e.value).startswith("zkv: ")
+
+
+def test_sizes() -> None:
+    assert parse_size("k", "4GiB") == 4 << 30
+    assert parse_size("k", "1.5 MB") == 1_500_000
+    assert parse_size("k", 4096) == 4096
+    assert parse_extra_config({"host_bytes": "1MiB"}).num_host_blocks(4096) == 256
+    with pytest.raises(ConfigError, match="holds no block"):
+        parse_extra_config({"host_bytes": 100}).num_host_blocks(4096)
+
+
+GEO = Geometry(num_layers=2, kv_heads=3, block_size=4, head_dim=8, dtype="float32",
+               num_blocks=5)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_cpu_attention_layout_views_alias_vllms_tensor() -> None:
+    """vLLM's CPU cache [blocks, heads, block, 2*dim] holds K then V per head as
+    [heads, 2*block, dim]; the views must alias exactly those elements."""
+    t = torch.arange(5 * 3 * 4 * 16, dtype=torch.float32).view(5, 3, 4, 16)
+    k, v, kind = split_kv("layers.0", t, GEO)
+    assert kind == "HND" and k.shape == v.shape == (5, 3, 4, 8)
+    halves = t.view(5, 3, 8, 8)
+    assert torch.equal(k, halves[:, :, :4]) and torch.equal(v, halves[:, :, 4:])
+    k[2, 1].fill_(-1)  # writes through to vLLM's tensor
+    assert (t.view(5, 3, 8, 8)[2, 1, :4] == -1).all()
+
+
+def test_flash_attention_layout_is_reinterpreted_nhd() -> None:
+    t = torch.randn(2, 5, 4, 3, 8)  # [2, blocks, block, heads, dim]
+    k, v, kind = split_kv("l", t, GEO)
+    assert kind == "NHD" and k.shape == (5, 3, 4, 8)
+    assert _bytes(k[3]) == _bytes(t[0, 3]) and _bytes(v[1]) == _bytes(t[1, 1])
+
+
+def test_flashinfer_layout() -> None:
+    t = torch.randn(5, 2, 4, 3, 8)  # [blocks, 2, block, heads, dim]
+    k, v, kind = split_kv("l", t, GEO)
+    assert kind == "NHD" and _bytes(k[4]) == _bytes(t[4, 0]) and _bytes(v[0]) == _bytes(t[0, 1])
+
+
+def test_unknown_layout_refused_naming_the_layer() -> None:
+    t = torch.randn(5, 3, 4, 9)
+    with pytest.raises(ConfigError, match=r"layer model.layers.7.attn: KV tensor of shape "
+                                          r"\(5, 3, 4, 9\)"):
+        split_kv("model.layers.7.attn", t, GEO)
+    with pytest.raises(ConfigError, match="registered 1 KV layers"):
+        kv_views({"a": torch.randn(5, 3, 4, 16)}, GEO)
+    with pytest.raises(ConfigError, match="dtype torch.float16, spec says float32"):
+        kv_views({"a": torch.randn(5, 3, 4, 16).half(), "b": torch.randn(5, 3, 4, 16)}, GEO)
