@@ -192,16 +192,16 @@ def smollm2(env: dict[str, Any]) -> dict[str, Any]:
     rng = random.Random(5)
     words = ("the cache keeps every block of attention state so that a later request with "
              "the same prefix skips its prefill and answers sooner").split()
-    docs = [tok.encode(" ".join(rng.choice(words) for _ in range(900))) for _ in range(5)]
-    qs = [tok.encode(f" Question {i}: what does the cache keep?") for i in range(10)]
+    docs = [tok.encode(" ".join(rng.choice(words) for _ in range(800))) for _ in range(4)]
+    qs = [tok.encode(f" Question {i}: what does the cache keep?") for i in range(8)]
     phases = [{"name": "cold", "prompts": [d + qs[i] for i, d in enumerate(docs)]},
-              {"name": "again", "prompts": [d + qs[5 + i] for i, d in enumerate(docs)]},
+              {"name": "again", "prompts": [d + qs[4 + i] for i, d in enumerate(docs)]},
               {"name": "paris", "prompts": [tok.encode("The capital of France is")]}]
     return {"model": model, "phases": phases, "tok": tok}
 
 
 def test_smollm2_identical_through_zkv(env, smollm2) -> None:  # noqa: ANN001
-    base = {"model": smollm2["model"], "tp": 1, "kv_cache_bytes": 100 << 20,
+    base = {"model": smollm2["model"], "tp": 1, "kv_cache_bytes": 96 << 20,
             "max_model_len": 2048, "phases": smollm2["phases"]}
     ref = run_engine(env["tmp"], "smol-ref", dict(base, prefix_caching=False))
     cfg = {"host_blocks": 400, "storage": "none"}
