@@ -42,6 +42,7 @@ winning source is unspecified.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,10 @@ class CopyBackend(abc.ABC):
         """The calling thread's current compute stream as a raw ``cudaStream_t`` (CPU:
         None). Ask in the model's thread: another thread has another current stream."""
         return None
+
+    def on_compute(self, compute_stream: int | None) -> Any:
+        """A context in which torch ops go to the compute stream (CPU: nothing to do)."""
+        return contextlib.nullcontext()
 
     def startup_info(self) -> dict[str, Any]:
         """What set-up cost and chose (compile time, device, pinning), for the start log."""
