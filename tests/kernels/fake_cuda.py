@@ -119,7 +119,7 @@ class FakeCuda:
         self.executed: list[str] = []
         self.fail_launches: deque[int] = deque()
         self.fault_kernels: deque[int] = deque()
-        self.fail_calls: dict[str, int] = {}
+        self.fail_calls: dict[str, list[int]] = {}  # call -> [status, calls to let pass]
 
     # ------------------------------------------------------------ thread state
 
@@ -186,11 +186,16 @@ class FakeCuda:
         if status is not None:
             raise CUDARuntimeError(status)
         if call is not None and call in self.fail_calls:
-            raise CUDARuntimeError(self.fail_calls.pop(call))
+            plan = self.fail_calls[call]
+            if plan[1] == 0:
+                del self.fail_calls[call]
+                raise CUDARuntimeError(plan[0])
+            plan[1] -= 1
 
-    def fail_next(self, call: str, status: int) -> None:
-        """The next runtime call ``call`` ("eventRecord", "streamWaitEvent", ...) fails."""
-        self.fail_calls[call] = status
+    def fail_next(self, call: str, status: int, after: int = 0) -> None:
+        """Runtime call ``call`` ("eventRecord", "streamWaitEvent", ...) fails once, after
+        ``after`` more successful calls (a sticky status is not modelled here)."""
+        self.fail_calls[call] = [status, after]
 
     # ------------------------------------------------------------ enqueue
 
@@ -611,16 +616,23 @@ def install(monkeypatch: pytest.MonkeyPatch, fake: FakeCuda) -> None:
     monkeypatch.setattr(tc, "current_stream", current_stream)
     monkeypatch.setattr(tc, "ExternalStream", ExternalStream)
     monkeypatch.setattr(tc, "stream", lambda s: fake.using_stream(s.cuda_stream))
+    # The fake's device memory is host memory: CPU tensors pass the backend's device check.
+    from zkv.kernels.cupy_backend import CupyBackend
+
+    check = CupyBackend.check_devices
+
+    def check_devices(self: Any, spec: Any, layers: Any) -> None:
+        if spec.device.type != "cpu":
+            check(self, spec, layers)
+
+    monkeypatch.setattr(CupyBackend, "check_devices", check_devices)
 
 
 def cupy_backend(device: int | None = None, **kw: Any) -> Any:
-    """A CupyBackend on the installed fake. Its caches are CPU tensors (the fake's device
-    memory is host memory), so the backend's device check is pointed at the CPU."""
+    """A CupyBackend on the installed fake (its caches are CPU tensors)."""
     from zkv.kernels.cupy_backend import CupyBackend
 
-    backend = CupyBackend(device=device, **kw)
-    backend.device = torch.device("cpu")
-    return backend
+    return CupyBackend(device=device, **kw)
 
 
 def launches(fake: FakeCuda) -> list[tuple[Any, ...]]:
