@@ -353,12 +353,12 @@ class WorkerActor:
 
     def _ack(self, ack: P.BlocksCopied) -> None:
         self._expected = ack.seq + 1
-        self._send(ack)
-        with self._gate:
+        with self._gate:  # before the send: whoever sees the ack sees last_seq too
             self._last_seq = ack.seq
             self._acks[ack.seq] = ack
             self._acks.pop(ack.seq - _ACK_HISTORY, None)
             self._gate.notify_all()
+        self._send(ack)
 
     # ------------------------------------------------------------ one batch
 
