@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -141,3 +143,27 @@ def test_register_checks_the_host_pool_and_the_device() -> None:
         backend.register(meta, host)
     spec = backend.register(caches, host)
     assert backend.register(spec, host) is spec  # a spec re-checked, not re-described
+
+
+@pytest.mark.parametrize("name", ["nhd_pairs", "flash_attn_fused", "flashinfer_nhd"])
+def test_nhd_host_layout_keeps_the_engine_bytes(name: str) -> None:
+    """kv_layout NHD: a host chunk is the engine's block bytes as they are, one dense run."""
+    lay, caches, owners = engine_caches(name, seed=6)
+    lay = dataclasses.replace(lay, kv_layout="NHD")
+    backend = TorchCpuBackend()
+    host = backend.allocate_host_pool(lay)
+    spec = backend.register(describe_for_layout(caches, lay), host)
+    assert block_runs(spec[1][1]).num_runs == 1  # no transpose: one memcpy per block
+    backend.copy_d2h(spec, host, ids([4]), ids([2]))
+    k, v = (owners[1][0], owners[1][1]) if name != "flashinfer_nhd" else (
+        owners[1][:, 0], owners[1][:, 1])
+    assert as_bytes(host[2, 1, 0]) == as_bytes(k[4]) and as_bytes(host[2, 1, 1]) == as_bytes(v[4])
+    hnd = describe_for_layout(caches, dataclasses.replace(lay, kv_layout="HND"))
+    assert as_bytes(hnd[1][0][4]) != as_bytes(k[4])  # the HND host order transposes
+
+
+def test_nhd_host_layout_refuses_blocks_that_are_not_dense() -> None:
+    t = _t(5, 4, 3, 8)[:, :, :2]  # NHD, 2 of 3 heads: [block, heads] cannot be regrouped
+    with pytest.raises(ConfigError, match=r"layer 0 K: NHD blocks with strides .* not dense"):
+        describe_kv_caches([(t, t.clone())], **GEO, host_order="NHD")
+    assert describe_kv_caches([(t, t.clone())], **GEO).kind == "NHD"  # HND host: transposed

@@ -5,12 +5,16 @@ Host format, page-first (this module is its one definition; L3 values are these 
     host_pool[num_host_blocks, num_layers, num_kv_parts, kv_heads, block_size, head_dim]
     host block h:  | L0 K | L0 V | L1 K | L1 V | ... |      num_kv_parts = 2
                    | L0 latent | L1 latent | ... |          num_kv_parts = 1 (MLA)
-    chunk (l, p):  [kv_heads][block_size][head_dim] elements, row-major, each element's
-                   bytes as the device holds them (little-endian on CUDA and x86), at byte
-                   offset (l * num_kv_parts + p) * chunk_bytes of its host block
+    chunk (l, p):  kv_heads * block_size * head_dim elements at byte offset
+                   (l * num_kv_parts + p) * chunk_bytes of its host block, each element's
+                   bytes as the device holds them (little-endian on CUDA and x86), in the
+                   order CacheLayout.kv_layout names (the host order):
+                     HND  [heads][block][dim]   an NHD engine's blocks are transposed
+                     NHD  [block][heads][dim]   an NHD engine's blocks are kept as they are
 
-A host block is one contiguous buffer (zero-copy L3 put/get), and its bytes do not depend
-on the device layout: a block saved by an NHD engine loads into an HND one.
+A host block is one contiguous buffer (zero-copy L3 put/get). Its bytes depend on the
+device layout only through ``kv_layout``, which the L3 namespace (the layout fingerprint)
+carries, so blocks of different byte orders never mix.
 
 Device layouts accepted by :func:`describe_kv_caches`, per layer::
 
@@ -22,8 +26,18 @@ Device layouts accepted by :func:`describe_kv_caches`, per layer::
     latent (MLA)     [num_blocks, block, dim]               one part per layer, heads = 1
 
 Each part becomes a *logical view* ``[num_blocks, heads, block, dim]`` of the same memory
-(permuted, selected or unsqueezed, never copied); copies move a block's elements in the
-view's order, honouring every stride. A block of a view is a few equal dense *runs*::
+(permuted, selected, unsqueezed or reinterpreted, never copied) whose element order is the
+host order; copies move a block's elements in the view's order, honouring every stride:
+
+    host order   device part             view
+    HND          HND [n, heads, block, dim]   as given
+    HND          NHD [n, block, heads, dim]   permuted (a transpose on every copy)
+    NHD          NHD [n, block, heads, dim]   reinterpreted as [n, heads, block, dim]:
+                                              same bytes (its blocks must be dense)
+    NHD          [n, heads, block, dim]       as given: taken to be in host order
+                                              already (a view the caller reinterpreted)
+
+A block of a view is a few equal dense *runs*::
 
     logical block [heads, block, dim], element strides (sh, sb, sd)
     trailing dims laid out densely ─► one run of run_bytes; the dims outside it enumerate
@@ -31,7 +45,7 @@ view's order, honouring every stride. A block of a view is a few equal dense *ru
         HND contiguous: 1 run of heads*block*dim     vLLM CPU: heads runs of block*dim
         NHD:            heads*block runs of dim
 
-HND is assumed when a pair's shape fits it; NHD is inferred only when it cannot be HND
+A part's shape is read as HND when it fits; NHD is inferred only when it cannot be HND
 (pass ``kv_order="NHD"`` when heads == block_size). Validation runs once, at
 registration, and names the tensor and the check that failed.
 """
@@ -213,12 +227,17 @@ def describe_kv_caches(
     dtype: torch.dtype | None = None,
     kv_order: str | None = None,
     names: Sequence[str] | None = None,
+    host_order: str = "HND",
 ) -> KVSpec:
     """Validate ``kv_caches`` (one entry per layer, see the module docstring) and describe
-    it. Raises :class:`~zkv.errors.ConfigError` naming the layer, the tensor and the check.
+    it for a host pool whose chunks are in ``host_order`` (``CacheLayout.kv_layout``).
+    ``kv_order`` says how the engine's 4-D parts are laid out when their shape does not.
+    Raises :class:`~zkv.errors.ConfigError` naming the layer, the tensor and the check.
     A :class:`KVSpec` is re-checked against the geometry and returned as is."""
     if kv_order is not None and kv_order not in KV_ORDERS:
         raise ConfigError(f"kv_order must be one of {KV_ORDERS} or None, got {kv_order!r}")
+    if host_order not in KV_ORDERS:
+        raise ConfigError(f"host order must be one of {KV_ORDERS}, got {host_order!r}")
     if isinstance(kv_caches, KVSpec):
         return _recheck(kv_caches, (kv_heads, block_size, head_dim), num_kv_parts, dtype)
     if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
@@ -228,7 +247,7 @@ def describe_kv_caches(
         raise ConfigError("kv_caches is empty")
     if names is not None and len(names) != len(kv_caches):
         raise ConfigError(f"{len(names)} layer names for {len(kv_caches)} layers")
-    d = _Describer((kv_heads, block_size, head_dim), dtype, kv_order)
+    d = _Describer((kv_heads, block_size, head_dim), dtype, kv_order, host_order)
     layers = [d.layer(i, entry, names[i] if names else None) for i, entry in enumerate(kv_caches)]
     parts = {len(layer) for layer in layers}
     want = num_kv_parts if num_kv_parts is not None else len(layers[0])
@@ -242,7 +261,7 @@ def describe_for_layout(kv_caches: Any, layout: CacheLayout, **kw: Any) -> KVSpe
     """:func:`describe_kv_caches` against ``layout`` (layers, heads, block, dim, dtype, parts)."""
     spec = describe_kv_caches(kv_caches, kv_heads=layout.kv_heads, block_size=layout.block_size,
                               head_dim=layout.head_dim, num_kv_parts=layout.num_kv_parts,
-                              dtype=torch_dtype(layout), **kw)
+                              dtype=torch_dtype(layout), host_order=layout.kv_layout, **kw)
     if spec.num_layers != layout.num_layers:
         raise ConfigError(f"kv_caches has {spec.num_layers} layers, layout has "
                           f"{layout.num_layers}")
@@ -278,10 +297,11 @@ class _Describer:
     """The checks of :func:`describe_kv_caches`; remembers the first part's facts."""
 
     def __init__(self, block_shape: tuple[int, int, int], dtype: torch.dtype | None,
-                 kv_order: str | None) -> None:
+                 kv_order: str | None, host_order: str) -> None:
         self.block_shape = block_shape
         self.dtype = dtype
         self.kv_order = kv_order
+        self.host_order = host_order
         self.num_blocks: int | None = None
         self.device: torch.device | None = None
         self.kinds: set[str] = set()
@@ -350,7 +370,15 @@ class _Describer:
         if shape == (heads, block, dim) and self.kv_order != "NHD":
             return t, "HND"
         if shape == (block, heads, dim) and self.kv_order != "HND":
-            return t.permute(0, 2, 1, 3), "NHD"
+            if self.host_order == "HND":
+                return t.permute(0, 2, 1, 3), "NHD"
+            try:  # NHD host bytes: the same block bytes, regrouped as [heads, block, dim]
+                return t.view(t.shape[0], heads, block, dim), "NHD"
+            except RuntimeError:
+                raise ConfigError(f"kv cache {name}: NHD blocks with strides "
+                                  f"{tuple(t.stride())} are not dense, so their bytes cannot "
+                                  "be kept as they are (kv_layout NHD); use kv_layout HND "
+                                  "(transposed on copy)") from None
         order = f" as kv_order={self.kv_order}" if self.kv_order else ""
         raise ConfigError(f"kv cache {name}: shape {tuple(t.shape)} does not fit{order} "
                           f"HND [num_blocks, {heads}, {block}, {dim}] or NHD "
