@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.engine_layouts import ENGINE_LAYOUTS, engine_caches
+from tests.kernels.engine_layouts import ENGINE_LAYOUTS, check_round_trip, check_v_own_strides
 from tests.kernels.helpers import (
     DTYPES,
     as_bytes,
@@ -28,7 +28,6 @@ from tests.kernels.helpers import (
     same_caches,
 )
 from zkv.kernels import DONE, cuda_available, get_backend
-from zkv.kernels.layout import describe_for_layout
 from zkv.kernels.reference import (
     check_pattern,
     expected_block_bytes,
@@ -217,35 +216,11 @@ def test_fill_check_and_expected_bytes_on_device(backend: Any) -> None:
 
 @pytest.mark.parametrize("name", sorted(ENGINE_LAYOUTS))
 def test_engine_layouts_match_oracle(backend: Any, name: str) -> None:
-    lay, caches, owners = engine_caches(name, seed=7, device="cuda")
-    host = backend.allocate_host_pool(lay)
-    spec = backend.register(caches, host)
-    want = host.clone()
-    src, dst = ids([3, 0, 10]), ids([2, 7, 0])
-    backend.copy_d2h(spec, host, src, dst)
-    ref_copy_d2h(describe_for_layout(caches, lay), want, src, dst)
-    backend.synchronize()
-    assert as_bytes(host) == as_bytes(want)
-    want_views = clone(list(spec))
-    for layer in range(lay.num_layers):
-        backend.copy_h2d(host, spec, dst, ids([5, 1, 9]), layer)
-        ref_copy_h2d(host, want_views, dst, ids([5, 1, 9]), layer)
-    backend.synchronize()
-    assert same_caches(list(spec), want_views)
+    check_round_trip(backend, name, seed=7, device="cuda")
 
 
 def test_v_is_copied_with_its_own_strides(backend: Any) -> None:
-    lay = layout("bfloat16", num_layers=2)
-    shape = (lay.num_device_blocks, lay.kv_heads, lay.block_size, lay.head_dim)
-    kv = [(torch.randn(shape, device="cuda").bfloat16(),
-           torch.randn((shape[0], 3, *shape[1:]), device="cuda").bfloat16()[:, 2])
-          for _ in range(lay.num_layers)]
-    host = backend.allocate_host_pool(lay)
-    want = host.clone()
-    backend.copy_d2h(kv, host, ids([7, 2]), ids([0, 4]))
-    ref_copy_d2h(kv, want, ids([7, 2]), ids([0, 4]))
-    backend.synchronize()
-    assert as_bytes(host) == as_bytes(want)
+    check_v_own_strides(backend, device="cuda")
 
 
 def test_each_device_gets_its_own_backend() -> None:

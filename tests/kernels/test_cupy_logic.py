@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from tests.kernels import fake_cuda
-from tests.kernels.engine_layouts import ENGINE_LAYOUTS, engine_caches
+from tests.kernels.engine_layouts import ENGINE_LAYOUTS, check_round_trip, check_v_own_strides
 from tests.kernels.helpers import as_bytes, clone, ids, layout, random_caches, same_caches
 from zkv.kernels import DONE, TorchCpuBackend
 from zkv.kernels.cupy_backend import launch_config
-from zkv.kernels.layout import describe_for_layout
 from zkv.kernels.pinned import HOST_REGISTER_MAPPED
 from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
 
@@ -76,50 +75,12 @@ def test_kernel_addresses_match_oracle(fake: Any, backend: Any, dtype: str) -> N
 
 def test_v_is_copied_with_its_own_strides(backend: Any) -> None:
     """K is a plain tensor, V a view into a wider one: a different block stride."""
-    lay = layout("float16", num_layers=2)
-    gen = torch.Generator().manual_seed(4)
-    shape = (lay.num_device_blocks, lay.kv_heads, lay.block_size, lay.head_dim)
-    kv = []
-    for _ in range(lay.num_layers):
-        k = torch.randint(-999, 999, shape, generator=gen).half()
-        wide = torch.randint(-999, 999, (shape[0], 3, *shape[1:]), generator=gen).half()
-        kv.append((k, wide[:, 1]))
-    assert kv[0][0].stride(0) != kv[0][1].stride(0)
-    host = backend.allocate_host_pool(lay)
-    want = host.clone()
-    backend.copy_d2h(kv, host, ids([7, 2]), ids([0, 4]))
-    ref_copy_d2h(kv, want, ids([7, 2]), ids([0, 4]))
-    backend.synchronize()
-    assert as_bytes(host) == as_bytes(want)
-    want_kv = clone(kv)
-    backend.copy_h2d(host, kv, ids([0, 4]), ids([9, 11]), layer=1)
-    ref_copy_h2d(host, want_kv, ids([0, 4]), ids([9, 11]), layer=1)
-    backend.synchronize()
-    assert same_caches(kv, want_kv)
+    check_v_own_strides(backend)
 
 
 @pytest.mark.parametrize("name", sorted(ENGINE_LAYOUTS))
 def test_engine_layouts_round_trip_like_the_oracle(fake: Any, backend: Any, name: str) -> None:
-    lay, caches, keep = engine_caches(name, seed=5)
-    host = backend.allocate_host_pool(lay)
-    spec = backend.register(caches, host)
-    oracle = describe_for_layout(caches, lay)
-    want = host.clone()
-    src, dst = ids([3, 0, 10]), ids([2, 7, 0])
-    backend.copy_d2h(spec, host, src, dst)
-    ref_copy_d2h(oracle, want, src, dst)
-    backend.synchronize()
-    assert as_bytes(host) == as_bytes(want)
-
-    before = [as_bytes(t) for t in keep]
-    back = ids([5, 1, 9])
-    want_views = clone(list(oracle))
-    for layer in range(lay.num_layers):
-        backend.copy_h2d(host, spec, dst, back, layer)
-        ref_copy_h2d(host, want_views, dst, back, layer)
-    backend.synchronize()
-    assert same_caches(list(spec), want_views)
-    assert [as_bytes(t) for t in keep] != before  # the engine's own tensors changed
+    lay, _ = check_round_trip(backend, name, seed=5)
     assert all(e[4][1] == lay.num_kv_parts for e in fake_cuda.launches(fake))
 
 

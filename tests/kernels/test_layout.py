@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from tests.kernels.engine_layouts import ENGINE_LAYOUTS, engine_caches
-from tests.kernels.helpers import as_bytes, clone, ids, layout, same_caches
+from tests.kernels.engine_layouts import ENGINE_LAYOUTS, check_round_trip, engine_caches
+from tests.kernels.helpers import as_bytes, ids, layout
 from zkv.errors import ConfigError
 from zkv.kernels import TorchCpuBackend
 from zkv.kernels.cpu import available_impls
@@ -20,7 +20,6 @@ from zkv.kernels.layout import (
     host_pool_shape,
 )
 from zkv.kernels.reference import check_pattern, expected_block_bytes, fill_pattern
-from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
 
 GEO = {"kv_heads": 2, "block_size": 4, "head_dim": 8}
 
@@ -32,22 +31,7 @@ def _t(*shape: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", sorted(ENGINE_LAYOUTS))
 @pytest.mark.parametrize("impl", available_impls())
 def test_cpu_backend_round_trips_every_engine_layout(name: str, impl: str) -> None:
-    lay, caches, owners = engine_caches(name, seed=3)
-    backend = TorchCpuBackend(impl=impl)
-    host = backend.allocate_host_pool(lay)
-    spec = backend.register(caches, host)
-    want = host.clone()
-    src, dst = ids([3, 0, 10]), ids([2, 7, 0])
-    backend.copy_d2h(spec, host, src, dst)
-    ref_copy_d2h(spec, want, src, dst)
-    assert as_bytes(host) == as_bytes(want)
-    before = [as_bytes(t) for t in owners]
-    want_views = clone(list(spec))
-    for layer in range(lay.num_layers):
-        backend.copy_h2d(host, spec, dst, ids([5, 1, 9]), layer)
-        ref_copy_h2d(host, want_views, dst, ids([5, 1, 9]), layer)
-    assert same_caches(list(spec), want_views)
-    assert [as_bytes(t) for t in owners] != before
+    check_round_trip(TorchCpuBackend(impl=impl), name, seed=3)
 
 
 @pytest.mark.parametrize("name", sorted(ENGINE_LAYOUTS))
