@@ -24,11 +24,13 @@ So a kernel on the wrong stream, a missing wait on the compute stream's start ev
 missing drain before an ack shows up as wrong or missing bytes, or as work still queued,
 in a test without a GPU. Every public method takes one lock; host syncs from other
 threads wait on its condition (a sync blocked past ``sync_timeout_s`` raises).
+
+This module is the model; ``fake_cupy`` is the cupy surface over it, and :func:`install`
+puts both in place (and points torch.cuda's device and stream calls here).
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import sys
 import threading
@@ -39,11 +41,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from cupy.cuda.runtime import CUDARuntimeError
-from cupy_backends.cuda.api.driver import CUDADriverError  # not constructible without libcuda
 
 ILLEGAL_ADDRESS = 700  # sticky
 LAUNCH_OUT_OF_RESOURCES = 701  # not sticky
@@ -290,7 +290,7 @@ class FakeCuda:
         elif item.fn is not None:
             try:
                 item.fn()
-            except _Fault as f:
+            except KernelFault as f:
                 self.faulted[s.device] = f.status
                 for other in [self.legacy[s.device], *self.streams.values()]:
                     if other.device == s.device:
@@ -399,191 +399,18 @@ class FakeCuda:
             return types.SimpleNamespace(type=1 if pinned else 0, devicePointer=ptr * pinned)
 
 
-class _Fault(Exception):
+class KernelFault(Exception):
+    """Raised by a kernel item when it runs: the device faults with ``status``."""
+
     def __init__(self, status: int) -> None:
         self.status = status
 
 
 def _faulting(status: int) -> Callable[[], None]:
     def run() -> None:
-        raise _Fault(status)
+        raise KernelFault(status)
 
     return run
-
-
-# -------------------------------------------------------------------- cupy objects
-
-
-class FakeArray:
-    """Device memory from ``cupy.empty``: a numpy array tagged with its device."""
-
-    def __init__(self, fake: FakeCuda, shape: tuple[int, ...], dtype: Any) -> None:
-        self.fake, self.device = fake, fake.device
-        self.data = np.zeros(shape, dtype=dtype)
-        fake.log.append(("alloc", self.device, self.data.nbytes))
-
-    def set(self, arr: np.ndarray, stream: Any = None) -> None:
-        """Async upload: the bytes are read when the item runs (pinned source held)."""
-        fake = self.fake
-        with fake.cond:
-            fake.check_alive()
-            ptr = stream.ptr if stream is not None else fake.current_stream_ptr()
-            s = fake.resolve(ptr)
-            if s.device != self.device:
-                raise CUDARuntimeError(INVALID_HANDLE)
-
-            def run() -> None:
-                self.data[...] = arr
-
-            fake._push(s, "upload", f"upload {self.data.nbytes} B", fn=run)
-
-
-def make_cupy(fake: FakeCuda) -> tuple[types.ModuleType, types.ModuleType]:
-    """``cupy`` and ``cupyx`` modules backed by ``fake``."""
-
-    class Device:
-        def __init__(self, device: int = 0) -> None:
-            self.id = device
-            self._old: list[int] = []
-
-        def __enter__(self) -> Device:
-            self._old.append(fake.device)
-            fake.set_device(self.id)
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            fake.set_device(self._old.pop())
-
-        def use(self) -> None:
-            fake.set_device(self.id)
-            fake.log.append(("cupy.use", self.id))
-
-    class Stream:
-        def __init__(self, null: bool = False, non_blocking: bool = False) -> None:
-            self.ptr = LEGACY if null else fake.new_stream(non_blocking)
-            self.device = fake.device
-            self._ctx: list[Any] = []
-
-        def __enter__(self) -> Stream:
-            ctx = fake.using_stream(self.ptr)
-            ctx.__enter__()
-            self._ctx.append(ctx)
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self._ctx.pop().__exit__(None, None, None)
-
-        def synchronize(self) -> None:
-            with Device(self.device):
-                fake.sync_stream(self.ptr)
-
-    class Event:
-        def __init__(self, block: bool = False, disable_timing: bool = False) -> None:
-            self._ev = fake.new_event()
-            self.ptr = self._ev.ptr
-
-        @property
-        def done(self) -> bool:
-            return fake.query(self._ev)
-
-        def synchronize(self) -> None:
-            fake.sync_event(self._ev)
-
-    class RawModule:
-        def __init__(self, code: str, options: tuple[str, ...] = ()) -> None:
-            assert "ZKV_COPY_KERNEL(16, uint4)" in code
-            self.device = fake.device
-            self.compiled = False
-
-        def compile(self, log_stream: Any = None) -> None:
-            fake.log.append(("compile", fake.device))
-            self.compiled = True
-
-        def get_function(self, name: str) -> FakeKernel:
-            if not self.compiled:  # cupy compiles on first use
-                self.compile()
-            return FakeKernel(fake, int(name.rsplit("_", 1)[1]))
-
-    runtime = types.SimpleNamespace(
-        CUDARuntimeError=CUDARuntimeError,
-        eventRecord=fake.record,
-        streamWaitEvent=lambda stream, ev, flags=0: fake.stream_wait(stream, ev),
-        pointerGetAttributes=fake.pointer_attributes,
-        hostRegister=fake.host_register,
-        hostUnregister=fake.host_unregister,
-        getDeviceCount=lambda: fake.num_devices,
-        deviceGetAttribute=lambda attr, dev: {16: fake.sm_count,
-                                              91: int(fake.can_use_host_pointer)}[attr],
-    )
-    cuda = types.SimpleNamespace(
-        is_available=lambda: True, Device=Device, Stream=Stream, Event=Event, runtime=runtime,
-        driver=types.SimpleNamespace(CUDADriverError=CUDADriverError),
-    )
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = cuda  # type: ignore[attr-defined]
-    cupy.RawModule = RawModule  # type: ignore[attr-defined]
-    cupy.empty = lambda shape, dtype: FakeArray(fake, shape, dtype)  # type: ignore[attr-defined]
-    cupyx = types.ModuleType("cupyx")
-    cupyx.empty_pinned = lambda shape, dtype: np.zeros(shape, dtype=dtype)  # type: ignore
-    return cupy, cupyx
-
-
-class FakeKernel:
-    """``zkv_copy_<width>``: the CUDA kernel's addressing, run by the fake at execution."""
-
-    def __init__(self, fake: FakeCuda, width: int) -> None:
-        self.fake, self.width = fake, width
-
-    def __call__(self, grid: tuple[int, int, int], block: tuple[int], args: tuple[Any, ...]
-                 ) -> None:
-        ids, n, params, layer, parts, host, host_block, chunk_bytes, to_host, piece = args
-        n, layer, parts, piece = int(n), int(layer), int(parts), int(piece)
-        assert grid[0] == n and grid[1] == parts and 1 <= grid[2] <= 65535 and block[0] <= 1024
-        assert grid[2] * piece >= int(chunk_bytes) // self.width, "grid misses part of a chunk"
-        w = self.width
-        geometry = (int(host), int(host_block), int(chunk_bytes), bool(to_host))
-
-        def run() -> None:
-            flat = ids.data.reshape(-1).astype(np.int64)
-            table = params.data.view(np.uint64)
-            for j in range(n):
-                for p in range(parts):
-                    q = [int(x) for x in table[layer, p]]
-                    for z in range(grid[2]):
-                        self._slice(q, flat, n, j, layer, parts, p, z * piece, piece, geometry)
-
-        self.fake.launch(run, f"zkv_copy_{w} layer {layer} {'d2h' if to_host else 'h2d'}",
-                         [ids, params], tuple(grid))
-
-    def _slice(self, q: list[int], flat: np.ndarray, n: int, j: int, layer: int, parts: int,
-               p: int, begin: int, piece: int, geometry: tuple[int, int, int, bool]) -> None:
-        host, host_block, chunk_bytes, to_host = geometry
-        w = self.width
-        end = min(begin + piece, chunk_bytes // w)
-        dev_id, host_id = (int(flat[j]), int(flat[n + j]))[:: 1 if to_host else -1]
-        dev = q[0] + dev_id * _signed(q[1])
-        h = host + host_id * host_block + (layer * parts + p) * chunk_bytes
-        run = q[2] // w
-        v = begin
-        while v < end:
-            r = v // run
-            seg = min(end, (r + 1) * run)
-            i2, rest = r % q[4], r // q[4]
-            i1, i0 = rest % q[3], rest // q[3]
-            d = dev + i0 * _signed(q[5]) + i1 * _signed(q[6]) + i2 * _signed(q[7]) + (v - r * run) * w
-            hv, nbytes = h + v * w, (seg - v) * w
-            assert d % w == 0 and hv % w == 0, "misaligned vector access"
-            if not self.fake.registered_at(hv, nbytes):
-                raise _Fault(ILLEGAL_ADDRESS)  # the host side must be registered memory
-            if to_host:
-                ctypes.memmove(hv, d, nbytes)
-            else:
-                ctypes.memmove(d, hv, nbytes)
-            v = seg
-
-
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 # -------------------------------------------------------------------- installing it
@@ -592,6 +419,8 @@ def _signed(x: int) -> int:
 def install(monkeypatch: pytest.MonkeyPatch, fake: FakeCuda) -> None:
     """Put the fake ``cupy`` in ``sys.modules`` and point torch.cuda's device and stream
     calls at it (torch tensors themselves stay on the CPU)."""
+    from tests.kernels.fake_cupy import make_cupy
+
     cupy, cupyx = make_cupy(fake)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
