@@ -354,8 +354,12 @@ class CupyBackend(CopyBackend):
         )  # fmt: skip
 
     def _params_for(self, spec: KVSpec) -> tuple[np.ndarray, Any]:
-        """The spec's param table on the device: uploaded once per distinct table (a
-        spec's addresses are fixed), the last few kept. Call with the copy lock held."""
+        """The spec's param table on the device: built once per spec (kept in its memo)
+        and uploaded once per distinct table, the last few kept. Call with the copy lock
+        held. O(1) for a registered spec."""
+        hit = spec.memo.get(self)
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
         params = spec_params(spec)
         key = params.tobytes()
         hit = self._params.get(key)
@@ -364,6 +368,7 @@ class CupyBackend(CopyBackend):
             if len(self._params) >= 4:
                 self._params.pop(next(iter(self._params)))
             self._params[key] = hit
+        spec.memo[self] = hit
         return hit
 
     def _upload_ids(self, src: np.ndarray, dst: np.ndarray) -> Any:

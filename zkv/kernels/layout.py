@@ -178,10 +178,12 @@ class KVSpec(Sequence[tuple[torch.Tensor, ...]]):
     ``(heads, block, dim)``, dtype and device; no stride is negative or broadcast; a
     block's elements never overlap each other or the next block. Indexing gives a
     layer's tuple of logical views (``spec[l][p]`` is ``[num_blocks, heads, block, dim]``),
-    so a spec stands in for the ``kv_caches`` it describes. Built in O(layers) once.
+    so a spec stands in for the ``kv_caches`` it describes. Built in O(layers) once;
+    ``memo`` holds what a backend derives from it once (e.g. its device param table).
     """
 
-    __slots__ = ("parts", "num_blocks", "block_shape", "dtype", "device", "kind", "_views")
+    __slots__ = ("parts", "num_blocks", "block_shape", "dtype", "device", "kind", "memo",
+                 "_views")
 
     def __init__(self, parts: Sequence[Sequence[PartSpec]], kind: str) -> None:
         first = parts[0][0].view
@@ -191,6 +193,7 @@ class KVSpec(Sequence[tuple[torch.Tensor, ...]]):
         self.dtype = first.dtype
         self.device = first.device
         self.kind = kind
+        self.memo: dict[Any, Any] = {}
         self._views = tuple(tuple(p.view for p in layer) for layer in self.parts)
 
     @property

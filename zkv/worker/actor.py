@@ -78,8 +78,8 @@ class WorkerActor:
     ``python -m zkv.worker`` in the main thread).
 
     ``kv_caches``: per layer ``(K, V)``, each ``[num_device_blocks, kv_heads, block_size,
-    head_dim]``; ``host_pool``: ``[num_host_blocks, num_layers, 2, kv_heads, block_size,
-    head_dim]``. Their first dimensions bound the ids a batch may name.
+    head_dim]``; ``host_pool``: ``[num_host_blocks, num_layers, num_kv_parts, kv_heads,
+    block_size, head_dim]``. Their first dimensions bound the ids a batch may name.
 
     ``kv_caches`` may be any layout :mod:`zkv.kernels.layout` describes (NHD, fused, MLA)
     or a :class:`~zkv.kernels.layout.KVSpec`; it is validated once, here, against
@@ -143,6 +143,7 @@ class WorkerActor:
         self._push: zmq.Socket[Any] | None = None
         self._send_lock = threading.Lock()  # the actor and the heartbeat thread share PUSH
         self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
         self._next_hb = 0.0
         # Gate (engine sidecar): a batch's copies run only once the engine released its seq,
         # i.e. the forward passes that came before it are done (see :meth:`release`).
@@ -292,9 +293,8 @@ class WorkerActor:
 
     def _stop_heartbeats(self) -> None:
         self._hb_stop.set()
-        thread = getattr(self, "_hb_thread", None)
-        if thread is not None:
-            thread.join()
+        if self._hb_thread is not None:
+            self._hb_thread.join()
 
     def _heartbeats(self) -> None:
         """A heartbeat every interval, whatever the actor thread is waiting on."""
