@@ -21,7 +21,7 @@ from tests.kernels import fake_cuda
 from tests.kernels.engine_layouts import ENGINE_LAYOUTS, check_round_trip, check_v_own_strides
 from tests.kernels.helpers import as_bytes, clone, ids, layout, random_caches, same_caches
 from zkv.kernels import DONE, TorchCpuBackend
-from zkv.kernels.cupy_backend import launch_config
+from zkv.kernels.cupy_backend import _SOURCE, WIDTHS, launch_config
 from zkv.kernels.pinned import HOST_REGISTER_MAPPED
 from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
 
@@ -123,6 +123,28 @@ def test_kernels_compiled_at_start_and_timed(fake: Any) -> None:
     backend.copy_d2h(kv, host, ids([0]), ids([0]))
     backend.synchronize()
     assert [e for e in fake.log if e[0] == "compile"] == compiles  # never inside a batch
+
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+def test_kernel_source_compiles_with_nvrtc_cleanly(arch: str) -> None:
+    """The real CUDA source, through the real compiler (no GPU needed): every width's
+    kernel is in the PTX and the compiler has nothing to say."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # CI installs it: pip install -e '.[test]'
+        pytest.skip(f"NVRTC not installed (nvidia-cuda-nvrtc-cu12): {e}")
+    prog = nvrtc.createProgram(_SOURCE, "zkv_copy.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-std=c++14", f"--gpu-architecture={arch}"])
+    except Exception as e:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from e
+    ptx = nvrtc.getPTX(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert [w for w in WIDTHS if f".entry zkv_copy_{w}(" in ptx] == list(WIDTHS)
+    assert nvrtc.getProgramLog(prog).strip("\x00\n ") == ""
+    nvrtc.destroyProgram(prog)
 
 
 def test_launch_config_spreads_small_copies_over_the_sms(fake: Any, backend: Any) -> None:

@@ -102,9 +102,10 @@ __device__ __forceinline__ void zkv_copy(
     for (; i < end; i += step) t[i] = s[i];
     return;
   }
+  const unsigned int run32 = (unsigned int)run;  // a chunk has < 2^32 vectors
   for (; i < end; i += step) {  // strided block: vector i lies in run i / run
-    const unsigned int r = (unsigned int)(i / run);
-    T* d = (T*)(dev + zkv_run_offset(r, q)) + (i - (long long)r * run);
+    const unsigned int r = (unsigned int)i / run32;
+    T* d = (T*)(dev + zkv_run_offset(r, q)) + ((unsigned int)i - r * run32);
     if (to_host) h[i] = *d; else *d = h[i];
   }
 }

@@ -57,7 +57,10 @@ def pinned_empty(cp: Any, device_id: int, num_bytes: int, stream: Any, *, thread
     t0 = time.perf_counter()
     buf = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # transparent huge pages off: 4 KiB pages, slower to pin
+            pass
     arr = np.frombuffer(buf, dtype=np.uint8, count=num_bytes)
     if num_bytes == 0:
         return arr, PinnedInfo(0, 0, 0, 0.0)
