@@ -9,12 +9,18 @@ from other processes hits all of them alike:
     d2h          ``copy_d2h`` of n random device blocks -> n random host blocks, all layers
     h2d          ``copy_h2d`` layer by layer, n random host blocks -> n random device blocks
 
-and the table shows median GB/s, best GB/s and median / median of the contiguous copy.
+and the table shows median GB/s, best GB/s and median / median of the contiguous copy
+(goal on GPU: >= 0.9x of one contiguous pinned cudaMemcpyAsync of the same bytes).
 CPU rows: each chunk-copy implementation of the torch-CPU backend, in the same process:
 ``ext`` (the C extension zkv.kernels._blockcopy, when built) and ``memmove`` (the ctypes
 fallback). ``--threads 1 2`` repeats the CPU table per torch thread count (that only
-changes the contiguous ``copy_``: the backend copies in the calling thread). The CuPy
-part runs when CUDA is available. Memory is touched before timing (an untouched calloc
+changes the contiguous ``copy_``: the backend copies in the calling thread).
+
+The CuPy part runs when CUDA is available: the pinned pool's time to ready (mmap +
+cudaHostRegister vs torch ``pin_memory``), the copies with an HND cache and with vLLM
+flash-attn's NHD views, and the layer-wise load: time to the first layer ready vs the
+full load, and a per-layer matmul "forward" that waits layer by layer vs for the whole
+load. Memory is touched before timing (an untouched calloc
 page reads as the shared zero page).
 """
 
@@ -26,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zkv.config import CacheLayout
 from zkv.kernels import TorchCpuBackend, cuda_available
-from zkv.kernels.base import CopyBackend
+from zkv.kernels.base import CopyBackend, torch_dtype
 from zkv.kernels.cpu import _blockcopy, available_impls
 from zkv.kernels.reference import ref_copy_d2h
 
@@ -55,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-oracle", action="store_true", help="skip the per-block Python loop row")
     p.add_argument("--cpu-only", action="store_true")
+    p.add_argument("--device", type=int, default=0, help="CUDA device of the CuPy part")
+    p.add_argument("--compute-dim", type=int, default=4096,
+                   help="matmul size of the simulated per-layer forward (layer-wise overlap)")
     p.add_argument(
         "--threads",
         type=int,
@@ -119,13 +129,15 @@ def bench_cpu(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
     touch(a, torch.Generator().manual_seed(1))
     touch(b, torch.Generator().manual_seed(2))
 
+    spec = backends[available_impls()[0]].register(kv, host)  # described once, as the worker does
+
     def d2h(be: TorchCpuBackend) -> Callable[[], None]:
-        return lambda: be.copy_d2h(kv, host, src, dst)
+        return lambda: be.copy_d2h(spec, host, src, dst)
 
     def h2d(be: TorchCpuBackend) -> Callable[[], None]:
         def run() -> None:
             for layer in range(lay.num_layers):
-                be.copy_h2d(host, kv, dst, src, layer)
+                be.copy_h2d(host, spec, dst, src, layer)
 
         return run
 
@@ -170,43 +182,86 @@ def bench_cpu(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
 
 
 def bench_cupy(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
-    import cupy as cp
-
     from zkv.kernels.cupy_backend import CupyBackend
 
-    backend = CupyBackend()
-    kv, host = setup(backend, lay, args.seed)
+    backend = CupyBackend(device=args.device)
+    backend.bind_thread()  # cupy events and torch streams below: on that device
+    print(f"\nCuPy backend on {torch.cuda.get_device_name(args.device)}: "
+          f"{backend.startup_info()}")
+    bench_pinning(backend, lay)
     rng = np.random.default_rng(args.seed)
     src = rng.choice(lay.num_device_blocks, n, replace=False).astype("<i4")
     dst = rng.choice(lay.num_host_blocks, n, replace=False).astype("<i4")
+    for order in ("HND", "NHD"):
+        kv, host = setup(backend, lay, args.seed)
+        if order == "NHD":  # vLLM flash-attn: per layer [2, blocks, block, heads, dim]
+            kv = [t.view(2, lay.num_device_blocks, lay.block_size, lay.kv_heads, lay.head_dim)
+                  for t in _fused(backend, lay)]
+        spec = backend.register(kv, host)
+        bench_cupy_copies(args, backend, lay, spec, host, src, dst, order)
+        if order == "HND":
+            bench_layerwise(args, backend, lay, spec, host, src, dst)
+
+
+def _fused(backend: CopyBackend, lay: CacheLayout) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(lay.num_layers):
+        t = torch.empty(2 * lay.num_device_blocks * lay.chunk_bytes // lay.itemsize,
+                        dtype=torch_dtype(lay), device=backend.device)
+        touch(t, gen)
+        out.append(t)
+    return out
+
+
+def bench_pinning(backend: CopyBackend, lay: CacheLayout) -> None:
+    """Time to a ready pinned pool: mmap + cudaHostRegister vs torch pin_memory."""
+    nbytes = lay.num_host_blocks * lay.block_bytes
+    t0 = time.perf_counter()
+    host = backend.allocate_host_pool(lay)
+    ours = time.perf_counter() - t0
+    info = backend.startup_info()
+    t0 = time.perf_counter()
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    theirs = time.perf_counter() - t0
+    print(f"\npinned host pool of {nbytes / 2**20:.0f} MiB: mmap+cudaHostRegister "
+          f"{ours * 1e3:.1f} ms ({info['host_pool_chunks']} chunks, exact size); "
+          f"torch pin_memory {theirs * 1e3:.1f} ms ({ours / theirs:.2f}x)")
+    del host, pinned
+
+
+def bench_cupy_copies(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: Any,
+                      host: torch.Tensor, src: np.ndarray, dst: np.ndarray, order: str) -> None:
+    """Scattered blocks vs one contiguous pinned cudaMemcpyAsync of the same bytes."""
+    import cupy as cp
+
+    from zkv.kernels.pinned import pinned_empty
+
+    n = len(src)
     nbytes = n * lay.block_bytes
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
-    host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     touch(dev_buf, torch.Generator().manual_seed(1))
-    touch(host_buf, torch.Generator().manual_seed(2))
-    stream = cp.cuda.Stream(non_blocking=True)
+    host_arr, _ = pinned_empty(cp, args.device, nbytes, backend.transfer_stream)
+    stream = backend.transfer_stream
     rt = cp.cuda.runtime
 
     def memcpy(kind: int) -> Callable[[], None]:
-        dst_ptr, src_ptr = (
-            (host_buf.data_ptr(), dev_buf.data_ptr())
-            if kind == rt.memcpyDeviceToHost
-            else (dev_buf.data_ptr(), host_buf.data_ptr())
-        )
+        host_ptr, dev_ptr = host_arr.ctypes.data, dev_buf.data_ptr()
+        pair = (host_ptr, dev_ptr) if kind == rt.memcpyDeviceToHost else (dev_ptr, host_ptr)
 
         def run() -> None:
-            rt.memcpyAsync(dst_ptr, src_ptr, nbytes, kind, stream.ptr)
+            rt.memcpyAsync(pair[0], pair[1], nbytes, kind, stream.ptr)
             stream.synchronize()
 
         return run
 
     def d2h() -> None:
-        backend.copy_d2h(kv, host, src, dst)
+        backend.copy_d2h(spec, host, src, dst)
         backend.synchronize()
 
     def h2d() -> None:
         for layer in range(lay.num_layers):
-            backend.copy_h2d(host, kv, dst, src, layer)
+            backend.copy_h2d(host, spec, dst, src, layer)
         backend.synchronize()
 
     torch.cuda.synchronize()
@@ -214,11 +269,9 @@ def bench_cupy(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
         ("d2h", memcpy(rt.memcpyDeviceToHost), d2h),
         ("h2d", memcpy(rt.memcpyHostToDevice), h2d),
     ):
-        table = Table(f"CuPy backend {direction} on {torch.cuda.get_device_name()}", nbytes)
-        runs = {
-            f"contiguous cudaMemcpyAsync {direction}": base,
-            f"cupy {direction} ({n} scattered blocks)": fn,
-        }
+        table = Table(f"CuPy {direction}, device cache {order}", nbytes)
+        runs = {f"contiguous cudaMemcpyAsync {direction}": base,
+                f"cupy {direction} ({n} scattered blocks, {order})": fn}
         for run in runs.values():
             run()
         for _ in range(args.reps):
@@ -227,6 +280,59 @@ def bench_cupy(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
                 run()
                 table.add(name, time.perf_counter() - t0)
         table.print(f"contiguous cudaMemcpyAsync {direction}")
+
+
+def bench_layerwise(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: Any,
+                    host: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
+    """Layer-wise load: time to the first layer ready vs the full load (CUDA events), and
+    a forward that waits layer by layer vs one that waits for the whole load."""
+    import cupy as cp
+
+    stream = backend.transfer_stream
+    first_ms, full_ms = [], []
+    for _ in range(args.reps):
+        start, first, end = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for layer in range(lay.num_layers):
+            backend.copy_h2d(host, spec, dst, src, layer)
+            if layer == 0:
+                first.record(stream)
+        end.record(stream)
+        end.synchronize()
+        first_ms.append(cp.cuda.get_elapsed_time(start, first))
+        full_ms.append(cp.cuda.get_elapsed_time(start, end))
+    f, a = statistics.median(first_ms), statistics.median(full_ms)
+    print(f"\nlayer-wise h2d of {len(src)} blocks x {lay.num_layers} layers: first layer ready "
+          f"{f:.3f} ms, all layers {a:.3f} ms ({f / a:.3f} of the full load)")
+
+    compute = torch.cuda.Stream(backend.device)
+    x = torch.randn(args.compute_dim, args.compute_dim, device=backend.device,
+                    dtype=torch.float16)
+
+    def forward(layerwise: bool) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        backend.begin_batch(compute.cuda_stream)
+        handles = []
+        for layer in range(lay.num_layers):
+            backend.copy_h2d(host, spec, dst, src, layer)
+            handles.append(backend.record_event())
+        with torch.cuda.stream(compute):
+            for layer in range(lay.num_layers):
+                if layerwise or layer == 0:
+                    handle = handles[layer] if layerwise else handles[-1]
+                    backend.wait_event_on_compute(handle, compute.cuda_stream)
+                torch.mm(x, x)  # the layer's "attention + MLP"
+        compute.synchronize()
+        return time.perf_counter() - t0
+
+    for mode in (False, True):
+        forward(mode)
+    serial = statistics.median(forward(False) for _ in range(args.reps))
+    overlap = statistics.median(forward(True) for _ in range(args.reps))
+    print(f"forward over a {len(src)}-block load ({args.compute_dim}^2 matmul per layer): "
+          f"wait for the full load {serial * 1e3:.2f} ms, layer by layer "
+          f"{overlap * 1e3:.2f} ms ({serial / overlap:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,10 +23,12 @@ _DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "
 class CacheLayout:
     """Geometry of one rank's KV cache.
 
-    Device cache: per layer ``(K, V)``, each ``[num_device_blocks, kv_heads, block_size, head_dim]``.
+    Device cache: per layer ``(K, V)``, each ``[num_device_blocks, kv_heads, block_size, head_dim]``
+    (any strides; :mod:`zkv.kernels.layout` describes the layouts engines use: NHD, fused,
+    vLLM CPU), or with ``num_kv_parts=1`` one latent tensor per layer (MLA).
     Host pool, page-first (one host block = every layer's K and V, contiguous)::
 
-        host_pool[num_host_blocks, num_layers, 2, kv_heads, block_size, head_dim]
+        host_pool[num_host_blocks, num_layers, num_kv_parts, kv_heads, block_size, head_dim]
         └ block b ┘ = | L0 K | L0 V | L1 K | L1 V | ... |   each chunk = kv_heads*block_size*head_dim*itemsize
     """
 
@@ -42,11 +44,16 @@ class CacheLayout:
     #: Byte order of one K (or V) chunk of a host block: "HND" = [heads, block, dim],
     #: "NHD" = [block, heads, dim] (what the engine's device layout gives without a transpose).
     kv_layout: str = "HND"
+    #: Parts per layer: 2 (K and V) or 1 (an MLA latent cache).
+    num_kv_parts: int = 2
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "world_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_kv_parts not in (1, 2):
+            raise ConfigError(f"num_kv_parts must be 2 (K and V) or 1 (MLA latent), got "
+                              f"{self.num_kv_parts}")
         if self.num_device_blocks < 0 or self.num_host_blocks < 0:
             raise ConfigError("block counts must be >= 0")
         if self.kv_layout not in ("HND", "NHD"):
@@ -66,7 +73,7 @@ class CacheLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block, all layers, K and V (= one host block, one L3 value)."""
-        return 2 * self.num_layers * self.chunk_bytes
+        return self.num_kv_parts * self.num_layers * self.chunk_bytes
 
     def fingerprint(self) -> str:
         """Model, dtype, block geometry and world size; not the pool sizes (those may differ
@@ -76,6 +83,8 @@ class CacheLayout:
             f"|D{self.head_dim}|W{self.world_size}|page-first"
             + ("" if self.kv_layout == "HND" else f"|{self.kv_layout}")
         )
+        if self.num_kv_parts != 2:  # K+V keeps the fingerprints caches already carry
+            ident += f"|P{self.num_kv_parts}"
         return xxhash.xxh3_64_hexdigest(ident.encode())
 
     def to_json(self) -> str:

@@ -6,6 +6,7 @@
     ├── ProtocolError        malformed / unknown-version / out-of-range message (refused, logged)
     ├── ConfigError          incompatible configuration or layout (refused at start or hello)
     ├── TransferError        a copy op failed on a worker (becomes an error ack)
+    │   └── DeviceFault      a sticky CUDA error: the device context is lost, the rank must die
     ├── StorageError         the L3 store failed or is unreachable
     └── WorkerDead           an actor that must die says so, so pending ops fail at once
         └── RankLost         the dispatcher declared a rank lost (missed heartbeat / ack deadline)
@@ -31,6 +32,16 @@ class ConfigError(ZkvError, ValueError):
 
 class TransferError(ZkvError):
     """A block copy failed on a worker."""
+
+
+class DeviceFault(TransferError):
+    """A sticky CUDA error (illegal address, launch failure, ECC, ...): the context is
+    unusable, every later CUDA call fails, and no enqueued work will run. Not an op
+    failure: the worker stops and says so (``Bye``), so the scheduler fails its ops."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class StorageError(ZkvError):

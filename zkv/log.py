@@ -43,6 +43,8 @@ BATCH_DONE = "worker.batch_done"
 BATCH_REFUSED = "worker.batch_refused"
 SEQ_GAP = "worker.seq_gap"
 COPY_FAILED = "worker.copy_failed"
+DEVICE_FAILED = "worker.device_failed"
+BACKEND_READY = "worker.backend_ready"
 # launcher
 RANK_STARTED = "launch.rank_started"
 RANK_EXITED = "launch.rank_exited"

@@ -38,17 +38,16 @@ def random_caches(
     return kv, host
 
 
-def clone(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(k.clone(), v.clone()) for k, v in kv]
+def clone(kv: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+    return [tuple(t.clone() for t in parts) for parts in kv]
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def same_caches(
-    a: list[tuple[torch.Tensor, torch.Tensor]], b: list[tuple[torch.Tensor, torch.Tensor]]
-) -> bool:
+def same_caches(a: list[tuple[torch.Tensor, ...]], b: list[tuple[torch.Tensor, ...]]) -> bool:
+    assert len(a) == len(b) and all(len(pa) == len(pb) for pa, pb in zip(a, b))
     return all(as_bytes(x) == as_bytes(y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
 
 

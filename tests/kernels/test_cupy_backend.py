@@ -1,13 +1,22 @@
-"""CupyBackend against the reference oracle, and its stream/event semantics (GPU only)."""
+"""CupyBackend against the reference oracle, and its stream/event semantics (GPU only).
+
+The same properties run without a GPU against the stream-faithful fake
+(``test_cupy_logic.py``, ``test_cupy_streams.py``); here they meet the real kernel,
+the real streams and the real driver.
+"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from tests.kernels.engine_layouts import ENGINE_LAYOUTS, check_round_trip, check_v_own_strides
 from tests.kernels.helpers import (
     DTYPES,
     as_bytes,
@@ -51,7 +60,10 @@ def test_allocations_live_where_they_should(backend: Any) -> None:
     host = backend.allocate_host_pool(lay)
     kv = backend.allocate_device_cache(lay)
     assert host.is_pinned() and host.is_contiguous() and not host.any()
+    assert host.untyped_storage().nbytes() == lay.num_host_blocks * lay.block_bytes  # exact
     assert all(t.is_cuda and not t.any() for pair in kv for t in pair)
+    info = backend.startup_info()
+    assert info["host_pool_ready_ms"] > 0 and info["kernel_compile_ms"] > 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -200,3 +212,69 @@ def test_fill_check_and_expected_bytes_on_device(backend: Any) -> None:
     assert bytes(backend.host_block(host, 3)) == expected_block_bytes(lay, KEYS[2], rank=2)
     kv[1][0][9].view(torch.uint8).view(-1)[5] ^= 1
     assert check_pattern(kv, dev, KEYS, rank=2) == 2
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_LAYOUTS))
+def test_engine_layouts_match_oracle(backend: Any, name: str) -> None:
+    check_round_trip(backend, name, seed=7, device="cuda")
+
+
+def test_v_is_copied_with_its_own_strides(backend: Any) -> None:
+    check_v_own_strides(backend, device="cuda")
+
+
+def test_each_device_gets_its_own_backend() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    from zkv.kernels.cupy_backend import CupyBackend
+
+    b1 = CupyBackend(device=1)
+    lay = layout()
+    kv = b1.allocate_device_cache(lay)
+    assert {t.device for pair in kv for t in pair} == {torch.device("cuda", 1)}
+    host = b1.allocate_host_pool(lay)
+    b1.copy_d2h(kv, host, ids([1]), ids([1]))
+    b1.synchronize()
+    with pytest.raises(ValueError, match="backend on cuda:1"):
+        b1.copy_d2h([(k.to("cuda:0"), v.to("cuda:0")) for k, v in kv], host, ids([0]), ids([0]))
+
+
+_FAULT = textwrap.dedent("""
+    import sys
+    import zkv.kernels.cupy_backend as cb
+    from zkv.errors import DeviceFault
+    from tests.kernels.helpers import ids, layout
+
+    good = cb.spec_params
+
+    def far_away(spec):  # every device base 64 TiB past its allocation: unmapped
+        params = good(spec).copy()
+        params[:, :, 0] += 1 << 46
+        return params
+
+    b = cb.CupyBackend()
+    lay = layout()
+    kv = b.allocate_device_cache(lay)
+    host = b.allocate_host_pool(lay)
+    cb.spec_params = far_away
+    try:
+        b.copy_h2d(host, kv, ids([0]), ids([1]), 0)
+        b.synchronize()
+    except DeviceFault as e:
+        print("FAULT", e.status)
+        try:
+            b.record_event()
+        except DeviceFault:
+            print("STAYS")
+        sys.exit(0)
+    print("NO FAULT")
+    sys.exit(1)
+""")
+
+
+def test_illegal_address_becomes_a_sticky_device_fault() -> None:
+    """In a child process: a sticky error ends that process's CUDA context."""
+    out = subprocess.run([sys.executable, "-c", _FAULT], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FAULT 700" in out.stdout and "STAYS" in out.stdout

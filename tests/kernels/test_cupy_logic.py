@@ -1,150 +1,46 @@
-"""CupyBackend's host-side logic on a machine without a GPU, against a fake ``cupy``.
+"""CupyBackend's host-side logic without a GPU, against the stream-faithful fake cupy.
 
-The fake runs each kernel launch on the CPU exactly as the CUDA source does (one
-``memmove`` per (block, K|V, slice) at the computed addresses), so the pointer
-arithmetic, strides, vector widths, grid shape, id upload cache and event bookkeeping
-are checked on every CI run. The real kernel is covered by ``test_cupy_backend.py``
-(``gpu`` marker) wherever CUDA exists.
+The fake runs each launch on the CPU exactly as the CUDA source addresses memory (param
+table, runs, vector width, grid slices), when its stream runs. So pointer arithmetic,
+per-part strides, engine layouts, the launch configuration, start-up compilation and the
+pinned pool are checked on every CI run; stream ordering is in ``test_cupy_streams.py``.
+The real kernel is covered by ``test_cupy_backend.py`` (``gpu`` marker) wherever CUDA exists.
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
-import types
+import gc
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from typing_extensions import Self
 
+from tests.kernels import fake_cuda
+from tests.kernels.engine_layouts import ENGINE_LAYOUTS, check_round_trip, check_v_own_strides
 from tests.kernels.helpers import as_bytes, clone, ids, layout, random_caches, same_caches
 from zkv.kernels import DONE, TorchCpuBackend
+from zkv.kernels.cupy_backend import _SOURCE, WIDTHS, launch_config
+from zkv.kernels.pinned import HOST_REGISTER_MAPPED
 from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
 
 
-class _Ctx:
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class FakeStream(_Ctx):
-    def __init__(self, non_blocking: bool = False) -> None:
-        self.ptr = 0xABC0 + id(self) % 1000
-        self.non_blocking = non_blocking
-
-    def synchronize(self) -> None:
-        return None
-
-
-class FakeEvent:
-    def __init__(self, block: bool = False, disable_timing: bool = False) -> None:
-        self.ptr = id(self)
-        self.done = True
-
-    def synchronize(self) -> None:
-        return None
-
-
-class FakeArray:
-    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
-        self.data = np.zeros(shape, dtype=dtype)
-
-    def set(self, arr: np.ndarray, stream: Any = None) -> None:
-        self.data[...] = arr
-
-
-class FakeKernel:
-    def __init__(self, width: int, log: list[tuple[Any, ...]]) -> None:
-        self.width = width
-        self.log = log
-
-    def __call__(
-        self, grid: tuple[int, int, int], block: tuple[int], args: tuple[Any, ...]
-    ) -> None:
-        ids_arr, n, src0, src1, ss, dst0, dst1, ds, chunk_elems, piece = args
-        self.log.append(("launch", self.width, grid, block))
-        assert grid[0] == int(n) and grid[1] == 2 and 1 <= grid[2] <= 65535
-        w, n = self.width, int(n)
-        flat = ids_arr.data.reshape(-1)
-        for j in range(n):
-            s, d = int(flat[j]), int(flat[n + j])
-            for kv, (sb, db) in enumerate(((src0, dst0), (src1, dst1))):
-                for z in range(grid[2]):
-                    begin = z * int(piece)
-                    end = min(begin + int(piece), int(chunk_elems))
-                    if end <= begin:
-                        continue
-                    src = int(sb) + s * int(ss) + begin * w
-                    dst = int(db) + d * int(ds) + begin * w
-                    assert src % w == 0 and dst % w == 0, "misaligned vector access"
-                    ctypes.memmove(dst, src, (end - begin) * w)
-
-
-class FakeModule:
-    def __init__(
-        self, code: str, options: tuple[str, ...] = (), log: list[Any] | None = None
-    ) -> None:
-        assert "ZKV_COPY_KERNEL(16, uint4)" in code
-        self.log = log if log is not None else []
-
-    def get_function(self, name: str) -> FakeKernel:
-        return FakeKernel(int(name.rsplit("_", 1)[1]), self.log)
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[fake_cuda.FakeCuda]:
+    f = fake_cuda.FakeCuda(num_devices=2, sm_count=8)
+    fake_cuda.install(monkeypatch, f)
+    yield f
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
-    log: list[tuple[Any, ...]] = []
-    runtime = types.SimpleNamespace(
-        eventRecord=lambda ev, stream: log.append(("record", ev, stream)),
-        streamWaitEvent=lambda stream, ev, flags=0: log.append(("wait", stream, ev)),
-        pointerGetAttributes=lambda ptr: types.SimpleNamespace(
-            type=1 if ptr in pinned else 0, devicePointer=ptr if ptr in pinned else 0
-        ),
-    )
-    cuda = types.SimpleNamespace(
-        is_available=lambda: True,
-        Device=lambda i=0: _Ctx(),
-        Stream=FakeStream,
-        Event=FakeEvent,
-        runtime=runtime,
-    )
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = cuda  # type: ignore[attr-defined]
-    cupy.RawModule = lambda code, options=(): FakeModule(code, options, log)  # type: ignore
-    cupy.empty = lambda shape, dtype: FakeArray(shape, dtype)  # type: ignore[attr-defined]
-    cupyx = types.ModuleType("cupyx")
-    cupyx.empty_pinned = lambda shape, dtype: np.empty(shape, dtype=dtype)  # type: ignore
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(
-        torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0)
-    )
-    pinned: set[int] = set()
-
-    from zkv.kernels.cupy_backend import CupyBackend
-
-    backend = CupyBackend(num_events=4)
-    backend.device = torch.device("cpu")  # "device" memory is host memory here
-
-    def host_pool(lay: Any) -> torch.Tensor:
-        pool = TorchCpuBackend().allocate_host_pool(lay)
-        pinned.add(pool.data_ptr())
-        return pool
-
-    yield {"backend": backend, "log": log, "host_pool": host_pool}
+def backend(fake: fake_cuda.FakeCuda) -> Any:
+    return fake_cuda.cupy_backend(num_events=4)
 
 
-def _caches(fake: dict[str, Any], lay: Any, seed: int) -> tuple[list[Any], torch.Tensor]:
+def _caches(backend: Any, lay: Any, seed: int) -> tuple[list[Any], torch.Tensor]:
     kv, _ = random_caches(TorchCpuBackend(), lay, seed=seed)
-    host = fake["host_pool"](lay)
+    host = backend.allocate_host_pool(lay)
     host.view(torch.uint8).copy_(
         torch.randint(0, 256, host.view(torch.uint8).shape, dtype=torch.uint8)
     )
@@ -152,87 +48,184 @@ def _caches(fake: dict[str, Any], lay: Any, seed: int) -> tuple[list[Any], torch
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "uint8"])
-def test_kernel_addresses_match_oracle(fake: dict[str, Any], dtype: str) -> None:
-    backend, log = fake["backend"], fake["log"]
-    # float32 chunks are 1280 vectors: two grid slices, the second one partial.
+def test_kernel_addresses_match_oracle(fake: Any, backend: Any, dtype: str) -> None:
+    # float32 chunks are 1280 vectors: two or more grid slices, the last one partial.
     lay = layout(dtype, num_layers=3, kv_heads=2, block_size=16, head_dim=160)
-    kv, host = _caches(fake, lay, seed=1)
+    kv, host = _caches(backend, lay, seed=1)
+    spec = backend.register(kv, host)
     want_host, want_kv = host.clone(), clone(kv)
     src, dst = ids([5, 0, 11]), ids([8, 3, 1])
 
-    backend.copy_d2h(kv, host, src, dst, layers=range(1, 3))
+    backend.copy_d2h(spec, host, src, dst, layers=range(1, 3))
     ref_copy_d2h(kv, want_host, src, dst, layers=range(1, 3))
+    backend.synchronize()
     assert as_bytes(host) == as_bytes(want_host)
 
     for layer in range(lay.num_layers):
-        backend.copy_h2d(host, kv, dst, ids([2, 7, 9]), layer)
+        backend.copy_h2d(host, spec, dst, ids([2, 7, 9]), layer)
         ref_copy_h2d(want_host, want_kv, dst, ids([2, 7, 9]), layer)
+    backend.synchronize()
     assert same_caches(kv, want_kv)
 
-    launches = [e for e in log if e[0] == "launch"]
-    assert len(launches) == 2 + 3  # one per layer and direction
-    assert all(e[1] == 16 for e in launches)  # 16-byte vectors on aligned memory
-    assert {e[2][2] for e in launches} == {2 if dtype == "float32" else 1}
+    grids = [e[4] for e in fake_cuda.launches(fake)]
+    assert len(grids) == 2 + 3  # one per layer and direction, K and V in one launch
+    assert all(g[:2] == (3, 2) for g in grids)
+    assert all(e[3].startswith("zkv_copy_16 ") for e in fake_cuda.launches(fake))
 
 
-def test_odd_geometry_falls_back_to_narrow_access(fake: dict[str, Any]) -> None:
-    backend, log = fake["backend"], fake["log"]
+def test_v_is_copied_with_its_own_strides(backend: Any) -> None:
+    """K is a plain tensor, V a view into a wider one: a different block stride."""
+    check_v_own_strides(backend)
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_LAYOUTS))
+def test_engine_layouts_round_trip_like_the_oracle(fake: Any, backend: Any, name: str) -> None:
+    lay, _ = check_round_trip(backend, name, seed=5)
+    assert all(e[4][1] == lay.num_kv_parts for e in fake_cuda.launches(fake))
+
+
+def test_odd_geometry_falls_back_to_narrow_access(fake: Any, backend: Any) -> None:
     lay = layout("uint8", kv_heads=3, block_size=5, head_dim=7, num_layers=2)
     shape = (lay.num_device_blocks, 3, 5, 7)
     joint = torch.randint(0, 256, (shape[0], 2, *shape[1:]), dtype=torch.uint8)
-    kv = [(joint[:, 0], joint[:, 1]), (joint[:, 1], joint[:, 0])]
-    host = fake["host_pool"](lay)
+    raw = torch.randint(0, 256, (shape[0] * 210 + 1,), dtype=torch.uint8)
+    shifted = raw[1:].view(2, *shape)  # 1-byte-shifted base
+    kv = [(joint[:, 0], joint[:, 1]), (shifted[0], shifted[1])]
+    host = backend.allocate_host_pool(lay)
     want = host.clone()
-
     backend.copy_d2h(kv, host, ids([1, 10, 4]), ids([0, 8, 3]))
     ref_copy_d2h(kv, want, ids([1, 10, 4]), ids([0, 8, 3]))
-
+    backend.synchronize()
     assert as_bytes(host) == as_bytes(want)
-    assert {e[1] for e in log if e[0] == "launch"} == {1}
+    assert {e[3].split()[0] for e in fake_cuda.launches(fake)} == {"zkv_copy_1"}
 
 
-def test_ids_uploaded_once_for_a_layerwise_h2d(fake: dict[str, Any]) -> None:
-    backend, log = fake["backend"], fake["log"]
+def test_ids_and_params_uploaded_once_for_a_layerwise_h2d(fake: Any, backend: Any) -> None:
     lay = layout(num_layers=3)
-    kv, host = _caches(fake, lay, seed=2)
+    kv, host = _caches(backend, lay, seed=2)
+    spec = backend.register(kv, host)  # uploads the param table
+    allocs = len([e for e in fake.log if e[0] == "alloc"])
     for layer in range(lay.num_layers):
-        backend.copy_h2d(host, kv, ids([1, 2]), ids([3, 4]), layer)
-    # One ring record holds the single upload's buffers; cache hits record nothing.
-    assert sum(1 for e in log if e[0] == "record") == 1
-    backend.copy_h2d(host, kv, ids([1, 5]), ids([3, 4]), 0)
-    assert sum(1 for e in log if e[0] == "record") == 2
+        backend.copy_h2d(host, spec, ids([1, 2]), ids([3, 4]), layer)
+    assert len([e for e in fake.log if e[0] == "alloc"]) == allocs + 1  # the ids, once
+    backend.copy_h2d(host, spec, ids([1, 5]), ids([3, 4]), 0)
+    assert len([e for e in fake.log if e[0] == "alloc"]) == allocs + 2
 
 
-def test_event_ordering_calls(fake: dict[str, Any]) -> None:
-    backend, log = fake["backend"], fake["log"]
-    backend.begin_batch()
-    record, wait = log[-2], log[-1]
-    assert record[0] == "record" and record[2] == 0  # start event on the compute stream
-    assert wait == ("wait", backend._stream.ptr, record[1])  # transfer waits on it
+def test_kernels_compiled_at_start_and_timed(fake: Any) -> None:
+    backend = fake_cuda.cupy_backend(device=1)
+    compiles = [e for e in fake.log if e[0] == "compile"]
+    assert compiles == [("compile", 1)]  # in the constructor, on the backend's device
+    info = backend.startup_info()
+    assert info["kernel_compile_ms"] >= 0 and info["sm_count"] == 8
+    lay = layout()
+    kv, host = _caches(backend, lay, seed=3)
+    backend.copy_d2h(kv, host, ids([0]), ids([0]))
+    backend.synchronize()
+    assert [e for e in fake.log if e[0] == "compile"] == compiles  # never inside a batch
 
-    handle = backend.record_event()
-    assert log[-1] == ("record", backend._ring[handle.slot].ptr, backend._stream.ptr)
-    backend.wait_event_on_compute(handle, compute_stream=77)
-    assert log[-1] == ("wait", 77, backend._ring[handle.slot].ptr)
-    assert backend.event_done(handle)
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+def test_kernel_source_compiles_with_nvrtc_cleanly(arch: str) -> None:
+    """The real CUDA source, through the real compiler (no GPU needed): every width's
+    kernel is in the PTX and the compiler has nothing to say."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # CI installs it: pip install -e '.[test]'
+        pytest.skip(f"NVRTC not installed (nvidia-cuda-nvrtc-cu12): {e}")
+    prog = nvrtc.createProgram(_SOURCE, "zkv_copy.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-std=c++14", f"--gpu-architecture={arch}"])
+    except Exception as e:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from e
+    ptx = nvrtc.getPTX(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert [w for w in WIDTHS if f".entry zkv_copy_{w}(" in ptx] == list(WIDTHS)
+    assert nvrtc.getProgramLog(prog).strip("\x00\n ") == ""
+    nvrtc.destroyProgram(prog)
+
+
+def test_launch_config_spreads_small_copies_over_the_sms(fake: Any, backend: Any) -> None:
+    # One 16 KiB chunk (1024 vectors): one slice would be 2 thread blocks for 8 SMs.
+    assert launch_config(1, 2, 1024, sm_count=8) == (4, 256)
+    assert launch_config(1, 2, 1024, sm_count=132) == (4, 256)  # never below 1 vector/thread
+    assert launch_config(256, 2, 2048, sm_count=132) == (2, 1024)  # big copies: 16 KiB slices
+    assert launch_config(1, 1, 10**9, sm_count=8)[0] <= 65535
+    lay = layout("float16", kv_heads=8, block_size=16, head_dim=64)  # 16 KiB chunks
+    kv, host = _caches(backend, lay, seed=6)
+    backend.copy_d2h(kv, host, ids([3]), ids([1]), layers=range(1))
+    backend.synchronize()
+    assert fake_cuda.launches(fake)[-1][4] == (1, 2, 4)
+    want = host.clone()
+    ref_copy_d2h(kv, want, ids([3]), ids([1]), layers=range(1))
+    assert as_bytes(host) == as_bytes(want)
+
+
+def test_host_pool_is_exact_size_registered_memory(fake: Any) -> None:
+    backend = fake_cuda.cupy_backend(device=1, pin_threads=3, pin_chunk_bytes=1 << 18)
+    lay = layout("bfloat16", num_host_blocks=1000)
+    nbytes = lay.num_host_blocks * lay.block_bytes  # 750 KiB: no power of two
+    host = backend.allocate_host_pool(lay)
+    regs = [e for e in fake.log if e[0] == "hostRegister"]
+    assert sum(e[3] for e in regs) == nbytes and len(regs) == 3
+    assert {e[1] for e in regs} == {1}  # every pinning thread on the backend's device
+    assert all(e[4] & HOST_REGISTER_MAPPED for e in regs)
+    assert host.shape == (1000, 3, 2, 2, 4, 8) and host.is_contiguous() and not host.any()
+    assert host.data_ptr() == min(e[2] for e in regs)
+    info = backend.startup_info()
+    assert info["host_pool_bytes"] == nbytes and info["host_pool_chunks"] == 3
+    assert info["host_pool_ready_ms"] > 0
+    del host
+    gc.collect()
+    assert sorted(e[2] for e in fake.log if e[0] == "hostUnregister") == sorted(e[2] for e in regs)
+
+
+def test_one_registration_where_host_pointers_are_not_device_pointers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    f = fake_cuda.FakeCuda(can_use_host_pointer=False)
+    fake_cuda.install(monkeypatch, f)
+    backend = fake_cuda.cupy_backend()
+    lay = layout(num_host_blocks=2000)
+    host = backend.allocate_host_pool(lay)
+    regs = [e for e in f.log if e[0] == "hostRegister"]
+    assert [(e[2], e[3]) for e in regs] == [(host.data_ptr(), lay.num_host_blocks * lay.block_bytes)]
+
+
+def test_event_ring_wraps_with_generations(fake: Any, backend: Any) -> None:
+    handles = [backend.record_event() for _ in range(9)]
+    assert [h.slot for h in handles] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert handles[0].generation == 1 and handles[8].generation == 3
+    assert not backend.event_done(handles[0])  # nothing ran yet: the fake never runs alone
+    backend.synchronize_event(handles[0])  # stale: answered by the newer record
+    assert backend.event_done(handles[8])
     with pytest.raises(ValueError, match="not an event of this backend"):
         backend.event_done(DONE)
 
 
-def test_ring_wraps_with_generations(fake: dict[str, Any]) -> None:
-    backend = fake["backend"]
-    handles = [backend.record_event() for _ in range(9)]
-    assert [h.slot for h in handles] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
-    assert handles[0].generation == 1 and handles[8].generation == 3
-    assert backend.event_done(handles[0])  # stale: answered by the newer record
-
-
-def test_unpinned_host_and_bad_ids_rejected(fake: dict[str, Any]) -> None:
-    backend, log = fake["backend"], fake["log"]
+def test_unpinned_host_and_bad_ids_rejected(fake: Any, backend: Any) -> None:
     lay = layout()
-    kv, host = _caches(fake, lay, seed=3)
+    kv, host = _caches(backend, lay, seed=3)
     with pytest.raises(ValueError, match="pinned"):
         backend.copy_d2h(kv, host.clone(), ids([0]), ids([0]))
     with pytest.raises(ValueError, match="host block id out of range"):
         backend.copy_h2d(host, kv, ids([9]), ids([0]), 0)
-    assert not [e for e in log if e[0] == "launch"]
+    assert not fake_cuda.launches(fake)
+
+
+def test_every_call_runs_on_the_backend_device(fake: Any) -> None:
+    """Device 1's backend, driven from a thread whose current device is 0."""
+    backend = fake_cuda.cupy_backend(device=1)
+    assert fake.device == 0
+    lay = layout()
+    kv, host = _caches(backend, lay, seed=8)
+    spec = backend.register(kv, host)
+    cs = fake.new_stream(device=1)
+    backend.begin_batch(cs)
+    backend.copy_d2h(spec, host, ids([1]), ids([2]))
+    backend.wait_event_on_compute(backend.record_event(), cs)
+    backend.synchronize()
+    made = [e for e in fake.log if e[0] in ("stream", "event", "alloc", "compile", "launch")]
+    assert made and {e[1] for e in made} == {1}
+    assert np.all([e[3] == 1 for e in fake.log if e[0] in ("record", "wait")])

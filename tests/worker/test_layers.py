@@ -143,3 +143,41 @@ def test_many_waiters_many_layers() -> None:
     for t in threads:
         t.join(5)
     assert outs == [["ok"]] * 8
+
+
+def test_failed_layer_and_later_layers_raise_earlier_layers_stay_done() -> None:
+    """An h2d of layer 2 failed: the forward may use layers 0 and 1, never 2 or 3."""
+    be = RecordingBackend()
+    c = LayerDoneCounter(4, be)
+    out: list[Any] = []
+    t = _waiter(c, 0, 3, out)
+    c.begin(0)
+    c.mark(0, 0, "e0")
+    c.mark(0, 1, "e1")
+    c.fail_from(0, 2, "h2d failed: block 5")
+    c.mark(0, 2, "e2")  # a late mark never turns a failed layer into a done one
+    t.join(5)
+    assert isinstance(out[0], TransferError) and "from layer 2" in str(out[0])
+    c.wait_layer(0, 1, timeout=0)
+    assert be.waited == ["e1"]
+    for layer in (2, 3):
+        assert not c.is_done(0, layer)
+        with pytest.raises(TransferError, match="block 5"):
+            c.wait_layer(0, layer, timeout=0)
+    assert [c.is_done(0, layer) for layer in range(4)] == [True, True, False, False]
+    c.fail(0, "whole batch")  # widening the failure later reaches layer 0 too
+    with pytest.raises(TransferError, match="whole batch"):
+        c.wait_layer(0, 0, timeout=0)
+
+
+def test_fail_from_an_unmarked_layer_fails_from_the_first_unmarked() -> None:
+    c = LayerDoneCounter(4)
+    c.begin(1)
+    c.mark(1, 0)
+    c.fail_from(1, 3, "boom")  # layers 1 and 2 will never be marked either
+    assert [c.is_done(1, layer) for layer in range(4)] == [True, False, False, False]
+    with pytest.raises(TransferError, match="from layer 1"):
+        c.wait_layer(1, 1, timeout=0)
+    c.begin(2)  # the failed batch finished once: history goes on
+    c.mark_all(2)
+    c.wait_layer(2, 3, timeout=0)

@@ -3,13 +3,18 @@
 Pure: tensors and index arrays in, nothing else (no sockets, no scheduler). Pick a
 backend at runtime::
 
-    backend = get_backend()          # "auto": cupy when CUDA works, else torch-CPU
-    host_pool = backend.allocate_host_pool(layout)
-    backend.begin_batch()
-    backend.copy_d2h(kv_caches, host_pool, src_ids, dst_ids)
+    backend = get_backend(device=local_rank)   # "auto": cupy when CUDA works, else torch-CPU
+    host_pool = backend.allocate_host_pool(layout)   # pinned, exact size (GPU)
+    spec = backend.register(kv_caches, host_pool)    # engine layouts validated once
+    backend.begin_batch(compute_stream)
+    backend.copy_d2h(spec, host_pool, src_ids, dst_ids)
     for layer in range(layout.num_layers):
-        backend.copy_h2d(host_pool, kv_caches, host_ids, dev_ids, layer)
+        backend.copy_h2d(host_pool, spec, host_ids, dev_ids, layer)
         events[layer] = backend.record_event()   # model: wait_event_on_compute(events[i])
+
+Modules: ``layout`` (device layouts described, the host format defined), ``base`` (the
+interface), ``cpu`` / ``cupy_backend`` (the backends), ``pinned`` (exact-size pinned host
+memory), ``reference`` (the oracle and the simulated forward).
 
 Importing this package never imports cupy or touches a GPU.
 """
@@ -19,8 +24,12 @@ from __future__ import annotations
 from zkv.errors import ConfigError
 from zkv.kernels.base import DONE, CopyBackend, EventHandle
 from zkv.kernels.cpu import TorchCpuBackend
+from zkv.kernels.layout import KVSpec, describe_kv_caches
 
-__all__ = ["DONE", "CopyBackend", "EventHandle", "TorchCpuBackend", "cuda_available", "get_backend"]
+__all__ = [
+    "DONE", "CopyBackend", "EventHandle", "KVSpec", "TorchCpuBackend", "cuda_available",
+    "describe_kv_caches", "get_backend",
+]
 
 _CPU_NAMES = ("cpu", "torch", "torch-cpu")
 

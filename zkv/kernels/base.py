@@ -1,32 +1,37 @@
 """The one interface every block copy backend implements, plus the checks they share.
 
-Memory layout (see :class:`zkv.config.CacheLayout`)::
+Memory layout (the host format is defined in :mod:`zkv.kernels.layout`)::
 
-    device, per layer l:  K_l, V_l  [num_device_blocks, kv_heads, block_size, head_dim]
-                          └ block d ┘ = one contiguous chunk of ``chunk_bytes``
+    device, per layer l:  parts P_l,p (K, V; or one MLA latent), each described by its
+                          logical view [num_device_blocks, kv_heads, block_size, head_dim]
+                          (any strides: HND, NHD, fused, vLLM CPU's interleaved K/V)
     host pool (page-first, contiguous):
-        host_pool[num_host_blocks, num_layers, 2, kv_heads, block_size, head_dim]
+        host_pool[num_host_blocks, num_layers, num_kv_parts, kv_heads, block_size, head_dim]
         host block h = | L0 K | L0 V | L1 K | L1 V | ... |   (``block_bytes``, one L3 value)
 
-    copy_d2h:  K_l[src[j]] -> host_pool[dst[j], l, 0]    V_l[src[j]] -> host_pool[dst[j], l, 1]
-    copy_h2d:  host_pool[src[j], l, 0] -> K_l[dst[j]]    host_pool[src[j], l, 1] -> V_l[dst[j]]
+    copy_d2h:  P_l,p[src[j]] -> host_pool[dst[j], l, p]     for every part p
+    copy_h2d:  host_pool[src[j], l, p] -> P_l,p[dst[j]]
 
-Every copy moves whole chunks, so a backend may view the bytes as any dtype it likes.
+A block's part is copied in the logical order of its ``[heads, block, dim]`` view, so the
+host chunk is the same bytes whatever the device strides. Every copy moves whole
+elements verbatim, so a backend may view the bytes as any same-sized type.
+
+Caches are described once: ``register(kv_caches, host_pool)`` validates them
+(:func:`~zkv.kernels.layout.describe_kv_caches`, errors name the tensor and the check)
+and returns a :class:`~zkv.kernels.layout.KVSpec`; copies given a spec skip the
+description. Copies given raw ``kv_caches`` describe them on every call (tests, tools).
 
 Ordering contract (what the worker relies on):
 
-- ``begin_batch()`` once per batch, before its copies: on GPU the transfer stream waits
-  for everything already enqueued on the compute stream, so a d2h never reads a block
-  that the previous step's forward is still writing.
+- ``begin_batch(compute_stream)`` once per batch, before its copies: on GPU the transfer
+  stream waits for everything already enqueued on the compute stream, so a d2h never
+  reads a block that the previous step's forward is still writing.
 - copies are enqueued on the backend's transfer stream in call order (CPU: they have
   finished when the call returns).
 - ``record_event()`` after a layer's copies; the model calls ``wait_event_on_compute``
   before that layer (GPU: a stream wait, the host never blocks).
-
-Device blocks may be strided (e.g. vLLM's CPU attention cache: one tensor per layer
-``[num_blocks, heads, 2 * block_size, head_dim]`` whose K and V views interleave by head):
-a block's K (or V) is copied in the logical order of its ``[heads, block, dim]`` shape,
-so the host chunk is the same bytes whatever the device strides.
+- a :class:`~zkv.errors.DeviceFault` (a sticky CUDA error) means the device context is
+  lost: every later call raises it too, and no enqueued work will run.
 
 Ids are validated (1-D, same length, inside the pool) before any byte moves; a bad
 call raises ``ValueError`` and leaves both caches untouched. Destination ids must be
@@ -37,45 +42,33 @@ winning source is unspecified.
 from __future__ import annotations
 
 import abc
-import math
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from zkv.config import CacheLayout
+from zkv.kernels.layout import (
+    KVSpec,
+    describe_for_host_pool,
+    host_pool_shape,
+    torch_dtype,
+)
 
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = Sequence[Any]  # one entry per layer: (K, V), a fused tensor, a latent; or a KVSpec
 Ids = np.ndarray | Sequence[int]
 
-_TORCH_DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
-
-
-def torch_dtype(layout: CacheLayout) -> torch.dtype:
-    return _TORCH_DTYPES[layout.dtype]
+__all__ = [
+    "DONE", "CopyBackend", "EventHandle", "Ids", "KVCaches", "as_index", "check_ids",
+    "device_block_shape", "host_pool_shape", "layer_list", "torch_dtype",
+]
 
 
 def device_block_shape(layout: CacheLayout) -> tuple[int, int, int, int]:
     return (layout.num_device_blocks, layout.kv_heads, layout.block_size, layout.head_dim)
-
-
-def host_pool_shape(layout: CacheLayout) -> tuple[int, ...]:
-    return (
-        layout.num_host_blocks,
-        layout.num_layers,
-        2,
-        layout.kv_heads,
-        layout.block_size,
-        layout.head_dim,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,16 +88,6 @@ class EventHandle:
 DONE = EventHandle(-1, 0)
 
 
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """What a copy call needs to know about the caches, checked once per call."""
-
-    num_layers: int
-    num_device_blocks: int
-    num_host_blocks: int
-    chunk_bytes: int
-
-
 class CopyBackend(abc.ABC):
     """Moves whole blocks between a device KV cache and a page-first host pool.
 
@@ -116,23 +99,53 @@ class CopyBackend(abc.ABC):
     name: str
     device: torch.device
 
-    # ---------------------------------------------------------------- allocation
+    # ---------------------------------------------------------------- set-up
 
     @abc.abstractmethod
     def allocate_host_pool(self, layout: CacheLayout) -> torch.Tensor:
-        """Zeroed page-first host pool on CPU (pinned iff the backend is CUDA)."""
+        """Zeroed page-first host pool on CPU, exactly its size (pinned iff the backend is CUDA)."""
 
-    def allocate_device_cache(self, layout: CacheLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroed per-layer (K, V) on the backend's device (standalone workers, tests, bench)."""
+    def allocate_device_cache(self, layout: CacheLayout) -> list[tuple[torch.Tensor, ...]]:
+        """Zeroed per-layer parts (K, V; or the MLA latent) on the backend's device
+        (standalone workers, tests, bench)."""
         shape = device_block_shape(layout)
         dt = torch_dtype(layout)
         return [
-            (
-                torch.zeros(shape, dtype=dt, device=self.device),
-                torch.zeros(shape, dtype=dt, device=self.device),
-            )
+            tuple(torch.zeros(shape, dtype=dt, device=self.device)
+                  for _ in range(layout.num_kv_parts))
             for _ in range(layout.num_layers)
         ]
+
+    def register(self, kv_caches: KVCaches, host_pool: torch.Tensor, *,
+                 kv_order: str | None = None, names: Sequence[str] | None = None) -> KVSpec:
+        """Validate the caches once (layout, strides, device) and describe them; pass the
+        returned spec to the copies instead of ``kv_caches``. O(layers)."""
+        spec = describe_for_host_pool(kv_caches, host_pool, kv_order=kv_order, names=names)
+        self.check_devices(spec, range(spec.num_layers))
+        self.prepare(spec)
+        return spec
+
+    def prepare(self, spec: KVSpec) -> None:
+        """Backend hook run once per registered spec (default: nothing)."""
+        return None
+
+    def bind_thread(self) -> None:
+        """Make the calling thread use the backend's device (CPU: nothing). A worker thread
+        calls it first, so nothing it runs lands on another device."""
+        return None
+
+    def current_stream(self) -> int | None:
+        """The calling thread's current compute stream as a raw ``cudaStream_t`` (CPU:
+        None). Ask in the model's thread: another thread has another current stream."""
+        return None
+
+    def on_compute(self, compute_stream: int | None) -> Any:
+        """A context in which torch ops go to the compute stream (CPU: nothing to do)."""
+        return contextlib.nullcontext()
+
+    def startup_info(self) -> dict[str, Any]:
+        """What set-up cost and chose (compile time, device, pinning), for the start log."""
+        return {"backend": self.name, "device": str(self.device)}
 
     # ---------------------------------------------------------------- copies
 
@@ -179,7 +192,8 @@ class CopyBackend(abc.ABC):
         """Make the transfer stream wait for work already enqueued on the compute stream.
 
         ``compute_stream`` is a raw ``cudaStream_t``; ``None`` means the calling thread's
-        ``torch.cuda.current_stream()``. CPU: no-op.
+        ``torch.cuda.current_stream()`` (pass the model's stream from a worker thread:
+        see :meth:`current_stream`). CPU: no-op.
         """
 
     @abc.abstractmethod
@@ -212,58 +226,27 @@ class CopyBackend(abc.ABC):
         dst_ids: Ids,
         layers: Sequence[int],
         to_host: bool,
-    ) -> tuple[Geometry, np.ndarray, np.ndarray]:
-        """Every check a copy makes before touching a byte: shapes and dtypes, ids in range
-        for the direction (``to_host``: device -> host), then where the caches live."""
-        geo = self.check_caches(kv_caches, host_pool, layers)
+    ) -> tuple[KVSpec, np.ndarray, np.ndarray]:
+        """Every check a copy makes before touching a byte: the caches described (a spec
+        only against the host pool), layers and ids in range for the direction
+        (``to_host``: device -> host), then where the caches live."""
+        registered = isinstance(kv_caches, KVSpec)
+        spec = describe_for_host_pool(kv_caches, host_pool)
+        for layer in layers:
+            if not 0 <= layer < spec.num_layers:
+                raise ValueError(f"layer {layer} out of range [0, {spec.num_layers})")
         if to_host:
-            bounds = (geo.num_device_blocks, geo.num_host_blocks, "device", "host")
+            bounds = (spec.num_blocks, host_pool.shape[0], "device", "host")
         else:
-            bounds = (geo.num_host_blocks, geo.num_device_blocks, "host", "device")
+            bounds = (host_pool.shape[0], spec.num_blocks, "host", "device")
         src, dst = check_ids(src_ids, dst_ids, *bounds)
-        self.check_devices(kv_caches, layers)
-        return geo, src, dst
+        if not registered:
+            self.check_devices(spec, layers)
+        return spec, src, dst
 
-    def check_devices(self, kv_caches: KVCaches, layers: Sequence[int]) -> None:
+    def check_devices(self, spec: KVSpec, layers: Sequence[int]) -> None:
         """The backend's own check of where ``layers`` of the cache live (default: none)."""
         return None
-
-    @staticmethod
-    def check_caches(
-        kv_caches: KVCaches, host_pool: torch.Tensor, layers: Sequence[int]
-    ) -> Geometry:
-        """Shapes, dtypes and devices agree for ``layers``; O(len(layers)), no data touched."""
-        num_layers = len(kv_caches)
-        if num_layers == 0:
-            raise ValueError("kv_caches is empty")
-        if host_pool.dim() != 6 or host_pool.shape[1] != num_layers or host_pool.shape[2] != 2:
-            raise ValueError(
-                f"host pool must be [num_host_blocks, {num_layers}, 2, heads, block, dim], "
-                f"got {tuple(host_pool.shape)}"
-            )
-        if not host_pool.is_contiguous():
-            raise ValueError("host pool must be contiguous (page-first)")
-        if host_pool.device.type != "cpu":
-            raise ValueError(f"host pool must live on the CPU, got {host_pool.device}")
-        block_shape = tuple(host_pool.shape[3:])
-        num_device_blocks = kv_caches[0][0].shape[0]
-        for layer in layers:
-            if not 0 <= layer < num_layers:
-                raise ValueError(f"layer {layer} out of range [0, {num_layers})")
-            for t in kv_caches[layer]:
-                if t.dim() != 4 or tuple(t.shape[1:]) != block_shape:
-                    raise ValueError(
-                        f"layer {layer}: device cache shape {tuple(t.shape)} does not match "
-                        f"host block shape {block_shape}"
-                    )
-                if t.dtype != host_pool.dtype:
-                    raise ValueError(
-                        f"layer {layer}: dtype {t.dtype} != host pool {host_pool.dtype}"
-                    )
-                if t.shape[0] != num_device_blocks:
-                    raise ValueError("all layers must have the same number of device blocks")
-        chunk_bytes = math.prod(block_shape) * host_pool.element_size()
-        return Geometry(num_layers, num_device_blocks, host_pool.shape[0], chunk_bytes)
 
 
 def as_index(ids: Ids, name: str) -> np.ndarray:

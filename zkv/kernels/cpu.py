@@ -1,12 +1,13 @@
 """torch-CPU copy backend: the synchronous twin of the CuPy backend, used by CI.
 
-Every (block, layer, K|V) is one contiguous chunk of ``chunk_bytes`` on both sides, so
-a copy is a list of equal-sized ``memcpy``\\ s. For each (layer, K|V) of a call::
+Every (block, layer, part) is ``chunk_bytes`` on the host and a few equal dense runs on
+the device (:func:`zkv.kernels.layout.block_runs`), so a copy is a list of equal-sized
+``memcpy``\\ s. For each (layer, part, run r) of a call::
 
     src rows                          dst rows
-    (K_l, or host[:, l, kv])          (host[:, l, kv], or K_l)
-    ┌────┐  memcpy(chunk_bytes)       ┌────┐
-    │ s0 │ ─────────────────────────► │ d0 │   address = base + id * block stride
+    (P_l,p run r, or host[:, l, p])   (host[:, l, p], or P_l,p run r)
+    ┌────┐  memcpy(run_bytes)         ┌────┐
+    │ s0 │ ─────────────────────────► │ d0 │   address = base + run offset + id * block stride
     │ s1 │ ─────────────────────────► │ d1 │   (bytes; any stride, e.g. interleaved K/V)
     └────┘                            └────┘
 
@@ -21,9 +22,9 @@ available):
 
 Why not torch ops: ``index_select`` memcpys rows, but ``index_copy_`` / ``index_put_``
 scatter one *element* at a time, which reached only 0.4-0.75x of one contiguous
-``copy_`` of the same bytes (bench/transfer.py); torch has no row-wise scatter. A chunk
-that is not contiguous (``check_caches`` refuses those today) would take a strided
-torch path, correct but slow. Bytes move verbatim: NaN payloads, -0.0 and every other
+``copy_`` of the same bytes (bench/transfer.py); torch has no row-wise scatter. A block
+of more than ``_MAX_RUNS`` runs (NHD with many heads: one run per (token, head)) takes
+a strided torch path, correct but slow. Bytes move verbatim: NaN payloads, -0.0 and every other
 bit pattern survive (the tests compare bytes).
 
 Threads: both implementations run in the calling thread (one core, no OpenMP region,
@@ -48,13 +49,13 @@ from zkv.kernels.base import (
     DONE,
     CopyBackend,
     EventHandle,
-    Geometry,
     Ids,
     KVCaches,
     host_pool_shape,
     layer_list,
     torch_dtype,
 )
+from zkv.kernels.layout import KVSpec, block_runs, host_chunk_offset
 
 try:
     from zkv.kernels import _blockcopy
@@ -153,12 +154,12 @@ class TorchCpuBackend(CopyBackend):
         layers: range | None = None,
     ) -> None:
         layers = layer_list(layers, len(kv_caches))
-        geo, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, layers, True)
-        if not len(src) or not len(layers) or not geo.chunk_bytes:
+        spec, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, layers, True)
+        if not len(src) or not len(layers) or not spec.chunk_bytes:
             return
         src, dst = _native_ids(src), _native_ids(dst)
         for layer in layers:
-            self._copy_layer(kv_caches, host_pool, geo, layer, src, dst, to_host=True)
+            self._copy_layer(spec, host_pool, layer, src, dst, to_host=True)
 
     def copy_h2d(
         self,
@@ -168,25 +169,25 @@ class TorchCpuBackend(CopyBackend):
         dst_ids: Ids,
         layer: int,
     ) -> None:
-        geo, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, (layer,), False)
-        if not len(src) or not geo.chunk_bytes:
+        spec, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, (layer,), False)
+        if not len(src) or not spec.chunk_bytes:
             return
         src, dst = _native_ids(src), _native_ids(dst)
-        self._copy_layer(kv_caches, host_pool, geo, layer, src, dst, to_host=False)
+        self._copy_layer(spec, host_pool, layer, src, dst, to_host=False)
 
-    def check_devices(self, kv_caches: KVCaches, layers: Sequence[int]) -> None:
-        _check_on_cpu(kv_caches, layers)
+    def check_devices(self, spec: KVSpec, layers: Sequence[int]) -> None:
+        _check_on_cpu(spec, layers)
 
-    def _copy_layer(self, kv_caches: KVCaches, host_pool: torch.Tensor, geo: Geometry,
-                    layer: int, src: np.ndarray, dst: np.ndarray, *, to_host: bool) -> None:
-        """K and V of one layer: one chunk copy call each (``src``/``dst`` index the source
-        and destination pools of the direction)."""
-        chunk = geo.chunk_bytes
-        block_bytes = 2 * geo.num_layers * chunk
-        for kv in (0, 1):
-            dev = kv_caches[layer][kv]
+    def _copy_layer(self, spec: KVSpec, host_pool: torch.Tensor, layer: int,
+                    src: np.ndarray, dst: np.ndarray, *, to_host: bool) -> None:
+        """Every part of one layer: one chunk copy call per dense run (``src``/``dst``
+        index the source and destination pools of the direction)."""
+        chunk, parts = spec.chunk_bytes, spec.num_kv_parts
+        block_bytes = parts * spec.num_layers * chunk
+        for kv in range(parts):
+            dev = spec[layer][kv]
             runs = _block_runs(dev)
-            if runs is None:  # no equal dense runs: exact but slow
+            if runs is None:  # too many dense runs: exact but slow
                 host_view = host_pool[:, layer, kv]
                 if to_host:
                     _copy_strided(dev, src, host_view, dst)
@@ -195,7 +196,7 @@ class TorchCpuBackend(CopyBackend):
                 continue
             run_bytes, offsets = runs
             stride = _block_stride(dev)
-            host_at = host_pool.data_ptr() + (2 * layer + kv) * chunk
+            host_at = host_pool.data_ptr() + host_chunk_offset(layer, kv, parts, chunk)
             for r, off in enumerate(offsets):  # one call per dense run of every block
                 host = (host_at + r * run_bytes, block_bytes)
                 device = (dev.data_ptr() + off, stride)
@@ -232,15 +233,14 @@ def _native_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
-def _check_on_cpu(kv_caches: KVCaches, layers: Sequence[int]) -> None:
-    """Raw addresses are only meaningful for CPU memory (checked before any byte moves)."""
-    for layer in layers:
-        for t in kv_caches[layer]:
-            if t.device.type != "cpu":
-                raise ValueError(
-                    f"layer {layer}: device cache on {t.device}; the cpu backend copies CPU "
-                    "tensors only (use the cupy backend for CUDA)"
-                )
+def _check_on_cpu(spec: KVSpec, layers: Sequence[int]) -> None:
+    """Raw addresses are only meaningful for CPU memory (checked before any byte moves;
+    every part of a spec lives on one device)."""
+    if spec.device.type != "cpu":
+        raise ValueError(
+            f"{spec.parts[0][0].name}: device cache on {spec.device}; the cpu backend copies "
+            "CPU tensors only (use the cupy backend for CUDA)"
+        )
 
 
 #: Above this many dense runs per block, the per-run calls cost more than the strided path.
@@ -248,32 +248,14 @@ _MAX_RUNS = 64
 
 
 def _block_runs(t: torch.Tensor) -> tuple[int, list[int]] | None:
-    """A block ``t[i]`` as equal dense runs: ``(run_bytes, byte offsets in logical order)``.
-
-    The innermost dims that are laid out densely form one run; the outer dims of the
-    block enumerate the runs (vLLM's CPU cache: K of a block is one run per head).
-    ``None`` when a block has more than ``_MAX_RUNS`` runs (e.g. heads and tokens
-    transposed: one run per row).
-    """
+    """A block ``t[i]`` as equal dense runs: ``(run_bytes, byte offsets in logical order)``,
+    or ``None`` past ``_MAX_RUNS`` runs (e.g. NHD: one run per token and head)."""
     if t.shape[0] == 0:
         return 0, [0]  # no block can be named
-    shape, strides = list(t.shape[1:]), list(t.stride()[1:])
-    run = 1
-    k = len(shape)
-    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == run):
-        run *= shape[k - 1]
-        k -= 1
-    outer = shape[:k]
-    num_runs = 1
-    for d in outer:
-        num_runs *= d
-    if num_runs > _MAX_RUNS:
+    runs = block_runs(t)
+    if runs.num_runs > _MAX_RUNS:
         return None
-    offs = np.zeros(1, dtype=np.int64)
-    for d, st_ in zip(outer, strides[:k]):
-        offs = (offs[:, None] + np.arange(d, dtype=np.int64)[None, :] * st_).reshape(-1)
-    size = t.element_size()
-    return run * size, (offs * size).tolist()
+    return runs.run_bytes, runs.offsets().tolist()
 
 
 def _block_stride(t: torch.Tensor) -> int:

@@ -1,89 +1,123 @@
 """CuPy copy backend: one RawKernel launch per layer and direction on a private stream.
 
-The model's caches are torch CUDA tensors; we only take their ``data_ptr()`` and
-strides. The host pool is pinned, so the kernel reaches it through its UVA device
-address (zero-copy over PCIe, no staging buffer)::
+The model's caches are torch CUDA tensors; we only take addresses and strides from their
+:class:`~zkv.kernels.layout.KVSpec`. The host pool is pinned and mapped, so the kernel
+reaches it through its device address (zero-copy over PCIe, no staging buffer)::
 
-    grid = (n, 2, pieces)      x: block pair j   y: 0 = K, 1 = V   z: slice of the chunk
-    thread block (j, kv, p):   src = src_base[kv] + ids[0, j] * src_stride
-                               dst = dst_base[kv] + ids[1, j] * dst_stride
-                               copies elements [p * piece, (p + 1) * piece) of the chunk,
-                               as 16-byte vectors when every address allows it
+    params[layer, part, 8] int64 (device, uploaded once per spec):
+        dev base | block stride | run bytes | n1 | n2 | s0 | s1 | s2     (bytes)
+    run r of a block at  i0*s0 + i1*s1 + i2*s2,  (i0, i1, i2) = unravel(r, (., n1, n2))
 
-    d2h layer l:  src_base = (K_l, V_l) device,  src_stride = K_l.stride(0) bytes
-                  dst_base = host + (2l, 2l+1) * chunk_bytes,  dst_stride = block_bytes
-    h2d layer l:  the same with src and dst swapped
+    grid = (n, parts, pieces)  x: block pair j   y: part (K, V / latent)   z: slice of a chunk
+    thread block (j, p, z):    host = host + host_id * block_bytes + (layer*parts + p) * chunk
+                               dev  = params[layer,p].base + dev_id * params[layer,p].stride
+                               vectors [z*piece, (z+1)*piece) of the chunk, in logical order;
+                               vector v lies in run v / run_vecs (one run: a straight copy)
 
-Streams and events:
+Each part carries its own strides (V is never copied with K's), and every address, stride
+and run is a multiple of the vector width (16, 8, 4, 2 or 1 bytes) the launch uses.
+``pieces`` is chosen from the SM count: a small copy is cut into more slices so that it
+still spreads over ~4 thread blocks per SM.
 
-- copies go to ``self._stream`` (non-blocking: no implicit sync with the legacy stream);
-- ``begin_batch`` records a start event on the compute stream and makes the transfer
-  stream wait on it; ``wait_event_on_compute`` is the reverse, a stream wait, so the
-  host never blocks;
+Start-up: the kernels are compiled (or loaded from cupy's on-disk cache) in the
+constructor, timed (``startup_info()["kernel_compile_ms"]``), never inside a batch.
+
+Streams and events (every call names its stream; nothing goes to the legacy stream):
+
+- copies and id/param uploads go to ``self._stream`` (non-blocking: no implicit sync with
+  the legacy stream); every call runs under ``cupy.cuda.Device(device)``;
+- ``begin_batch`` records a start event on the compute stream it is given and makes the
+  transfer stream wait on it; ``wait_event_on_compute`` is the reverse, a stream wait, so
+  the host never blocks;
 - every event is preallocated at construction: one start event, and a ring of
   ``num_events`` recorded only on the transfer stream. Handles carry a generation; a
   stale handle (its slot re-recorded since) is answered by the newer record, which
   completes no earlier because the ring only ever records on that one stream.
 
+Errors: a sticky CUDA error (illegal address, launch failure, ECC, ...) leaves the context
+unusable. The first one seen becomes :class:`~zkv.errors.DeviceFault` and every later call
+raises it at once (no call reaches the dead context again). Other CUDA errors propagate
+unchanged (one op fails).
+
 Compute streams are raw ``cudaStream_t`` handles (torch's ``cuda_stream``); we call the
-runtime directly instead of wrapping them (``cupy.cuda.ExternalStream`` is deprecated in
-CuPy 14 and warns). cupy is imported lazily: importing this module never touches CUDA.
+runtime directly instead of wrapping them. cupy is imported lazily: importing this module
+never touches CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
+import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from zkv.config import CacheLayout
-from zkv.errors import ConfigError
-from zkv.kernels.base import (
-    CopyBackend,
-    EventHandle,
-    Ids,
-    KVCaches,
-    host_pool_shape,
-    layer_list,
-    torch_dtype,
-)
+from zkv.errors import ConfigError, DeviceFault
+from zkv.kernels.base import CopyBackend, EventHandle, Ids, KVCaches, layer_list
+from zkv.kernels.layout import KVSpec, host_pool_shape, torch_dtype
+from zkv.kernels.pinned import DEFAULT_CHUNK_BYTES, PinnedInfo, pinned_empty
 
 _SOURCE = r"""
+__device__ __forceinline__ long long zkv_run_offset(unsigned int r, const long long* q) {
+  const unsigned int n1 = (unsigned int)q[3], n2 = (unsigned int)q[4];
+  const unsigned int i2 = r % n2;
+  r /= n2;
+  const unsigned int i1 = r % n1, i0 = r / n1;
+  return (long long)i0 * q[5] + (long long)i1 * q[6] + (long long)i2 * q[7];
+}
+
 template <typename T>
 __device__ __forceinline__ void zkv_copy(
-    const int* __restrict__ ids, const int n,
-    const unsigned long long src0, const unsigned long long src1, const long long src_stride,
-    const unsigned long long dst0, const unsigned long long dst1, const long long dst_stride,
-    const long long chunk_elems, const long long piece_elems) {
+    const int* __restrict__ ids, const int n, const long long* __restrict__ params,
+    const int layer, const int parts, const unsigned long long host, const long long host_block,
+    const long long chunk_bytes, const int to_host, const long long piece) {
   const long long j = blockIdx.x;
-  const int kv = blockIdx.y;
-  const long long begin = (long long)blockIdx.z * piece_elems;
-  long long end = begin + piece_elems;
-  if (end > chunk_elems) end = chunk_elems;
-  const long long s = ids[j];
-  const long long d = ids[n + j];
-  const T* __restrict__ src = (const T*)((kv ? src1 : src0) + s * src_stride);
-  T* __restrict__ dst = (T*)((kv ? dst1 : dst0) + d * dst_stride);
-  // Four loads in flight before the stores: host memory over PCIe is latency-bound.
+  const int p = blockIdx.y;
+  const long long* q = params + ((long long)layer * parts + p) * 8;
+  const long long chunk = chunk_bytes / (long long)sizeof(T);
+  const long long run = q[2] / (long long)sizeof(T);
+  const long long begin = (long long)blockIdx.z * piece;
+  long long end = begin + piece;
+  if (end > chunk) end = chunk;
+  const long long dev_id = ids[to_host ? j : n + j];
+  const long long host_id = ids[to_host ? n + j : j];
+  char* dev = (char*)q[0] + dev_id * q[1];
+  T* h = (T*)(host + host_id * host_block + ((long long)layer * parts + p) * chunk_bytes);
   const long long step = blockDim.x;
   long long i = begin + threadIdx.x;
-  for (; i + 3 * step < end; i += 4 * step) {
-    const T a = src[i], b = src[i + step], c = src[i + 2 * step], e = src[i + 3 * step];
-    dst[i] = a; dst[i + step] = b; dst[i + 2 * step] = c; dst[i + 3 * step] = e;
+  if (run == chunk) {  // the block is one dense run: a straight copy, four loads in flight
+    T* d = (T*)dev;
+    const T* s = to_host ? d : h;
+    T* t = to_host ? h : d;
+    for (; i + 3 * step < end; i += 4 * step) {
+      const T a = s[i], b = s[i + step], c = s[i + 2 * step], e = s[i + 3 * step];
+      t[i] = a; t[i + step] = b; t[i + 2 * step] = c; t[i + 3 * step] = e;
+    }
+    for (; i < end; i += step) t[i] = s[i];
+    return;
   }
-  for (; i < end; i += step) dst[i] = src[i];
+  const unsigned int run32 = (unsigned int)run;  // a chunk has < 2^32 vectors
+  for (; i < end; i += step) {  // strided block: vector i lies in run i / run
+    const unsigned int r = (unsigned int)i / run32;
+    T* d = (T*)(dev + zkv_run_offset(r, q)) + ((unsigned int)i - r * run32);
+    if (to_host) h[i] = *d; else *d = h[i];
+  }
 }
 
 #define ZKV_COPY_KERNEL(W, T)                                                              \
   extern "C" __global__ void zkv_copy_##W(                                                 \
-      const int* __restrict__ ids, const int n,                                            \
-      const unsigned long long src0, const unsigned long long src1, const long long ss,    \
-      const unsigned long long dst0, const unsigned long long dst1, const long long ds,    \
-      const long long chunk_elems, const long long piece_elems) {                          \
-    zkv_copy<T>(ids, n, src0, src1, ss, dst0, dst1, ds, chunk_elems, piece_elems);         \
+      const int* __restrict__ ids, const int n, const long long* __restrict__ params,      \
+      const int layer, const int parts, const unsigned long long host,                     \
+      const long long host_block, const long long chunk_bytes, const int to_host,          \
+      const long long piece) {                                                             \
+    zkv_copy<T>(ids, n, params, layer, parts, host, host_block, chunk_bytes, to_host,      \
+                piece);                                                                    \
   }
 
 ZKV_COPY_KERNEL(16, uint4)
@@ -93,10 +127,16 @@ ZKV_COPY_KERNEL(2, unsigned short)
 ZKV_COPY_KERNEL(1, unsigned char)
 """
 
-_THREADS = 256
-_ELEMS_PER_THREAD = 4  # per thread block slice: 256 * 4 * 16 B = 16 KiB
+WIDTHS = (16, 8, 4, 2, 1)
+THREADS = 256
+_MAX_PIECE = THREADS * 4  # vectors per thread block slice: 256 * 4 * 16 B = 16 KiB
+_BLOCKS_PER_SM = 4
 _MAX_GRID_YZ = 65535
+_PARAMS = 8
 _CUDA_MEMORY_TYPE_HOST = 1
+_DEV_ATTR_SM_COUNT = 16  # cudaDevAttrMultiProcessorCount
+#: CUDA errors after which the context is unusable (runtime and driver share the codes).
+STICKY_ERRORS = frozenset({214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719, 999})
 
 
 def _cupy() -> Any:
@@ -105,14 +145,53 @@ def _cupy() -> Any:
     return cupy
 
 
+def launch_config(n: int, parts: int, chunk_vecs: int, sm_count: int) -> tuple[int, int]:
+    """``(pieces, piece)``: slices per chunk and vectors per slice for ``n`` blocks.
+
+    At most ``_MAX_PIECE`` vectors a slice; fewer (down to one vector per thread) while
+    the grid would not give every SM ``_BLOCKS_PER_SM`` thread blocks. O(1).
+    """
+    pieces = -(-chunk_vecs // _MAX_PIECE)
+    target = sm_count * _BLOCKS_PER_SM
+    if n * parts * pieces < target:
+        want = -(-target // (n * parts))
+        pieces = max(pieces, min(want, -(-chunk_vecs // THREADS)))
+    piece = -(-chunk_vecs // max(1, pieces))
+    piece = max(piece, -(-chunk_vecs // _MAX_GRID_YZ))
+    return -(-chunk_vecs // piece), piece
+
+
+def spec_params(spec: KVSpec) -> np.ndarray:
+    """``[num_layers, num_kv_parts, 8]`` int64: each part's base, block stride and runs."""
+    out = np.zeros((spec.num_layers, spec.num_kv_parts, _PARAMS), dtype=np.int64)
+    for layer in spec.parts:
+        for part in layer:
+            dims = [(1, 0)] * (3 - len(part.runs.outer)) + list(part.runs.outer)
+            (_, s0), (n1, s1), (n2, s2) = dims
+            row = (part.view.data_ptr(), part.block_stride, part.runs.run_bytes, n1, n2, s0, s1, s2)
+            out[part.layer, part.part] = np.array(row, dtype=np.uint64).view(np.int64)
+    return out
+
+
+def vector_width(*values: Any) -> int:
+    """Widest access (16, 8, 4, 2, 1 bytes) dividing every value (ints or int64 arrays of
+    addresses, strides, sizes)."""
+    acc = 16
+    for v in values:
+        low = np.asarray(v, dtype=np.int64).reshape(-1) & 15
+        acc |= int(np.bitwise_or.reduce(low, initial=0))
+    return acc & -acc
+
+
 class CupyBackend(CopyBackend):
     """GPU block copies: RawKernel gather/scatter on one transfer stream, ring events.
 
-    Invariants: every launch and every ring event record goes to ``self._stream`` (only
-    ``begin_batch``'s own start event is recorded on the compute stream); the pinned id
-    buffer of an upload stays referenced until a ring event recorded after the upload
-    has completed. Device id buffers come from cupy's pool, which hands memory back
-    only to later work on the same stream, so stream order covers their reuse.
+    Invariants: every launch, upload and ring event record goes to ``self._stream`` (only
+    ``begin_batch``'s start event is recorded on the compute stream); every CUDA call runs
+    with ``device`` current; pinned staging buffers of an upload stay referenced until a
+    ring event recorded after the upload has completed. Device buffers come from cupy's
+    pool, which hands memory back only to later work on the same stream, so stream order
+    covers their reuse. After a sticky error every method raises ``DeviceFault``.
 
     Thread safety: copies may come from any thread (serialized by a lock); event
     methods may be called from the model thread while the worker copies.
@@ -120,162 +199,221 @@ class CupyBackend(CopyBackend):
 
     name = "cupy"
 
-    def __init__(self, device: int | None = None, num_events: int = 1024) -> None:
+    def __init__(self, device: int | None = None, num_events: int = 1024,
+                 pin_threads: int = 4, pin_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         cp = _cupy()
         if not (torch.cuda.is_available() and cp.cuda.is_available()):
             raise ConfigError("the cupy backend needs CUDA (torch and cupy both see no GPU)")
         if num_events < 2:
             raise ValueError(f"num_events must be >= 2, got {num_events}")
+        count = cp.cuda.runtime.getDeviceCount()
+        self._device_id = torch.cuda.current_device() if device is None else int(device)
+        if not 0 <= self._device_id < count:
+            raise ConfigError(f"CUDA device {self._device_id} does not exist ({count} visible)")
         self._cp = cp
-        self._device_id = torch.cuda.current_device() if device is None else device
+        self._errors = (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError)
+        self._fault: DeviceFault | None = None
         self.device = torch.device("cuda", self._device_id)
+        self.pin_threads, self.pin_chunk_bytes = pin_threads, pin_chunk_bytes
         with cp.cuda.Device(self._device_id):
             self._stream = cp.cuda.Stream(non_blocking=True)
             # block=True: synchronize_event sleeps instead of spinning a core.
             self._ring = [cp.cuda.Event(block=True, disable_timing=True) for _ in range(num_events)]
             self._start = cp.cuda.Event(disable_timing=True)
+            self.sm_count = int(cp.cuda.runtime.deviceGetAttribute(_DEV_ATTR_SM_COUNT,
+                                                                   self._device_id))
+            t0 = time.perf_counter()
             self._module = cp.RawModule(code=_SOURCE, options=("-std=c++14",))
+            self._module.compile()
+            self._kernels = {w: self._module.get_function(f"zkv_copy_{w}") for w in WIDTHS}
+            self.compile_ms = round((time.perf_counter() - t0) * 1e3, 3)
         self._gen = [0] * num_events
         self._next = 0
         self._lock = threading.Lock()  # event ring
-        self._copy_lock = threading.Lock()  # id upload cache and in-flight buffers
+        self._copy_lock = threading.Lock()  # uploads and in-flight buffers
         self._inflight: deque[tuple[EventHandle, tuple[Any, ...]]] = deque()
+        self._pending: list[Any] = []
         self._ids_key: bytes | None = None
         self._ids_dev: Any = None
-        self._pending: tuple[Any, ...] | None = None
+        self._params: dict[bytes, tuple[np.ndarray, Any]] = {}
+        self.host_pool_info: PinnedInfo | None = None
 
     def __repr__(self) -> str:
         return f"CupyBackend(device={self._device_id}, num_events={len(self._ring)})"
 
-    # ---------------------------------------------------------------- allocation
+    @property
+    def transfer_stream(self) -> Any:
+        """The cupy stream every copy goes to (bench, tests)."""
+        return self._stream
+
+    def startup_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"backend": self.name, "device": str(self.device),
+                                "sm_count": self.sm_count, "kernel_compile_ms": self.compile_ms}
+        if self.host_pool_info is not None:
+            info["host_pool_bytes"] = self.host_pool_info.num_bytes
+            info["host_pool_ready_ms"] = self.host_pool_info.ready_ms
+            info["host_pool_chunks"] = self.host_pool_info.num_chunks
+        return info
+
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """Device current; a sticky CUDA error becomes (and stays) a DeviceFault."""
+        if self._fault is not None:
+            raise DeviceFault(str(self._fault), self._fault.status)
+        try:
+            with self._cp.cuda.Device(self._device_id):
+                yield
+        except self._errors as e:
+            status = getattr(e, "status", None)
+            if status not in STICKY_ERRORS:
+                raise
+            self._fault = DeviceFault(f"cuda:{self._device_id}: {what}: {e} (sticky: the "
+                                      "context is lost)", status)
+            raise self._fault from e
+
+    # ---------------------------------------------------------------- set-up
+
+    def bind_thread(self) -> None:
+        with self._guard("bind thread"):
+            self._cp.cuda.Device(self._device_id).use()
+            torch.cuda.set_device(self._device_id)
+
+    def current_stream(self) -> int | None:
+        return int(torch.cuda.current_stream(self._device_id).cuda_stream)
 
     def allocate_host_pool(self, layout: CacheLayout) -> torch.Tensor:
-        return torch.zeros(host_pool_shape(layout), dtype=torch_dtype(layout), pin_memory=True)
+        """Zeroed, pinned (mmap + cudaHostRegister), exactly ``layout``'s size."""
+        shape, dt = host_pool_shape(layout), torch_dtype(layout)
+        num_bytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        with self._guard("pin host pool"):
+            arr, info = pinned_empty(self._cp, self._device_id, num_bytes, self._stream,
+                                     threads=self.pin_threads, chunk_bytes=self.pin_chunk_bytes)
+        self.host_pool_info = info
+        return torch.from_numpy(arr).view(dt).view(shape)
+
+    def allocate_device_cache(self, layout: CacheLayout) -> list[tuple[torch.Tensor, ...]]:
+        """Zeroed on the transfer stream (not the legacy stream), ready when it returns."""
+        stream = torch.cuda.ExternalStream(self._stream.ptr, device=self.device)
+        with self._guard("allocate device cache"), torch.cuda.stream(stream):
+            caches = super().allocate_device_cache(layout)
+        self.synchronize()
+        return caches
+
+    def prepare(self, spec: KVSpec) -> None:
+        with self._copy_lock, self._guard("upload params"), self._stream:
+            self._params_for(spec)
+            self._retire()
+
+    def on_compute(self, compute_stream: int | None) -> Any:
+        ptr = self._compute_ptr(compute_stream)
+        return torch.cuda.stream(torch.cuda.ExternalStream(ptr, device=self.device))
 
     # ---------------------------------------------------------------- copies
 
-    def copy_d2h(
-        self,
-        kv_caches: KVCaches,
-        host_pool: torch.Tensor,
-        src_ids: Ids,
-        dst_ids: Ids,
-        layers: range | None = None,
-    ) -> None:
+    def copy_d2h(self, kv_caches: KVCaches, host_pool: torch.Tensor, src_ids: Ids,
+                 dst_ids: Ids, layers: range | None = None) -> None:
         layers = layer_list(layers, len(kv_caches))
-        geo, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, layers, True)
-        if not len(src) or not len(layers):
+        spec, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, layers, True)
+        if not len(src) or not len(layers) or not spec.chunk_bytes:
             return
-        host = self._host_device_ptr(host_pool)
-        block_bytes = 2 * geo.num_layers * geo.chunk_bytes
-        with self._copy_lock, self._cp.cuda.Device(self._device_id), self._stream:
+        with self._copy_lock, self._guard("d2h"), self._stream:
+            host = self._host_device_ptr(host_pool)
+            params, params_dev = self._params_for(spec)
             ids = self._upload_ids(src, dst)
             for layer in layers:
-                k, v = kv_caches[layer]
-                h_k = host + 2 * layer * geo.chunk_bytes
-                self._launch(
-                    ids, len(src), geo.chunk_bytes,
-                    (k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size()),
-                    (h_k, h_k + geo.chunk_bytes, block_bytes),
-                )  # fmt: skip
+                self._launch(ids, len(src), spec, params, params_dev, layer, host, True)
             self._retire()
 
-    def copy_h2d(
-        self,
-        host_pool: torch.Tensor,
-        kv_caches: KVCaches,
-        src_ids: Ids,
-        dst_ids: Ids,
-        layer: int,
-    ) -> None:
-        geo, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, (layer,), False)
-        if not len(src):
+    def copy_h2d(self, host_pool: torch.Tensor, kv_caches: KVCaches, src_ids: Ids,
+                 dst_ids: Ids, layer: int) -> None:
+        spec, src, dst = self.checked(kv_caches, host_pool, src_ids, dst_ids, (layer,), False)
+        if not len(src) or not spec.chunk_bytes:
             return
-        host = self._host_device_ptr(host_pool)
-        block_bytes = 2 * geo.num_layers * geo.chunk_bytes
-        k, v = kv_caches[layer]
-        h_k = host + 2 * layer * geo.chunk_bytes
-        with self._copy_lock, self._cp.cuda.Device(self._device_id), self._stream:
+        with self._copy_lock, self._guard("h2d"), self._stream:
+            host = self._host_device_ptr(host_pool)
+            params, params_dev = self._params_for(spec)
             ids = self._upload_ids(src, dst)
-            self._launch(
-                ids, len(src), geo.chunk_bytes,
-                (h_k, h_k + geo.chunk_bytes, block_bytes),
-                (k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size()),
-            )  # fmt: skip
+            self._launch(ids, len(src), spec, params, params_dev, layer, host, False)
             self._retire()
 
-    def _launch(
-        self,
-        ids: Any,
-        n: int,
-        chunk_bytes: int,
-        src: tuple[int, int, int],
-        dst: tuple[int, int, int],
-    ) -> None:
-        """One launch for K and V of n blocks; ``src``/``dst`` are (K base, V base, stride).
-
-        For kv in (K, V), j < n: ``dst[kv] + ids[1, j] * dst[2] <- src[kv] + ids[0, j] * src[2]``.
-        """
-        width = _vector_width(chunk_bytes, (*src, *dst))
-        chunk_elems = chunk_bytes // width
-        piece = _THREADS * _ELEMS_PER_THREAD
-        pieces = -(-chunk_elems // piece)
-        if pieces > _MAX_GRID_YZ:
-            piece = -(-chunk_elems // _MAX_GRID_YZ)
-            pieces = -(-chunk_elems // piece)
-        kernel = self._module.get_function(f"zkv_copy_{width}")
-        kernel(
-            (n, 2, pieces),
-            (_THREADS,),
+    def _launch(self, ids: Any, n: int, spec: KVSpec, params: np.ndarray, params_dev: Any,
+                layer: int, host: int, to_host: bool) -> None:
+        """One launch for every part of ``layer`` of n blocks (see the module docstring)."""
+        parts, chunk = spec.num_kv_parts, spec.chunk_bytes
+        block_bytes = parts * spec.num_layers * chunk
+        row = params[layer]
+        width = vector_width(chunk, host, row[:, :3], row[:, 5:])
+        pieces, piece = launch_config(n, parts, chunk // width, self.sm_count)
+        self._kernels[width](
+            (n, parts, pieces),
+            (THREADS,),
             (
-                ids, np.int32(n),
-                np.uint64(src[0]), np.uint64(src[1]), np.int64(src[2]),
-                np.uint64(dst[0]), np.uint64(dst[1]), np.int64(dst[2]),
-                np.int64(chunk_elems), np.int64(piece),
+                ids, np.int32(n), params_dev, np.int32(layer), np.int32(parts),
+                np.uint64(host), np.int64(block_bytes), np.int64(chunk),
+                np.int32(1 if to_host else 0), np.int64(piece),
             ),
         )  # fmt: skip
 
-    def _upload_ids(self, src: np.ndarray, dst: np.ndarray) -> Any:
-        """``[2, n]`` int32 ids on the device, copied asynchronously from pinned memory.
+    def _params_for(self, spec: KVSpec) -> tuple[np.ndarray, Any]:
+        """The spec's param table on the device: built once per spec (kept in its memo)
+        and uploaded once per distinct table, the last few kept. Call with the copy lock
+        held. O(1) for a registered spec."""
+        hit = spec.memo.get(self)
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
+        params = spec_params(spec)
+        key = params.tobytes()
+        hit = self._params.get(key)
+        if hit is None:
+            hit = (params, self._upload(params))
+            if len(self._params) >= 4:
+                self._params.pop(next(iter(self._params)))
+            self._params[key] = hit
+        spec.memo[self] = hit
+        return hit
 
-        The h2d of one batch calls once per layer with the same ids: the last upload is
-        reused (read-only on the device; the stream orders its uses). A new upload's
-        buffers stay referenced until an event recorded after its launches completes.
-        """
-        cp = self._cp
+    def _upload_ids(self, src: np.ndarray, dst: np.ndarray) -> Any:
+        """``[2, n]`` int32 ids on the device. The h2d of one batch calls once per layer
+        with the same ids: the last upload is reused (the stream orders its uses)."""
         staged = np.stack([src, dst]).astype(np.int32)
         key = staged.tobytes()
-        if key == self._ids_key:
-            return self._ids_dev
-        pinned = _pinned_empty(staged.shape)
-        pinned[...] = staged
-        ids = cp.empty(staged.shape, dtype=np.int32)
-        ids.set(pinned, stream=self._stream)
-        self._ids_key, self._ids_dev = key, ids
-        self._pending = (pinned, ids)
-        return ids
+        if key != self._ids_key:
+            self._ids_key, self._ids_dev = key, self._upload(staged)
+        return self._ids_dev
+
+    def _upload(self, arr: np.ndarray) -> Any:
+        """An async copy of ``arr`` to the device on the transfer stream, from pinned
+        staging held (with the device buffer) until a later ring event completes."""
+        pinned = self._cp_pinned(arr.shape, arr.dtype)
+        pinned[...] = arr
+        dev = self._cp.empty(arr.shape, dtype=arr.dtype)
+        dev.set(pinned, stream=self._stream)
+        self._pending.append((pinned, dev))
+        return dev
+
+    def _cp_pinned(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        import cupyx  # lazy, as cupy
+
+        return cupyx.empty_pinned(shape, dtype=dtype)
 
     def _retire(self) -> None:
-        """After a call's launches: hold its new id buffers until the stream passes this
-        point, and drop the buffers of calls that have finished. O(1) amortized."""
-        if self._pending is not None:
-            self._inflight.append((self._record(self._stream.ptr), self._pending))
-            self._pending = None
-        while self._inflight and self.event_done(self._inflight[0][0]):
+        """After a call's launches: hold its new upload buffers until the stream passes
+        this point, and drop the buffers of calls that have finished. O(1) amortized."""
+        if self._pending:
+            self._inflight.append((self._record(self._stream.ptr), tuple(self._pending)))
+            self._pending = []
+        while self._inflight and self._event(self._inflight[0][0]).done:
             self._inflight.popleft()
 
     # ---------------------------------------------------------------- checks
 
-    def check_devices(self, kv_caches: KVCaches, layers: Any) -> None:
-        for layer in layers:
-            for t in kv_caches[layer]:
-                if t.device != self.device:
-                    raise ValueError(
-                        f"layer {layer}: cache on {t.device}, backend on {self.device}"
-                    )
+    def check_devices(self, spec: KVSpec, layers: Any) -> None:
+        if spec.device != self.device:
+            raise ValueError(f"{spec.parts[0][0].name}: cache on {spec.device}, backend on "
+                             f"{self.device}")
 
     def _host_device_ptr(self, host_pool: torch.Tensor) -> int:
-        """UVA device address of the pinned host pool.
+        """Device address of the pinned host pool.
 
         Asked every call (~1 us), not cached by address: a freed pinned pool's address
         may come back as pageable memory, and a stale device pointer would fault.
@@ -289,7 +427,7 @@ class CupyBackend(CopyBackend):
 
     def _record(self, stream_ptr: int) -> EventHandle:
         """Record the next ring event on the transfer stream."""
-        with self._lock, self._cp.cuda.Device(self._device_id):
+        with self._lock, self._guard("event record"):
             slot = self._next % len(self._ring)
             self._next += 1
             self._gen[slot] += 1
@@ -307,7 +445,7 @@ class CupyBackend(CopyBackend):
         # re-recorded every batch, is enough. The device context matters when the
         # compute stream is 0: the legacy stream of the thread's current device.
         runtime = self._cp.cuda.runtime
-        with self._lock, self._cp.cuda.Device(self._device_id):
+        with self._lock, self._guard("begin batch"):
             runtime.eventRecord(self._start.ptr, self._compute_ptr(compute_stream))
             runtime.streamWaitEvent(self._stream.ptr, self._start.ptr, 0)
 
@@ -316,17 +454,22 @@ class CupyBackend(CopyBackend):
 
     def wait_event_on_compute(self, handle: EventHandle, compute_stream: int | None = None) -> None:
         event = self._event(handle)
-        with self._cp.cuda.Device(self._device_id):
+        with self._guard("wait on compute"):
             self._cp.cuda.runtime.streamWaitEvent(self._compute_ptr(compute_stream), event.ptr, 0)
 
     def event_done(self, handle: EventHandle) -> bool:
-        return bool(self._event(handle).done)
+        event = self._event(handle)
+        with self._guard("event query"):
+            return bool(event.done)
 
     def synchronize_event(self, handle: EventHandle) -> None:
-        self._event(handle).synchronize()
+        event = self._event(handle)
+        with self._guard("event synchronize"):
+            event.synchronize()
 
     def synchronize(self) -> None:
-        self._stream.synchronize()
+        with self._guard("stream synchronize"):
+            self._stream.synchronize()
         with self._copy_lock:
             self._inflight.clear()
 
@@ -336,17 +479,3 @@ class CupyBackend(CopyBackend):
         # An older generation was re-recorded later on the same stream: the newer record
         # completes no earlier, so waiting on it is safe (if longer than needed).
         return self._ring[handle.slot]
-
-
-def _vector_width(chunk_bytes: int, addresses: tuple[int, ...]) -> int:
-    """Widest access (16, 8, 4, 2, 1 bytes) dividing the chunk, every base and every stride."""
-    for width in (16, 8, 4, 2):
-        if chunk_bytes % width == 0 and all(a % width == 0 for a in addresses):
-            return width
-    return 1
-
-
-def _pinned_empty(shape: tuple[int, ...]) -> np.ndarray:
-    import cupyx  # lazy, as cupy
-
-    return cupyx.empty_pinned(shape, dtype=np.int32)

@@ -47,7 +47,8 @@ def main() -> int:
         return EXIT_CONFIG
     zlog.configure("worker", rank)
     try:
-        backend = resolve_backend(os.environ.get("ZKV_BACKEND", "auto"))
+        backend = resolve_backend(os.environ.get("ZKV_BACKEND", "auto"))  # LOCAL_RANK's device
+        backend.bind_thread()  # before any allocation
         kv_caches = backend.allocate_device_cache(layout)
         host_pool = backend.allocate_host_pool(layout)
     except Exception as e:

@@ -8,12 +8,26 @@
      │        └ gap: Bye("seq gap ..."), stop     3. fill / check (simulated forward pass)
      └ Shutdown: Bye("shutdown"), stop            4. s2h / h2s on I/O threads (done = prefix)
 
-One thread owns both sockets. Batches run strictly in seq order; a seq gap is a rank
-failure (never a silent skip). A failing op becomes an error result in the ack and the
-actor keeps running. Heartbeats go out every ``heartbeat_interval_s`` from the same
-thread, while idle and while waiting on storage I/O, so a live heartbeat means a live
-actor loop. Every receive polls with a timeout, so ``stop()`` takes effect within
-~0.1 s.
+One thread owns the SUB socket and runs batches. Batches run strictly in seq order; a seq
+gap is a rank failure (never a silent skip). A failing op becomes an error result in the
+ack and the actor keeps running. Every receive polls with a timeout, so ``stop()`` takes
+effect within ~0.1 s.
+
+Heartbeats go out every ``heartbeat_interval_s`` from their own thread (sharing the PUSH
+socket under a lock), so no wait of the actor thread -- a long copy, a GPU synchronize,
+storage I/O -- can make a live rank look dead. They stop when the actor stops; a rank that
+hangs while alive is caught by the dispatcher's ack deadline instead.
+
+Errors in a batch::
+
+    op fails (bad ids, one copy)   error result for that op; an h2d that fails at layer i
+                                   fails wait_layer of layers i.. (never marked done)
+    batch fails outside an op      every op failed; the transfer stream is drained first,
+                                   so the ack never precedes the work the batch started
+    DeviceFault (sticky CUDA)      fatal: worker.device_failed, waiters released, no ack,
+                                   Bye("fatal error: DeviceFault(...)"): the scheduler
+                                   fails the rank's ops at once. Nothing touches the
+                                   dead context again.
 """
 
 from __future__ import annotations
@@ -32,7 +46,8 @@ import zmq
 from zkv import log as ev
 from zkv import protocol as P
 from zkv.config import CacheLayout
-from zkv.errors import ConfigError, ProtocolError, StorageError
+from zkv.errors import ConfigError, DeviceFault, ProtocolError, StorageError
+from zkv.kernels.layout import describe_for_layout
 from zkv.storage import Store, pack_key
 from zkv.worker.layers import LayerDoneCounter
 
@@ -63,13 +78,17 @@ class WorkerActor:
     ``python -m zkv.worker`` in the main thread).
 
     ``kv_caches``: per layer ``(K, V)``, each ``[num_device_blocks, kv_heads, block_size,
-    head_dim]``; ``host_pool``: ``[num_host_blocks, num_layers, 2, kv_heads, block_size,
-    head_dim]``. Their first dimensions bound the ids a batch may name.
+    head_dim]``; ``host_pool``: ``[num_host_blocks, num_layers, num_kv_parts, kv_heads,
+    block_size, head_dim]``. Their first dimensions bound the ids a batch may name.
+
+    ``kv_caches`` may be any layout :mod:`zkv.kernels.layout` describes (NHD, fused, MLA)
+    or a :class:`~zkv.kernels.layout.KVSpec`; it is validated once, here, against
+    ``layout`` and the host pool (a ``ConfigError`` names the tensor).
 
     ``compute_stream`` (a raw ``cudaStream_t``) is the model's stream that each batch's
     copies wait on first (``backend.begin_batch``), so a d2h never reads a block the
-    previous step's forward still writes; ``None`` means the actor thread's current
-    stream (the default stream), right for a model that computes on it.
+    previous step's forward still writes; ``None`` means the current stream of the thread
+    that builds the actor (the model's thread), never the actor thread's own.
     """
 
     def __init__(
@@ -95,14 +114,18 @@ class WorkerActor:
                               f"{layout.num_layers}")
         self.rank = rank
         self.layout = layout
-        self.kv_caches = list(kv_caches)
+        # Validated once: layout, strides and device (a ConfigError names the tensor).
+        self.kv_caches = backend.register(describe_for_layout(kv_caches, layout), host_pool)
         self.host_pool = host_pool
         self.backend = backend
         self.store = store
         self.pub_endpoint = pub_endpoint
         self.pull_endpoint = pull_endpoint
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.compute_stream = compute_stream
+        # Resolved in the constructing (model) thread: the actor thread's current stream
+        # is its own default stream, which the forward does not run on.
+        self.compute_stream = (compute_stream if compute_stream is not None
+                               else backend.current_stream())
         self.limits = P.Limits(int(self.kv_caches[0][0].shape[0]), int(host_pool.shape[0]))
         self.counter = LayerDoneCounter(layout.num_layers, backend)
         self.exit_code: int | None = None
@@ -118,6 +141,9 @@ class WorkerActor:
         self._log = _logger(rank)
         self._hot_log = self._log  # bound in run(), once logging is configured
         self._push: zmq.Socket[Any] | None = None
+        self._send_lock = threading.Lock()  # the actor and the heartbeat thread share PUSH
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
         self._next_hb = 0.0
         # Gate (engine sidecar): a batch's copies run only once the engine released its seq,
         # i.e. the forward passes that came before it are done (see :meth:`release`).
@@ -202,6 +228,9 @@ class WorkerActor:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.setsockopt(zmq.SUBSCRIBE, P.ready_topic(self.rank, self._pid))
             self._send(P.Hello(self.rank, self._pid, self.layout.fingerprint()))
+            self._start_heartbeats()
+            self.backend.bind_thread()  # every CUDA call of this thread: the rank's device
+            self._log.info(ev.BACKEND_READY, **self.backend.startup_info())
             self._log.info(ev.WORKER_STARTED, pub=self.pub_endpoint, pull=self.pull_endpoint,
                            num_device_blocks=self.limits.num_device_blocks,
                            num_host_blocks=self.limits.num_host_blocks)
@@ -210,6 +239,7 @@ class WorkerActor:
             self._log.exception(ev.WORKER_STOPPED, reason="fatal error", error=repr(e))
             code, reason = EXIT_FATAL, f"fatal error: {e!r}"
         finally:
+            self._stop_heartbeats()
             with self._gate:
                 self.exit_code, self.exit_reason = code, reason
                 self._gate.notify_all()
@@ -250,14 +280,35 @@ class WorkerActor:
         return EXIT_OK, self._stop_reason
 
     def _maybe_heartbeat(self) -> None:
+        """Paces the loop's poll; the heartbeats themselves come from their own thread."""
         now = time.monotonic()
         if now >= self._next_hb:
             self._next_hb = now + self.heartbeat_interval_s
-            self._send(P.Heartbeat(self.rank, self._pid, self._last_seq))
+
+    def _start_heartbeats(self) -> None:
+        self._hb_stop.clear()
+        self._hb_thread = threading.Thread(target=self._heartbeats, daemon=True,
+                                           name=f"zkv-heartbeat-{self.rank}")
+        self._hb_thread.start()
+
+    def _stop_heartbeats(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join()
+
+    def _heartbeats(self) -> None:
+        """A heartbeat every interval, whatever the actor thread is waiting on."""
+        while not self._hb_stop.wait(self.heartbeat_interval_s):
+            try:
+                self._send(P.Heartbeat(self.rank, self._pid, self._last_seq))
+            except zmq.ZMQError:
+                return
 
     def _send(self, msg: P.Message) -> None:
-        assert self._push is not None
-        self._push.send_multipart(P.encode(msg), copy=False)
+        frames = P.encode(msg)
+        with self._send_lock:
+            assert self._push is not None
+            self._push.send_multipart(frames, copy=False)
 
     def _on_frames(self, frames: list[bytes]) -> tuple[int, str] | None:
         t_recv = time.time()
@@ -302,12 +353,12 @@ class WorkerActor:
 
     def _ack(self, ack: P.BlocksCopied) -> None:
         self._expected = ack.seq + 1
-        self._send(ack)
-        with self._gate:
+        with self._gate:  # before the send: whoever sees the ack sees last_seq too
             self._last_seq = ack.seq
             self._acks[ack.seq] = ack
             self._acks.pop(ack.seq - _ACK_HISTORY, None)
             self._gate.notify_all()
+        self._send(ack)
 
     # ------------------------------------------------------------ one batch
 
@@ -334,9 +385,12 @@ class WorkerActor:
             self._run_io(batch, results, handle)
             if handle is not None:
                 self.backend.synchronize_event(handle)
+        except DeviceFault as e:
+            raise self._device_failed(seq, e) from None
         except Exception as e:  # a backend that breaks outside any one op
             self._log.exception(ev.COPY_FAILED, seq=seq, error=repr(e))
             self.counter.fail(seq, repr(e))
+            self._drain(seq)
             for op in batch.ops:
                 if op.id not in results or results[op.id].ok:
                     results[op.id] = P.OpResult(op.id, False, 0, f"batch failed: {e!r}")
@@ -346,6 +400,23 @@ class WorkerActor:
         self._ack(P.BlocksCopied(seq, self.rank, ok, ordered, t_recv, t_done))
         self._hot_log.debug(ev.BATCH_DONE, seq=seq, num_ops=len(ordered), ok=ok,
                             dur_ms=round((t_done - t_recv) * 1e3, 3))
+
+    def _device_failed(self, seq: int, error: DeviceFault) -> DeviceFault:
+        """A sticky CUDA error: say so, release every waiter; the caller re-raises and the
+        actor stops (Bye). Nothing is drained or acked: the dead context runs nothing."""
+        self._log.error(ev.DEVICE_FAILED, seq=seq, status=error.status, error=str(error))
+        why = f"rank {self.rank}: device fault: {error}"
+        self.counter.fail(seq, why)  # its layers' events will never complete
+        self.counter.close(why)
+        return error
+
+    def _drain(self, seq: int) -> None:
+        """Before a failure ack: the stream work the batch started has finished (its
+        blocks may be reused once the scheduler sees the ack)."""
+        try:
+            self.backend.synchronize()
+        except DeviceFault as e:
+            raise self._device_failed(seq, e) from None
 
     def _run_copies(self, batch: P.CopyBlocks, results: dict[int, P.OpResult]) -> Any:
         """d2h/backup (all layers), then h2d layer by layer with an event per layer."""
@@ -367,7 +438,11 @@ class WorkerActor:
                 self._copy(seq, live, lambda s, d, i=layer: b.copy_h2d(host, kv, s, d, i),
                            failed, layer=layer)
             handle = b.record_event()
-            self.counter.mark(seq, layer, handle)
+            if not failed:
+                self.counter.mark(seq, layer, handle)
+            else:  # a layer that lacks blocks: it and every later layer fail (idempotent)
+                errors = "; ".join(sorted({str(r.error) for r in failed.values()}))
+                self.counter.fail_from(seq, layer, errors)
         for op in h2d:
             results[op.id] = failed.get(op.id) or P.OpResult(op.id, True, op.num_blocks)
         return handle
@@ -383,10 +458,14 @@ class WorkerActor:
                 copy(ops[0].src, ops[0].dst)
             else:
                 copy(np.concatenate([op.src for op in ops]), np.concatenate([op.dst for op in ops]))
+        except DeviceFault:
+            raise  # the context is lost: not one op's failure
         except Exception:
             for op in ops:
                 try:
                     copy(op.src, op.dst)
+                except DeviceFault:
+                    raise
                 except Exception as e:
                     self._log.error(ev.COPY_FAILED, seq=seq, op_id=op.id, kind=op.kind,
                                     layer=layer, num_blocks=op.num_blocks, error=repr(e))
@@ -411,10 +490,12 @@ class WorkerActor:
         for op in sims:
             try:
                 if op.kind == P.FILL:
-                    reference.fill_pattern(self.kv_caches, op.dst, op.keys, self.rank)
+                    with self.backend.on_compute(self.compute_stream):  # the "forward"
+                        reference.fill_pattern(self.kv_caches, op.dst, op.keys, self.rank)
                     results[op.id] = P.OpResult(op.id, True, op.num_blocks)
                     continue
-                n = int(reference.check_pattern(self.kv_caches, op.src, op.keys, self.rank))
+                with self.backend.on_compute(self.compute_stream):
+                    n = int(reference.check_pattern(self.kv_caches, op.src, op.keys, self.rank))
                 if n == op.num_blocks:
                     results[op.id] = P.OpResult(op.id, True, n)
                 else:

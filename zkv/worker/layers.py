@@ -10,6 +10,13 @@ Because the stream is in order, ``e_i`` done implies every d2h of the batch is d
 device block evicted in this step may be reused by this step's forward, and it must not
 be written before its d2h read it. With no h2d ops every layer gets the event recorded
 right after the d2h.
+
+A layer whose h2d failed is never marked done: ``fail_from(seq, i)`` makes ``wait_layer``
+of layers ``i, i+1, ...`` raise (the engine recomputes them), while the layers before it,
+whose copies all succeeded, stay usable::
+
+    layer:    0      1      2       3       ...
+    state:    marked marked FAILED  FAILED  (fail_from(seq, 2): an h2d of layer 2 failed)
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ class _Batch:
     handles: list[Any]
     num_marked: int = 0
     error: str | None = None
+    failed_from: int = 0  # with ``error``: layers >= failed_from raise
+
+    def usable(self, layer: int) -> bool:
+        return layer < self.num_marked and (self.error is None or layer < self.failed_from)
 
 
 class LayerDoneCounter:
@@ -61,6 +72,8 @@ class LayerDoneCounter:
         """Layer ``layer`` of ``seq`` is recorded (its copies are queued before the event)."""
         with self._cond:
             batch = self._batches[seq]
+            if batch.error is not None:
+                return  # failed: later layers stay failed, never done
             if layer != batch.num_marked:
                 raise ValueError(f"batch {seq}: layer {layer} marked out of order "
                                  f"(next is {batch.num_marked})")
@@ -83,6 +96,8 @@ class LayerDoneCounter:
         """Every remaining layer of ``seq`` is recorded by one event (no h2d in the batch)."""
         with self._cond:
             batch = self._batches[seq]
+            if batch.error is not None:
+                return
             for layer in range(batch.num_marked, self.num_layers):
                 batch.handles[layer] = event_handle
             if batch.num_marked < self.num_layers:
@@ -92,14 +107,23 @@ class LayerDoneCounter:
 
     def fail(self, seq: int, error: str) -> None:
         """``seq`` cannot complete; its waiters (present and future) raise TransferError."""
+        self.fail_from(seq, 0, error)
+
+    def fail_from(self, seq: int, layer: int, error: str) -> None:
+        """Layers ``layer`` and later of ``seq`` failed (their waiters, present and future,
+        raise TransferError); the layers already marked before ``layer`` stay usable.
+        Marks that come later are ignored. O(1)."""
         with self._cond:
             batch = self._batches.get(seq)
             if batch is None:
                 if seq <= self._forgotten_upto:
                     return
                 batch = self._batches[seq] = _Batch([None] * self.num_layers)
-            batch.error = error
-            if batch.num_marked < self.num_layers:
+            finished = batch.error is not None or batch.num_marked == self.num_layers
+            first = min(layer, batch.num_marked)  # an unmarked layer will not be marked now
+            if batch.error is None or first < batch.failed_from:
+                batch.error, batch.failed_from = error, first
+            if not finished:
                 self._finish(seq)
             self._cond.notify_all()
 
@@ -114,7 +138,7 @@ class LayerDoneCounter:
             batch = self._batches.get(seq)
             if batch is None:
                 return seq <= self._forgotten_upto
-            return batch.error is None and batch.num_marked > layer
+            return batch.usable(layer)
 
     def wait_layer(self, seq: int, layer: int, timeout: float | None = None) -> None:
         """Block until layer ``layer`` of ``seq`` is recorded, then make compute wait on it.
@@ -134,8 +158,9 @@ class LayerDoneCounter:
                 if seq <= self._forgotten_upto:
                     return  # finished long ago
                 raise TransferError(f"batch {seq} will not run: {self._closed}")
-            if batch.error is not None:
-                raise TransferError(f"batch {seq} failed: {batch.error}")
+            if batch.error is not None and layer >= batch.failed_from:
+                where = f" from layer {batch.failed_from}" if batch.failed_from else ""
+                raise TransferError(f"batch {seq} failed{where}: {batch.error}")
             if batch.num_marked <= layer:
                 raise TransferError(f"batch {seq} will not complete: {self._closed}")
             handle = batch.handles[layer]

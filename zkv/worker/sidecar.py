@@ -7,6 +7,11 @@
             for i, layer in enumerate(model.layers):
                 zkv.wait_layer(seq, i)        # compute waits on the layer's h2d event
                 hidden = layer(hidden, kv_caches[i])
+
+Device of a rank (:func:`select_device`): the device the engine's KV cache lives on; for
+a cache on the CPU, ``LOCAL_RANK`` (zkvrun / torchrun set it) when a CUDA backend is
+asked for. The backend is built for that device before it allocates anything, and the
+compute stream defaults to the current stream of the thread that builds the Sidecar.
 """
 
 from __future__ import annotations
@@ -24,13 +29,56 @@ from zkv.worker.actor import WorkerActor
 _JOIN_TIMEOUT_S = 2.0
 
 
-def resolve_backend(backend: Any) -> Any:
-    """A backend object from a name (``"auto"``, ``"cpu"``, ``"cupy"``) or as given."""
+def resolve_backend(backend: Any, device: int | None = None) -> Any:
+    """A backend object from a name (``"auto"``, ``"cpu"``, ``"cupy"``) on ``device``
+    (None: the rank's device from the environment, see :func:`device_from_env`), or the
+    object as given."""
     if isinstance(backend, str):
-        from zkv.kernels import get_backend
+        from zkv.kernels import cuda_available, get_backend
 
-        return get_backend(backend)
+        if device is None and backend != "cpu" and cuda_available():
+            device = device_from_env()
+        return get_backend(backend, device=device)
     return backend
+
+
+def device_from_env(env: dict[str, str] | None = None) -> int:
+    """The CUDA device of this rank: ``LOCAL_RANK`` (checked against the visible devices),
+    else torch's current device (one visible device per process)."""
+    import torch
+
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    count = torch.cuda.device_count()
+    text = env.get("LOCAL_RANK")
+    if text is None:
+        return torch.cuda.current_device()
+    if not text.isdigit():
+        raise ConfigError(f"LOCAL_RANK must be a non-negative integer, got {text!r}")
+    if int(text) < count:
+        return int(text)
+    if count == 1:
+        return 0  # the launcher gave each process its own device (CUDA_VISIBLE_DEVICES)
+    raise ConfigError(f"LOCAL_RANK={text} names no CUDA device ({count} visible)")
+
+
+def select_device(kv_caches: Any) -> int | None:
+    """The CUDA device index the engine's KV cache lives on (None: it is on the CPU).
+    Every tensor must be on that one device."""
+    tensors = list(_tensors(kv_caches))
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ConfigError(f"kv_caches spans devices {sorted(map(str, devices))}; one rank, "
+                          "one device")
+    dev = next(iter(devices)) if devices else None
+    return dev.index if dev is not None and dev.type == "cuda" else None
+
+
+def _tensors(kv_caches: Any) -> Any:
+    import torch
+
+    for entry in kv_caches:
+        parts = entry if isinstance(entry, (tuple, list)) else (entry,)
+        yield from (t for t in parts if isinstance(t, torch.Tensor))
 
 
 def endpoints_from_env(env: dict[str, str] | None = None) -> tuple[str, str]:
@@ -80,7 +128,10 @@ class Sidecar:
             env_pub, env_pull = endpoints_from_env()
             pub_endpoint = pub_endpoint or env_pub
             pull_endpoint = pull_endpoint or env_pull
-        self.backend = resolve_backend(backend)
+        device = select_device(kv_caches)
+        if backend == "auto" and device is None:
+            backend = "cpu"  # the engine's cache is in CPU memory
+        self.backend = resolve_backend(backend, device)
         self.layout = layout
         self.host_pool = (host_pool if host_pool is not None
                           else self.backend.allocate_host_pool(layout))

@@ -1,0 +1,220 @@
+"""The cupy surface of the fake GPU: ``cupy`` / ``cupyx`` modules over a
+:class:`~tests.kernels.fake_cuda.FakeCuda` (see that module for the model).
+
+Every object is bound to one fake: ``make_cupy`` subclasses these with ``fake`` set::
+
+    cupy.cuda.Device(i)        context / .use(): the thread's current device
+    cupy.cuda.Stream()         a stream of the current device; ``with s:`` makes it current
+    cupy.cuda.Event()          .done (query, runs nothing), .synchronize() (runs what it needs)
+    cupy.RawModule(code)       .compile() logs ("compile", device); get_function compiles
+                               lazily as cupy does; its kernels are FakeKernel
+    cupy.empty(shape, dtype)   FakeArray: device memory, uploads with .set(arr, stream)
+    cupy.cuda.runtime          eventRecord, streamWaitEvent, hostRegister, ... -> FakeCuda
+"""
+
+from __future__ import annotations
+
+import ctypes
+import types
+from typing import Any
+
+import numpy as np
+
+from cupy_backends.cuda.api.driver import CUDADriverError  # not constructible without libcuda
+
+from tests.kernels.fake_cuda import (
+    ILLEGAL_ADDRESS,
+    INVALID_HANDLE,
+    LEGACY,
+    CUDARuntimeError,
+    FakeCuda,
+    KernelFault,
+)
+
+
+class FakeArray:
+    """Device memory from ``cupy.empty``: a numpy array tagged with its device."""
+
+    def __init__(self, fake: FakeCuda, shape: tuple[int, ...], dtype: Any) -> None:
+        self.fake, self.device = fake, fake.device
+        self.data = np.zeros(shape, dtype=dtype)
+        fake.log.append(("alloc", self.device, self.data.nbytes))
+
+    def set(self, arr: np.ndarray, stream: Any = None) -> None:
+        """Async upload: the bytes are read when the item runs (pinned source held)."""
+        fake = self.fake
+        with fake.cond:
+            fake.check_alive()
+            ptr = stream.ptr if stream is not None else fake.current_stream_ptr()
+            s = fake.resolve(ptr)
+            if s.device != self.device:
+                raise CUDARuntimeError(INVALID_HANDLE)
+
+            def run() -> None:
+                self.data[...] = arr
+
+            fake._push(s, "upload", f"upload {self.data.nbytes} B", fn=run)
+
+
+class _Bound:
+    fake: FakeCuda  # set by make_cupy on a subclass
+
+
+class Device(_Bound):
+    def __init__(self, device: int = 0) -> None:
+        self.id = device
+        self._old: list[int] = []
+
+    def __enter__(self) -> Device:
+        self._old.append(self.fake.device)
+        self.fake.set_device(self.id)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.fake.set_device(self._old.pop())
+
+    def use(self) -> None:
+        self.fake.set_device(self.id)
+        self.fake.log.append(("cupy.use", self.id))
+
+
+class Stream(_Bound):
+    def __init__(self, null: bool = False, non_blocking: bool = False) -> None:
+        self.ptr = LEGACY if null else self.fake.new_stream(non_blocking)
+        self.device = self.fake.device
+        self._ctx: list[Any] = []
+
+    def __enter__(self) -> Stream:
+        ctx = self.fake.using_stream(self.ptr)
+        ctx.__enter__()
+        self._ctx.append(ctx)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.pop().__exit__(None, None, None)
+
+    def synchronize(self) -> None:
+        old = self.fake.device
+        self.fake.set_device(self.device)  # handle 0 means this device's legacy stream
+        try:
+            self.fake.sync_stream(self.ptr)
+        finally:
+            self.fake.set_device(old)
+
+
+class Event(_Bound):
+    def __init__(self, block: bool = False, disable_timing: bool = False) -> None:
+        self._ev = self.fake.new_event()
+        self.ptr = self._ev.ptr
+
+    @property
+    def done(self) -> bool:
+        return self.fake.query(self._ev)
+
+    def synchronize(self) -> None:
+        self.fake.sync_event(self._ev)
+
+
+class RawModule(_Bound):
+    def __init__(self, code: str, options: tuple[str, ...] = ()) -> None:
+        assert "ZKV_COPY_KERNEL(16, uint4)" in code
+        self.device = self.fake.device
+        self.compiled = False
+
+    def compile(self, log_stream: Any = None) -> None:
+        self.fake.log.append(("compile", self.fake.device))
+        self.compiled = True
+
+    def get_function(self, name: str) -> FakeKernel:
+        if not self.compiled:  # cupy compiles on first use
+            self.compile()
+        return FakeKernel(self.fake, int(name.rsplit("_", 1)[1]))
+
+
+def make_cupy(fake: FakeCuda) -> tuple[types.ModuleType, types.ModuleType]:
+    """``cupy`` and ``cupyx`` modules backed by ``fake``."""
+
+    def bind(cls: type) -> type:
+        return type(cls.__name__, (cls,), {"fake": fake})
+
+    runtime = types.SimpleNamespace(
+        CUDARuntimeError=CUDARuntimeError,
+        eventRecord=fake.record,
+        streamWaitEvent=lambda stream, ev, flags=0: fake.stream_wait(stream, ev),
+        pointerGetAttributes=fake.pointer_attributes,
+        hostRegister=fake.host_register,
+        hostUnregister=fake.host_unregister,
+        getDeviceCount=lambda: fake.num_devices,
+        deviceGetAttribute=lambda attr, dev: {16: fake.sm_count,
+                                              91: int(fake.can_use_host_pointer)}[attr],
+    )
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True, Device=bind(Device), Stream=bind(Stream),
+        Event=bind(Event), runtime=runtime,
+        driver=types.SimpleNamespace(CUDADriverError=CUDADriverError),
+    )
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda  # type: ignore[attr-defined]
+    cupy.RawModule = bind(RawModule)  # type: ignore[attr-defined]
+    cupy.empty = lambda shape, dtype: FakeArray(fake, shape, dtype)  # type: ignore[attr-defined]
+    cupyx = types.ModuleType("cupyx")
+    cupyx.empty_pinned = lambda shape, dtype: np.zeros(shape, dtype=dtype)  # type: ignore
+    return cupy, cupyx
+
+
+class FakeKernel:
+    """``zkv_copy_<width>``: the CUDA kernel's addressing, run by the fake at execution."""
+
+    def __init__(self, fake: FakeCuda, width: int) -> None:
+        self.fake, self.width = fake, width
+
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int], args: tuple[Any, ...]
+                 ) -> None:
+        ids, n, params, layer, parts, host, host_block, chunk_bytes, to_host, piece = args
+        n, layer, parts, piece = int(n), int(layer), int(parts), int(piece)
+        assert grid[0] == n and grid[1] == parts and 1 <= grid[2] <= 65535 and block[0] <= 1024
+        assert grid[2] * piece >= int(chunk_bytes) // self.width, "grid misses part of a chunk"
+        w = self.width
+        geometry = (int(host), int(host_block), int(chunk_bytes), bool(to_host))
+
+        def run() -> None:
+            flat = ids.data.reshape(-1).astype(np.int64)
+            table = params.data.view(np.uint64)
+            for j in range(n):
+                for p in range(parts):
+                    q = [int(x) for x in table[layer, p]]
+                    for z in range(grid[2]):
+                        self._slice(q, flat, n, j, layer, parts, p, z * piece, piece, geometry)
+
+        self.fake.launch(run, f"zkv_copy_{w} layer {layer} {'d2h' if to_host else 'h2d'}",
+                         [ids, params], tuple(grid))
+
+    def _slice(self, q: list[int], flat: np.ndarray, n: int, j: int, layer: int, parts: int,
+               p: int, begin: int, piece: int, geometry: tuple[int, int, int, bool]) -> None:
+        host, host_block, chunk_bytes, to_host = geometry
+        w = self.width
+        end = min(begin + piece, chunk_bytes // w)
+        dev_id, host_id = (int(flat[j]), int(flat[n + j]))[:: 1 if to_host else -1]
+        dev = q[0] + dev_id * _signed(q[1])
+        h = host + host_id * host_block + (layer * parts + p) * chunk_bytes
+        run = q[2] // w
+        v = begin
+        while v < end:
+            r = v // run
+            seg = min(end, (r + 1) * run)
+            i2, rest = r % q[4], r // q[4]
+            i1, i0 = rest % q[3], rest // q[3]
+            d = dev + i0 * _signed(q[5]) + i1 * _signed(q[6]) + i2 * _signed(q[7]) + (v - r * run) * w
+            hv, nbytes = h + v * w, (seg - v) * w
+            assert d % w == 0 and hv % w == 0, "misaligned vector access"
+            if not self.fake.registered_at(hv, nbytes):
+                raise KernelFault(ILLEGAL_ADDRESS)  # the host side must be registered memory
+            if to_host:
+                ctypes.memmove(hv, d, nbytes)
+            else:
+                ctypes.memmove(d, hv, nbytes)
+            v = seg
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
