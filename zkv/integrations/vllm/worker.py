@@ -77,10 +77,12 @@ class WorkerHalf:
 
     def start(self, names: list[str], views: list[tuple[Any, Any]], layout: CacheLayout, *,
               pub_endpoint: str, pull_endpoint: str, store: Any) -> None:
-        from zkv.kernels import get_backend
-        from zkv.worker.sidecar import Sidecar
+        from zkv.worker.sidecar import Sidecar, resolve_backend, select_device
 
-        backend: Any = get_backend("auto")
+        # The engine's cache device, explicitly (CPU caches: the CPU backend).
+        backend: Any = resolve_backend("auto", select_device(views))
+        if select_device(views) is None:
+            backend = resolve_backend("cpu")
         if self.cfg.inject_load_failures and self.rank == self.cfg.inject_rank:
             backend = _FaultyLoads(backend, self.cfg.inject_load_failures)
         self.layer_index = {n: i for i, n in enumerate(names)}
