@@ -79,10 +79,8 @@ class WorkerHalf:
               pub_endpoint: str, pull_endpoint: str, store: Any) -> None:
         from zkv.worker.sidecar import Sidecar, resolve_backend, select_device
 
-        # The engine's cache device, explicitly (CPU caches: the CPU backend).
-        backend: Any = resolve_backend("auto", select_device(views))
-        if select_device(views) is None:
-            backend = resolve_backend("cpu")
+        device = select_device(views)  # the engine's cache device (None: CPU caches)
+        backend: Any = resolve_backend("cpu" if device is None else "auto", device)
         if self.cfg.inject_load_failures and self.rank == self.cfg.inject_rank:
             backend = _FaultyLoads(backend, self.cfg.inject_load_failures)
         self.layer_index = {n: i for i, n in enumerate(names)}
