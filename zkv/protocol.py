@@ -119,7 +119,10 @@ class OpResult:
 
 @dataclass(frozen=True, slots=True)
 class BlocksCopied:
-    """A rank's ack of one batch."""
+    """A rank's ack of one batch. ``pending`` names ops (storage I/O) whose results follow
+    in later ``BlocksCopied`` of the same seq; the rank is done with the batch when a
+    message leaves nothing pending. Copies are acked at once, so a slow store never holds
+    back the next batch's ack."""
 
     seq: int
     rank: int
@@ -127,6 +130,7 @@ class BlocksCopied:
     results: tuple[OpResult, ...]
     t_recv: float = 0.0
     t_done: float = 0.0
+    pending: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +210,8 @@ def encode(msg: Message) -> list[bytes]:
             "t_recv": msg.t_recv,
             "t_done": msg.t_done,
         }
+        if msg.pending:
+            hdr["pending"] = list(msg.pending)
         return [T_ACK, orjson.dumps(hdr)]
     if isinstance(msg, Hello):
         hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid, "layout": msg.layout}
@@ -264,6 +270,7 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
         ids = [r.id for r in results]
         if len(set(ids)) != len(ids):
             raise ProtocolError("ack: duplicate op ids")
+        pending = _pending(hdr.get("pending", []), ids)
         return BlocksCopied(
             seq=_nonneg(hdr, "seq"),
             rank=_nonneg(hdr, "rank"),
@@ -271,6 +278,7 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
             results=results,
             t_recv=_num(hdr, "t_recv"),
             t_done=_num(hdr, "t_done"),
+            pending=pending,
         )
     if tag == T_HELLO:
         return Hello(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _get(hdr, "layout", str))
@@ -352,6 +360,14 @@ def _keys(frame: Any, n: int, seq: int, op_id: int) -> tuple[bytes, ...]:
             f"batch {seq}: op {op_id} keys frame has {len(raw)} bytes, want {DIGEST_SIZE * n}"
         )
     return tuple(raw[j : j + DIGEST_SIZE] for j in range(0, len(raw), DIGEST_SIZE))
+
+
+def _pending(raw: Any, result_ids: list[int]) -> tuple[int, ...]:
+    if type(raw) is not list or not all(type(i) is int and i >= 0 for i in raw):
+        raise ProtocolError("ack: pending must be a list of op ids")
+    if len(set(raw)) != len(raw) or set(raw) & set(result_ids):
+        raise ProtocolError("ack: pending op ids repeat or overlap the results")
+    return tuple(raw)
 
 
 def _decode_result(r: Any) -> OpResult:

@@ -11,7 +11,7 @@ import pytest
 from tests.worker.helpers import WorkerGroup, digest, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
-from zkv.storage import LocalDirStore, pack_key
+from zkv.storage import HEADER_SIZE, LocalDirStore, pack_key
 
 reference = pytest.importorskip("zkv.kernels.reference")
 
@@ -79,7 +79,7 @@ def test_l3_round_trip_through_local_dir_store(group: WorkerGroup) -> None:
     store = LocalDirStore(group.store_dir, group.layout.fingerprint())  # type: ignore[attr-defined]
     for rank in range(group.world_size):
         for key in keys:
-            data = Path(store.path(pack_key(key, rank))).read_bytes()
+            data = Path(store.path(pack_key(key, rank))).read_bytes()[HEADER_SIZE:]
             assert data == reference.expected_block_bytes(group.layout, key, rank)
     assert all(store.exists([pack_key(k, r) for k in keys for r in range(group.world_size)]))
     dst_host = ids(range(NUM_HOST - n, NUM_HOST))

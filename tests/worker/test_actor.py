@@ -28,7 +28,7 @@ from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.errors import TransferError
 from zkv.scheduler.dispatcher import BatchDone, Dispatcher
-from zkv.storage import LocalDirStore
+from zkv.storage import HEADER_SIZE, LocalDirStore
 from zkv.worker import Sidecar
 from zkv.worker.actor import EXIT_OK, EXIT_SEQ_GAP
 
@@ -269,7 +269,7 @@ def test_l3_round_trip_in_process(stack: ExitStack, folder: str, tmp_path: Path)
     for rank in (0, 1):
         for key in keys:
             path = Path(store.path(key + rank.to_bytes(2, "big")))
-            assert path.read_bytes() == reference.expected_block_bytes(LAYOUT, key, rank)
+            assert path.read_bytes()[HEADER_SIZE:] == reference.expected_block_bytes(LAYOUT, key, rank)
     done = rig.run([P.Op(0, P.S2H, dst=_ids(*range(10, 16)), keys=keys)])
     assert done.results[0] == P.OpResult(0, True, 6)
     done = rig.run([P.Op(0, P.H2D, _ids(*range(10, 16)), _ids(*range(10, 16))),

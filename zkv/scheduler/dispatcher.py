@@ -15,7 +15,12 @@ rank joined.
 Acks. Every in-flight batch keeps a bitmask of the ranks that acked it; an ack does
 ``acked |= 1 << rank`` and the batch completes when ``acked == all_mask`` (O(ops) per
 ack). An op's result is the minimum over ranks: ``ok`` = all ok, ``done`` = min done,
-``error`` = the first error seen. Ranks ack in seq order, so batches complete in seq order.
+``error`` = the first error seen. A rank acks its copies at once and may name storage
+ops as ``pending``: their results come in later acks of the same seq, and the batch
+completes when every rank acked and none has ops pending. Ranks ack copies in seq order,
+but a batch waiting on storage I/O completes after later batches: completion order is not
+seq order (the CacheManager commits per op, so that is fine). The ack deadline covers the
+first ack of every rank; pending I/O is bounded by the stores' own timeouts.
 
 Rank loss. A rank is lost when it misses heartbeats for ``heartbeat_timeout_s``, misses the
 ack deadline of a batch (``ack_timeout_s`` after publishing), says ``Bye`` while batches
@@ -88,6 +93,7 @@ class _InFlight:
     deadline: float
     acked: int = 0
     results: dict[int, P.OpResult] = field(default_factory=dict)
+    waiting: dict[int, frozenset[int]] = field(default_factory=dict)  # rank -> ops still pending
 
 
 @dataclass(slots=True)
@@ -413,22 +419,38 @@ class Dispatcher:
                             error="ack for an unknown or completed seq")
             return
         bit = 1 << rank
-        if batch.acked & bit:
+        later = batch.acked & bit  # a follow-up: results of ops this rank left pending
+        expected = batch.waiting.get(rank, frozenset()) if later else batch.op_set
+        if later and not expected:
             self._log.error(ev.ACK_REFUSED, seq=ack.seq, rank=rank, error="duplicate ack")
             return
         by_id = {res.id: res for res in ack.results}
-        if not by_id.keys() <= batch.op_set:
+        pending = set(ack.pending)
+        if not (by_id.keys() | pending) <= expected:
             self._log.error(ev.ACK_REFUSED, seq=ack.seq, rank=rank,
-                            error=f"ack names ops {sorted(by_id.keys() - batch.op_set)}, "
-                                  "which the batch does not have")
+                            error=f"ack names ops {sorted((by_id.keys() | pending) - expected)}, "
+                                  "which the batch does not have or already reported")
             return
         batch.acked |= bit
-        r.last_seq = ack.seq
-        merged = batch.results
-        for op_id in batch.op_ids:
-            res = by_id.get(op_id)
-            if res is None:
-                res = P.OpResult(op_id, False, 0, "no result")
+        r.last_seq = max(r.last_seq, ack.seq)
+        left = (expected - by_id.keys()) if later else pending
+        if left:
+            batch.waiting[rank] = frozenset(left)
+        else:
+            batch.waiting.pop(rank, None)
+        missing = () if later else (i for i in batch.op_ids if i not in by_id and i not in pending)
+        for op_id in missing:
+            by_id[op_id] = P.OpResult(op_id, False, 0, "no result")
+        self._merge(batch.results, by_id.values(), rank)
+        if batch.acked == self._all_mask and not batch.waiting:
+            del self._in_flight[ack.seq]
+            self._complete(batch)
+
+    @staticmethod
+    def _merge(merged: dict[int, P.OpResult], results: Any, rank: int) -> None:
+        """An op's result is the minimum over ranks: all ok, min done, first error."""
+        for res in results:
+            op_id = res.id
             if res.error is not None:
                 res = P.OpResult(op_id, res.ok, res.done, f"rank {rank}: {res.error}")
             cur = merged.get(op_id)
@@ -437,9 +459,6 @@ class Dispatcher:
             elif cur.ok > res.ok or res.done < cur.done:
                 merged[op_id] = P.OpResult(op_id, cur.ok and res.ok, min(cur.done, res.done),
                                            cur.error or res.error)
-        if batch.acked == self._all_mask:
-            del self._in_flight[ack.seq]
-            self._complete(batch)
 
     def _complete(self, batch: _InFlight) -> None:
         latency = time.perf_counter() - batch.t_pub
@@ -463,9 +482,10 @@ class Dispatcher:
             elif now - r.last_seen > self.heartbeat_timeout_s:
                 self._declare_lost(r.rank, f"no heartbeat for {now - r.last_seen:.2f} s "
                                            f"(timeout {self.heartbeat_timeout_s} s)")
-        if self._in_flight:
-            oldest = next(iter(self._in_flight.values()))
-            if now > oldest.deadline:
+        if self._in_flight:  # the oldest batch some rank has not acked (I/O may be pending)
+            full = self._all_mask
+            oldest = next((b for b in self._in_flight.values() if b.acked != full), None)
+            if oldest is not None and now > oldest.deadline:
                 for rank in range(self.world_size):
                     if not oldest.acked & (1 << rank) and rank not in self._lost:
                         self._declare_lost(rank, f"no ack for seq {oldest.seq} within "

@@ -1,9 +1,11 @@
 """``python -m zkv.worker``: one rank's worker actor as its own process.
 
 Environment (zkvrun sets it): ``RANK``, ``ZKV_CONFIG`` (layout JSON), ``ZKV_PUB_ENDPOINT``,
-``ZKV_PULL_ENDPOINT``; optional ``ZKV_BACKEND`` (auto | cpu | cupy), ``ZKV_STORE_DIR``
-(a :class:`~zkv.storage.LocalDirStore` root), ``ZKV_HEARTBEAT_S``, ``ZKV_LOG_DIR``,
-``ZKV_LOG_LEVEL``.
+``ZKV_PULL_ENDPOINT``; optional ``ZKV_BACKEND`` (auto | cpu | cupy), ``ZKV_STORE_URL``
+(an L3 store: ``file:///path``, ``redis://HOST:PORT/DB``, ``mooncake://HOST:PORT``; see
+:func:`zkv.storage.open_store`) or the older ``ZKV_STORE_DIR`` (= ``file://`` that
+directory), ``ZKV_HEARTBEAT_S``, ``ZKV_LOG_DIR``, ``ZKV_LOG_LEVEL``. A local store's
+byte budget is shared by the group's ranks (each gets ``1 / world_size`` of it).
 
 Exit status: 0 after Shutdown or SIGTERM/SIGINT, 3 after a seq gap, 2 on a bad
 configuration, 1 on any other fatal error. The worker also stops when its parent process
@@ -20,7 +22,7 @@ import threading
 from zkv import log as zlog
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
-from zkv.storage import LocalDirStore
+from zkv.storage import Store, file_url, open_store
 from zkv.worker.actor import EXIT_FATAL, WorkerActor
 from zkv.worker.sidecar import endpoints_from_env, rank_from_env, resolve_backend
 
@@ -34,6 +36,17 @@ def _watch_parent(actor: WorkerActor, stopped: threading.Event) -> None:
         if os.getppid() != parent:
             actor.stop("parent process exited")
             return
+
+
+def store_from_env(layout: CacheLayout, env: dict[str, str] | None = None) -> Store | None:
+    """The rank's L3 store from ``ZKV_STORE_URL`` (or ``ZKV_STORE_DIR``); None without."""
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    url = env.get("ZKV_STORE_URL") or None
+    if url is None and env.get("ZKV_STORE_DIR"):
+        url = file_url(env["ZKV_STORE_DIR"])
+    if url is None:
+        return None
+    return open_store(url, layout.fingerprint(), writers=layout.world_size)
 
 
 def main() -> int:
@@ -54,8 +67,11 @@ def main() -> int:
     except Exception as e:
         print(f"zkv.worker: rank {rank}: cannot allocate the cache: {e!r}", file=sys.stderr)
         return EXIT_FATAL
-    store_dir = os.environ.get("ZKV_STORE_DIR")
-    store = LocalDirStore(store_dir, layout.fingerprint()) if store_dir else None
+    try:
+        store = store_from_env(layout)
+    except ConfigError as e:
+        print(f"zkv.worker: rank {rank}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     actor = WorkerActor(rank, layout, kv_caches, host_pool, backend, pub_endpoint=pub,
                         pull_endpoint=pull, store=store, heartbeat_interval_s=heartbeat_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -67,6 +83,8 @@ def main() -> int:
         return actor.run()
     finally:
         stopped.set()
+        if store is not None:
+            store.close()
 
 
 if __name__ == "__main__":

@@ -6,12 +6,17 @@
      │        │ malformed: refuse, ack failed     1. d2h + backup, all layers (one merged copy)
      │        │ (if its seq is the expected one)  2. h2d layer by layer, event + counter.mark
      │        └ gap: Bye("seq gap ..."), stop     3. fill / check (simulated forward pass)
-     └ Shutdown: Bye("shutdown"), stop            4. s2h / h2s on I/O threads (done = prefix)
+     └ Shutdown: Bye("shutdown"), stop            4. s2h / h2s started on I/O threads; the
+                                                     ack names them ``pending``
+    wake fd (StorageIO) ──► take_done ──────────────────────────────────────────► PUSH ack
+                                                  (same seq: the I/O ops' results, done = prefix)
 
 One thread owns the SUB socket and runs batches. Batches run strictly in seq order; a seq
 gap is a rank failure (never a silent skip). A failing op becomes an error result in the
-ack and the actor keeps running. Every receive polls with a timeout, so ``stop()`` takes
-effect within ~0.1 s.
+ack and the actor keeps running. Storage I/O never blocks the loop (see
+zkv/worker/storage_io.py): a slow store delays only its own ops' results, never a later
+batch's copies or ack. Every receive polls with a timeout, so ``stop()`` takes effect
+within ~0.1 s.
 
 Heartbeats go out every ``heartbeat_interval_s`` from their own thread (sharing the PUSH
 socket under a lock), so no wait of the actor thread -- a long copy, a GPU synchronize,
@@ -32,7 +37,6 @@ Errors in a batch::
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import threading
 import time
@@ -46,10 +50,11 @@ import zmq
 from zkv import log as ev
 from zkv import protocol as P
 from zkv.config import CacheLayout
-from zkv.errors import ConfigError, DeviceFault, ProtocolError, StorageError
+from zkv.errors import ConfigError, DeviceFault, ProtocolError
 from zkv.kernels.layout import describe_for_layout
-from zkv.storage import Store, pack_key
+from zkv.storage import Store
 from zkv.worker.layers import LayerDoneCounter
+from zkv.worker.storage_io import IO_KINDS, StorageIO
 
 EXIT_OK = 0
 EXIT_FATAL = 1
@@ -60,7 +65,6 @@ _BYE_LINGER_MS = 250
 _ACK_HISTORY = 1024
 _COPY_KINDS = (P.D2H, P.BACKUP)
 _SIM_KINDS = (P.FILL, P.CHECK)
-_IO_KINDS = (P.S2H, P.H2S)
 
 
 def _logger(rank: int) -> Any:
@@ -132,7 +136,7 @@ class WorkerActor:
         self.exit_reason: str | None = None
         self._ctx = context
         self._io_threads = io_threads
-        self._io: cf.ThreadPoolExecutor | None = None
+        self._io: StorageIO | None = None
         self._stop = threading.Event()
         self._stop_reason = "stopped"
         self._expected = 0
@@ -252,7 +256,7 @@ class WorkerActor:
             push.close(_BYE_LINGER_MS)
             self._push = None
             if self._io is not None:
-                self._io.shutdown(wait=True, cancel_futures=True)
+                self._io.close()
             if own_ctx:
                 ctx.term()
             self._log.info(ev.WORKER_STOPPED, reason=reason, exit_code=code,
@@ -265,13 +269,21 @@ class WorkerActor:
         self._hot_log = self._log.bind()
         stop = self._stop
         self._next_hb = time.monotonic() + self.heartbeat_interval_s
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        if self.store is not None:
+            self._io = StorageIO(self.store, self.rank, self.backend, self.host_pool,
+                                 io_threads=self._io_threads)
+            poller.register(self._io.wake_fd, zmq.POLLIN)
         while not stop.is_set():
+            if self._io is not None and self._io.num_pending:
+                self._send_io_results()
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 self._maybe_heartbeat()
                 wait = max(0.0, self._next_hb - time.monotonic())
-                sub.poll(min(_MAX_POLL_MS, int(wait * 1000) + 1))
+                poller.poll(min(_MAX_POLL_MS, int(wait * 1000) + 1))
                 continue
             done = self._on_frames(frames)
             if done is not None:
@@ -371,6 +383,7 @@ class WorkerActor:
             self._hot_log.debug(ev.BATCH_DONE, seq=seq, num_ops=0, ok=True)
             return
         results: dict[int, P.OpResult] = {}
+        pending: tuple[int, ...] = ()
         self.counter.begin(seq)
         why = self._wait_released(seq) if self.gated else None
         if why is not None:
@@ -382,9 +395,9 @@ class WorkerActor:
         try:
             handle = self._run_copies(batch, results)
             self._run_sim(batch, results, handle)
-            self._run_io(batch, results, handle)
-            if handle is not None:
+            if handle is not None:  # before the I/O too: an h2s may read what a d2h wrote
                 self.backend.synchronize_event(handle)
+            pending = self._start_io(batch, results)
         except DeviceFault as e:
             raise self._device_failed(seq, e) from None
         except Exception as e:  # a backend that breaks outside any one op
@@ -392,12 +405,12 @@ class WorkerActor:
             self.counter.fail(seq, repr(e))
             self._drain(seq)
             for op in batch.ops:
-                if op.id not in results or results[op.id].ok:
+                if op.id not in pending and (op.id not in results or results[op.id].ok):
                     results[op.id] = P.OpResult(op.id, False, 0, f"batch failed: {e!r}")
-        ordered = tuple(results[op.id] for op in batch.ops)
+        ordered = tuple(results[op.id] for op in batch.ops if op.id in results)
         ok = all(r.ok for r in ordered)
         t_done = time.time()
-        self._ack(P.BlocksCopied(seq, self.rank, ok, ordered, t_recv, t_done))
+        self._ack(P.BlocksCopied(seq, self.rank, ok, ordered, t_recv, t_done, pending))
         self._hot_log.debug(ev.BATCH_DONE, seq=seq, num_ops=len(ordered), ok=ok,
                             dur_ms=round((t_done - t_recv) * 1e3, 3))
 
@@ -511,52 +524,32 @@ class WorkerActor:
 
     # ------------------------------------------------------------ storage
 
-    def _run_io(self, batch: P.CopyBlocks, results: dict[int, P.OpResult], handle: Any) -> None:
-        """s2h / h2s: one I/O task per block; an op's ``done`` is its prefix of successes."""
-        ios = [op for op in batch.ops if op.kind in _IO_KINDS]
+    def _start_io(self, batch: P.CopyBlocks, results: dict[int, P.OpResult]) -> tuple[int, ...]:
+        """Start the batch's s2h / h2s on the I/O threads; return the ids left pending."""
+        ios = [op for op in batch.ops if op.kind in IO_KINDS]
         if not ios:
-            return
-        if self.store is None:
+            return ()
+        if self._io is None:
             for op in ios:
                 results[op.id] = P.OpResult(op.id, False, 0, "no L3 store on this worker")
-            return
-        if handle is not None:
-            self.backend.synchronize_event(handle)  # an h2s may read what a d2h just wrote
-        if self._io is None:
-            self._io = cf.ThreadPoolExecutor(self._io_threads, thread_name_prefix="zkv-io")
-        tasks = [(op, [self._io.submit(self._io_one, op, i) for i in range(op.num_blocks)])
-                 for op in ios]
-        pending = {f for _, futs in tasks for f in futs}
-        while pending:
-            _, pending = cf.wait(pending, timeout=self.heartbeat_interval_s)
-            self._maybe_heartbeat()
-        for op, futs in tasks:
-            done, error = 0, None
-            for f in futs:
-                error = f.result()
-                if error is not None:
-                    break
-                done += 1
-            if error is not None:
-                self._log.error(ev.COPY_FAILED, seq=batch.seq, op_id=op.id, kind=op.kind,
-                                num_blocks=op.num_blocks, done=done, error=error)
-            results[op.id] = P.OpResult(op.id, error is None, done, error)
+            return ()
+        now, pending = self._io.start(batch.seq, ios)
+        for r in now:
+            results[r.id] = r
+        return pending
 
-    def _io_one(self, op: P.Op, i: int) -> str | None:
-        """Move block ``i`` of ``op``; None on success, else why not."""
-        assert self.store is not None
-        key = pack_key(op.keys[i], self.rank)
-        try:
-            if op.kind == P.H2S:
-                self.store.put(key, self.backend.host_block(self.host_pool, int(op.src[i])))
-                return None
-            if self.store.get_into(key, self.backend.host_block(self.host_pool, int(op.dst[i]))):
-                return None
-            return f"s2h: block {i} ({op.keys[i].hex()}) is not in the store"
-        except StorageError as e:
-            return f"{op.kind}: block {i}: {e}"
-        except Exception as e:
-            return f"{op.kind}: block {i}: {e!r}"
+    def _send_io_results(self) -> None:
+        """Ack the I/O ops that finished since the last call (one message per seq)."""
+        assert self._io is not None
+        for seq, results, left in self._io.take_done():
+            for r in results:
+                if not r.ok:
+                    self._log.error(ev.COPY_FAILED, seq=seq, op_id=r.id, done=r.done,
+                                    error=r.error)
+            ok = all(r.ok for r in results)
+            self._send(P.BlocksCopied(seq, self.rank, ok, tuple(results), 0.0, time.time(), left))
+            self._hot_log.debug(ev.IO_DONE, seq=seq, num_ops=len(results), ok=ok,
+                                num_pending=len(left))
 
 
 def _peek_op_ids(frames: Sequence[Any]) -> list[int]:

@@ -1,0 +1,222 @@
+"""Real L3 servers for tests: redis-server and a Mooncake Store (master + a memory holder),
+each on free 127.0.0.1 ports, started and always stopped by the test that owns them.
+
+::
+
+    with RedisServer(tmp_dir) as srv:          srv.url  -> redis://127.0.0.1:PORT/0
+        srv.pause() / srv.resume()             SIGSTOP / SIGCONT (a hung server)
+        srv.stop() / srv.start()               killed and restarted on the same port
+
+    with MooncakeServer(tmp_dir) as mc:        mc.url   -> mooncake://127.0.0.1:PORT
+        mc.stop_master() / mc.start_master()   the holder's segment comes back with it
+
+Readiness is polled with a deadline (a TCP connect, PING, the master's capacity metric);
+nothing sleeps for synchronization. Every child is reaped in ``close`` (also on errors).
+Install: ``apt-get install -y --no-install-recommends redis-server libibverbs1`` and
+``pip install -e '.[test,redis,mooncake]'``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import IO, Any
+
+HOST = "127.0.0.1"
+_START_TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def binary(name: str) -> str:
+    """A server binary from the venv or PATH; a missing one fails loudly, never skips."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    path = here if os.access(here, os.X_OK) else shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"{name} not found: install it (see tests/servers.py) - these "
+                           "tests run against real servers in CI")
+    return path
+
+
+def wait_for(pred: Callable[[], bool], what: str, proc: subprocess.Popen[bytes] | None = None,
+             timeout_s: float = _START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not ready within {timeout_s} s")
+        time.sleep(0.02)  # a polling interval, not synchronization
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.kill(proc.pid, signal.SIGCONT)  # a paused server takes its SIGTERM too
+        proc.terminate()
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class _Server:
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+        self._logs: list[IO[bytes]] = []
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               ) -> subprocess.Popen[bytes]:
+        log = open(os.path.join(self.folder, f"{name}.log"), "ab")  # noqa: SIM115
+        self._logs.append(log)
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                env=env, start_new_session=True)
+
+    def log_text(self, name: str) -> str:
+        with open(os.path.join(self.folder, f"{name}.log"), "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def close(self) -> None:
+        for log in self._logs:
+            log.close()
+        self._logs = []
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class RedisServer(_Server):
+    """One redis-server, no persistence, LRU eviction past ``maxmemory``."""
+
+    def __init__(self, folder: str, maxmemory: str = "256mb") -> None:
+        super().__init__(folder)
+        self.port = free_port()
+        self.maxmemory = maxmemory
+        self.proc: subprocess.Popen[bytes] | None = None
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = self._spawn("redis", [
+            binary("redis-server"), "--bind", HOST, "--port", str(self.port), "--dir",
+            self.folder, "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
+            "--maxmemory-policy", "allkeys-lru", "--protected-mode", "yes"])
+        wait_for(self._pong, f"redis-server on port {self.port}", self.proc)
+
+    def _pong(self) -> bool:
+        try:
+            with socket.create_connection((HOST, self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(host=HOST, port=self.port, socket_timeout=5)
+
+    def close(self) -> None:
+        self.stop()
+        super().close()
+
+
+class MooncakeServer(_Server):
+    """A Mooncake master and one ``mooncake_client`` that mounts ``segment_mb`` of memory
+    (where blocks live; zkv clients mount none, so blocks outlive them)."""
+
+    def __init__(self, folder: str, segment_mb: int = 256) -> None:
+        super().__init__(folder)
+        self.port, self.metrics_port, self.holder_port = free_port(), free_port(), free_port()
+        self.segment_mb = segment_mb
+        self.master: subprocess.Popen[bytes] | None = None
+        self.holder: subprocess.Popen[bytes] | None = None
+        self.env = dict(os.environ, MC_TCP_BIND_ADDRESS=HOST, MC_LOG_LEVEL="ERROR")
+        try:
+            self.start_master()
+            self.holder = self._spawn("holder", [
+                binary("mooncake_client"), f"--host={HOST}", f"--port={self.holder_port}",
+                f"--global_segment_size={segment_mb}MB", "--local_buffer_size=16MB",
+                f"--master_server_address={HOST}:{self.port}", "--metadata_server=P2PHANDSHAKE",
+                "--protocol=tcp", "--logtostderr=true"], env=self.env)
+            self.wait_capacity()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"mooncake://{HOST}:{self.port}"
+
+    def start_master(self) -> None:
+        self.master = self._spawn("master", [
+            binary("mooncake_master"), f"--rpc_address={HOST}", f"--rpc_port={self.port}",
+            f"--metrics_host={HOST}", f"--metrics_port={self.metrics_port}",
+            "--logtostderr=true"], env=self.env)
+        wait_for(lambda: port_open(self.port) and port_open(self.metrics_port),
+                 f"mooncake_master on port {self.port}", self.master)
+
+    def stop_master(self) -> None:
+        stop_process(self.master)
+
+    def capacity(self) -> int:
+        try:
+            text = urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/metrics",
+                                          timeout=1).read().decode()
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            if line.startswith("master_total_capacity_bytes "):
+                return int(float(line.split()[1]))
+        return 0
+
+    def wait_capacity(self) -> None:
+        """Until the holder's segment is mounted (after a start or a master restart)."""
+        wait_for(lambda: self.capacity() > 0, "mooncake segment mount", self.holder)
+
+    def close(self) -> None:
+        stop_process(self.holder)
+        stop_process(self.master)
+        super().close()

@@ -1,0 +1,312 @@
+"""The L3 store interface, the stored block format, and the reconnect breaker.
+
+Keys. A block key is packed bytes, ``digest (16) ‖ rank (2, big-endian)`` (:func:`pack_key`);
+a store names it ``{namespace}/{digest.hex()}/{rank}`` (:func:`key_name`), where the
+namespace is the layout fingerprint, so incompatible caches never mix in a shared store.
+
+Stored block = a 64-byte header, then the payload (one page-first host block)::
+
+    offset size  field
+    0      4     magic  b"ZKVB"
+    4      2     format version (1)                      all integers little-endian
+    6      2     header size (64)
+    8      8     payload length in bytes
+    16     8     xxh3_64 of the payload
+    24     18    the block key (digest ‖ rank)
+    42     6     zero
+    48     8     xxh3_64 of the namespace                a block of another namespace is refused
+    56     8     xxh3_64 of bytes 0..55                  a damaged header is refused
+
+A block that fails any check is a miss: it is never served, it is deleted, and it is
+counted in :class:`StoreStats` (``corrupt``, ``truncated``, ``foreign``) with a
+``storage.block_refused`` event.
+
+Errors. A missing block is not an error (a False in the result). A store that cannot be
+reached raises :class:`~zkv.errors.StorageError`; the :class:`Link` breaker then fails
+later calls at once (no timeout each) until its backoff passes, and one caller at a time
+tries to reconnect::
+
+    UP ──transport error──► DOWN(retry_at) ──a call after retry_at──► one reconnect attempt
+     ▲                        ▲   │ calls before retry_at: StorageError at once       │
+     │                        │   └────────────────────────────────────────────────── │
+     │                        └──── attempt failed: backoff x2 (at most max_backoff_s) ┤
+     └─────────────────────────────────── attempt succeeded ──────────────────────────┘
+
+Stores are called from the worker's I/O threads concurrently: implementations are
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import abc
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import xxhash
+
+from zkv import log as ev
+from zkv.errors import StorageError
+
+DIGEST_SIZE = 16
+KEY_SIZE = DIGEST_SIZE + 2
+MAGIC = b"ZKVB"
+FORMAT_VERSION = 1
+HEADER_SIZE = 64
+_HEAD = struct.Struct("<4sHHQQ18s6xQ")  # bytes 0..55; the header checksum follows
+_CHECK = struct.Struct("<Q")
+assert _HEAD.size + _CHECK.size == HEADER_SIZE
+
+CORRUPT, TRUNCATED, FOREIGN = "corrupt", "truncated", "foreign"
+
+
+def pack_key(digest: bytes, rank: int) -> bytes:
+    """The store key of one block of one rank."""
+    if len(digest) != DIGEST_SIZE:
+        raise ValueError(f"digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
+    return digest + rank.to_bytes(2, "big")
+
+
+def key_name(namespace: str, key: bytes) -> str:
+    """``{namespace}/{digest.hex()}/{rank}``: the key as a store (or a human) names it."""
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"store key must be {KEY_SIZE} bytes, got {len(key)}")
+    return f"{namespace}/{key[:DIGEST_SIZE].hex()}/{int.from_bytes(key[DIGEST_SIZE:], 'big')}"
+
+
+def check_namespace(namespace: str) -> str:
+    if (not namespace or "/" in namespace or namespace.startswith(".")
+            or not namespace.isprintable() or len(namespace) > 128):
+        raise ValueError(f"bad namespace {namespace!r}")
+    return namespace
+
+
+def namespace_id(namespace: str) -> int:
+    return xxhash.xxh3_64_intdigest(namespace.encode())
+
+
+def pack_header(ns_id: int, key: bytes, payload: Any) -> bytes:
+    """The 64-byte header of ``payload`` (any buffer) stored under ``key``."""
+    view = memoryview(payload).cast("B")
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, view.nbytes,
+                      xxhash.xxh3_64_intdigest(view), key, ns_id)
+    return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def check_header(raw: Any, ns_id: int, key: bytes, payload_len: int) -> tuple[str | None, int]:
+    """``(refusal, payload checksum)``: refusal is None when the header is good for a
+    ``payload_len``-byte block under ``key`` in namespace ``ns_id``."""
+    view = memoryview(raw).cast("B")
+    if view.nbytes < HEADER_SIZE:
+        return TRUNCATED, 0
+    head = view[: _HEAD.size]
+    if _CHECK.unpack_from(view, _HEAD.size)[0] != xxhash.xxh3_64_intdigest(head):
+        return CORRUPT, 0
+    magic, version, size, length, checksum, got_key, got_ns = _HEAD.unpack(head)
+    if magic != MAGIC or version != FORMAT_VERSION or size != HEADER_SIZE:
+        return CORRUPT, 0
+    if got_ns != ns_id:
+        return FOREIGN, 0
+    if got_key != key or length != payload_len:
+        return CORRUPT, 0
+    return None, checksum
+
+
+def payload_ok(payload: Any, checksum: int) -> bool:
+    return xxhash.xxh3_64_intdigest(memoryview(payload).cast("B")) == checksum
+
+
+def as_bytes_view(buf: Any) -> memoryview:
+    """A flat unsigned-byte view of any contiguous buffer."""
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counters of one store client (blocks unless named bytes). Read by tests and bench."""
+
+    hits: int = 0
+    misses: int = 0            # not there (including "gone after exists")
+    corrupt: int = 0           # refused: bad header or payload checksum (deleted)
+    truncated: int = 0         # refused: shorter than its header says (deleted)
+    foreign: int = 0           # refused: another namespace's block (deleted)
+    puts: int = 0
+    put_failures: int = 0      # the store declined a block (full, lease, ...): dropped
+    errors: int = 0            # calls that failed: unreachable, timed out
+    query_failures: int = 0    # scheduler existence queries answered 0 because of an error
+    evicted: int = 0           # local store: blocks removed by the byte budget
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Link:
+    """The reconnect breaker of one store client (see the module docstring).
+
+    ``connect()`` makes the client usable again (or raises); it runs in at most one
+    thread at a time, at most once per backoff period, so a dead store costs a caller
+    one bounded attempt at most and every other caller nothing.
+    """
+
+    def __init__(self, what: str, connect: Callable[[], None], *, min_backoff_s: float = 0.2,
+                 max_backoff_s: float = 5.0, log: Any = None) -> None:
+        self.what = what
+        self._connect = connect
+        self._min = min_backoff_s
+        self._max = max_backoff_s
+        self._log = log if log is not None else ev.get_logger("storage")
+        self._lock = threading.Lock()
+        self._up = True
+        self._backoff = min_backoff_s
+        self._retry_at = 0.0
+        self._probing = False
+        self.num_down = 0          # UP -> DOWN transitions
+        self.num_reconnects = 0    # DOWN -> UP transitions
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def before(self) -> None:
+        """Gate one call: return when the store may be used, else raise StorageError."""
+        if self._up:
+            return
+        with self._lock:
+            if self._up:
+                return
+            now = time.monotonic()
+            if self._probing or now < self._retry_at:
+                raise StorageError(f"{self.what} unreachable (next attempt in "
+                                   f"{max(0.0, self._retry_at - now):.2f} s)")
+            self._probing = True
+        try:
+            self._connect()
+        except Exception as e:
+            with self._lock:
+                self._probing = False
+                self._backoff = min(self._max, self._backoff * 2)
+                self._retry_at = time.monotonic() + self._backoff
+            raise StorageError(f"{self.what} unreachable: {e}") from e
+        with self._lock:
+            self._probing = False
+            self._up = True
+            self._backoff = self._min
+            self.num_reconnects += 1
+        self._log.warning(ev.STORE_RECONNECTED, store=self.what)
+
+    def down(self, error: BaseException | str) -> None:
+        """A call failed for a transport reason: fail fast until the backoff passes."""
+        with self._lock:
+            was_up = self._up
+            self._up = False
+            self._retry_at = time.monotonic() + self._backoff
+            if was_up:
+                self.num_down += 1
+        if was_up:
+            self._log.error(ev.STORE_UNREACHABLE, store=self.what, error=str(error),
+                            retry_in_s=round(self._backoff, 3))
+
+
+class Store(abc.ABC):
+    """An L3 key/value store of host blocks (see the module docstring).
+
+    Batched calls take and return lists in key order. ``get_many_into`` fills each
+    ``outs[i]`` (exactly the block's size) and returns whether it holds the verified
+    block; ``put_many`` returns whether each block was stored (False: the store declined
+    it, counted in ``stats.put_failures``). Transport failures raise StorageError.
+    """
+
+    namespace: str
+    stats: StoreStats
+    url: str = ""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = check_namespace(namespace)
+        self.ns_id = namespace_id(namespace)
+        self.stats = StoreStats()
+        self._stats_lock = threading.Lock()
+        self._log = ev.get_logger("storage", namespace=namespace)
+
+    # ---------------------------------------------------------------- the interface
+
+    @abc.abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """One batched existence query (one round trip where the backend allows)."""
+
+    @abc.abstractmethod
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        """Read verified blocks into ``outs``; False for a miss or a refused block."""
+
+    @abc.abstractmethod
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        """Store blocks (header added here); each lands whole or not at all."""
+
+    @abc.abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Delete ``key``; a missing key is not an error."""
+
+    def register_buffer(self, ptr: int, nbytes: int) -> None:  # noqa: B027
+        """Memory that blocks will be read into / written from (zero copy where the
+        backend needs registration, e.g. Mooncake's RDMA). Default: nothing to do."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release connections. Idempotent."""
+
+    # ---------------------------------------------------------------- conveniences
+
+    def put(self, key: bytes, data: Any) -> None:
+        """Store one block; StorageError if it was not stored."""
+        if not self.put_many([key], [data])[0]:
+            raise StorageError(f"put {key_name(self.namespace, key)}: declined by the store")
+
+    def get_into(self, key: bytes, out: Any) -> bool:
+        return self.get_many_into([key], [out])[0]
+
+    def name(self, key: bytes) -> str:
+        return key_name(self.namespace, key)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- for backends
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            s = self.stats
+            for name, n in deltas.items():
+                setattr(s, name, getattr(s, name) + n)
+
+    def _refuse(self, key: bytes, kind: str, detail: str = "") -> None:
+        """A block failed its check: count it, say so, delete it (never served)."""
+        self._count(**{kind: 1}, misses=1)
+        self._log.error(ev.BLOCK_REFUSED, kind=kind, key=self.name(key), detail=detail,
+                        store=self.url)
+        try:
+            self._delete_refused(key)
+        except Exception as e:  # the refusal stands; the next reader refuses it again
+            self._log.warning(ev.BLOCK_REFUSED, kind=kind, key=self.name(key),
+                              error=f"delete failed: {e!r}", store=self.url)
+
+    def _delete_refused(self, key: bytes) -> None:
+        """Delete a refused block even if the store protects it (leases). Default: remove."""
+        self.remove(key)
+
+    def _verify(self, key: bytes, header: Any, payload: Any) -> bool:
+        """Check a block read as (header, payload); refuse it (False) when bad."""
+        nbytes = memoryview(payload).nbytes
+        kind, checksum = check_header(header, self.ns_id, key, nbytes)
+        if kind is None and not payload_ok(payload, checksum):
+            kind = CORRUPT
+        if kind is not None:
+            self._refuse(key, kind)
+            return False
+        return True

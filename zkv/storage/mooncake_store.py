@@ -1,0 +1,257 @@
+"""L3 on Mooncake Store: ``mooncake://MASTER_HOST:PORT``.
+
+The master keeps metadata; the bytes live in memory segments that clients mount
+(``segment_bytes``; 0 here by default: the memory comes from dedicated holders such as
+``mooncake_client --global_segment_size=...`` next to the master, so blocks outlive any
+one serving instance). Every client talks P2PHANDSHAKE over TCP; on a loopback master the
+transfer engine advertises 127.0.0.1 (``MC_TCP_BIND_ADDRESS``).
+
+How the header travels: in the same object, as a separate first buffer. One block is one
+object ``header (64) ‖ payload`` put with ``batch_put_from_multi_buffers([hdr, payload])``
+and read with ``batch_get_into_multi_buffers([hdr_slot, host_block])``: the payload goes
+straight from / into the host block (zero copy; both registered with ``register_buffer``
+for RDMA), the header through a small per-thread slot arena. A block is one object, so it
+is written and evicted whole (a separate header key could be evicted on its own), and
+one batched call moves a whole chunk of blocks (see bench/storage.py for its cost against
+payload-only objects)::
+
+    per I/O thread:  header arena [MAX_BATCH x 64 B]   (registered once per client)
+    put  key_i:  [arena[i] ◄ pack_header] + [host block]  ──batch_put_from_multi_buffers──►
+    get  key_i:  [arena[i]] + [host block]  ◄──batch_get_into_multi_buffers──  then verify
+
+Return codes (ints): a size = read OK; -704 not found (a normal miss, also after exists);
+-600 the object is larger than the block (refused); -800 on a get may be a shorter object
+(``get_size`` decides: refused) or a transfer failure; -706 lease (refused blocks are
+removed with ``force=True``); -200 no space (the put is declined and counted); -900 /
+-901 RPC failure or timeout: the link goes down (see base.py). ``put`` on an existing key
+keeps the stored value (blocks are content-addressed: same key, same bytes), so there is
+no ``upsert``.
+
+Process-wide settings (environment, first client wins): ``MC_RPC_TIMEOUT_MS`` (from
+``timeout_s``: a stopped master costs one call this long, not 30 s),
+``MC_STORE_CLIENT_SETUP_RETRIES=1`` (the master port is probed before ``setup``, so a
+dead master costs ~0 s instead of ~90 s), ``MC_LOG_LEVEL=ERROR``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from zkv import log as ev
+from zkv.errors import ConfigError, StorageError
+from zkv.storage.base import (
+    CORRUPT,
+    HEADER_SIZE,
+    TRUNCATED,
+    Link,
+    Store,
+    as_bytes_view,
+    pack_header,
+)
+
+MAX_BATCH = 256
+NOT_FOUND = -704
+TOO_SMALL = -600
+TRANSFER_FAIL = -800
+#: Codes about one object; anything else negative means the store is not answering.
+_PER_OBJECT = frozenset({NOT_FOUND, TOO_SMALL, TRANSFER_FAIL, -200, -703, -705, -706, -10})
+
+
+def _ptr(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class MooncakeStore(Store):
+    """Blocks in a Mooncake Store (see the module docstring). Thread-safe: the client is
+    shared; each I/O thread has its own header arena."""
+
+    def __init__(self, host: str, port: int, namespace: str, *, segment_bytes: int = 0,
+                 buffer_bytes: int = 16 << 20, timeout_s: float = 2.0,
+                 local_hostname: str | None = None, protocol: str = "tcp") -> None:
+        super().__init__(namespace)
+        self.host, self.port = host, port
+        self.url = f"mooncake://{host}:{port}"
+        loopback = host in ("127.0.0.1", "localhost", "::1")
+        self.local_hostname = local_hostname or ("127.0.0.1" if loopback else socket.gethostname())
+        if loopback:
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, int(timeout_s * 1000))))
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise ConfigError("mooncake:// needs the Mooncake client: pip install "
+                              f"'zkv[mooncake]' (and Debian's libibverbs1): {e}") from e
+        self._factory = MooncakeDistributedStore
+        self.segment_bytes, self.buffer_bytes, self.protocol = segment_bytes, buffer_bytes, protocol
+        self.timeout_s = timeout_s
+        self._client: Any = None
+        self._setup_lock = threading.Lock()
+        self._regions: list[tuple[int, int]] = []
+        self._arenas: list[np.ndarray] = []  # kept alive: registered memory never goes away
+        self._tls = threading.local()
+        self.link = Link(self.url, self._connect, log=self._log)
+        try:  # a master down at start is no error: the store degrades to misses
+            self.link.before()
+            self._connect()
+        except Exception as e:
+            self.link.down(e)
+        else:
+            self._log.info(ev.STORE_OPENED, store=self.url)
+
+    # ---------------------------------------------------------------- connection
+
+    def _connect(self) -> None:
+        with socket.create_connection((self.host, self.port), timeout=min(0.5, self.timeout_s)):
+            pass  # the master listens: setup will not sit in its own retry loop
+        with self._setup_lock:
+            if self._client is None:
+                client = self._factory()
+                rc = client.setup(self.local_hostname, "P2PHANDSHAKE", self.segment_bytes,
+                                  self.buffer_bytes, self.protocol, "", f"{self.host}:{self.port}")
+                if rc != 0:
+                    raise StorageError(f"setup returned {rc}")
+                for ptr, n in self._regions:
+                    client.register_buffer(ptr, n)
+                self._client = client
+                return
+            rc = self._client.health_check()
+            if rc != 0:
+                raise StorageError(f"health_check returned {rc}")
+
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        with self._setup_lock:
+            self._regions.append((ptr, nbytes))
+            if self._client is not None:
+                rc = self._client.register_buffer(ptr, nbytes)
+                if rc != 0:
+                    raise StorageError(f"{self.url}: register_buffer returned {rc}")
+
+    def _arena(self) -> np.ndarray:
+        arena = getattr(self._tls, "arena", None)
+        if arena is None:
+            arena = np.zeros(MAX_BATCH * HEADER_SIZE, dtype=np.uint8)
+            self._arenas.append(arena)
+            self.register_buffer(int(arena.ctypes.data), arena.nbytes)
+            self._tls.arena = arena
+        return arena
+
+    def _call(self, what: str, fn: Any) -> list[int]:
+        self.link.before()
+        client = self._client
+        if client is None:
+            raise StorageError(f"{self.url} {what}: not connected")
+        rcs = list(fn(client))
+        bad = [rc for rc in rcs if rc < 0 and rc not in _PER_OBJECT]
+        if bad:
+            self._count(errors=1)
+            self.link.down(f"{what} returned {bad[0]}")
+            raise StorageError(f"{self.url} {what}: returned {bad[0]}")
+        return rcs
+
+    # ---------------------------------------------------------------- interface
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        names = [self.name(k) for k in keys]
+        rcs = self._call("exists", lambda c: c.batch_is_exist(names))
+        return [rc == 1 for rc in rcs]
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        found: list[bool] = []
+        for i in range(0, len(keys), MAX_BATCH):
+            found += self._get_chunk(keys[i : i + MAX_BATCH], outs[i : i + MAX_BATCH])
+        return found
+
+    def _get_chunk(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        arena = self._arena()
+        base = int(arena.ctypes.data)
+        views = [as_bytes_view(o) for o in outs]
+        names = [self.name(k) for k in keys]
+        ptrs = [[base + i * HEADER_SIZE, _ptr(v)] for i, v in enumerate(views)]
+        sizes = [[HEADER_SIZE, v.nbytes] for v in views]
+        rcs = self._call("get", lambda c: c.batch_get_into_multi_buffers(names, ptrs, sizes))
+        out = []
+        for i, (key, view, rc) in enumerate(zip(keys, views, rcs)):
+            if rc == HEADER_SIZE + view.nbytes:
+                header = arena[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
+                ok = self._verify(key, header, view)
+                if ok:
+                    self._count(hits=1, bytes_read=view.nbytes)
+            else:
+                ok = False
+                self._get_failed(key, names[i], view.nbytes, rc)
+            out.append(ok)
+        return out
+
+    def _get_failed(self, key: bytes, name: str, nbytes: int, rc: int) -> None:
+        want = HEADER_SIZE + nbytes
+        if rc == NOT_FOUND:
+            self._count(misses=1)
+            return
+        size = rc if rc >= 0 else self._size_of(name) if rc in (TOO_SMALL, TRANSFER_FAIL) else -1
+        if size >= 0 and size != want:
+            self._refuse(key, TRUNCATED if size < want else CORRUPT,
+                         f"object {size} bytes, block {want} bytes")
+            return
+        self._count(errors=1, misses=1)
+        self._log.error(ev.QUERY_FAILED, key=name, error=f"get returned {rc}", store=self.url)
+
+    def _size_of(self, name: str) -> int:
+        try:
+            return int(self._client.get_size(name))
+        except Exception:
+            return -1
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        stored: list[bool] = []
+        for i in range(0, len(keys), MAX_BATCH):
+            stored += self._put_chunk(keys[i : i + MAX_BATCH], datas[i : i + MAX_BATCH])
+        return stored
+
+    def _put_chunk(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        if not keys:
+            return []
+        arena = self._arena()
+        base = int(arena.ctypes.data)
+        views = [as_bytes_view(d) for d in datas]
+        for i, (key, view) in enumerate(zip(keys, views, strict=True)):
+            arena[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = np.frombuffer(
+                pack_header(self.ns_id, key, view), dtype=np.uint8)
+        names = [self.name(k) for k in keys]
+        ptrs = [[base + i * HEADER_SIZE, _ptr(v)] for i, v in enumerate(views)]
+        sizes = [[HEADER_SIZE, v.nbytes] for v in views]
+        rcs = self._call("put", lambda c: c.batch_put_from_multi_buffers(names, ptrs, sizes))
+        ok = [rc == 0 for rc in rcs]
+        n = sum(ok)
+        self._count(puts=n, put_failures=len(ok) - n,
+                    bytes_written=sum(v.nbytes for v, good in zip(views, ok) if good))
+        if n < len(ok):
+            rc = next(rc for rc in rcs if rc != 0)
+            hint = " (no space: mount memory, e.g. mooncake_client)" if rc == -200 else ""
+            self._log.error(ev.WRITE_FAILED, num_blocks=len(ok) - n, error=f"put returned {rc}"
+                            + hint, store=self.url)
+        return ok
+
+    def remove(self, key: bytes) -> None:
+        name = self.name(key)
+        rc = self._call("remove", lambda c: [c.remove(name, True)])[0]
+        if rc not in (0, NOT_FOUND):
+            raise StorageError(f"{self.url} remove {name}: returned {rc}")
+
+    def close(self) -> None:
+        with self._setup_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __repr__(self) -> str:
+        return f"MooncakeStore({self.url!r}, {self.namespace!r})"

@@ -1,0 +1,180 @@
+"""L3 on a Redis (or Valkey) server: ``redis://HOST:PORT/DB``.
+
+One value per block, ``64-byte header ‖ payload`` (see base.py), under the key name
+``{namespace}/{hex}/{rank}``. Every batched call is one pipeline, so one round trip::
+
+    exists(keys)        EXISTS k1; EXISTS k2; ...     -> [1, 0, ...]
+    get_many_into       GET k1; GET k2; ...           -> verify, copy payload into the host block
+    put_many            SET k1 v1 [EX ttl]; ...       (header and payload joined: one copy)
+
+redis-py hands values back as ``bytes``, so a get costs one copy into the host block and a
+put one join; zero copy is not possible with this client. Eviction is the server's: run
+it with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (a key evicted between exists
+and get is an ordinary miss), or pass ``ttl_s``.
+
+Outages: every call has a socket timeout and no client-side retry; a connection or timeout
+error marks the :class:`~zkv.storage.base.Link` down, later calls fail at once until its
+backoff passes, then one ``PING`` decides (the connection pool reconnects by itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from zkv import log as ev
+from zkv.errors import ConfigError, StorageError
+from zkv.storage.base import (
+    CORRUPT,
+    HEADER_SIZE,
+    TRUNCATED,
+    Link,
+    Store,
+    as_bytes_view,
+    check_header,
+    pack_header,
+    payload_ok,
+)
+
+
+class RedisStore(Store):
+    """Blocks in one Redis database (see the module docstring). Thread-safe: redis-py's
+    connection pool hands each concurrent pipeline its own connection."""
+
+    def __init__(self, host: str, port: int, db: int, namespace: str, *, timeout_s: float = 2.0,
+                 connect_timeout_s: float = 0.5, ttl_s: int | None = None,
+                 password: str | None = None) -> None:
+        super().__init__(namespace)
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as e:
+            raise ConfigError("redis:// needs the redis client: pip install 'zkv[redis]'") from e
+        self._errors = redis.RedisError
+        self._transport_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self.url = f"redis://{host}:{port}/{db}"
+        self.ttl_s = ttl_s
+        self._client = redis.Redis(
+            host=host, port=port, db=db, password=password, socket_timeout=timeout_s,
+            socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False, health_check_interval=0)
+        self.link = Link(self.url, self._ping, log=self._log)
+        try:  # a server down at start is no error: the store degrades to misses
+            self._call("ping", self._client.ping)
+        except StorageError:
+            pass
+        else:
+            self._log.info(ev.STORE_OPENED, store=self.url)
+
+    def _ping(self) -> None:
+        self._client.ping()
+
+    def _call(self, what: str, fn: Any) -> Any:
+        self.link.before()
+        try:
+            return fn()
+        except self._transport_errors as e:
+            self._count(errors=1)
+            self.link.down(e)
+            raise StorageError(f"{self.url} {what}: {e}") from e
+        except self._errors as e:
+            self._count(errors=1)
+            raise StorageError(f"{self.url} {what}: {e}") from e
+
+    def _pipeline(self, what: str, build: Any) -> list[Any]:
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            build(pipe)
+            return pipe.execute(raise_on_error=False)
+
+        out = self._call(what, run)
+        for r in out:  # a lost connection mid-pipeline comes back per command
+            if isinstance(r, self._transport_errors):
+                self._count(errors=1)
+                self.link.down(r)
+                raise StorageError(f"{self.url} {what}: {r}")
+        return out
+
+    # ---------------------------------------------------------------- interface
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        names = [self.name(k) for k in keys]
+
+        def build(pipe: Any) -> None:
+            for n in names:
+                pipe.exists(n)
+
+        out = self._pipeline("exists", build)
+        if any(isinstance(r, Exception) for r in out):
+            self._count(errors=1)
+            raise StorageError(f"{self.url} exists: {next(r for r in out if isinstance(r, Exception))}")
+        return [bool(r) for r in out]
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        if not keys:
+            return []
+        names = [self.name(k) for k in keys]
+
+        def build(pipe: Any) -> None:
+            for n in names:
+                pipe.get(n)
+
+        values = self._pipeline("get", build)
+        return [self._take(k, v, as_bytes_view(o)) for k, v, o in zip(keys, values, outs, strict=True)]
+
+    def _take(self, key: bytes, value: Any, out: memoryview) -> bool:
+        if value is None:
+            self._count(misses=1)
+            return False
+        if isinstance(value, Exception):
+            self._count(errors=1, misses=1)
+            self._log.error(ev.QUERY_FAILED, key=self.name(key), error=str(value), store=self.url)
+            return False
+        want = out.nbytes
+        view = memoryview(value)
+        kind, checksum = check_header(view[:HEADER_SIZE], self.ns_id, key, want)
+        if kind is None and view.nbytes != HEADER_SIZE + want:
+            kind = TRUNCATED if view.nbytes < HEADER_SIZE + want else CORRUPT
+        payload = view[HEADER_SIZE:]
+        if kind is None and not payload_ok(payload, checksum):
+            kind = CORRUPT
+        if kind is not None:
+            self._refuse(key, kind, f"value {view.nbytes} bytes, block {want} bytes")
+            return False
+        out[:] = payload
+        self._count(hits=1, bytes_read=want)
+        return True
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        if not keys:
+            return []
+        views = [as_bytes_view(d) for d in datas]
+        values = [b"".join((pack_header(self.ns_id, k, v), v)) for k, v in zip(keys, views, strict=True)]
+        names = [self.name(k) for k in keys]
+
+        def build(pipe: Any) -> None:
+            for n, v in zip(names, values):
+                pipe.set(n, v, ex=self.ttl_s)
+
+        out = self._pipeline("put", build)
+        ok = [r is True for r in out]
+        stored = sum(ok)
+        self._count(puts=stored, put_failures=len(ok) - stored,
+                    bytes_written=sum(v.nbytes for v, good in zip(views, ok) if good))
+        if stored < len(ok):
+            err = next(r for r in out if r is not True)
+            self._log.error(ev.WRITE_FAILED, num_blocks=len(ok) - stored, error=str(err),
+                            store=self.url)
+        return ok
+
+    def remove(self, key: bytes) -> None:
+        self._call("remove", lambda: self._client.delete(self.name(key)))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.url!r}, {self.namespace!r})"

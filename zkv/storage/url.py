@@ -1,0 +1,126 @@
+"""``open_store(url, namespace)``: an L3 store chosen by URL.
+
+::
+
+    file:///abs/path[?max_gb=G|max_bytes=N][&fsync=1]          LocalDirStore (embedded default)
+    redis://[:password@]HOST:PORT[/DB][?timeout_s=T][&ttl_s=S]  RedisStore (Redis / Valkey)
+    mooncake://HOST:PORT[?segment_mb=M][&buffer_mb=B][&timeout_s=T][&protocol=tcp]
+                                                                MooncakeStore (master address)
+
+``writers``: how many processes write the same local directory (the ranks of a group);
+each gets ``max_bytes / writers`` of the budget (see zkv/storage/local.py). A bad URL
+raises :class:`~zkv.errors.ConfigError` with one line saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from zkv.errors import ConfigError
+from zkv.storage.base import Store
+
+SCHEMES = ("file", "redis", "mooncake")
+_PARAMS = {
+    "file": {"max_gb": float, "max_bytes": int, "fsync": bool},
+    "redis": {"timeout_s": float, "ttl_s": int},
+    "mooncake": {"segment_mb": int, "buffer_mb": int, "timeout_s": float, "protocol": str},
+}
+
+
+def _bad(url: str, why: str) -> ConfigError:
+    return ConfigError(f"bad store URL {url!r}: {why}")
+
+
+def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+        kind = _PARAMS[scheme].get(name)
+        if kind is None:
+            raise _bad(url, f"unknown parameter {name!r} (known: {', '.join(_PARAMS[scheme])})")
+        try:
+            if kind is bool:
+                if raw not in ("0", "1", "true", "false"):
+                    raise ValueError(raw)
+                out[name] = raw in ("1", "true")
+            else:
+                out[name] = kind(raw)
+        except ValueError:
+            raise _bad(url, f"{name}={raw!r} is not a {kind.__name__}") from None
+        if kind in (int, float) and out[name] <= 0 and name != "segment_mb":
+            raise _bad(url, f"{name} must be > 0")
+    return out
+
+
+def _host_port(url: str, parts: Any) -> tuple[str, int]:
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as e:
+        raise _bad(url, str(e)) from None
+    if not host or port is None:
+        raise _bad(url, "needs HOST:PORT")
+    return host, port
+
+
+def open_store(url: str, namespace: str, *, writers: int = 1) -> Store:
+    """The store ``url`` names, in ``namespace`` (the layout fingerprint).
+
+    A redis or mooncake server that is down is no error here: the store starts
+    disconnected, every call fails fast (a miss on the scheduler side) and it reconnects
+    when the server is back.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise _bad(str(url), f"expected SCHEME://..., one of {', '.join(SCHEMES)}")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise _bad(url, f"unknown scheme {scheme!r} (one of {', '.join(SCHEMES)})")
+    if writers < 1:
+        raise ValueError(f"writers must be >= 1, got {writers}")
+    params = _params(url, scheme, parts.query)
+    if scheme == "file":
+        return _open_file(url, parts, namespace, params, writers)
+    host, port = _host_port(url, parts)
+    if scheme == "redis":
+        from zkv.storage.redis_store import RedisStore
+
+        path = parts.path.strip("/") or "0"
+        if not path.isdigit():
+            raise _bad(url, f"database must be a number, got {path!r}")
+        password = unquote(parts.password) if parts.password else None
+        return RedisStore(host, port, int(path), namespace, password=password, **params)
+    from zkv.storage.mooncake_store import MooncakeStore
+
+    if parts.path not in ("", "/"):
+        raise _bad(url, "a mooncake URL names the master only (no path)")
+    kw: dict[str, Any] = {}
+    if "segment_mb" in params:
+        kw["segment_bytes"] = params.pop("segment_mb") << 20
+    if "buffer_mb" in params:
+        kw["buffer_bytes"] = params.pop("buffer_mb") << 20
+    return MooncakeStore(host, port, namespace, **kw, **params)
+
+
+def _open_file(url: str, parts: Any, namespace: str, params: dict[str, Any],
+               writers: int) -> Store:
+    from zkv.storage.local import LocalDirStore
+
+    if parts.netloc not in ("", "localhost"):
+        raise _bad(url, "file URLs name a local path: file:///abs/path")
+    path = unquote(parts.path)
+    if not path.startswith("/"):
+        raise _bad(url, "the path must be absolute: file:///abs/path")
+    max_bytes = params.get("max_bytes")
+    if "max_gb" in params:
+        if max_bytes is not None:
+            raise _bad(url, "give max_gb or max_bytes, not both")
+        max_bytes = int(params["max_gb"] * (1 << 30))
+    if max_bytes is not None:
+        max_bytes = max(1, max_bytes // writers)
+    return LocalDirStore(path, namespace, max_bytes=max_bytes, fsync=params.get("fsync", False))
+
+
+def file_url(path: str | os.PathLike[str]) -> str:
+    """``file://`` URL of a local directory (what ``--store-dir`` maps to)."""
+    return "file://" + os.path.abspath(os.fspath(path))
