@@ -112,9 +112,9 @@ class _Server:
 class RedisServer(_Server):
     """One redis-server, no persistence, LRU eviction past ``maxmemory``."""
 
-    def __init__(self, folder: str, maxmemory: str = "256mb") -> None:
+    def __init__(self, folder: str, maxmemory: str = "256mb", port: int | None = None) -> None:
         super().__init__(folder)
-        self.port = free_port()
+        self.port = port or free_port()
         self.maxmemory = maxmemory
         self.proc: subprocess.Popen[bytes] | None = None
         try:

@@ -58,7 +58,7 @@ class RedisStore(Store):
         self._client = redis.Redis(
             host=host, port=port, db=db, password=password, socket_timeout=timeout_s,
             socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False, health_check_interval=0)
+            health_check_interval=0)
         self.link = Link(self.url, self._ping, log=self._log)
         try:  # a server down at start is no error: the store degrades to misses
             self._call("ping", self._client.ping)

@@ -1,0 +1,157 @@
+"""LocalDirStore: the byte budget (LRU, O(1) per put), the index rebuilt at open, a root
+directory removed and made again, leftovers of a writer that died."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zkv.errors import StorageError
+from zkv.storage import HEADER_SIZE, LocalDirStore, file_url, open_store, pack_key
+
+BLOCK = 4096
+FILE = HEADER_SIZE + BLOCK
+
+
+def key(i: int, rank: int = 0) -> bytes:
+    return pack_key(i.to_bytes(16, "big"), rank)
+
+
+def data(i: int) -> np.ndarray:
+    return np.full(BLOCK, i % 251, dtype=np.uint8)
+
+
+def get(store: LocalDirStore, i: int) -> bool:
+    out = np.zeros(BLOCK, np.uint8)
+    ok = store.get_into(key(i), out)
+    assert not ok or out.tobytes() == data(i).tobytes()
+    return ok
+
+
+def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path, "ns", max_bytes=3 * FILE)
+    for i in range(3):
+        s.put(key(i), data(i))
+    assert (s.num_blocks, s.num_bytes) == (3, 3 * FILE)
+    assert get(s, 0)  # 0 is now the most recently used
+    s.put(key(3), data(3))  # over budget: the oldest, 1, goes
+    assert s.exists([key(i) for i in range(4)]) == [True, False, True, True]
+    assert not get(s, 1)
+    s.put(key(4), data(4))
+    assert s.exists([key(i) for i in range(5)]) == [True, False, False, True, True]
+    assert (s.num_blocks, s.num_bytes, s.stats.evicted) == (3, 3 * FILE, 2)
+    on_disk = sum(len(files) for _, _, files in os.walk(tmp_path / "ns"))
+    assert on_disk == 3
+
+
+def test_puts_never_scan_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = LocalDirStore(tmp_path, "ns", max_bytes=4 * FILE)
+
+    def no_scan(*_: object) -> None:
+        raise AssertionError("a directory scan after open")
+
+    monkeypatch.setattr(os, "scandir", no_scan)
+    monkeypatch.setattr(os, "listdir", no_scan)
+    monkeypatch.setattr(os, "walk", no_scan)
+    for i in range(40):  # 36 evictions
+        s.put(key(i), data(i))
+        assert get(s, i)
+    assert s.num_blocks == 4 and s.stats.evicted == 36
+
+
+def test_index_is_rebuilt_at_open_in_mtime_order(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path, "ns", max_bytes=10 * FILE)
+    for i in range(4):
+        s.put(key(i), data(i))
+    base = time.time() - 100
+    for i, age in enumerate((3, 1, 0, 2)):  # LRU order by mtime: 0, 3, 1, 2 (oldest first)
+        os.utime(s.path(key(i)), (base - age, base - age))
+    again = LocalDirStore(tmp_path, "ns", max_bytes=4 * FILE)
+    assert (again.num_blocks, again.num_bytes) == (4, 4 * FILE)
+    again.put(key(4), data(4))
+    again.put(key(5), data(5))  # two over: the two oldest go
+    assert again.exists([key(i) for i in range(6)]) == [False, True, True, False, True, True]
+    assert all(get(again, i) for i in (1, 2, 4, 5))
+
+
+def test_a_hit_survives_a_restart_as_recent(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path, "ns", max_bytes=10 * FILE)
+    for i in range(3):
+        s.put(key(i), data(i))
+        t = time.time() - 100 + i
+        os.utime(s.path(key(i)), (t, t))
+    assert get(s, 0)  # refreshes the file's mtime
+    again = LocalDirStore(tmp_path, "ns", max_bytes=3 * FILE)
+    again.put(key(3), data(3))
+    assert again.exists([key(i) for i in range(4)]) == [True, False, True, True]
+
+
+def test_recreated_root_is_picked_up_again(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    s = LocalDirStore(root, "ns", max_bytes=100 * FILE)
+    s.put(key(1), data(1))
+    shutil.rmtree(root)
+    assert not get(s, 1) and s.exists([key(1)]) == [False]
+    root.mkdir()
+    s.put(key(1), data(1))  # the fan-out folder is made again
+    s.put(key(2), data(2))
+    assert get(s, 1) and get(s, 2)
+    assert s.num_bytes == 2 * FILE
+
+
+def test_stale_temp_files_are_removed_at_open(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path, "ns")
+    s.put(key(1), data(1))
+    old = s.path(key(2)) + ".123.456.tmp"
+    new = s.path(key(3)) + ".123.789.tmp"
+    for p in (old, new):
+        Path(p).write_bytes(b"partial")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    again = LocalDirStore(tmp_path, "ns")
+    assert not os.path.exists(old) and os.path.exists(new)  # a live writer's file stays
+    assert again.num_blocks == 1 and again.exists([key(2), key(3)]) == [False, False]
+
+
+def test_budget_is_shared_by_the_writers(tmp_path: Path) -> None:
+    s = open_store(file_url(tmp_path) + "?max_bytes=1000", "ns", writers=4)
+    assert isinstance(s, LocalDirStore) and s.max_bytes == 250
+    s = open_store(file_url(tmp_path) + "?max_gb=1", "ns")
+    assert s.max_bytes == 1 << 30  # type: ignore[attr-defined]
+    s = open_store(file_url(tmp_path), "ns")
+    assert 0 < s.max_bytes <= shutil.disk_usage(tmp_path).free  # type: ignore[attr-defined]
+
+
+def test_a_root_that_is_a_file_fails_puts_and_misses_reads(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    s = LocalDirStore(blocker, "ns")
+    with pytest.raises(StorageError, match=f"put ns/{key(1)[:16].hex()}/0"):
+        s.put(key(1), data(1))
+    assert s.exists([key(1)]) == [False]
+    with pytest.raises(StorageError, match="Not a directory"):
+        get(s, 1)
+    assert s.stats.errors == 2
+    with pytest.raises(ValueError):
+        LocalDirStore(tmp_path, "a/b")
+
+
+def test_unreadable_block_raises(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path, "ns")
+    s.put(key(1), data(1))
+    os.remove(s.path(key(1)))
+    os.mkdir(s.path(key(1)))  # opens, but cannot be read (also for root)
+    with pytest.raises(StorageError, match="Is a directory"):
+        s.get_into(key(1), np.zeros(BLOCK, np.uint8))
+
+
+def test_fsync_and_typed_buffers(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path, "ns", fsync=True)
+    src = np.arange(BLOCK // 2, dtype=np.float16)
+    s.put(key(7), memoryview(src))
+    dst = np.zeros(BLOCK // 2, dtype=np.float16)
+    assert s.get_into(key(7), memoryview(dst)) and np.array_equal(src, dst)

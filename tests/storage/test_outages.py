@@ -1,0 +1,127 @@
+"""Stores whose server is down at start, killed, paused (SIGSTOP) or restarted: calls fail
+with StorageError (fast after the first), the scheduler's query answers 0, nothing hangs,
+and the client picks the server up again by itself."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.servers import MooncakeServer, RedisServer, free_port, wait_for
+from zkv.errors import StorageError
+from zkv.storage import Store, leading_present, open_store, pack_key
+
+BLOCK = 8192
+K = [pack_key(i.to_bytes(16, "big"), 0) for i in range(4)]
+DATA = [np.full(BLOCK, i + 1, np.uint8) for i in range(4)]
+
+
+def works(store: Store) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            store.exists(K[:1])
+            return True
+        except StorageError:
+            return False
+
+    return probe
+
+
+def round_trip(store: Store, i: int) -> None:
+    store.put(K[i], DATA[i])
+    out = np.zeros(BLOCK, np.uint8)
+    assert store.get_into(K[i], out) and out.tobytes() == DATA[i].tobytes()
+
+
+def fails(store: Store) -> str:
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        store.get_many_into(K[:1], [np.zeros(BLOCK, np.uint8)])
+    assert time.monotonic() - t0 < 5.0, "a dead store must cost one bounded attempt"
+    return str(info.value)
+
+
+def test_redis_down_at_start_then_up(tmp_path: Path) -> None:
+    port = free_port()
+    store = open_store(f"redis://127.0.0.1:{port}/0?timeout_s=0.5", "ns")
+    try:
+        assert "unreachable" in fails(store)
+        assert leading_present(store, [k[:16] for k in K], 1) == 0
+        assert store.stats.query_failures == 1
+        with RedisServer(str(tmp_path), port=port):
+            wait_for(works(store), "reconnect")
+            assert store.link.num_reconnects == 1  # type: ignore[attr-defined]
+            round_trip(store, 0)
+    finally:
+        store.close()
+
+
+def test_redis_killed_mid_run_and_restarted(tmp_path: Path) -> None:
+    with RedisServer(str(tmp_path)) as srv:
+        store = open_store(srv.url + "?timeout_s=0.5", "ns")
+        try:
+            round_trip(store, 0)
+            srv.stop()
+            fails(store)
+            assert "unreachable" in fails(store)  # then fast, without touching the socket
+            assert not store.link.up  # type: ignore[attr-defined]
+            srv.start()
+            wait_for(works(store), "reconnect")
+            assert store.get_many_into(K[:1], [np.zeros(BLOCK, np.uint8)]) == [False]  # gone
+            round_trip(store, 1)
+            assert store.link.num_down == 1  # type: ignore[attr-defined]
+        finally:
+            store.close()
+
+
+def test_redis_paused_costs_one_timeout(tmp_path: Path) -> None:
+    with RedisServer(str(tmp_path)) as srv:
+        store = open_store(srv.url + "?timeout_s=0.5", "ns")
+        try:
+            round_trip(store, 0)
+            srv.pause()
+            assert "Timeout reading from" in fails(store)
+            assert "unreachable" in fails(store)
+            srv.resume()
+            wait_for(works(store), "reconnect")
+            round_trip(store, 2)
+        finally:
+            store.close()
+
+
+def test_mooncake_master_down_at_start_then_up(tmp_path: Path) -> None:
+    with MooncakeServer(str(tmp_path)) as mc:
+        mc.stop_master()
+        store = open_store(mc.url + "?timeout_s=1", "ns")
+        try:
+            assert "unreachable" in fails(store)
+            assert leading_present(store, [k[:16] for k in K], 1) == 0
+            mc.start_master()
+            mc.wait_capacity()
+            wait_for(works(store), "reconnect")
+            wait_for(lambda: store.put_many(K[:1], DATA[:1]) == [True], "segment remounted")
+            round_trip(store, 0)
+        finally:
+            store.close()
+
+
+def test_mooncake_master_killed_and_restarted(tmp_path: Path) -> None:
+    with MooncakeServer(str(tmp_path)) as mc:
+        store = open_store(mc.url + "?timeout_s=1", "ns")
+        try:
+            round_trip(store, 0)
+            mc.stop_master()
+            fails(store)
+            assert not store.link.up  # type: ignore[attr-defined]
+            mc.start_master()
+            mc.wait_capacity()
+            wait_for(works(store), "reconnect")
+            assert store.exists(K[:1]) == [False]  # the new master knows nothing
+            wait_for(lambda: store.put_many(K[1:2], DATA[1:2]) == [True], "segment remounted")
+            round_trip(store, 1)
+        finally:
+            store.close()

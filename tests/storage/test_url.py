@@ -1,0 +1,58 @@
+"""open_store: every scheme, and one clear line for every bad URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.servers import free_port
+from zkv.errors import ConfigError
+from zkv.storage import LocalDirStore, file_url, open_store
+
+
+def test_file_url_opens_a_local_dir_store(tmp_path: Path) -> None:
+    s = open_store(f"file://{tmp_path}?max_bytes=4096&fsync=1", "ns")
+    assert isinstance(s, LocalDirStore)
+    assert (s.root, s.namespace, s.max_bytes, s.fsync) == (str(tmp_path), "ns", 4096, True)
+    assert file_url(tmp_path) == f"file://{tmp_path}"
+
+
+def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
+    port = free_port()  # nothing listens: the store starts disconnected, no exception
+    r = open_store(f"redis://127.0.0.1:{port}/3?timeout_s=0.5", "ns")
+    assert r.url == f"redis://127.0.0.1:{port}/3" and not r.link.up  # type: ignore[attr-defined]
+    m = open_store(f"mooncake://127.0.0.1:{port}?segment_mb=0&buffer_mb=8", "ns")
+    assert m.url == f"mooncake://127.0.0.1:{port}" and not m.link.up  # type: ignore[attr-defined]
+    r.close()
+    m.close()
+
+
+@pytest.mark.parametrize("url, why", [
+    ("/tmp/x", "expected SCHEME://"),
+    ("s3://bucket", "unknown scheme 's3'"),
+    ("file://host/tmp", "file:///abs/path"),
+    ("file:///tmp?max_gb=1&max_bytes=2", "not both"),
+    ("file:///tmp?max_gb=big", "max_gb='big' is not a float"),
+    ("file:///tmp?fsync=maybe", "fsync='maybe' is not a bool"),
+    ("file:///tmp?colour=red", "unknown parameter 'colour'"),
+    ("redis://127.0.0.1", "needs HOST:PORT"),
+    ("redis://127.0.0.1:99999/0", "Port out of range"),
+    ("redis://127.0.0.1:6379/zero", "database must be a number"),
+    ("redis://127.0.0.1:6379/0?timeout_s=0", "timeout_s must be > 0"),
+    ("mooncake://:50051", "needs HOST:PORT"),
+    ("mooncake://127.0.0.1:50051/x", "master only"),
+])
+def test_bad_url_is_one_clear_line(url: str, why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        open_store(url, "ns")
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"bad store URL {url!r}: ") and why in msg
+
+
+def test_bad_namespace_and_writers(tmp_path: Path) -> None:
+    for ns in ("", "a/b", ".hidden", "x\n"):
+        with pytest.raises(ValueError, match="bad namespace"):
+            open_store(file_url(tmp_path), ns)
+    with pytest.raises(ValueError, match="writers"):
+        open_store(file_url(tmp_path), "ns", writers=0)
