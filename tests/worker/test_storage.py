@@ -1,0 +1,228 @@
+"""The worker's storage I/O with real stores: device -> host -> store -> host -> device bit
+for bit on every backend, and a slow or hung store never delays a later batch's copies."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.servers import RedisServer, wait_for
+from tests.worker.helpers import digest, endpoints, short_ipc_dir
+from zkv import protocol as P
+from zkv.config import CacheLayout
+from zkv.scheduler.dispatcher import BatchDone, Dispatcher
+from zkv.storage import HEADER_SIZE, LocalDirStore, Store, file_url, open_store, pack_key
+from zkv.worker import Sidecar
+
+kernels = pytest.importorskip("zkv.kernels")
+reference = pytest.importorskip("zkv.kernels.reference")
+
+N = 16
+LAYOUT = CacheLayout(num_layers=4, kv_heads=2, block_size=4, head_dim=8, dtype="float16",
+                     num_device_blocks=N, num_host_blocks=N, world_size=2)
+
+
+class Rig:
+    """A Dispatcher and one Sidecar per rank, each rank with its own store client."""
+
+    def __init__(self, stack: ExitStack, folder: str, stores: Sequence[Store],
+                 **dispatcher_kw: Any) -> None:
+        pub, pull = endpoints(folder)
+        self.d = Dispatcher(pub, pull, len(stores), LAYOUT.fingerprint(), **dispatcher_kw)
+        stack.callback(self.d.close)
+        cpu = kernels.get_backend("cpu")
+        self.cpu = cpu
+        self.sidecars = []
+        for rank, store in enumerate(stores):
+            sc = Sidecar(cpu.allocate_device_cache(LAYOUT), layout=LAYOUT, rank=rank,
+                         pub_endpoint=pub, pull_endpoint=pull, backend=cpu, store=store,
+                         heartbeat_interval_s=0.05)
+            stack.callback(sc.close)
+            self.sidecars.append(sc)
+        self.d.wait_for_ranks(10)
+        self.completed: list[int] = []
+
+    def poll(self, seqs: set[int], timeout: float = 10.0) -> dict[int, BatchDone]:
+        got: dict[int, BatchDone] = {}
+        deadline = time.monotonic() + timeout
+        while not seqs <= got.keys():
+            assert time.monotonic() < deadline, f"seqs {seqs - got.keys()} not done"
+            for b in self.d.poll(0.05):
+                got[b.seq] = b
+                self.completed.append(b.seq)
+        return got
+
+    def run(self, ops: list[P.Op]) -> BatchDone:
+        seq = self.d.publish(ops, 0)
+        return self.poll({seq})[seq]
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as s:
+        yield s
+
+
+@pytest.fixture
+def folder() -> Iterator[str]:
+    with short_ipc_dir() as d:
+        yield d
+
+
+def ids(xs: Sequence[int] | range) -> np.ndarray:
+    return P.as_ids(list(xs))
+
+
+def _fill_and_store(rig: Rig, keys: tuple[bytes, ...]) -> None:
+    """Device 0..n-1 get (rank, key) patterns, go to host 0..n-1 and on to the store."""
+    n = len(keys)
+    assert rig.run([P.Op(0, P.FILL, dst=ids(range(n)), keys=keys)]).ok
+    done = rig.run([P.Op(0, P.D2H, ids(range(n)), ids(range(n))),
+                    P.Op(1, P.H2S, src=ids(range(n)), keys=keys)])
+    assert done.results == {0: P.OpResult(0, True, n), 1: P.OpResult(1, True, n)}, done
+
+
+@pytest.fixture(params=["file", "redis", "mooncake"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    if request.param == "file":
+        return file_url(tmp_path / "l3")
+    return str(request.getfixturevalue(f"{request.param}_server").url)
+
+
+def test_device_host_store_host_device_is_bit_identical(stack: ExitStack, folder: str,
+                                                         store_url: str) -> None:
+    stores = [open_store(store_url, LAYOUT.fingerprint(), writers=2) for _ in range(2)]
+    for s in stores:
+        stack.callback(s.close)
+    rig = Rig(stack, folder, stores)
+    keys = tuple(digest(11, i, store_url) for i in range(6))
+    _fill_and_store(rig, keys)
+    for rank, s in enumerate(stores):  # what the store holds is the rank's exact bytes
+        out = np.zeros(LAYOUT.block_bytes, np.uint8)
+        assert s.get_into(pack_key(keys[0], rank), out)
+        assert out.tobytes() == reference.expected_block_bytes(LAYOUT, keys[0], rank)
+    host, dev = ids(range(8, 14)), ids(range(8, 14))
+    assert rig.run([P.Op(0, P.S2H, dst=host, keys=keys)]).results == {0: P.OpResult(0, True, 6)}
+    for sc in rig.sidecars:
+        for h, key in zip(host.tolist(), keys):
+            got = bytes(rig.cpu.host_block(sc.host_pool, h))
+            assert got == reference.expected_block_bytes(LAYOUT, key, sc.rank)
+    done = rig.run([P.Op(0, P.H2D, host, dev, layerwise=True),
+                    P.Op(1, P.CHECK, src=dev, keys=keys)])
+    assert done.ok and done.results[1] == P.OpResult(1, True, 6), done
+    # a key one rank lacks: the batch's done is the prefix present on every rank
+    stores[1].remove(pack_key(keys[3], 1))
+    res = rig.run([P.Op(0, P.S2H, dst=ids(range(10, 16)), keys=keys)]).results[0]
+    assert (res.ok, res.done) == (False, 3) and "rank 1: s2h: block 3" in str(res.error)
+
+
+class GatedStore(Store):
+    """A real local store whose reads and writes wait for ``gate`` (a store that hangs)."""
+
+    def __init__(self, inner: LocalDirStore, gate: threading.Event) -> None:
+        super().__init__(inner.namespace)
+        self.inner = inner
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def _wait(self) -> None:
+        self.entered.set()
+        assert self.gate.wait(20), "gate never opened"
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.inner.exists(keys)
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        self._wait()
+        return self.inner.get_many_into(keys, outs)
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        self._wait()
+        return self.inner.put_many(keys, datas)
+
+    def remove(self, key: bytes) -> None:
+        self.inner.remove(key)
+
+
+def test_a_hung_store_never_delays_the_next_batch(stack: ExitStack, folder: str,
+                                                  tmp_path: Any) -> None:
+    gate = threading.Event()
+    gate.set()
+    stack.callback(gate.set)  # never leave an I/O thread waiting
+    stores = [GatedStore(LocalDirStore(tmp_path, LAYOUT.fingerprint()), gate) for _ in range(2)]
+    rig = Rig(stack, folder, stores, heartbeat_timeout_s=0.5)
+    keys = tuple(digest(12, i) for i in range(4))
+    _fill_and_store(rig, keys)
+    gate.clear()
+    for s in stores:
+        s.entered.clear()
+    loading = rig.d.publish([P.Op(0, P.S2H, dst=ids(range(8, 12)), keys=keys)], 1)
+    wait_for(lambda: all(s.entered.is_set() for s in stores), "I/O inside the store")
+    # while both ranks' loads hang: copies of later batches are acked, heartbeats flow
+    new = tuple(digest(13, i) for i in range(2))
+    copies = [rig.d.publish([P.Op(0, P.FILL, dst=ids([4, 5]), keys=new)], 2),
+              rig.d.publish([P.Op(0, P.D2H, ids([4, 5]), ids([4, 5]))], 3)]
+    rig.poll(set(copies))
+    end = time.monotonic() + 1.0  # twice the heartbeat timeout
+    while time.monotonic() < end:
+        for b in rig.d.poll(0.05):
+            rig.completed.append(b.seq)
+    assert rig.d.lost_ranks == frozenset() and rig.completed[-2:] == copies
+    assert loading not in rig.completed and rig.d.in_flight == 1
+    gate.set()
+    done = rig.poll({loading})[loading]
+    assert done.results == {0: P.OpResult(0, True, 4)}
+    assert rig.completed[-3:] == [*copies, loading]  # out of seq order, each exactly once
+    done = rig.run([P.Op(0, P.H2D, ids(range(8, 12)), ids(range(12, 16))),
+                    P.Op(1, P.CHECK, src=ids(range(12, 16)), keys=keys)])
+    assert done.ok, done
+
+
+def test_a_paused_redis_fails_its_load_after_later_batches(stack: ExitStack, folder: str,
+                                                          tmp_path: Any) -> None:
+    srv = stack.enter_context(RedisServer(str(tmp_path)))
+    stores = [open_store(srv.url + "?timeout_s=1", LAYOUT.fingerprint()) for _ in range(2)]
+    for s in stores:
+        stack.callback(s.close)
+    rig = Rig(stack, folder, stores, heartbeat_timeout_s=0.5)
+    keys = tuple(digest(14, i) for i in range(3))
+    _fill_and_store(rig, keys)
+    srv.pause()  # SIGSTOP: connections stay open, nothing answers
+    loading = rig.d.publish([P.Op(0, P.S2H, dst=ids(range(8, 11)), keys=keys)], 1)
+    copy = rig.d.publish([P.Op(0, P.BACKUP, ids([0]), ids([5]))], 2)
+    got = rig.poll({copy, loading})
+    assert rig.completed[-2:] == [copy, loading] and got[copy].ok
+    res = got[loading].results[0]
+    assert (res.ok, res.done) == (False, 0) and "Timeout reading from" in str(res.error)
+    assert rig.d.lost_ranks == frozenset()
+    srv.resume()
+    for s in stores:  # the client comes back by itself after its backoff
+        wait_for(lambda s=s: s.link.up or _probe(s), "reconnect")  # type: ignore[attr-defined]
+    done = rig.run([P.Op(0, P.S2H, dst=ids(range(8, 11)), keys=keys)])
+    assert done.results == {0: P.OpResult(0, True, 3)}
+
+
+def _probe(store: Store) -> bool:
+    try:
+        store.exists([pack_key(bytes(16), 0)])
+        return True
+    except Exception:
+        return False
+
+
+def test_stored_files_carry_the_header(stack: ExitStack, folder: str, tmp_path: Any) -> None:
+    stores = [LocalDirStore(tmp_path, LAYOUT.fingerprint()) for _ in range(2)]
+    rig = Rig(stack, folder, stores)
+    keys = (digest(15, 0),)
+    _fill_and_store(rig, keys)
+    for rank, s in enumerate(stores):
+        with open(s.path(pack_key(keys[0], rank)), "rb") as f:
+            raw = f.read()
+        assert raw[HEADER_SIZE:] == reference.expected_block_bytes(LAYOUT, keys[0], rank)
+        assert raw[24:42] == pack_key(keys[0], rank)
