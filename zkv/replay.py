@@ -21,7 +21,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,9 +29,12 @@ import orjson
 
 from zkv import metrics as M
 from zkv.config import CacheLayout
-from zkv.protocol import CHECK, FILL, Op, OpResult, as_ids
+from zkv.errors import ConfigError
+from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
+from zkv.scheduler.dispatcher import BatchDone
 from zkv.scheduler.hashing import hash_ids_chain, hash_tokens
 from zkv.scheduler.manager import WRITE_POLICIES, CacheConfig, CacheManager
+from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy, PrefetchTracker
 
 DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
                              "mooncake_synthetic_trace.jsonl")
@@ -80,16 +83,26 @@ class Summary:
     hit_storage: int = 0
     checked: int = 0
     mismatched: int = 0
-    failed_ops: int = 0
+    failed_ops: int = 0          # copies and checks (storage I/O is counted below)
+    loaded: int = 0              # s2h blocks that arrived on every rank
+    load_failed: int = 0         # s2h blocks that did not (recomputed)
+    stored: int = 0              # h2s blocks stored on every rank
+    store_failed: int = 0        # h2s blocks dropped (the store declined or was down)
     batches: int = 0
     wall_s: float = 0.0
 
 
 class Replayer:
-    """Drives CacheManager + Dispatcher one step at a time (``batch`` requests per step)."""
+    """Drives CacheManager + Dispatcher one step at a time (``batch`` requests per step).
+
+    Batches complete out of seq order (storage I/O is acked after the copies), so every
+    completion is committed as it comes (``_pump``), whichever batch the step waits on.
+    Storage writes go in batches of their own that no step waits for; loads are waited
+    for as the prefetch policy says.
+    """
 
     def __init__(self, cm: CacheManager, dispatcher: object, layout: CacheLayout, batch: int,
-                 progress: bool) -> None:
+                 progress: bool, prefetch: PrefetchPolicy | None = None) -> None:
         self.cm = cm
         self.dp = dispatcher
         self.layout = layout
@@ -101,6 +114,8 @@ class Replayer:
         self.s = Summary()
         self.carry: list[Op] = []  # backups / storage writes from finish, sent with the next step
         self.moved = {k: 0 for k in M.DIRECTIONS}  # blocks every rank copied, per direction
+        self.tracker = PrefetchTracker(prefetch or PrefetchPolicy())
+        self.outstanding: dict[int, tuple[list[Op], list[Op]]] = {}
 
     def run(self, workload: Sequence[tuple[str, list[bytes]]]) -> Summary:
         t0 = time.perf_counter()
@@ -108,8 +123,13 @@ class Replayer:
             self._step(workload[i : i + self.batch])
             if self.progress:
                 _bar(min(i + self.batch, len(workload)), len(workload), t0)
-        self._send(self.cm.take_ops() + self.carry, [])
-        self.carry = []
+        while True:  # commits of late acks may emit ops (a d2h commit's storage write)
+            ops = self.cm.take_ops() + self.carry
+            self.carry = []
+            if not ops and not self.outstanding:
+                break
+            self._publish(ops, [])
+            self._wait(lambda: not self.outstanding)
         self.s.wall_s = time.perf_counter() - t0
         if self.progress and sys.stderr.isatty():
             print(file=sys.stderr)
@@ -119,13 +139,15 @@ class Replayer:
         cm = self.cm
         bs = self.layout.block_size
         matches = {}
+        now = time.monotonic()
         for rid, hashes in reqs:
             matches[rid] = cm.match_prefix(rid, hashes)
-            if matches[rid].num_storage:
-                cm.prefetch(rid)
-        if any(m.num_storage for m in matches.values()):  # wait_complete prefetch policy
-            self._send(cm.take_ops() + self.carry, [])
+            if matches[rid].num_storage and cm.prefetch(rid):
+                self.tracker.start(rid, len(hashes) * bs, now)
+        if len(self.tracker):
+            self._publish(cm.take_ops() + self.carry, [])
             self.carry = []
+            self._wait_prefetch([rid for rid, _ in reqs])
         sim: list[Op] = []
         running = []
         for rid, hashes in reqs:
@@ -135,26 +157,41 @@ class Replayer:
                 continue
             running.append(rid)
             cached = cm.num_reused_blocks(rid)
-            self.s.requests += 1
-            self.s.blocks += len(hashes)
-            m = matches[rid]
-            from_storage = max(0, cached - m.num_device - m.num_host)
-            hits = {"device": m.num_device, "host": cached - m.num_device - from_storage,
-                    "storage": from_storage}
-            self.s.hit_device += hits["device"]
-            self.s.hit_host += hits["host"]
-            self.s.hit_storage += hits["storage"]
-            for tier, n in hits.items():
-                M.HITS_BLOCKS.labels(tier=tier).inc(n)
+            self._count_hits(matches[rid], cached, len(hashes))
             if cached:
                 sim.append(self._sim(CHECK, table[:cached], hashes[:cached]))
             if len(hashes) > cached:
                 sim.append(self._sim(FILL, table[cached:], hashes[cached:]))
-        self._send(cm.take_ops() + self.carry, sim)
+        seq = self._publish(cm.take_ops() + self.carry, sim)
         self.carry = []
+        if seq is not None:
+            self._wait(lambda: seq not in self.outstanding)
         for rid in running:
             cm.finish(rid)
         self.carry = cm.take_ops()
+
+    def _count_hits(self, m: object, cached: int, num_blocks: int) -> None:
+        num_device, num_host = m.num_device, m.num_host  # type: ignore[attr-defined]
+        self.s.requests += 1
+        self.s.blocks += num_blocks
+        from_storage = max(0, cached - num_device - num_host)
+        hits = {"device": num_device, "host": cached - num_device - from_storage,
+                "storage": from_storage}
+        self.s.hit_device += hits["device"]
+        self.s.hit_host += hits["host"]
+        self.s.hit_storage += hits["storage"]
+        for tier, n in hits.items():
+            M.HITS_BLOCKS.labels(tier=tier).inc(n)
+
+    def _wait_prefetch(self, rids: list[str]) -> None:
+        """Poll until the prefetch policy lets every request of the step go."""
+        tracker, cm = self.tracker, self.cm
+
+        def ready() -> bool:
+            now = time.monotonic()
+            return all([tracker.ready(r, cm.prefetch_done(r), now) for r in rids])
+
+        self._wait(ready, tracker.next_deadline)
 
     def _record(self, ops: list[Op], results: dict[int, OpResult]) -> None:
         """Prometheus counters: blocks and bytes that every rank moved, pools, in flight."""
@@ -174,26 +211,52 @@ class Replayer:
             return Op(self.sim_id, CHECK, src=as_ids(ids), keys=tuple(keys))
         return Op(self.sim_id, FILL, dst=as_ids(ids), keys=tuple(keys))
 
-    def _send(self, ops: list[Op], sim: list[Op]) -> None:
-        if not ops and not sim:
-            return
-        seq = self.dp.publish(ops + sim, self.step)  # type: ignore[attr-defined]
+    def _publish(self, ops: list[Op], sim: list[Op]) -> int | None:
+        """Publish the step's copies (+ ``sim``) as one batch and its storage writes as
+        another; return the first batch's seq (None if it is empty)."""
+        writes = [o for o in ops if o.kind == H2S]
+        main = [o for o in ops if o.kind != H2S] + sim
+        seq = self._publish_one(main, ops=[o for o in ops if o.kind != H2S], sim=sim)
+        self._publish_one(writes, ops=writes, sim=[])
+        return seq
+
+    def _publish_one(self, batch: list[Op], ops: list[Op], sim: list[Op]) -> int | None:
+        if not batch:
+            return None
+        seq = self.dp.publish(batch, self.step)  # type: ignore[attr-defined]
         self.step += 1
+        self.outstanding[seq] = (ops, sim)
         M.BATCHES.inc()
         M.INFLIGHT_BATCHES.set(self.dp.in_flight)  # type: ignore[attr-defined]
-        done = None
+        return seq
+
+    def _wait(self, done: Callable[[], bool],
+              next_deadline: Callable[[], float | None] | None = None) -> None:
         deadline = time.monotonic() + 120
-        while done is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"batch {seq} not acked within 120 s")
-            for b in self.dp.poll(1.0):  # type: ignore[attr-defined]
-                if b.seq == seq:
-                    done = b
+        while not done():
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"batches {sorted(self.outstanding)} not acked within 120 s")
+            wake = next_deadline() if next_deadline is not None else None
+            timeout = 0.1 if wake is None else min(0.1, max(0.0, wake - now))
+            for b in self.dp.poll(timeout):  # type: ignore[attr-defined]
+                self._commit(b)
+
+    def _commit(self, done: BatchDone) -> None:
+        ops, sim = self.outstanding.pop(done.seq)
         self.s.batches += 1
         self.latencies.append(done.latency_s)
         results = done.results
         mgr = [results[o.id] for o in ops if o.id in results]
-        self.s.failed_ops += sum(1 for r in mgr if not r.ok)
+        for o in ops:
+            r = results.get(o.id)
+            if o.kind in (S2H, H2S):  # storage may fail: a miss / a dropped write, counted
+                ok_key, bad_key = ("loaded", "load_failed") if o.kind == S2H else ("stored", "store_failed")
+                done_n = r.done if r is not None else 0
+                setattr(self.s, ok_key, getattr(self.s, ok_key) + done_n)
+                setattr(self.s, bad_key, getattr(self.s, bad_key) + o.num_blocks - done_n)
+            elif r is None or not r.ok:
+                self.s.failed_ops += 1
         self.cm.on_ops_done(mgr)
         self._record(ops, results)
         for o in sim:
@@ -219,33 +282,22 @@ def _bar(done: int, total: int, t0: float) -> None:
           end="" if tty else "\n", file=sys.stderr, flush=True)
 
 
-def _storage_exists(store: object, world_size: int):  # noqa: ANN202
-    from zkv.storage import pack_key
-
-    def exists(hashes: Sequence[bytes]) -> int:
-        found = [store.exists([pack_key(h, r) for h in hashes]) for r in range(world_size)]  # type: ignore[attr-defined]
-        n = 0
-        while n < len(hashes) and all(f[n] for f in found):
-            n += 1
-        return n
-
-    return exists
-
-
 def node_main(args: argparse.Namespace) -> int:
     """The scheduler node (run by zkvrun with the endpoints in the environment)."""
     from zkv import log as zlog
     from zkv.scheduler.dispatcher import Dispatcher
-    from zkv.storage import LocalDirStore
+    from zkv.storage import StorageQuery, open_store
 
     zlog.configure("scheduler")
     layout = CacheLayout.from_env()
-    store = LocalDirStore(args.store_dir, layout.fingerprint()) if args.store_dir else None
+    store = open_store(args.storage, layout.fingerprint()) if args.storage else None
     cm = CacheManager(
         CacheConfig(layout.num_device_blocks, layout.num_host_blocks, layout.block_size,
                     args.policy, args.threshold, storage_write=store is not None),
-        storage_exists=_storage_exists(store, layout.world_size) if store else None,
+        storage_exists=StorageQuery(store, layout.world_size) if store else None,
     )
+    prefetch = PrefetchPolicy(args.prefetch, args.prefetch_base_ms / 1e3,
+                              args.prefetch_per_ki_token_ms / 1e3)
     if args.workload == "chat":
         workload = list(chat_workload(args.requests, layout.block_size, args.seed))
     else:
@@ -258,29 +310,36 @@ def node_main(args: argparse.Namespace) -> int:
         print(f"zkv replay: metrics at {server.url}", file=sys.stderr, flush=True)
     try:
         dp.wait_for_ranks(60.0)
-        rp = Replayer(cm, dp, layout, args.batch, progress=not args.no_progress)
+        rp = Replayer(cm, dp, layout, args.batch, progress=not args.no_progress,
+                      prefetch=prefetch)
         s = rp.run(workload)
         cm.check_invariants()
     finally:
         dp.close()
+        if store is not None:
+            store.close()
         if server is not None:
             server.shutdown()
         if args.metrics_file:
             with open(args.metrics_file, "w", encoding="utf-8") as f:
                 f.write(M.render())
-    _print_summary(s, rp.moved, layout, rp.latencies, args)
+    _print_summary(s, rp.moved, layout, rp.latencies, args, store)
     return 0 if s.mismatched == 0 and s.failed_ops == 0 else 1
 
 
 def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: list[float],
-                   args: argparse.Namespace) -> None:
+                   args: argparse.Namespace, store: object = None) -> None:
     per_block = layout.block_bytes * layout.world_size
     total_bytes = sum(moved.values()) * per_block
     p50, p99 = (np.percentile(np.array(lat) * 1e3, [50, 99]) if lat else (0.0, 0.0))
     blocks = max(1, s.blocks)
+
+    def gb(n_blocks: int) -> str:
+        return f"{n_blocks * per_block / 1e9:.3f} GB"
+
     lines = [
         f"zkv replay: workload={args.workload} ranks={layout.world_size} policy={args.policy} "
-        f"L3={'local-dir ' + args.store_dir if args.store_dir else 'off'}",
+        f"L3={args.storage or 'off'} prefetch={args.prefetch}",
         f"  layout       {layout.num_layers} layers x {layout.kv_heads} kv heads x "
         f"{layout.block_size} tokens x {layout.head_dim} dim {layout.dtype} = "
         f"{layout.block_bytes / 1024:.0f} KiB/block/rank; device {layout.num_device_blocks} "
@@ -290,11 +349,19 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
         f"  hits         device {s.hit_device} ({s.hit_device / blocks:.1%})   host "
         f"{s.hit_host} ({s.hit_host / blocks:.1%})   storage "
         f"{s.hit_storage} ({s.hit_storage / blocks:.1%})",
+        f"  hit bytes    device {gb(s.hit_device)}   host {gb(s.hit_host)}   storage "
+        f"{gb(s.hit_storage)}   (all ranks)",
         "  moved blocks " + "   ".join(f"{k} {v}" for k, v in moved.items())
         + "   (per rank; x ranks for bytes)",
+        f"  tier bytes   device<->host {gb(moved['d2h'] + moved['backup'] + moved['h2d'])}   "
+        f"host<->store {gb(moved['s2h'] + moved['h2s'])}   (all ranks)",
         f"  bytes        {total_bytes / 1e9:.3f} GB over {s.batches} batches = "
         f"{total_bytes / 1e9 / max(sum(lat), 1e-9):.2f} GB/s while in flight",
         f"  latency      publish->all acks p50 {p50:.2f} ms  p99 {p99:.2f} ms",
+        f"  storage      loaded {s.loaded} blocks ({s.load_failed} failed: recomputed)   "
+        f"stored {s.stored} ({s.store_failed} dropped)"
+        + (f"   scheduler queries failed {store.stats.query_failures}"  # type: ignore[attr-defined]
+           if store is not None else ""),
         f"  verified     {s.checked} reused blocks checked byte-for-byte on every rank, "
         f"{s.mismatched} mismatched; {s.failed_ops} failed ops",
     ]
@@ -320,9 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-blocks", type=int, default=1024)
     p.add_argument("--policy", choices=WRITE_POLICIES, default="write_back")
     p.add_argument("--threshold", type=int, default=2, help="write_through_selective hit threshold")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="L3 store: file:///path, redis://HOST:PORT/DB, mooncake://HOST:PORT, "
+                        "or 'none' (default: a fresh local directory, in /dev/shm if present)")
     p.add_argument("--store-dir", default=None,
-                   help="local-directory L3 (default: a fresh temp dir, in /dev/shm if present; "
-                        "'none' disables L3)")
+                   help="local-directory L3 (= --storage file://DIR; 'none' disables L3)")
+    p.add_argument("--prefetch", choices=PREFETCH_POLICIES, default="wait_complete",
+                   help="how long a request waits for its L3 loads")
+    p.add_argument("--prefetch-base-ms", type=float, default=5.0,
+                   help="timeout policy: budget = base + per-ki-token x prompt tokens / 1024")
+    p.add_argument("--prefetch-per-ki-token-ms", type=float, default=20.0)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None,
@@ -333,17 +407,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _without_store_dir(argv: Sequence[str]) -> list[str]:
+def _without_storage(argv: Sequence[str]) -> list[str]:
     out: list[str] = []
     skip = False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--store-dir":
+        elif a in ("--store-dir", "--storage"):
             skip = True
-        elif not a.startswith("--store-dir="):
+        elif not a.startswith(("--store-dir=", "--storage=")):
             out.append(a)
     return out
+
+
+def _storage_url(args: argparse.Namespace, tmp: str) -> str | None:
+    """The L3 URL the run uses: --storage, else --store-dir as file://, else ``tmp``."""
+    from zkv.storage import file_url
+    from zkv.storage.url import parse_url
+
+    if args.storage and args.store_dir:
+        raise ConfigError("give --storage or --store-dir, not both")
+    if "none" in (args.storage, args.store_dir):
+        return None
+    url = args.storage or file_url(args.store_dir or tmp)
+    parse_url(url)  # a bad URL is one line here, not one in every rank
+    return url
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -361,13 +449,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     # file put costs ~1.5 ms on the disk-backed /tmp and ~0.06 ms on tmpfs.
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(prefix="zkv-l3-", dir=shm) as tmp:
-        store_dir = None if args.store_dir == "none" else (args.store_dir or tmp)
-        sched = ["-m", "zkv.replay", "--node", *_without_store_dir(argv if argv is not None else sys.argv[1:])]
-        if store_dir:
-            sched += ["--store-dir", store_dir]
-            os.environ["ZKV_STORE_DIR"] = store_dir
+        try:
+            url = _storage_url(args, tmp)
+        except ConfigError as e:
+            print(f"zkv replay: {e}", file=sys.stderr)
+            return 2
+        sched = ["-m", "zkv.replay", "--node",
+                 *_without_storage(argv if argv is not None else sys.argv[1:])]
+        if url:
+            sched += ["--storage", url]
+            os.environ["ZKV_STORE_URL"] = url
         else:
-            os.environ.pop("ZKV_STORE_DIR", None)
+            os.environ.pop("ZKV_STORE_URL", None)
+        os.environ.pop("ZKV_STORE_DIR", None)
         os.environ.setdefault("ZKV_BACKEND", "cpu")
         cfg = LaunchConfig(nproc_per_node=args.ranks, log_dir=args.log_dir, config=layout.to_json())
         return run(cfg, ["-m", "zkv.worker"], sched)

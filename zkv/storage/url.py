@@ -63,13 +63,9 @@ def _host_port(url: str, parts: Any) -> tuple[str, int]:
     return host, port
 
 
-def open_store(url: str, namespace: str, *, writers: int = 1) -> Store:
-    """The store ``url`` names, in ``namespace`` (the layout fingerprint).
-
-    A redis or mooncake server that is down is no error here: the store starts
-    disconnected, every call fails fast (a miss on the scheduler side) and it reconnects
-    when the server is back.
-    """
+def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
+    """``(scheme, constructor keywords)`` of a store URL, without connecting anywhere;
+    :class:`ConfigError` (one line) if it is bad."""
     if not isinstance(url, str) or "://" not in url:
         raise _bad(str(url), f"expected SCHEME://..., one of {', '.join(SCHEMES)}")
     parts = urlsplit(url)
@@ -80,32 +76,45 @@ def open_store(url: str, namespace: str, *, writers: int = 1) -> Store:
         raise ValueError(f"writers must be >= 1, got {writers}")
     params = _params(url, scheme, parts.query)
     if scheme == "file":
-        return _open_file(url, parts, namespace, params, writers)
+        return scheme, _file_kw(url, parts, params, writers)
     host, port = _host_port(url, parts)
     if scheme == "redis":
-        from zkv.storage.redis_store import RedisStore
-
         path = parts.path.strip("/") or "0"
         if not path.isdigit():
             raise _bad(url, f"database must be a number, got {path!r}")
         password = unquote(parts.password) if parts.password else None
-        return RedisStore(host, port, int(path), namespace, password=password, **params)
-    from zkv.storage.mooncake_store import MooncakeStore
-
+        return scheme, dict(host=host, port=port, db=int(path), password=password, **params)
     if parts.path not in ("", "/"):
         raise _bad(url, "a mooncake URL names the master only (no path)")
-    kw: dict[str, Any] = {}
     if "segment_mb" in params:
-        kw["segment_bytes"] = params.pop("segment_mb") << 20
+        params["segment_bytes"] = params.pop("segment_mb") << 20
     if "buffer_mb" in params:
-        kw["buffer_bytes"] = params.pop("buffer_mb") << 20
-    return MooncakeStore(host, port, namespace, **kw, **params)
+        params["buffer_bytes"] = params.pop("buffer_mb") << 20
+    return scheme, dict(host=host, port=port, **params)
 
 
-def _open_file(url: str, parts: Any, namespace: str, params: dict[str, Any],
-               writers: int) -> Store:
-    from zkv.storage.local import LocalDirStore
+def open_store(url: str, namespace: str, *, writers: int = 1) -> Store:
+    """The store ``url`` names, in ``namespace`` (the layout fingerprint).
 
+    A redis or mooncake server that is down is no error here: the store starts
+    disconnected, every call fails fast (a miss on the scheduler side) and it reconnects
+    when the server is back.
+    """
+    scheme, kw = parse_url(url, writers)
+    if scheme == "file":
+        from zkv.storage.local import LocalDirStore
+
+        return LocalDirStore(kw.pop("root"), namespace, **kw)
+    if scheme == "redis":
+        from zkv.storage.redis_store import RedisStore
+
+        return RedisStore(kw.pop("host"), kw.pop("port"), kw.pop("db"), namespace, **kw)
+    from zkv.storage.mooncake_store import MooncakeStore
+
+    return MooncakeStore(kw.pop("host"), kw.pop("port"), namespace, **kw)
+
+
+def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict[str, Any]:
     if parts.netloc not in ("", "localhost"):
         raise _bad(url, "file URLs name a local path: file:///abs/path")
     path = unquote(parts.path)
@@ -118,7 +127,7 @@ def _open_file(url: str, parts: Any, namespace: str, params: dict[str, Any],
         max_bytes = int(params["max_gb"] * (1 << 30))
     if max_bytes is not None:
         max_bytes = max(1, max_bytes // writers)
-    return LocalDirStore(path, namespace, max_bytes=max_bytes, fsync=params.get("fsync", False))
+    return dict(root=path, max_bytes=max_bytes, fsync=params.get("fsync", False))
 
 
 def file_url(path: str | os.PathLike[str]) -> str:
