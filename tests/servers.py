@@ -153,6 +153,12 @@ class RedisServer(_Server):
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGCONT)
 
+    def kill(self) -> None:
+        """SIGKILL (also while paused): connections reset, nothing is saved."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
     def client(self) -> Any:
         import redis
 
@@ -200,6 +206,16 @@ class MooncakeServer(_Server):
 
     def stop_master(self) -> None:
         stop_process(self.master)
+
+    def pause_master(self) -> None:
+        assert self.master is not None
+        os.kill(self.master.pid, signal.SIGSTOP)
+
+    def kill_master(self) -> None:
+        """SIGKILL (also while paused): every object's metadata is gone."""
+        assert self.master is not None
+        self.master.kill()
+        self.master.wait()
 
     def capacity(self) -> int:
         try:
