@@ -296,6 +296,12 @@ class Store(abc.ABC):
             self._log.warning(ev.BLOCK_REFUSED, kind=kind, key=self.name(key),
                               error=f"delete failed: {e!r}", store=self.url)
 
+    def _unreachable(self, link: Link, what: str, error: object) -> StorageError:
+        """A transport failure: count it, take the link down, and give the error to raise."""
+        self._count(errors=1)
+        link.down(str(error))
+        return StorageError(f"{self.url} {what}: {error}")
+
     def _delete_refused(self, key: bytes) -> None:
         """Delete a refused block even if the store protects it (leases). Default: remove."""
         self.remove(key)

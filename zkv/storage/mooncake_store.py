@@ -149,11 +149,9 @@ class MooncakeStore(Store):
         if client is None:
             raise StorageError(f"{self.url} {what}: not connected")
         rcs = list(fn(client))
-        bad = [rc for rc in rcs if rc < 0 and rc not in _PER_OBJECT]
-        if bad:
-            self._count(errors=1)
-            self.link.down(f"{what} returned {bad[0]}")
-            raise StorageError(f"{self.url} {what}: returned {bad[0]}")
+        bad = next((rc for rc in rcs if rc < 0 and rc not in _PER_OBJECT), None)
+        if bad is not None:
+            raise self._unreachable(self.link, what, f"returned {bad}")
         return rcs
 
     # ---------------------------------------------------------------- interface

@@ -75,9 +75,7 @@ class RedisStore(Store):
         try:
             return fn()
         except self._transport_errors as e:
-            self._count(errors=1)
-            self.link.down(e)
-            raise StorageError(f"{self.url} {what}: {e}") from e
+            raise self._unreachable(self.link, what, e) from e
         except self._errors as e:
             self._count(errors=1)
             raise StorageError(f"{self.url} {what}: {e}") from e
@@ -91,38 +89,36 @@ class RedisStore(Store):
         out = self._call(what, run)
         for r in out:  # a lost connection mid-pipeline comes back per command
             if isinstance(r, self._transport_errors):
-                self._count(errors=1)
-                self.link.down(r)
-                raise StorageError(f"{self.url} {what}: {r}")
+                raise self._unreachable(self.link, what, r)
         return out
+
+    def _each(self, what: str, command: str, keys: Sequence[bytes]) -> list[Any]:
+        """One pipeline running ``command name`` for every key."""
+        names = [self.name(k) for k in keys]
+
+        def build(pipe: Any) -> None:
+            run = getattr(pipe, command)
+            for n in names:
+                run(n)
+
+        return self._pipeline(what, build)
 
     # ---------------------------------------------------------------- interface
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
             return []
-        names = [self.name(k) for k in keys]
-
-        def build(pipe: Any) -> None:
-            for n in names:
-                pipe.exists(n)
-
-        out = self._pipeline("exists", build)
-        if any(isinstance(r, Exception) for r in out):
+        out = self._each("exists", "exists", keys)
+        error = next((r for r in out if isinstance(r, Exception)), None)
+        if error is not None:
             self._count(errors=1)
-            raise StorageError(f"{self.url} exists: {next(r for r in out if isinstance(r, Exception))}")
+            raise StorageError(f"{self.url} exists: {error}")
         return [bool(r) for r in out]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         if not keys:
             return []
-        names = [self.name(k) for k in keys]
-
-        def build(pipe: Any) -> None:
-            for n in names:
-                pipe.get(n)
-
-        values = self._pipeline("get", build)
+        values = self._each("get", "get", keys)
         return [self._take(k, v, as_bytes_view(o)) for k, v, o in zip(keys, values, outs, strict=True)]
 
     def _take(self, key: bytes, value: Any, out: memoryview) -> bool:
