@@ -394,9 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local-directory L3 (= --storage file://DIR; 'none' disables L3)")
     p.add_argument("--prefetch", choices=PREFETCH_POLICIES, default="wait_complete",
                    help="how long a request waits for its L3 loads")
-    p.add_argument("--prefetch-base-ms", type=float, default=5.0,
+    p.add_argument("--prefetch-base-ms", type=float, default=50.0,
                    help="timeout policy: budget = base + per-ki-token x prompt tokens / 1024")
-    p.add_argument("--prefetch-per-ki-token-ms", type=float, default=20.0)
+    p.add_argument("--prefetch-per-ki-token-ms", type=float, default=50.0)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None,

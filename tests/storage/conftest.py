@@ -11,7 +11,7 @@ import pytest
 from zkv.storage import Store, StoreStats, file_url, open_store
 from zkv.storage.local import LocalDirStore
 
-BACKENDS = ("file", "redis", "mooncake")
+BACKENDS = ("file", "redis", "mooncake", "mooncake-split")
 
 
 class Backend:
@@ -19,13 +19,13 @@ class Backend:
     value by key name (bypassing every check)."""
 
     def __init__(self, kind: str, url: str, server: Any,
-                 shared: dict[str, Store] | None = None) -> None:
+                 shared: dict[tuple[str, str], Store] | None = None) -> None:
         self.kind = kind
         self.url = url
         self.server = server
         # Tests never see each other's blocks: a namespace per test, or (Mooncake, whose
         # clients take ~1 s to close) one per session with keys salted per test.
-        self.namespace = next(iter(shared)) if shared else f"t{uuid.uuid4().hex[:12]}"
+        self.namespace = SESSION_NS if shared is not None else f"t{uuid.uuid4().hex[:12]}"
         self.stores: list[Store] = []
         self._shared = shared
         self._redis = server.client() if kind == "redis" else None
@@ -33,9 +33,9 @@ class Backend:
     def open(self, namespace: str | None = None, **kw: Any) -> Store:
         ns = namespace or self.namespace
         if self._shared is not None:
-            store = self._shared.get(ns)
+            store = self._shared.get((self.url, ns))
             if store is None:
-                store = self._shared[ns] = open_store(self.url, ns, **kw)
+                store = self._shared[self.url, ns] = open_store(self.url, ns, **kw)
             store.stats = StoreStats()
             return store
         store = open_store(self.url, ns, **kw)
@@ -50,7 +50,7 @@ class Backend:
             except FileNotFoundError:
                 return None
         if self._redis is not None:
-            return self._redis.get(store.name(key))
+            return self._redis.get(store.name(key))  # type: ignore[no-any-return]
         value = store._client.get(store.name(key))  # type: ignore[attr-defined]
         return bytes(value) or None
 
@@ -73,16 +73,18 @@ class Backend:
             self._redis.close()
 
 
+SESSION_NS = f"t{uuid.uuid4().hex[:12]}"
+
+
 @pytest.fixture(scope="session")
-def mooncake_stores() -> Iterator[dict[str, Store]]:
-    """Mooncake clients by namespace, shared by the session's tests (closed at its end)."""
-    stores: dict[str, Store] = {f"t{uuid.uuid4().hex[:12]}": None}  # type: ignore[dict-item]
+def mooncake_stores() -> Iterator[dict[tuple[str, str], Store]]:
+    """Mooncake clients by (URL, namespace), shared by the session's tests."""
+    stores: dict[tuple[str, str], Store] = {}
     try:
         yield stores
     finally:
         for s in stores.values():
-            if s is not None:
-                s.close()
+            s.close()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -92,9 +94,9 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
     if kind == "file":
         url = file_url(tmp_path / "l3")
     else:
-        server = request.getfixturevalue(f"{kind}_server")
-        url = server.url
-    if kind == "mooncake":
+        server = request.getfixturevalue(f"{kind.split('-')[0]}_server")
+        url = server.url + ("?header=split" if kind == "mooncake-split" else "")
+    if kind.startswith("mooncake"):
         shared = request.getfixturevalue("mooncake_stores")
     b = Backend(kind, url, server, shared)
     try:

@@ -32,8 +32,8 @@ class PrefetchPolicy:
     """A policy and its timeout budget (see the module docstring)."""
 
     kind: str = WAIT_COMPLETE
-    base_s: float = 0.005
-    per_ki_token_s: float = 0.02
+    base_s: float = 0.05
+    per_ki_token_s: float = 0.05
     max_s: float = 2.0
 
     def __post_init__(self) -> None:

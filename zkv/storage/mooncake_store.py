@@ -6,18 +6,24 @@ The master keeps metadata; the bytes live in memory segments that clients mount
 one serving instance). Every client talks P2PHANDSHAKE over TCP; on a loopback master the
 transfer engine advertises 127.0.0.1 (``MC_TCP_BIND_ADDRESS``).
 
-How the header travels: in the same object, as a separate first buffer. One block is one
-object ``header (64) ‖ payload`` put with ``batch_put_from_multi_buffers([hdr, payload])``
-and read with ``batch_get_into_multi_buffers([hdr_slot, host_block])``: the payload goes
-straight from / into the host block (zero copy; both registered with ``register_buffer``
-for RDMA), the header through a small per-thread slot arena. A block is one object, so it
-is written and evicted whole (a separate header key could be evicted on its own), and
-one batched call moves a whole chunk of blocks (see bench/storage.py for its cost against
-payload-only objects)::
+How the header travels: in the same object as the payload, so a block is written,
+evicted and removed whole (a separate header key could be evicted on its own, and costs
+a second object per block: measured slower than both forms below). Two ways to build the
+object ``header (64) ‖ payload``, chosen per block size (``header="auto"``)::
 
-    per I/O thread:  header arena [MAX_BATCH x 64 B]   (registered once per client)
-    put  key_i:  [arena[i] ◄ pack_header] + [host block]  ──batch_put_from_multi_buffers──►
-    get  key_i:  [arena[i]] + [host block]  ◄──batch_get_into_multi_buffers──  then verify
+    inline (TCP, blocks <= 256 KiB): the I/O thread stages header ‖ payload in its own
+        registered area (8 MiB) and moves one buffer per object: batch_put_from /
+        batch_get_into, then verify and copy the payload into the host block
+    split  (RDMA, or bigger blocks):  [header slot, host block] per object:
+        batch_put_from_multi_buffers / batch_get_into_multi_buffers, zero copy
+
+Why: over TCP the bytes are copied through socket buffers anyway, and a second buffer
+per object costs the transfer engine a second slice. Measured here with 32 KiB blocks
+(bench/storage.py and its "mooncake, split header" row): split took 1.2-1.7x (up to ~3x
+on a loaded machine) the time of payload-only objects, inline about 1.0x; from 128 KiB
+up the two are equal. Zero copy is what RDMA needs (both buffers registered with
+``register_buffer``), so RDMA always splits. Both forms store identical objects: clients
+in either mode read each other's blocks.
 
 Return codes (ints): a size = read OK; -704 not found (a normal miss, also after exists);
 -600 the object is larger than the block (refused); -800 on a get may be a shorter object
@@ -56,6 +62,10 @@ from zkv.storage.base import (
 )
 
 MAX_BATCH = 256
+#: On TCP, blocks up to this size travel as one staged object (see the module docstring).
+INLINE_MAX = 256 << 10
+STAGE_BYTES = 8 << 20  # per I/O thread
+HEADER_MODES = ("auto", "inline", "split")
 NOT_FOUND = -704
 TOO_SMALL = -600
 TRANSFER_FAIL = -800
@@ -73,8 +83,12 @@ class MooncakeStore(Store):
 
     def __init__(self, host: str, port: int, namespace: str, *, segment_bytes: int = 0,
                  buffer_bytes: int = 16 << 20, timeout_s: float = 2.0,
-                 local_hostname: str | None = None, protocol: str = "tcp") -> None:
+                 local_hostname: str | None = None, protocol: str = "tcp",
+                 header: str = "auto") -> None:
         super().__init__(namespace)
+        if header not in HEADER_MODES:
+            raise ConfigError(f"mooncake header mode must be one of {HEADER_MODES}, got {header!r}")
+        self.header = header
         self.host, self.port = host, port
         self.url = f"mooncake://{host}:{port}"
         loopback = host in ("127.0.0.1", "localhost", "::1")
@@ -95,7 +109,7 @@ class MooncakeStore(Store):
         self._client: Any = None
         self._setup_lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []
-        self._arenas: list[np.ndarray] = []  # kept alive: registered memory never goes away
+        self._arenas: list[np.ndarray] = []
         self._tls = threading.local()
         self.link = Link(self.url, self._connect, log=self._log)
         try:  # a master down at start is no error: the store degrades to misses
@@ -134,13 +148,24 @@ class MooncakeStore(Store):
                 if rc != 0:
                     raise StorageError(f"{self.url}: register_buffer returned {rc}")
 
-    def _arena(self) -> np.ndarray:
-        arena = getattr(self._tls, "arena", None)
+    def _headers(self) -> np.ndarray:
+        """This thread's header slots (split mode), registered once."""
+        arena = getattr(self._tls, "headers", None)
         if arena is None:
-            arena = np.zeros(MAX_BATCH * HEADER_SIZE, dtype=np.uint8)
-            self._arenas.append(arena)
-            self.register_buffer(int(arena.ctypes.data), arena.nbytes)
-            self._tls.arena = arena
+            arena = self._tls.headers = self._registered(MAX_BATCH * HEADER_SIZE)
+        return arena
+
+    def _stage(self, nbytes: int) -> np.ndarray:
+        """This thread's staging area (inline mode), at least ``nbytes``, registered once."""
+        stage = getattr(self._tls, "stage", None)
+        if stage is None or stage.nbytes < nbytes:
+            stage = self._tls.stage = self._registered(max(STAGE_BYTES, nbytes))
+        return stage
+
+    def _registered(self, nbytes: int) -> np.ndarray:
+        arena = np.zeros(nbytes, dtype=np.uint8)
+        self._arenas.append(arena)  # kept alive: registered memory never goes away
+        self.register_buffer(int(arena.ctypes.data), arena.nbytes)
         return arena
 
     def _call(self, what: str, fn: Any) -> list[int]:
@@ -164,31 +189,120 @@ class MooncakeStore(Store):
         return [rc == 1 for rc in rcs]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        views = [as_bytes_view(o) for o in outs]
         found: list[bool] = []
-        for i in range(0, len(keys), MAX_BATCH):
-            found += self._get_chunk(keys[i : i + MAX_BATCH], outs[i : i + MAX_BATCH])
+        for lo, hi, inline in self._chunks(views):
+            get = self._get_inline if inline else self._get_split
+            found += get(keys[lo:hi], views[lo:hi])
         return found
 
-    def _get_chunk(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
-        arena = self._arena()
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        views = [as_bytes_view(d) for d in datas]
+        if len(views) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(views)} blocks")
+        stored: list[bool] = []
+        for lo, hi, inline in self._chunks(views):
+            put = self._put_inline if inline else self._put_split
+            stored += self._put_done(views[lo:hi], put(keys[lo:hi], views[lo:hi]))
+        return stored
+
+    def _inline(self, nbytes: int) -> bool:
+        if self.header == "auto":
+            return self.protocol == "tcp" and HEADER_SIZE + nbytes <= INLINE_MAX
+        return self.header == "inline"
+
+    def _chunks(self, views: Sequence[memoryview]) -> list[tuple[int, int, bool]]:
+        """Runs of blocks for one batched call each: at most MAX_BATCH, one header mode,
+        inline runs within the staging area."""
+        out: list[tuple[int, int, bool]] = []
+        lo = 0
+        while lo < len(views):
+            inline = self._inline(views[lo].nbytes)
+            hi, used = lo, 0
+            while hi < len(views) and hi - lo < MAX_BATCH and self._inline(views[hi].nbytes) == inline:
+                size = HEADER_SIZE + views[hi].nbytes
+                if inline and hi > lo and used + size > STAGE_BYTES:
+                    break
+                used += size
+                hi += 1
+            out.append((lo, hi, inline))
+            lo = hi
+        return out
+
+    # -- header inline: one buffer per object, staged (TCP copies the bytes anyway)
+
+    def _offsets(self, views: Sequence[memoryview]) -> tuple[np.ndarray, list[int]]:
+        offs, used = [], 0
+        for v in views:
+            offs.append(used)
+            used += HEADER_SIZE + v.nbytes
+        return self._stage(used), offs
+
+    def _get_inline(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
+        stage, offs = self._offsets(views)
+        base = int(stage.ctypes.data)
+        names = [self.name(k) for k in keys]
+        sizes = [HEADER_SIZE + v.nbytes for v in views]
+        rcs = self._call("get", lambda c: c.batch_get_into(names, [base + o for o in offs], sizes))
+        out = []
+        for key, view, off, size, rc, name in zip(keys, views, offs, sizes, rcs, names):
+            ok = False
+            if rc == size:
+                payload = stage[off + HEADER_SIZE : off + size]
+                ok = self._verify(key, stage[off : off + HEADER_SIZE], payload)
+                if ok:
+                    view[:] = payload
+                    self._count(hits=1, bytes_read=view.nbytes)
+            else:
+                self._get_failed(key, name, view.nbytes, rc)
+            out.append(ok)
+        return out
+
+    def _put_inline(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[int]:
+        stage, offs = self._offsets(views)
+        base = int(stage.ctypes.data)
+        for key, view, off in zip(keys, views, offs):
+            stage[off : off + HEADER_SIZE] = np.frombuffer(pack_header(self.ns_id, key, view),
+                                                           dtype=np.uint8)
+            stage[off + HEADER_SIZE : off + HEADER_SIZE + view.nbytes] = np.frombuffer(
+                view, dtype=np.uint8)
+        names = [self.name(k) for k in keys]
+        sizes = [HEADER_SIZE + v.nbytes for v in views]
+        return self._call("put", lambda c: c.batch_put_from(names, [base + o for o in offs], sizes))
+
+    # -- header split: [header slot, host block] per object, zero copy (RDMA, big blocks)
+
+    def _get_split(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
+        arena = self._headers()
         base = int(arena.ctypes.data)
-        views = [as_bytes_view(o) for o in outs]
         names = [self.name(k) for k in keys]
         ptrs = [[base + i * HEADER_SIZE, _ptr(v)] for i, v in enumerate(views)]
         sizes = [[HEADER_SIZE, v.nbytes] for v in views]
         rcs = self._call("get", lambda c: c.batch_get_into_multi_buffers(names, ptrs, sizes))
         out = []
         for i, (key, view, rc) in enumerate(zip(keys, views, rcs)):
+            ok = False
             if rc == HEADER_SIZE + view.nbytes:
-                header = arena[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-                ok = self._verify(key, header, view)
+                ok = self._verify(key, arena[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], view)
                 if ok:
                     self._count(hits=1, bytes_read=view.nbytes)
             else:
-                ok = False
                 self._get_failed(key, names[i], view.nbytes, rc)
             out.append(ok)
         return out
+
+    def _put_split(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[int]:
+        arena = self._headers()
+        base = int(arena.ctypes.data)
+        for i, (key, view) in enumerate(zip(keys, views)):
+            arena[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = np.frombuffer(
+                pack_header(self.ns_id, key, view), dtype=np.uint8)
+        names = [self.name(k) for k in keys]
+        ptrs = [[base + i * HEADER_SIZE, _ptr(v)] for i, v in enumerate(views)]
+        sizes = [[HEADER_SIZE, v.nbytes] for v in views]
+        return self._call("put", lambda c: c.batch_put_from_multi_buffers(names, ptrs, sizes))
+
+    # -- both
 
     def _get_failed(self, key: bytes, name: str, nbytes: int, rc: int) -> None:
         want = HEADER_SIZE + nbytes
@@ -209,25 +323,7 @@ class MooncakeStore(Store):
         except Exception:
             return -1
 
-    def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
-        stored: list[bool] = []
-        for i in range(0, len(keys), MAX_BATCH):
-            stored += self._put_chunk(keys[i : i + MAX_BATCH], datas[i : i + MAX_BATCH])
-        return stored
-
-    def _put_chunk(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
-        if not keys:
-            return []
-        arena = self._arena()
-        base = int(arena.ctypes.data)
-        views = [as_bytes_view(d) for d in datas]
-        for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-            arena[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = np.frombuffer(
-                pack_header(self.ns_id, key, view), dtype=np.uint8)
-        names = [self.name(k) for k in keys]
-        ptrs = [[base + i * HEADER_SIZE, _ptr(v)] for i, v in enumerate(views)]
-        sizes = [[HEADER_SIZE, v.nbytes] for v in views]
-        rcs = self._call("put", lambda c: c.batch_put_from_multi_buffers(names, ptrs, sizes))
+    def _put_done(self, views: Sequence[memoryview], rcs: list[int]) -> list[bool]:
         ok = [rc == 0 for rc in rcs]
         n = sum(ok)
         self._count(puts=n, put_failures=len(ok) - n,

@@ -5,7 +5,7 @@
     file:///abs/path[?max_gb=G|max_bytes=N][&fsync=1]          LocalDirStore (embedded default)
     redis://[:password@]HOST:PORT[/DB][?timeout_s=T][&ttl_s=S]  RedisStore (Redis / Valkey)
     mooncake://HOST:PORT[?segment_mb=M][&buffer_mb=B][&timeout_s=T][&protocol=tcp]
-                                                                MooncakeStore (master address)
+                        [&header=auto|inline|split]             MooncakeStore (master address)
 
 ``writers``: how many processes write the same local directory (the ranks of a group);
 each gets ``max_bytes / writers`` of the budget (see zkv/storage/local.py). A bad URL
@@ -25,7 +25,8 @@ SCHEMES = ("file", "redis", "mooncake")
 _PARAMS = {
     "file": {"max_gb": float, "max_bytes": int, "fsync": bool},
     "redis": {"timeout_s": float, "ttl_s": int},
-    "mooncake": {"segment_mb": int, "buffer_mb": int, "timeout_s": float, "protocol": str},
+    "mooncake": {"segment_mb": int, "buffer_mb": int, "timeout_s": float, "protocol": str,
+                 "header": str},
 }
 
 
