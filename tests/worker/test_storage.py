@@ -154,9 +154,9 @@ def test_a_hung_store_never_delays_the_next_batch(stack: ExitStack, folder: str,
                                                   tmp_path: Any) -> None:
     gate = threading.Event()
     gate.set()
-    stack.callback(gate.set)  # never leave an I/O thread waiting
     stores = [GatedStore(LocalDirStore(tmp_path, LAYOUT.fingerprint()), gate) for _ in range(2)]
     rig = Rig(stack, folder, stores, heartbeat_timeout_s=0.5)
+    stack.callback(gate.set)  # runs first: never leave an I/O thread waiting at close
     keys = tuple(digest(12, i) for i in range(4))
     _fill_and_store(rig, keys)
     gate.clear()
@@ -226,3 +226,18 @@ def test_stored_files_carry_the_header(stack: ExitStack, folder: str, tmp_path: 
             raw = f.read()
         assert raw[HEADER_SIZE:] == reference.expected_block_bytes(LAYOUT, keys[0], rank)
         assert raw[24:42] == pack_key(keys[0], rank)
+
+
+def test_worker_store_from_environment(tmp_path: Any) -> None:
+    from zkv.errors import ConfigError
+    from zkv.worker.__main__ import store_from_env
+
+    assert store_from_env(LAYOUT, {}) is None
+    s = store_from_env(LAYOUT, {"ZKV_STORE_DIR": str(tmp_path)})
+    assert isinstance(s, LocalDirStore) and s.root == str(tmp_path)
+    s = store_from_env(LAYOUT, {"ZKV_STORE_URL": file_url(tmp_path) + "?max_bytes=1000",
+                                "ZKV_STORE_DIR": "/ignored"})
+    assert isinstance(s, LocalDirStore) and s.max_bytes == 500  # two ranks share the budget
+    assert s.namespace == LAYOUT.fingerprint()
+    with pytest.raises(ConfigError, match="bad store URL 'redis://nohost'"):
+        store_from_env(LAYOUT, {"ZKV_STORE_URL": "redis://nohost"})
