@@ -16,9 +16,9 @@ Keys (all optional)::
     write_through_threshold  int >= 1     default 2
     prefetch                 str          L3 -> host prefetch: timeout (default) |
                                           wait_complete | best_effort
-    prefetch_timeout_s       float >= 0   base budget of the timeout policy (default 0.5)
-    prefetch_timeout_per_block_ms
-                             float >= 0   budget per block to load (default 2.0)
+    prefetch_base_ms         float >= 0   timeout policy: budget = base + per_ki_token x
+    prefetch_per_ki_token_ms float >= 0   prompt tokens / 1024, at most max (defaults 50,
+    prefetch_max_ms          float >= 0   50 and 2000 ms; zkv.scheduler.prefetch)
     layer_timeout_s          float > 0    a forward waits this long for a layer's load
                                           before it counts as failed (default 30)
     log_dir                  str          zkv's JSON logs (default: stderr, level warning)
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zkv.errors import ConfigError
+from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy
 from zkv.scheduler.records import WRITE_POLICIES, WRITE_THROUGH
-
-PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
+from zkv.storage.url import parse_url
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -67,8 +67,9 @@ class ZkvVllmConfig:
     policy: str = WRITE_THROUGH
     write_through_threshold: int = 2
     prefetch: str = "timeout"
-    prefetch_timeout_s: float = 0.5
-    prefetch_timeout_per_block_ms: float = 2.0
+    prefetch_base_ms: float = 50.0
+    prefetch_per_ki_token_ms: float = 50.0
+    prefetch_max_ms: float = 2000.0
     layer_timeout_s: float = 30.0
     log_dir: str | None = None
     log_level: str = "warning"
@@ -76,6 +77,10 @@ class ZkvVllmConfig:
     namespace_salt: str = ""
     inject_load_failures: tuple[int, ...] = field(default_factory=tuple)
     inject_rank: int = 0
+
+    def prefetch_policy(self) -> PrefetchPolicy:
+        return PrefetchPolicy(self.prefetch, self.prefetch_base_ms / 1e3,
+                              self.prefetch_per_ki_token_ms / 1e3, self.prefetch_max_ms / 1e3)
 
     def num_host_blocks(self, block_bytes: int) -> int:
         """Host blocks per rank for blocks of ``block_bytes`` (at least 1)."""
@@ -127,10 +132,10 @@ def _storage(value: Any) -> str | None:
     url = _typed("storage", value, str, "an L3 URL or 'none'")
     if url.lower() in ("none", "off", ""):
         return None
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme not in ("file", "redis", "mooncake"):
-        raise ConfigError(f"zkv: storage must be file:///path, redis://HOST:PORT/DB, "
-                          f"mooncake://HOST:PORT or none; got {url!r}")
+    try:
+        parse_url(url)  # the storage package's own check, without connecting
+    except ConfigError as e:
+        raise ConfigError(f"zkv: storage: {e}") from None
     return url
 
 
@@ -162,7 +167,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
             kw[key] = int(_number(key, _typed(key, value, int, "an integer"), 1))
         elif key == "prefetch":
             kw[key] = _choice(key, value, PREFETCH_POLICIES)
-        elif key in ("prefetch_timeout_s", "prefetch_timeout_per_block_ms"):
+        elif key in ("prefetch_base_ms", "prefetch_per_ki_token_ms", "prefetch_max_ms"):
             kw[key] = _number(key, value, 0)
         elif key == "layer_timeout_s":
             kw[key] = _number(key, value, 0, strict=True)

@@ -126,20 +126,14 @@ def ipc_endpoints(engine_id: str, create: bool) -> tuple[str, str, str]:
     return f"ipc://{d}/pub", f"ipc://{d}/pull", d
 
 
-def open_store(url: str | None, namespace: str) -> Any:
+def open_l3(url: str | None, namespace: str, world_size: int) -> Any:
+    """The L3 store (None without one). A server that is down is no error here: the store
+    fails fast (misses) and reconnects when it is back."""
     if url is None:
         return None
-    try:
-        from zkv.storage import open_store as _open  # type: ignore[attr-defined]
-    except ImportError:
-        _open = None
-    if _open is not None:
-        return _open(url, namespace)
-    if not url.startswith("file://"):
-        raise ConfigError(f"zkv: storage {url!r} needs the zkv.storage backends")
-    from zkv.storage import LocalDirStore
+    from zkv.storage import open_store
 
-    return LocalDirStore(url[len("file://"):], namespace)  # created on first write
+    return open_store(url, namespace, writers=world_size)
 
 
 class ZkvConnector(KVConnectorBase_V1):
@@ -189,9 +183,14 @@ class ZkvConnector(KVConnectorBase_V1):
         zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level)
         layout = self._layout("HND" if current_platform.is_cpu() else "NHD")
         pub, pull, self._ipc_dir = ipc_endpoints(self.engine_id, create=True)
-        store = open_store(self.cfg.storage, layout.fingerprint())
+        store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
+        exists = None
+        if store is not None:
+            from zkv.storage import StorageQuery
+
+            exists = StorageQuery(store, self.world_size)
         self.sched = SchedulerHalf(self.cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
-                                   store=store)
+                                   store=store, storage_exists=exists)
         if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
             self.sched.log.warning("connector.failure_policy", policy=vllm_config
                                    .kv_transfer_config.kv_load_failure_policy,
@@ -209,7 +208,7 @@ class ZkvConnector(KVConnectorBase_V1):
         names, views, kind = kv_views(kv_caches, self.geo)
         layout = self._layout(kind)
         pub, pull, _ = ipc_endpoints(self.engine_id, create=True)
-        store = open_store(self.cfg.storage, layout.fingerprint())
+        store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
         self.worker.start(names, views, layout, pub_endpoint=pub, pull_endpoint=pull,
                           store=store)
 

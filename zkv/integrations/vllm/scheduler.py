@@ -42,11 +42,12 @@ import xxhash
 
 from zkv import log as zlog
 from zkv.config import CacheLayout
-from zkv.errors import RankLost, StorageError
+from zkv.errors import RankLost
 from zkv.integrations.vllm.config import ZkvVllmConfig
 from zkv.protocol import H2D
 from zkv.scheduler.dispatcher import Dispatcher
 from zkv.scheduler.hashing import ROOT_HASH, MultiModalItem, hash_tokens
+from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 from zkv.scheduler.manager import (
     WRITE_BACK,
     WRITE_THROUGH_SELECTIVE,
@@ -90,8 +91,6 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     allocated: bool = False
     confirmed: int = 0          # tokens whose KV every rank computed (or loaded) for sure
-    prefetch_t0: float | None = None
-    prefetch_blocks: int = 0
     prefetched: bool = False
     counted: bool = False
     last_save_seq: int | None = None
@@ -134,7 +133,8 @@ class SchedulerHalf:
     """CacheManager + Dispatcher behind vLLM's scheduler; see the module docstring."""
 
     def __init__(self, cfg: ZkvVllmConfig, layout: CacheLayout, *, pub_endpoint: str,
-                 pull_endpoint: str, store: Any = None, join_timeout_s: float = 120.0) -> None:
+                 pull_endpoint: str, store: Any = None, storage_exists: Any = None,
+                 join_timeout_s: float = 120.0) -> None:
         self.cfg = cfg
         self.layout = layout
         self.bs = layout.block_size
@@ -144,8 +144,9 @@ class SchedulerHalf:
             CacheConfig(0, layout.num_host_blocks, layout.block_size, cfg.policy,
                         cfg.write_through_threshold,
                         storage_write=bool(store is not None and cfg.storage_write)),
-            storage_exists=self._storage_exists if store is not None else None,
+            storage_exists=storage_exists,
         )
+        self.prefetch = PrefetchTracker(cfg.prefetch_policy())
         self.dp = Dispatcher(pub_endpoint, pull_endpoint, layout.world_size,
                              layout.fingerprint(), heartbeat_timeout_s=30.0, ack_timeout_s=120.0)
         try:
@@ -186,35 +187,24 @@ class SchedulerHalf:
         r = self._reqs.get(rid)
         if r is None:
             r = self._reqs[rid] = self._new_req(request)
-        if r.prefetch_t0 is not None:
-            if not self.cm.prefetch_done(rid) and self._keep_waiting(r):
-                return None, False
-            r.prefetch_t0 = None
+        if self.prefetch.waiting(rid):
+            if not self.prefetch.ready(rid, self.cm.prefetch_done(rid), time.monotonic()):
+                return None, False  # vLLM asks again next step
         m = self.cm.match_prefix(rid, r.hashes[: r.num_prompt_blocks])
         if m.num_storage and not r.prefetched:
             r.prefetched = True
-            n = self.cm.prefetch(rid)
-            if n:
-                r.prefetch_t0, r.prefetch_blocks = time.monotonic(), n
+            if self.cm.prefetch(rid):
                 r.host_blocks_at_match = m.num_host
-                self._flush()
-                if self.cfg.prefetch != "best_effort":
+                self._flush()  # the loads start now, not with the next step's batch
+                if self.cfg.prefetch != BEST_EFFORT:
+                    self.prefetch.start(rid, request.num_prompt_tokens, time.monotonic())
                     return None, False
-        if r.prefetch_t0 is None and not r.prefetched:
+        if not r.prefetched:
             r.host_blocks_at_match = m.num_host
         have = min(m.num_host * self.bs, request.num_tokens - 1)  # vLLM computes >= 1 token
         r.local = local
         r.ext = max(0, have - local)
         return r.ext, False
-
-    def _keep_waiting(self, r: _Req) -> bool:
-        if self.cfg.prefetch == "wait_complete":
-            return True
-        if self.cfg.prefetch == "best_effort" or r.prefetch_t0 is None:
-            return False
-        budget = (self.cfg.prefetch_timeout_s
-                  + self.cfg.prefetch_timeout_per_block_ms * 1e-3 * r.prefetch_blocks)
-        return time.monotonic() - r.prefetch_t0 < budget
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -318,7 +308,8 @@ class SchedulerHalf:
             self.cm.finish(rid)
         r.epoch += 1
         r.allocated, r.block_ids, r.confirmed = False, [], 0
-        r.prefetch_t0, r.prefetched, r.local, r.ext = None, False, 0, 0
+        r.prefetched, r.local, r.ext = False, 0, 0
+        self.prefetch.forget(rid)
 
     def update_connector_output(self, invalid_block_ids: Iterable[int]) -> None:
         t0 = time.perf_counter()
@@ -354,6 +345,7 @@ class SchedulerHalf:
     def _finished(self, request: Any) -> bool:
         rid = request.request_id
         r = self._reqs.pop(rid, None)
+        self.prefetch.forget(rid)
         if r is None:
             return False
         self._poll()
@@ -464,25 +456,6 @@ class SchedulerHalf:
         mm = request_mm_items(request)
         hashes = hash_tokens(request.prompt_token_ids, self.bs, parent=root, mm_items=mm)
         return _Req(request, root, mm, hashes, len(hashes))
-
-    def _storage_exists(self, hashes: list[bytes]) -> int:
-        """Leading count of ``hashes`` the store holds for every rank (store errors: 0)."""
-        from zkv.storage import pack_key
-
-        try:
-            n = len(hashes)
-            for rank in range(self.layout.world_size):
-                found = self.store.exists([pack_key(h, rank) for h in hashes[:n]])
-                k = 0
-                while k < n and found[k]:
-                    k += 1
-                n = k
-                if not n:
-                    break
-            return n
-        except (StorageError, OSError) as e:
-            self.log.error("connector.storage_failed", error=str(e))
-            return 0
 
     def snapshot(self) -> dict[str, Any]:
         c = self.counts
