@@ -210,3 +210,18 @@ def test_smollm2_identical_through_zkv(env, smollm2) -> None:  # noqa: ANN001
     assert smollm2["tok"].decode(out["phases"][2]["tokens"][0][:2]).strip().startswith("Paris")
     z = out["phases"][1]["zkv"]
     assert z["zkv_host_tokens"] > 2_000, "the documents vLLM evicted come from zkv's host tier"
+
+
+@pytest.mark.parametrize("backend", ["redis", "mooncake"])
+def test_shared_store_urls(env, ref_tp1, backend, request) -> None:  # noqa: ANN001
+    """The connector takes any L3 URL: with a host pool smaller than the documents, the
+    second phase is served from a real redis-server / Mooncake Store the tests started."""
+    server = request.getfixturevalue(f"{backend}_server")
+    cfg = _zkv(env, storage=server.url, host_blocks=160,
+               namespace_salt=f"{backend}-{request.node.name}")
+    out = run_engine(env["tmp"], f"zkv-{backend}", _spec(env, connector=cfg,
+                                                         phases=env["phases"][:2]))
+    _same_tokens(out, ref_tp1, phases=2)
+    z = _last(out)
+    assert z["zkv_store_tokens"] > 2_000 and z["cm_failed_ops"] == 0
+    assert z["cm_stored"] > 300
