@@ -166,7 +166,8 @@ class Replayer:
         self.carry = []
         if seq is not None:
             self._wait(lambda: seq not in self.outstanding)
-        for rid in running:
+        for rid in running:  # the step's forward ran: its blocks are matchable from now on
+            cm.cache_computed(rid, len(dict(reqs)[rid]) * bs)
             cm.finish(rid)
         self.carry = cm.take_ops()
 
