@@ -6,6 +6,17 @@ items that overlap block i (``item.start < end and item.end > start``: an item t
 exactly at the block's start does not count). Only full blocks are hashed.
 
 Never Python's ``hash()``: it is salted per process. Digests are ``bytes`` of 16.
+
+Two paths, one result::
+
+    hash_tokens / hash_ids_chain ──► native (_chainhash.c: converts a list of ints and
+          │                          hashes in one pass, ~0.05 us/block)
+          └── not built, or an input it leaves to Python (non-int element, out of range)
+              ──► hash_tokens_py / hash_ids_chain_py (the reference: numpy conversion,
+                  one xxhash call per block, ~0.3-0.6 us/block)
+
+The reference functions stay public: tests check that both paths give identical digests
+(multimodal extras and id chains included) and that bad inputs raise the same errors.
 """
 
 from __future__ import annotations
@@ -25,6 +36,14 @@ ROOT_HASH = BlockHash(b"zkv-root-v1\x00\x00\x00\x00\x00")
 _EXTRA_TAG = b"\xff"
 
 _xxh128 = xxhash.xxh3_128_digest
+
+try:
+    from zkv.scheduler import _chainhash as _native
+except ImportError:  # built without a compiler: the pure-Python reference path only
+    _native = None  # type: ignore[assignment]
+
+#: True when the native hashing path is built and used.
+NATIVE = _native is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +91,55 @@ def hash_tokens(
     request's hashes incrementally with ``parent`` = its last hash); it must be a multiple
     of ``block_size``. ``mm_items`` use absolute positions. O(n) in blocks.
     """
+    _check_args(block_size, start_token, parent)
+    if _native is None:
+        return hash_tokens_py(token_ids, block_size, parent=parent, start_token=start_token,
+                              mm_items=mm_items)
+    extras = (_block_extras(mm_items, start_token, block_size, len(token_ids) // block_size)
+              if mm_items else None)
+    if type(token_ids) is list or type(token_ids) is tuple:
+        out = _native.hash_token_list(token_ids, block_size, parent, extras)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
+        # an element the native path leaves to the reference (it raises or converts)
+        return hash_tokens_py(token_ids, block_size, parent=parent, start_token=start_token,
+                              mm_items=mm_items)
+    return _native.hash_token_bytes(_token_bytes(token_ids), block_size, parent,  # type: ignore[no-any-return]
+                                    extras)
+
+
+def _check_args(block_size: int, start_token: int, parent: bytes) -> None:
     if block_size <= 0:
         raise ValueError("block_size must be > 0")
     if start_token % block_size:
         raise ValueError("start_token must be a multiple of block_size")
     if len(parent) != DIGEST_SIZE:
         raise ValueError(f"parent digest must be {DIGEST_SIZE} bytes")
+
+
+def _block_extras(mm_items: Sequence[MultiModalItem], start_token: int, block_size: int,
+                  num_full: int) -> dict[int, bytes]:
+    """{block index: 0xff + digests of the items overlapping it}, blocks counted from
+    ``start_token``; digests in (start, end) order. O(items + blocks they span)."""
+    per_block: dict[int, list[bytes]] = {}
+    for it in sorted(mm_items, key=lambda it: (it.start, it.end)):
+        lo = max(0, (it.start - start_token) // block_size)
+        hi = min(num_full, -(-(it.end - start_token) // block_size))
+        for b in range(lo, hi):
+            per_block.setdefault(b, []).append(it.digest)
+    return {b: _EXTRA_TAG + b"".join(ds) for b, ds in per_block.items()}
+
+
+def hash_tokens_py(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    *,
+    parent: bytes = ROOT_HASH,
+    start_token: int = 0,
+    mm_items: Sequence[MultiModalItem] = (),
+) -> list[BlockHash]:
+    """The pure-Python reference of :func:`hash_tokens` (same arguments, same digests)."""
+    _check_args(block_size, start_token, parent)
     data = _token_bytes(token_ids)
     step = 4 * block_size
     num_full = len(data) // step
@@ -130,6 +192,17 @@ def _ids_bytes(ids: Sequence[int]) -> bytes:
 def hash_ids_chain(ids: Sequence[int], *, parent: bytes = ROOT_HASH) -> list[BlockHash]:
     """Chain-hash opaque per-block ids (trace replay: one id per block, equal paths → equal
     hashes). Each id is hashed as 8 bytes, int64 little-endian."""
+    if _native is not None:
+        out = _native.hash_id_list(ids, parent)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
+    return hash_ids_chain_py(ids, parent=parent)
+
+
+def hash_ids_chain_py(ids: Sequence[int], *, parent: bytes = ROOT_HASH) -> list[BlockHash]:
+    """The pure-Python reference of :func:`hash_ids_chain`."""
+    if len(parent) != DIGEST_SIZE:
+        raise ValueError(f"parent digest must be {DIGEST_SIZE} bytes")
     data = _ids_bytes(ids)
     out: list[BlockHash] = []
     h = parent
