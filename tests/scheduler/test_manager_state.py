@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, OpResult
+from zkv.scheduler.eviction import POLICIES
 from zkv.scheduler.hashing import hash_ids_chain
 from zkv.scheduler.manager import WRITE_POLICIES, CacheConfig, CacheManager
 from zkv.scheduler.radix import DEVICE, HOST
@@ -27,11 +28,14 @@ class CacheMachine(RuleBasedStateMachine):
         nhost=st.integers(0, 12),
         threshold=st.integers(1, 3),
         storage=st.booleans(),
+        eviction=st.sampled_from(POLICIES),
     )
-    def setup(self, policy: str, ndev: int, nhost: int, threshold: int, storage: bool) -> None:
+    def setup(self, policy: str, ndev: int, nhost: int, threshold: int, storage: bool,
+              eviction: str) -> None:
         self.store: set[bytes] = set()
         self.cm = CacheManager(
-            CacheConfig(ndev, nhost, BS, policy, threshold, storage_write=storage),
+            CacheConfig(ndev, nhost, BS, policy, threshold, storage_write=storage,
+                        eviction_policy=eviction),
             storage_exists=self._exists if storage else None,
         )
         self.dev: dict[int, bytes] = {}
@@ -203,6 +207,11 @@ class CacheMachine(RuleBasedStateMachine):
     def consistent(self):
         if hasattr(self, "cm"):
             self.cm.check_invariants()
+            # O(1) eviction: the policies looked at exactly one entry per evicted block
+            # (no skipped parent, no rotation), whatever the ack order.
+            stats, tree = self.cm.stats, self.cm.tree
+            assert tree.dpol.probes == stats.evicted_device
+            assert tree.hpol.probes == stats.evicted_host
 
 
 CacheMachine.TestCase.settings = settings(

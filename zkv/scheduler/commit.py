@@ -98,23 +98,19 @@ class CommitMixin:
             return True
         return False
 
-    def _relist(self, nodes: list[Node], path_order: bool = True) -> None:
-        """Put settled nodes on the LRU lists they qualify for, leaf first: ``nodes`` in
-        path order (root → leaf) are pushed reversed, eviction order as given."""
-        tree = self.tree
-        for n in reversed(nodes) if path_order else nodes:
-            if n.ref or n.busy or n.status is DELETING:
-                continue
-            if n.status is DEVICE and n.dprev is None:
-                tree.dlru_push(n)
-            if n.host_ok and n.hprev is None and n.status in (DEVICE, HOST):
-                tree.hlru_push(n)
+    def _relist(self, nodes: list[Node]) -> None:
+        """Make settled nodes evictable where they qualify, leaf first (``nodes`` are in
+        path order, root → leaf, and pushed reversed)."""
+        relist = self.tree.relist
+        for n in reversed(nodes):
+            if not (n.ref or n.busy or n.status is DELETING):
+                relist(n)
 
     def _commit_d2h(self, p: PendingOp, done: int) -> None:
         # One iteration per evicted block (hot with a host tier): the common case, a node
         # with no other op in flight that no request holds, is settled inline.
         store = self.config.storage_write
-        hlru_push = self.tree.hlru_push
+        relist = self.tree.relist
         committed = 0
         for i, n in enumerate(p.nodes):
             if n.busy != 1 or n.status is DELETING:
@@ -128,8 +124,8 @@ class CommitMixin:
                 committed += 1
                 if store and not n.in_store:
                     self._maybe_store(n)
-                elif not n.ref and not n.busy:  # d2h ops list chain tails first: push as is
-                    hlru_push(n)
+                elif not n.ref and not n.busy:  # d2h ops list chain tails first
+                    relist(n)
             else:
                 self._drop_subtree(n)  # its only copy is gone
         self.stats.swapped_out += committed
@@ -163,7 +159,7 @@ class CommitMixin:
             b = n.dev
             n.dev = -1
             n.status = HOST
-            n.parent.ndev -= 1  # type: ignore[union-attr]
+            self.tree.dev_left(n)
             st = self._reqs.get(p.req_ids[i] or "")
             idx = _index_of(st.nodes, n) if st is not None else -1
             if st is not None and idx >= 0 and idx < len(st.table) and st.table[idx] == b:
@@ -185,6 +181,7 @@ class CommitMixin:
                 st.num_storage = 0  # what arrived is a host hit now; the rest recomputes
                 if i < done and not failed:
                     st.nodes.append(n)  # the request keeps its ref; swapped in at allocate
+                    n.hits += 1  # a use, like a match (a parent is hit whenever its child)
                 else:
                     n.ref -= 1
             if i < done and not failed:

@@ -6,6 +6,7 @@ O(nodes + blocks + ops); never called on a hot path.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from zkv.scheduler.radix import (
@@ -20,6 +21,7 @@ from zkv.scheduler.radix import (
 )
 
 if TYPE_CHECKING:
+    from zkv.scheduler.eviction import EvictionPolicy
     from zkv.scheduler.manager import CacheManager
 
 
@@ -70,19 +72,43 @@ def check(cm: CacheManager) -> None:
         if n.status in ON_DEVICE:
             assert parent is tree.root or parent.status in ON_DEVICE, (
                 f"tier order: {n} on device under {parent}")
-        ndev = sum(1 for c in (n.children or {}).values() if c.status in ON_DEVICE)
-        assert n.ndev == ndev, f"{n}: ndev {n.ndev} != {ndev}"
-        want_d = n.status is DEVICE and n.ref == 0 and n.busy == 0
-        assert (n.dprev is not None) == want_d, f"{n}: device LRU membership wrong"
-        want_h = n.host_ok and n.ref == 0 and n.busy == 0 and n.status in (DEVICE, HOST)
-        assert (n.hprev is not None) == want_h, f"{n}: host LRU membership wrong"
-    root_ndev = sum(1 for c in tree.root.children.values() if c.status in ON_DEVICE)
-    assert tree.root.ndev == root_ndev, "root ndev"
-    assert tree.num_dlru == len(tree.dlru_nodes()), "device LRU count"
-    assert tree.num_hlru == len(tree.hlru_nodes()), "host LRU count"
+        assert parent is tree.root or parent.hits >= n.hits, f"{n}: more hits than its parent"
+        want_d = n.status is DEVICE and n.ref == 0 and n.busy == 0 and n.dpin == 0
+        assert n.dlisted == want_d, f"{n}: device evictable-set membership wrong"
+        want_h = n.host_ok and n.ref == 0 and n.busy == 0 and (
+            n.status is DEVICE or (n.status is HOST and n.hpin == 0))
+        assert n.hlisted == want_h, f"{n}: host evictable-set membership wrong"
+    for n in [*attached, tree.root]:
+        kids = list((n.children or {}).values())
+        dpin = sum(1 for c in kids if c.status in ON_DEVICE and not c.dlisted)
+        assert n.dpin == dpin, f"{n}: dpin {n.dpin} != {dpin}"
+        hpin = sum(1 for c in kids if not c.hlisted)
+        assert n.hpin == hpin, f"{n}: hpin {n.hpin} != {hpin}"
+    _check_policy(tree.dpol, [n for n in attached if n.dlisted], lambda n: True)
+    _check_policy(tree.hpol, [n for n in attached if n.hlisted], lambda n: n.status is HOST)
     for p in cm._pending.values():
         for n in p.nodes:
             assert n.busy > 0
+
+
+def _check_policy(pol: EvictionPolicy, listed: list[Node], ordered: Callable[[Node], bool]) -> None:
+    """The policy holds exactly the listed nodes; among the ``ordered`` ones (those that
+    must leave as chain tails) classes never rise from parent to child and each node comes
+    before its ancestors of the same class: the oldest of the lowest class is a tail."""
+    order = pol.nodes()
+    assert len(order) == len(pol) == len(listed), f"{pol.name}: {len(order)} vs {len(listed)} listed"
+    pos = {id(n): i for i, n in enumerate(order)}
+    assert all(id(n) in pos for n in listed), f"{pol.name}: a listed node is missing"
+    for n in listed:
+        if not ordered(n):
+            continue
+        a = n.parent
+        while a is not None and a.parent is not None:
+            if id(a) in pos and ordered(a):
+                assert pol.class_of(a) >= pol.class_of(n), f"{pol.name}: class rises at {n}"
+                if pol.class_of(a) == pol.class_of(n):
+                    assert pos[id(a)] > pos[id(n)], f"{pol.name}: {a} before its descendant {n}"
+            a = a.parent
 
 
 def _walk(cm: CacheManager) -> list[Node]:

@@ -18,7 +18,8 @@ by exactly one running request (its freshly allocated blocks) or one node (attac
 DELETING until its last op is acked).
 
 Costs: ``match_prefix``, ``allocate`` and ``finish`` are O(blocks touched); each eviction
-is O(1) (oldest entry of the tier's LRU), except a dropped node's host-only subtree.
+is O(1): the tier's policy (``eviction.py``, LRU by default) hands out a chain tail, never
+a node it must skip or rotate; a dropped node's host-only subtree costs its size.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from zkv.protocol import BACKUP, D2H, H2D, S2H
 from zkv.scheduler.block_pool import BlockPool
 from zkv.scheduler.commit import CommitMixin
+from zkv.scheduler.eviction import EvictionPolicy, make_policy
 from zkv.scheduler.radix import (
     DELETING,
     DEVICE,
@@ -64,12 +66,20 @@ __all__ = [
 class CacheManager(CommitMixin):
     """The scheduler-side cache: see the module docstring for the state machine."""
 
-    def __init__(self, config: CacheConfig, storage_exists: StorageExists | None = None) -> None:
+    def __init__(self, config: CacheConfig, storage_exists: StorageExists | None = None, *,
+                 device_policy: EvictionPolicy | None = None,
+                 host_policy: EvictionPolicy | None = None) -> None:
+        """``device_policy`` / ``host_policy``: eviction order per tier (default: the
+        config's ``eviction_policy`` sized to the tier); a fresh instance each."""
         self.config = config
         self.block_size = config.block_size
         self.device = BlockPool(config.num_device_blocks, "device")
         self.host = BlockPool(config.num_host_blocks, "host")
-        self.tree = RadixTree()
+        if device_policy is None:  # (an empty policy is falsy: no `or` here)
+            device_policy = make_policy(config.eviction_policy, config.num_device_blocks)
+        if host_policy is None:
+            host_policy = make_policy(config.eviction_policy, config.num_host_blocks)
+        self.tree = RadixTree(device_policy, host_policy)
         self.storage_exists = storage_exists
         self.stats = CacheStats()
         self._threshold = config.backup_threshold
@@ -113,16 +123,14 @@ class CacheManager(CommitMixin):
                 num_dev += 1
             elif s is not HOST:
                 break
-            if n.ref == 0:
-                if n.dprev is not None:
-                    tree.dlru_remove(n)
-                if n.hprev is not None:
-                    tree.hlru_remove(n)
+            if n.ref == 0 and (n.dlisted or n.hlisted):
+                tree.unlist(n)
             n.ref += 1
             n.hits += 1
             n.last_access = now
             nodes.append(n)
         num_host = len(nodes) - num_dev
+        st.num_hit = len(nodes)
         num_storage = 0
         rest = st.hashes[len(nodes):]
         # A next block that is in the tree but not matchable is in flight (e.g. another
@@ -269,7 +277,7 @@ class CacheManager(CommitMixin):
                     n.dev = b
                     n.status = SWAP_TO_DEVICE
                     n.busy += 1
-                    n.parent.ndev += 1  # type: ignore[union-attr]
+                    self.tree.dev_entered(n)
                     if op is None:
                         op = self._op(H2D)
                     op.nodes.append(n)
@@ -354,6 +362,7 @@ class CacheManager(CommitMixin):
             n = tree.add(parent, h, DEVICE, dev=b)
             n.ref = n.hits = 1
             n.last_access = now
+            tree.dpol.note_inserted(n)
             st.nodes.append(n)
             parent = n
         return len(st.nodes) - start
@@ -371,8 +380,8 @@ class CacheManager(CommitMixin):
             if n is not None:
                 if n.status is not HOST:
                     break  # another request is saving or loading it: take it up later
-                if n.ref == 0 and n.hprev is not None:
-                    tree.hlru_remove(n)
+                if n.ref == 0:
+                    tree.unlist(n)
                 n.ref += 1
                 n.hits += 1
                 n.last_access = now
@@ -383,6 +392,7 @@ class CacheManager(CommitMixin):
                 n = tree.add(parent, h, SWAP_TO_HOST, host=hb)
                 n.ref = n.hits = n.busy = 1
                 n.last_access = now
+                tree.hpol.note_inserted(n)
                 if op is None:
                     op = self._op(SAVE, f"{SAVE}:{st.req_id}")
                 op.nodes.append(n)
@@ -492,21 +502,12 @@ class CacheManager(CommitMixin):
                     self._backup(n)
         if to_free:
             self.device.free(to_free)
-        tree = self.tree
-        dsent = tree._dsent
+        relist = self.tree.relist
         for n in reversed(path):  # leaf first: ancestors end up nearer the young end
             r = n.ref - 1
             n.ref = r
             if r == 0 and not n.busy:
-                if n.status is DEVICE:  # inline dlru_push: this loop runs once per block
-                    t = dsent.dprev
-                    n.dprev = t
-                    n.dnext = dsent
-                    t.dnext = n  # type: ignore[union-attr]
-                    dsent.dprev = n
-                    tree.num_dlru += 1
-                if n.host_ok:
-                    tree.hlru_push(n)
+                relist(n)
 
     def _insert_path(self, st: RequestState, full: int) -> tuple[list[Node], list[int]]:
         """Nodes for the first ``full`` blocks, each holding one ref for the caller to
@@ -540,6 +541,7 @@ class CacheManager(CommitMixin):
             index = tree.index
             hashes = st.hashes
             now = self._clock
+            inserted = tree.dpol.note_inserted
             for stop in range(num_matched, full):
                 h = hashes[stop]
                 n = index.get(h)
@@ -553,7 +555,9 @@ class CacheManager(CommitMixin):
                     else:
                         pc[h] = n
                     index[h] = n
-                    parent.ndev += 1
+                    parent.dpin += 1
+                    parent.hpin += 1
+                    inserted(n)
                 else:
                     s_ = n.status
                     if s_ is DEVICE:
@@ -563,12 +567,10 @@ class CacheManager(CommitMixin):
                     else:
                         break  # in flight: stop caching here
                     if n.ref == 0:
-                        if n.dprev is not None:
-                            tree.dlru_remove(n)
-                        if n.hprev is not None:
-                            tree.hlru_remove(n)
+                        tree.unlist(n)
                     n.ref += 1
-                    n.hits += 1
+                    if stop >= st.num_hit:  # a hit this request did not count at match
+                        n.hits += 1
                     n.last_access = now
                 path.append(n)
                 parent = n
@@ -584,7 +586,7 @@ class CacheManager(CommitMixin):
     def _attach_device(self, n: Node, b: int) -> None:
         n.dev = b
         n.status = DEVICE
-        n.parent.ndev += 1  # type: ignore[union-attr]
+        self.tree.dev_entered(n)
 
     def _backup(self, n: Node) -> None:
         hb = self._take_host_block()
@@ -601,55 +603,42 @@ class CacheManager(CommitMixin):
     # ================================================================ eviction
 
     def _evict_device(self, n_blocks: int) -> list[int] | None:
-        """Evict ``n_blocks`` of the oldest device-LRU chain tails. Their ids pass to the
+        """Evict ``n_blocks`` chain tails in the device policy's order. Their ids pass to the
         caller still allocated (reusable this step: the worker runs d2h before compute).
-        ``None`` (ids returned to the pool) when every remaining candidate has a child with
-        an op in flight."""
+        ``None`` (ids returned to the pool) when fewer are evictable. O(1) per block: every
+        entry the policy hands out is a chain tail (``radix.py``: closed subtrees)."""
         out: list[int] = []
         if n_blocks <= 0:
             return out
         tree = self.tree
-        dsent = tree._dsent
+        if n_blocks > len(tree.dpol):
+            return None
         write_back = self._threshold is None and self.host.num_blocks > 0
         index = tree.index
+        note_evicted = tree.dpol.note_evicted
         op = None
         dropped = 0
-        evicted = 0
-        # One iteration per evicted block: the LRU unlink is inlined (hot path).
         for _ in range(n_blocks):
-            n: Node = dsent.dnext  # type: ignore[assignment]
-            if n.ndev:
-                n = self._rotate_device_lru()  # type: ignore[assignment]
-                if n is None:
-                    self.device.free(out)
-                    self.stats.evicted_device += evicted
-                    self.stats.dropped += dropped
-                    return None
-            p_ = n.dprev
-            q_ = n.dnext
-            p_.dnext = q_  # type: ignore[union-attr]
-            q_.dprev = p_  # type: ignore[union-attr]
-            n.dprev = n.dnext = None
-            tree.num_dlru -= 1
-            parent: Node = n.parent  # type: ignore[assignment]
-            parent.ndev -= 1
+            n = tree.pop_device()
+            assert n is not None and not n.dpin, f"device victim {n} is not a chain tail"
+            note_evicted(n)
             b = n.dev
             out.append(b)
             n.dev = -1
-            evicted += 1
+            parent: Node = n.parent  # type: ignore[assignment]
             if n.host_ok:
                 n.status = HOST  # backed up: metadata only
-                tree.hlru_remove(n)
-                tree.hlru_push(n)  # host-only now: younger than its host-only children
+                tree.became_host(n)
                 continue
             hb = self._take_host_block() if write_back else None
             if hb is None:
+                n.status = HOST  # the drops below see a node off the device
                 if not n.children:  # the common drop: a bare leaf
                     del parent.children[n.hash]  # type: ignore[union-attr]
                     del index[n.hash]
+                    parent.hpin -= 1
                     dropped += 1
                 else:
-                    n.status = HOST  # the subtree drop sees host-only nodes
                     self._drop_subtree(n)
                 continue
             n.host = hb
@@ -661,62 +650,31 @@ class CacheManager(CommitMixin):
             op.src.append(b)
             op.dst.append(hb)
             op.req_ids.append(None)
-        self.stats.evicted_device += evicted
+        self.stats.evicted_device += n_blocks
         self.stats.dropped += dropped
         return out
 
-    def _rotate_device_lru(self) -> Node | None:
-        """The oldest entry is a chain tail unless a child still has an op in flight (or an
-        ack order put a parent first): rotate such entries to the young end (counted in
-        ``stats.rotations``) and return the first tail, or None."""
-        tree = self.tree
-        for _ in range(tree.num_dlru):
-            n = tree.dlru_oldest()
-            if n is None or n.ndev == 0:
-                return n
-            tree.dlru_remove(n)
-            tree.dlru_push(n)
-            self.stats.rotations += 1
-        return None
-
     def _take_host_block(self) -> int | None:
-        """A host block: a free one, else the oldest host-LRU entry's (a host-only chain
-        tail is dropped; a device node's backup is just forgotten). None when neither."""
+        """A host block: a free one, else the host policy's next victim's (a host-only
+        chain tail is dropped; a device node's backup is just forgotten). None when
+        neither. O(1)."""
         b = self.host.allocate_one()
         if b is not None:
             return b
         tree = self.tree
-        n = tree._hsent.hnext
-        if n is tree._hsent:
+        n = tree.pop_host()
+        if n is None:
             return None
-        if n.status is HOST and n.children:  # type: ignore[union-attr]
-            n = self._rotate_host_lru()
-            if n is None:
-                return None
-        tree.hlru_remove(n)  # type: ignore[arg-type]
+        tree.hpol.note_evicted(n)
         self.stats.evicted_host += 1
-        b = n.host  # type: ignore[union-attr]
-        n.host = -1  # type: ignore[union-attr]
-        n.host_ok = False  # type: ignore[union-attr]
-        if n.status is HOST:  # type: ignore[union-attr]
-            parent = n.parent  # type: ignore[union-attr]
-            del parent.children[n.hash]  # type: ignore[union-attr]  # a childless leaf: detach inline
-            del tree.index[n.hash]  # type: ignore[union-attr]
+        b = n.host
+        n.host = -1
+        n.host_ok = False
+        if n.status is HOST:
+            assert not n.children, f"host victim {n} is not a chain tail"
+            tree.detach(n)
             self.stats.dropped += 1
         return b  # handed over directly, never back on the free list
-
-    def _rotate_host_lru(self) -> Node | None:
-        """A host-only node must outlive its host-only children; when an ack order put a
-        parent first, rotate it to the young end (rare; counted in ``stats.rotations``)."""
-        tree = self.tree
-        for _ in range(tree.num_hlru):
-            n = tree.hlru_oldest()
-            if n is None or n.status is not HOST or not n.children:
-                return n
-            tree.hlru_remove(n)
-            tree.hlru_push(n)
-            self.stats.rotations += 1
-        return None
 
     def _drop_subtree(self, n: Node) -> None:
         """Remove a node without a device block, and its host-only subtree. Nodes with an op
@@ -775,6 +733,8 @@ class CacheManager(CommitMixin):
                 return False
         for pool, size in plan:
             assert pool.resize(size)
+        self.tree.dpol.resize(self.device.num_blocks)
+        self.tree.hpol.resize(self.host.num_blocks)
         return True
 
     def num_running(self) -> int:
@@ -812,8 +772,8 @@ class CacheManager(CommitMixin):
     def _unref(self, n: Node) -> None:
         n.ref -= 1
         assert n.ref >= 0, f"negative ref on {n}"
-        if n.ref == 0:
-            self._relist([n])
+        if n.ref == 0 and not n.busy:
+            self.tree.relist(n)
 
     def _release(self, st: RequestState) -> None:
         for n in reversed(st.nodes):

@@ -1,4 +1,4 @@
-"""Radix tree of KV blocks keyed by chained block hashes, with one LRU per tier.
+"""Radix tree of KV blocks keyed by chained block hashes, with one eviction policy per tier.
 
 A node is one block: because hashes are chained, a node's hash names its whole prefix,
 so lookups go through one ``hash -> node`` index in O(1) per block while the tree keeps
@@ -14,19 +14,30 @@ Statuses (only ``DEVICE`` and ``HOST`` nodes can be matched)::
     DELETING               detached from the tree; blocks freed when its last op is acked
 
 Tier order: a node with a device block has a parent with a device block (or the root), so
-no HOST node sits inside a device prefix. Each node counts its children on device
-(``ndev``) to let tests check this cheaply.
+no HOST node sits inside a device prefix.
 
-LRU lists are intrusive doubly linked lists with a sentinel (insert / remove / pop-oldest
-in O(1)); the device list holds ``DEVICE`` nodes with ref 0 and no op in flight, the host
-list holds nodes whose committed host copy nobody needs (ref 0, no op in flight). Nodes
-released together are pushed leaf first, so every node sits nearer the old end than its
-ancestors and the oldest entry is a chain tail.
+Evictable sets, one per tier, closed under subtrees (so a victim is always a chain tail,
+and eviction is O(1): see ``eviction.py`` for the ordering half of the argument)::
+
+    device-listed  ⟺  DEVICE, ref 0, busy 0, and dpin == 0
+    host-listed    ⟺  host_ok, ref 0, busy 0, and (DEVICE, or HOST and hpin == 0)
+
+    dpin = children on device (DEVICE / SWAP_TO_DEVICE) that are not device-listed
+    hpin = children that are not host-listed
+
+A node is listed when it qualifies (``relist``), which lowers its parent's pin count and
+may list the parent in turn (a cascade up the chain, one step per node listed); it is
+unlisted when it stops qualifying (``unlist``, one step). A device node's backup can be
+dropped whatever lies below it, so only HOST nodes wait for their children (``hpin``).
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zkv.scheduler.eviction import EvictionPolicy
 
 
 class Status(IntEnum):
@@ -49,11 +60,13 @@ ON_DEVICE = (DEVICE, SWAP_TO_DEVICE)
 
 class Node:
     """One block of KV. ``ref`` counts running requests that hold it; ``busy`` counts ops
-    in flight that read or write one of its blocks."""
+    in flight that read or write one of its blocks; ``dpin`` / ``hpin`` count children
+    that keep it out of the device / host evictable set; ``reused`` is the eviction
+    policy's mark (see ``eviction.SLRU``)."""
 
     __slots__ = (
         "hash", "parent", "children", "dev", "host", "status", "ref", "hits", "last_access",
-        "busy", "host_ok", "in_store", "ndev", "dprev", "dnext", "hprev", "hnext",
+        "busy", "host_ok", "in_store", "dpin", "hpin", "dlisted", "hlisted", "reused",
     )
 
     def __init__(self, h: bytes, parent: Node | None, status: Status, dev: int = -1, host: int = -1):
@@ -65,9 +78,8 @@ class Node:
         self.dev = dev
         self.host = host
         self.status = status
-        self.ref = self.hits = self.last_access = self.busy = self.ndev = 0
-        self.host_ok = self.in_store = False
-        self.dprev = self.dnext = self.hprev = self.hnext = None
+        self.ref = self.hits = self.last_access = self.busy = self.dpin = self.hpin = 0
+        self.host_ok = self.in_store = self.dlisted = self.hlisted = self.reused = False
 
     def __repr__(self) -> str:
         return (f"Node({self.hash.hex()[:8]}, {self.status.name}, dev={self.dev}, host={self.host}, "
@@ -75,45 +87,43 @@ class Node:
 
 
 class RadixTree:
-    """Index, parent/child links and the two LRU lists. Policy lives in CacheManager."""
+    """Index, parent/child links and the per-tier evictable sets (their order is the
+    policies'). Every method is O(1) except ``subtree_postorder`` and the cascades of
+    ``relist`` (one step per node listed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_policy: EvictionPolicy, host_policy: EvictionPolicy) -> None:
         self.root = Node(b"", None, DEVICE)
         self.root.children = {}
         self.index: dict[bytes, Node] = {}
-        self._dsent = Node(b"<dlru>", None, DELETING)
-        self._dsent.dprev = self._dsent.dnext = self._dsent
-        self._hsent = Node(b"<hlru>", None, DELETING)
-        self._hsent.hprev = self._hsent.hnext = self._hsent
-        self.num_dlru = 0
-        self.num_hlru = 0
+        self.dpol = device_policy
+        self.hpol = host_policy
 
     # ---------------------------------------------------------------- structure
 
     def add(self, parent: Node, h: bytes, status: Status, dev: int = -1, host: int = -1) -> Node:
+        """A new (unlisted) child of ``parent``."""
         node = Node(h, parent, status, dev, host)
         if parent.children is None:
             parent.children = {h: node}
         else:
             parent.children[h] = node
         self.index[h] = node
-        if dev >= 0:
-            parent.ndev += 1
+        parent.hpin += 1
+        if status in ON_DEVICE:
+            parent.dpin += 1
         return node
 
     def detach(self, node: Node) -> None:
-        """Remove a childless node from the index and its parent (O(1))."""
+        """Remove a childless node from the index, its parent and the evictable sets (O(1))."""
         assert not node.children, f"detaching {node} with children"
         parent = node.parent
         assert parent is not None and parent.children is not None
+        self.unlist(node)
         del parent.children[node.hash]
         del self.index[node.hash]
-        if node.dev >= 0 and node.status in ON_DEVICE:
-            parent.ndev -= 1
-        if node.dprev is not None:
-            self.dlru_remove(node)
-        if node.hprev is not None:
-            self.hlru_remove(node)
+        parent.hpin -= 1
+        if node.status in ON_DEVICE:
+            parent.dpin -= 1
 
     def subtree_postorder(self, node: Node) -> list[Node]:
         """Node's descendants then node, children before parents (iterative)."""
@@ -127,70 +137,102 @@ class RadixTree:
         out.reverse()
         return out
 
-    # ---------------------------------------------------------------- device LRU
+    # ---------------------------------------------------------------- evictable sets
 
-    def dlru_push(self, n: Node) -> None:
-        s = self._dsent
-        t = s.dprev
-        assert t is not None
-        n.dprev = t
-        n.dnext = s
-        t.dnext = n
-        s.dprev = n
-        self.num_dlru += 1
+    def unlist(self, n: Node) -> None:
+        """``n`` stops being evictable (held, busy, or leaving the tree)."""
+        if n.dlisted:
+            self.dpol.remove(n)
+            n.dlisted = False
+            n.parent.dpin += 1  # type: ignore[union-attr]
+        if n.hlisted:
+            self.hpol.remove(n)
+            n.hlisted = False
+            n.parent.hpin += 1  # type: ignore[union-attr]
 
-    def dlru_remove(self, n: Node) -> None:
-        p = n.dprev
-        if p is None:
+    def relist(self, n: Node) -> None:
+        """List ``n`` in each tier where it qualifies, then its ancestors that qualify now."""
+        if (not n.dlisted and n.status is DEVICE and not n.ref and not n.busy and not n.dpin
+                and n.parent is not None):
+            self._dlist_up(n)
+        if not n.hlisted and n.host_ok and not n.ref and not n.busy and (
+                n.status is DEVICE or (n.status is HOST and not n.hpin)):
+            self._hlist_up(n)
+
+    def _dlist_up(self, n: Node) -> None:
+        dpol = self.dpol
+        while True:
+            dpol.push(n)
+            n.dlisted = True
+            p: Node = n.parent  # type: ignore[assignment]
+            p.dpin -= 1
+            if (p.dpin or p.dlisted or p.ref or p.busy or p.status is not DEVICE
+                    or p.parent is None):
+                return
+            n = p
+
+    def _hlist_up(self, n: Node) -> None:
+        hpol = self.hpol
+        while True:
+            hpol.push(n)
+            n.hlisted = True
+            p: Node = n.parent  # type: ignore[assignment]
+            p.hpin -= 1
+            if (p.hpin or p.hlisted or p.ref or p.busy or p.status is not HOST
+                    or not p.host_ok):
+                return
+            n = p
+
+    def dev_entered(self, n: Node) -> None:
+        """An unlisted node came onto the device (swap-in, attach)."""
+        n.parent.dpin += 1  # type: ignore[union-attr]
+
+    def dev_left(self, n: Node) -> None:
+        """An unlisted node left the device (a failed swap-in): its parent may qualify."""
+        p: Node = n.parent  # type: ignore[assignment]
+        p.dpin -= 1
+        self.relist(p)
+
+    def pop_device(self) -> Node | None:
+        """The device policy's next victim, a chain tail, unlisted. The caller moves it off
+        the device at once (its parent's ``dpin`` already does not count it)."""
+        n = self.dpol.pop()
+        if n is not None:
+            n.dlisted = False
+        return n
+
+    def pop_host(self) -> Node | None:
+        """The host policy's next victim, unlisted (a DEVICE node's backup, or a HOST chain
+        tail). The caller drops its host copy at once."""
+        n = self.hpol.pop()
+        if n is not None:
+            n.hlisted = False
+            n.parent.hpin += 1  # type: ignore[union-attr]
+        return n
+
+    def became_host(self, n: Node) -> None:
+        """A host-listed DEVICE node lost its device copy (now HOST): it stays listed only
+        as the youngest entry with every child listed before it, else waits for them."""
+        if not n.hlisted:
             return
-        q = n.dnext
-        p.dnext = q
-        q.dprev = p  # type: ignore[union-attr]
-        n.dprev = n.dnext = None
-        self.num_dlru -= 1
+        self.hpol.remove(n)
+        if n.hpin:
+            n.hlisted = False
+            n.parent.hpin += 1  # type: ignore[union-attr]
+        else:
+            self.hpol.push(n)
 
-    def dlru_oldest(self) -> Node | None:
-        n = self._dsent.dnext
-        return None if n is self._dsent else n
+    @property
+    def num_dlru(self) -> int:
+        """Device blocks evictable right now (every one of them, in policy order)."""
+        return len(self.dpol)
+
+    @property
+    def num_hlru(self) -> int:
+        return len(self.hpol)
 
     def dlru_nodes(self) -> list[Node]:
-        out = []
-        n = self._dsent.dnext
-        while n is not self._dsent:
-            out.append(n)
-            n = n.dnext  # type: ignore[union-attr]
-        return out
-
-    # ---------------------------------------------------------------- host LRU
-
-    def hlru_push(self, n: Node) -> None:
-        s = self._hsent
-        t = s.hprev
-        assert t is not None
-        n.hprev = t
-        n.hnext = s
-        t.hnext = n
-        s.hprev = n
-        self.num_hlru += 1
-
-    def hlru_remove(self, n: Node) -> None:
-        p = n.hprev
-        if p is None:
-            return
-        q = n.hnext
-        p.hnext = q
-        q.hprev = p  # type: ignore[union-attr]
-        n.hprev = n.hnext = None
-        self.num_hlru -= 1
-
-    def hlru_oldest(self) -> Node | None:
-        n = self._hsent.hnext
-        return None if n is self._hsent else n
+        return self.dpol.nodes()
 
     def hlru_nodes(self) -> list[Node]:
-        out = []
-        n = self._hsent.hnext
-        while n is not self._hsent:
-            out.append(n)
-            n = n.hnext  # type: ignore[union-attr]
-        return out
+        return self.hpol.nodes()

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from zkv.protocol import BACKUP, H2D
+from zkv.scheduler.eviction import LRU_NAME, POLICIES
 from zkv.scheduler.radix import Node
 
 WRITE_BACK = "write_back"
@@ -34,6 +35,7 @@ class CacheConfig:
     write_through_threshold: int = 2
     storage_write: bool = False  # write blocks that reach host to L3 (h2s)
     negative_cache_s: float = 5.0
+    eviction_policy: str = LRU_NAME  # per tier: "lru" or "slru" (eviction.py)
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -42,6 +44,8 @@ class CacheConfig:
             raise ValueError("block_size must be > 0 and block counts >= 0")
         if self.write_through_threshold < 1:
             raise ValueError("write_through_threshold must be >= 1")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
 
     @property
     def backup_threshold(self) -> int | None:
@@ -76,6 +80,7 @@ class RequestState:
     table: list[int] = field(default_factory=list)       # device block per logical block
     allocated: bool = False
     num_storage: int = 0
+    num_hit: int = 0  # blocks matched (and counted in their hits) by match_prefix
     valid_blocks: int | None = None  # set when a swap-in failed: recompute from here
     match: Match | None = None        # the last match_prefix result (hits count once, at use)
     counted: bool = False             # this request's hits are in CacheStats
@@ -111,7 +116,6 @@ class CacheStats:
     stored: int = 0              # h2s blocks committed
     failed_ops: int = 0
     failed_blocks: int = 0
-    rotations: int = 0           # LRU heads skipped because a child was still in flight
     loaded_external: int = 0     # load blocks committed (host -> engine blocks)
     saved_external: int = 0      # save blocks committed (engine blocks -> host)
     hit_requests: int = 0        # requests whose hits were counted (once each)
