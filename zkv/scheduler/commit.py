@@ -239,6 +239,7 @@ class CommitMixin:
             if self.config.storage_write:
                 self._maybe_store(n)
         failed = p.nodes[done:]
+        parent = None
         for n in reversed(failed):  # deepest first: each is a leaf when it is dropped
             if self._settle(n):
                 continue
@@ -250,10 +251,13 @@ class CommitMixin:
                         m.ref -= 1
                     del st.nodes[idx:]
             assert n.ref == 0 and not n.children, f"failed save of {n} is still in use"
+            parent = n.parent
             self.tree.detach(n)
             self._free_node_blocks(n)
             self.stats.dropped += 1
         self._relist(p.nodes[:done])
+        if failed and parent is not None and parent.status is not DELETING:
+            self.tree.relist(parent)  # the first failed node's parent, now without it
 
     def _maybe_store(self, n: Node) -> None:
         if not self.config.storage_write or n.in_store:

@@ -678,7 +678,9 @@ class CacheManager(CommitMixin):
 
     def _drop_subtree(self, n: Node) -> None:
         """Remove a node without a device block, and its host-only subtree. Nodes with an op
-        in flight become DELETING and free their blocks when acked."""
+        in flight become DELETING and free their blocks when acked. The parent may become
+        evictable once the subtree is gone."""
+        parent = n.parent
         for d in self.tree.subtree_postorder(n):
             assert d.ref == 0, f"dropping {d} held by a request"
             assert d.dev < 0 or d.status is DELETING or d is n, f"dropping {d} still on device"
@@ -689,6 +691,7 @@ class CacheManager(CommitMixin):
                 self._deleting.add(d)
             else:
                 self._free_node_blocks(d)
+        self.tree.relist(parent)  # type: ignore[arg-type]
 
     def _free_node_blocks(self, n: Node) -> None:
         if n.dev >= 0:
