@@ -18,11 +18,11 @@ BS = 4
 
 def chain(n: int, tag: int = 0) -> list[Node]:
     """n nodes, each the child of the previous one, under a root."""
-    root = Node(b"", None, DEVICE)
+    root = Node([], None, DEVICE)
     out = []
     parent = root
     for i in range(n):
-        node = Node(bytes([tag, i]) * 8, parent, DEVICE)
+        node = Node([bytes([tag, i]) * 8], parent, DEVICE)
         out.append(node)
         parent = node
     return out
@@ -39,8 +39,9 @@ def test_lru_pops_in_push_order() -> None:
     pol.remove(b)
     pol.push(b)
     assert pol.nodes() == [c, a, b]
+    assert pol.oldest() is c and pol.num_blocks == 3
     assert [pol.pop(), pol.pop(), pol.pop(), pol.pop()] == [c, a, b, None]
-    assert pol.probes == 3
+    assert pol.probes == 1 and pol.num_blocks == 0
 
 
 def test_slru_evicts_blocks_seen_once_before_blocks_hit_again() -> None:
@@ -54,8 +55,8 @@ def test_slru_evicts_blocks_seen_once_before_blocks_hit_again() -> None:
     for n in [*reversed(hot), *reversed(cold)]:  # hot released first (older)
         pol.push(n)
     assert pol.queues() == ([cold[1], cold[0]], [hot[1], hot[0]])
-    assert [pol.pop() for _ in range(5)] == [cold[1], cold[0], hot[1], hot[0], None]
     assert [pol.class_of(n) for n in hot + cold] == [1, 1, 0, 0]
+    assert [pol.pop() for _ in range(5)] == [cold[1], cold[0], hot[1], hot[0], None]
 
 
 def test_slru_demotes_the_oldest_protected_entry_to_the_young_end_of_probation() -> None:
@@ -79,22 +80,38 @@ def test_slru_ghost_brings_a_recomputed_block_back_protected() -> None:
     pol.push(a)
     assert pol.pop() is a
     pol.note_evicted(a)
-    again = Node(a.hash, a.parent, DEVICE)  # the same block, inserted again
+    again = Node(a.hashes, a.parent, DEVICE)  # the same block, inserted again
     again.hits = 1
-    pol.note_inserted(again)
-    assert again.reused and pol.class_of(again) == 1
-    pol.note_inserted(again)  # the ghost entry was used up
+    assert pol.note_inserted(again) == 1
+    again.reused = True  # (the tree marks them)
+    pol.push(again)
+    assert pol.queues() == ([], [again]) and pol.class_of(again) == 1
     # Under a parent that is not protected, the mark would break monotone classes: none.
     p, c = chain(2, tag=6)
     p.hits = c.hits = 1
     pol.note_evicted(c)
-    c2 = Node(c.hash, p, DEVICE)
-    pol.note_inserted(c2)
-    assert not c2.reused
-    # The ghost remembers ghost_factor x capacity victims, oldest forgotten first.
-    for n in chain(3, tag=7):
+    c2 = Node(c.hashes, p, DEVICE)
+    assert pol.note_inserted(c2) == 0
+    # The ghost keeps the last ghost_factor x capacity evicted blocks, trimmed in bulk
+    # (at twice that): the oldest are forgotten first.
+    olds = chain(5, tag=7)
+    for n in olds:
         pol.note_evicted(n)
-    assert len(pol._ghost) == 2
+    assert list(pol._ghost) == [n.hashes[0] for n in olds[1:]]  # a, c, olds[0] trimmed
+
+
+def test_slru_puts_the_rest_of_a_cut_victim_back_where_it_was() -> None:
+    """A demoted node (in probation although hit twice) whose tail is evicted goes back to
+    probation, below its ancestors, not to protected where its hits would send it."""
+    pol = SLRU(4, protected_fraction=0.25)  # one protected block
+    p, c = chain(2, tag=8)
+    p.hits = c.hits = 3
+    pol.push(c)
+    pol.push(p)  # c is demoted
+    assert pol.queues() == ([c], [p])
+    assert pol.pop() is c
+    pol.push_oldest(c)  # what a split leaves of the victim
+    assert pol.queues() == ([c], [p]) and pol.num_blocks == 2
 
 
 def test_make_policy_and_bad_arguments() -> None:
@@ -127,11 +144,31 @@ class Counting(EvictionPolicy):
         self.calls += 1
         self.inner.remove(n)
 
-    def pop(self) -> Node | None:
+    def push_oldest(self, n: Node) -> None:
         self.calls += 1
-        n = self.inner.pop()
+        self.inner.push_oldest(n)
+
+    def oldest(self) -> Node | None:
+        self.calls += 1
+        n = self.inner.oldest()
         self.probes = self.inner.probes
         return n
+
+    def pop(self) -> Node | None:
+        self.calls += 1
+        return self.inner.pop()
+
+    def shrink(self, n: Node, c: int) -> None:
+        self.calls += 1
+        self.inner.shrink(n, c)
+
+    @property  # type: ignore[override]
+    def num_blocks(self) -> int:
+        return self.inner.num_blocks
+
+    @num_blocks.setter
+    def num_blocks(self, value: int) -> None:
+        pass  # the inner policy keeps the count
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -145,8 +182,8 @@ class Counting(EvictionPolicy):
     def note_evicted(self, n: Node) -> None:
         self.inner.note_evicted(n)
 
-    def note_inserted(self, n: Node) -> None:
-        self.inner.note_inserted(n)
+    def note_inserted(self, n: Node) -> int:
+        return self.inner.note_inserted(n)
 
 
 def _replay_with_late_acks(cm: CacheManager, paths: list[list[int]], lag: int,
@@ -198,7 +235,8 @@ def test_one_probe_per_evicted_block_with_late_out_of_order_acks(
     cm.check_invariants()
     s = cm.stats
     assert s.evicted_device > 500 and (write_policy == WRITE_BACK) <= (s.evicted_host > 100)
-    assert (dpol.probes, hpol.probes) == (s.evicted_device, s.evicted_host)
+    # One look at the policy per victim node, never more than one per evicted block.
+    assert 0 < dpol.probes <= s.evicted_device and hpol.probes <= s.evicted_host
     touched = s.match_blocks + s.evicted_device + s.evicted_host
     assert dpol.calls + hpol.calls <= 4 * touched
 

@@ -56,7 +56,7 @@ def test_saved_blocks_become_matchable_on_ack_not_before() -> None:
     assert save(cm, "r1", a, [10, 11, 12]) == 3
     ops = cm.take_ops()
     assert [(o.kind, o.src.tolist(), o.dst.tolist()) for o in ops] == [(BACKUP, [10, 11, 12], [0, 1, 2])]
-    assert [n.status for n in cm._reqs["r1"].nodes] == [SWAP_TO_HOST] * 3
+    assert [n.status for n in cm.held_blocks("r1")] == [SWAP_TO_HOST] * 3
     assert cm.match_prefix("r2", a) == Match(0, 0, 0, BS)  # in flight: not a hit
     cm.abort("r2")
     ack(cm, ops)
@@ -113,7 +113,7 @@ def test_failed_save_drops_the_tail_and_frees_its_host_blocks() -> None:
     a = H(1, 2, 3, 4)
     save(cm, "r1", a, [5, 6, 7, 8])
     ack(cm, cm.take_ops(), done={0: 2})
-    assert [n.status for n in cm._reqs["r1"].nodes] == [HOST, HOST]
+    assert [n.status for n in cm.held_blocks("r1")] == [HOST, HOST]
     assert cm.host.num_used == 2 and cm.stats.dropped == 2
     # the request saves the rest again later (same engine blocks, new host blocks)
     assert cm.cache_computed("r1", 16, device_ids=[5, 6, 7, 8]) == 2
@@ -178,7 +178,7 @@ def test_storage_prefetch_then_load_counts_storage_hits() -> None:
     assert cm.prefetch("r1") == 3
     ops = cm.take_ops()
     assert [o.kind for o in ops] == [S2H]
-    assert [n.status for n in cm._reqs["r1"].loading] == [LOADING_FROM_STORAGE] * 3
+    assert [n.status for n in cm.loading_blocks("r1")] == [LOADING_FROM_STORAGE] * 3
     ack(cm, ops, done={0: 2})  # the third block did not arrive on some rank
     assert cm.prefetch_done("r1") and cm.num_held_blocks("r1") == 2
     assert cm.load_external("r1", 0, [4, 5, 6]) == 2

@@ -52,7 +52,7 @@ class ExternalMachine(RuleBasedStateMachine):
         self.n += 1
         hashes = hash_ids_chain(path)
         self.cm.match_prefix(rid, hashes)
-        for n in self.cm._reqs[rid].nodes:
+        for n in self.cm.held_blocks(rid):
             assert n.status is HOST and self.host.get(n.host) == n.hash, "host content"
         if prefetch:
             self.cm.prefetch(rid)
@@ -63,11 +63,11 @@ class ExternalMachine(RuleBasedStateMachine):
         devs = list(range(self.next_dev, self.next_dev + len(hashes)))
         self.next_dev += len(hashes)
         self.reqs[rid] = (hashes, devs)
-        held = self.cm.num_held_blocks(rid) if not self.cm._reqs[rid].loading else 0
+        held = self.cm.num_held_blocks(rid) if self.cm.request(rid).loading is None else 0
         local = data.draw(st.integers(0, len(hashes)))
         for i in range(local):  # the engine's own prefix cache had these
             self.engine[devs[i]] = hashes[i]
-        if held > local and not self.cm._reqs[rid].loading:
+        if held > local and self.cm.request(rid).loading is None:
             self.cm.load_external(rid, local, devs[local:held])
         for i in range(max(local, held), len(hashes)):  # the forward computes the rest
             self.engine[devs[i]] = hashes[i]
@@ -79,7 +79,7 @@ class ExternalMachine(RuleBasedStateMachine):
     def save(self, data):
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
         hashes, devs = self.reqs[rid]
-        if self.cm._reqs[rid].loading or any(  # a save reads only blocks the engine trusts
+        if self.cm.request(rid).loading is not None or any(  # a save reads only blocks the engine trusts
                 self.engine.get(d) != h for h, d in zip(hashes, devs)):
             return
         k = data.draw(st.integers(0, len(hashes)))

@@ -27,6 +27,7 @@ from zkv.scheduler.radix import (
     LOADING_FROM_STORAGE,
     SWAP_TO_DEVICE,
     SWAP_TO_HOST,
+    BlockView,
     Node,
 )
 
@@ -68,8 +69,8 @@ def H(*ids: int) -> list[bytes]:  # noqa: N802 - reads like the paths it hashes
     return hash_ids_chain(ids)
 
 
-def node(cm: CacheManager, h: bytes) -> Node:
-    return cm.tree.index[h]
+def node(cm: CacheManager, h: bytes) -> BlockView:
+    return cm.tree.block(h)
 
 
 def status(cm: CacheManager, h: bytes) -> object:
@@ -152,8 +153,10 @@ def test_device_hit_after_finish() -> None:
     finish(cm, "r1")
     assert [status(cm, h) for h in a] == [DEVICE] * 3
     assert [node(cm, h).dev for h in a] == [0, 1, 2]
-    assert node(cm, a[1]).parent is node(cm, a[0])
-    assert node(cm, a[0]).parent is cm.tree.root
+    assert node(cm, a[1]).parent == node(cm, a[0])
+    assert node(cm, a[0]).parent is None
+    (run_,) = cm.tree.root.children.values()  # one node holds the run of three blocks
+    assert run_.hashes == a and run_.dev == [0, 1, 2] and cm.tree.index[a[1]] is run_
     m = match(cm, "r2", a)
     assert m == Match(3, 0, 0, BS)
     assert m.num_cached_tokens == 12
@@ -310,18 +313,19 @@ def test_write_back_partial_d2h_commits_the_first_k() -> None:
     assert (cm.stats.swapped_out, cm.stats.failed_blocks) == (1, 1)
 
 
-def test_write_back_partial_d2h_of_a_chain_drops_children_of_a_failed_parent() -> None:
-    """d2h lists chain tails first; a committed child whose parent failed cannot be matched
-    any more, so it goes with the parent's subtree."""
+def test_write_back_partial_d2h_of_a_run_keeps_its_committed_prefix() -> None:
+    """A victim's blocks travel root side first, so a partial d2h commits a prefix of the
+    chain (matchable from host) and drops only the blocks after it."""
     cm = make(3, 4)
     a = H(1, 2, 3)
     cached(cm, "r1", a)
     assert run(cm, "x", H(9, 8, 7)) == [0, 1, 2]
     (op,) = take(cm)
-    assert shape(op) == (D2H, [2, 1, 0], [0, 1, 2], ())
+    assert shape(op) == (D2H, [0, 1, 2], [0, 1, 2], ())
     fail(cm, op, done=2)
-    assert [status(cm, h) for h in a] == [None, None, None]
-    assert cm.host.num_used == 0
+    assert [status(cm, h) for h in a] == [HOST, HOST, None]
+    assert [node(cm, h).host for h in a[:2]] == [0, 1] and cm.host.num_used == 2
+    assert (cm.stats.swapped_out, cm.stats.dropped) == (2, 1)
 
 
 def test_write_back_without_free_host_evicts_the_host_lru() -> None:
@@ -688,7 +692,7 @@ def test_fail_pending_rolls_back_everything_in_flight() -> None:
     ops = take(cm)
     assert [shape(op) for op in ops] == [(S2H, [], [2], (s[0],))]
     assert cm.num_pending_ops == 3
-    pending_ids = sorted(cm._pending)
+    pending_ids = sorted(cm.ledger.pending)
     cm.fail_pending()
     cm.check_invariants()
     assert cm.num_pending_ops == 0
@@ -905,7 +909,7 @@ def test_parent_with_a_child_in_flight_is_not_evicted() -> None:
     assert run(cm, "r4", H(7)) is None  # nothing evictable: refuse
     assert status(cm, a[0]) is DEVICE
     ack(cm, h2d)  # a[1] settles, then a[0] becomes evictable after it
-    assert cm.tree.dlru_nodes() == [node(cm, a[1]), node(cm, a[0])]
+    assert cm.tree.dlru_nodes() == [cm.tree.index[a[1]], cm.tree.index[a[0]]]
     assert alloc(cm, "r4", 4) == [1]
     assert [status(cm, h) for h in a] == [DEVICE, HOST]
     assert take(cm) == []  # a[1] had its host copy: metadata only
@@ -925,7 +929,7 @@ def test_host_lru_drops_a_child_before_its_parent() -> None:
     assert cm.tree.hlru_nodes() == []  # p waits for c
     ack(cm, op_c)
     assert [status(cm, h) for h in (p, c)] == [HOST, HOST]
-    assert cm.tree.hlru_nodes() == [node(cm, c), node(cm, p)]
+    assert cm.tree.hlru_nodes() == [cm.tree.index[c], cm.tree.index[p]]
     finish(cm, "x")
     assert run(cm, "z", H(7)) == [1]  # H(9) needs a host block: c goes, not p
     (op,) = take(cm)
@@ -953,19 +957,19 @@ def test_partial_swap_in_commits_the_first_k() -> None:
     cm = make(2, 4)
     a = H(1, 2)
     cached(cm, "r1", a)
-    assert cached(cm, "r2", H(9, 8)) == [0, 1]  # a[1] -> host 0, a[0] -> host 1
+    assert cached(cm, "r2", H(9, 8)) == [0, 1]  # a[0] -> host 0, a[1] -> host 1
     assert match(cm, "r3", a) == Match(0, 2, 0, BS)
     assert alloc(cm, "r3", 8) == [0, 1]
     d2h, h2d = take(cm)
-    assert shape(d2h) == (D2H, [1, 0], [2, 3], ())
-    assert shape(h2d) == (H2D, [1, 0], [0, 1], ())
+    assert shape(d2h) == (D2H, [0, 1], [2, 3], ())
+    assert shape(h2d) == (H2D, [0, 1], [0, 1], ())
     ack(cm, d2h)
     fail(cm, h2d, done=1)
     assert [(status(cm, h), node(cm, h).dev) for h in a] == [(DEVICE, 0), (HOST, -1)]
     assert cm.take_recompute() == {"r3": 1}
     finish(cm, "r3")
     assert [(status(cm, h), node(cm, h).dev, node(cm, h).host) for h in a] == [
-        (DEVICE, 0, 1), (DEVICE, 1, 0)]
+        (DEVICE, 0, 0), (DEVICE, 1, 1)]
 
 
 def test_finish_with_extended_hashes_caches_decode_blocks() -> None:
@@ -1057,8 +1061,8 @@ def test_finish_with_fewer_computed_tokens_releases_leaf_first() -> None:
     assert lru_order_ok(cm.tree.dlru_nodes())
     assert run(cm, "r3", H(9, 8, 7)) is not None  # 1 free block + 2 evictions
     (op,) = take(cm)
-    assert shape(op) == (D2H, [2, 1], [0, 1], ())  # the tail a[2] first, then a[1]
-    assert cm.tree.dpol.probes == cm.stats.evicted_device == 2
+    assert shape(op) == (D2H, [1, 2], [0, 1], ())  # the tail run a[1], a[2]
+    assert (cm.tree.dpol.probes, cm.stats.evicted_device) == (1, 2)  # one victim run
 
 
 def test_fail_pending_rolls_back_backups_and_storage_writes() -> None:

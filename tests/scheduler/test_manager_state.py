@@ -59,15 +59,15 @@ class CacheMachine(RuleBasedStateMachine):
         hashes = hash_ids_chain(path)
         m = self.cm.match_prefix(rid, hashes)
         self.cm.check_invariants()
-        st_ = self.cm._reqs[rid]
-        for i, node in enumerate(st_.nodes):  # what the tree claims must be what blocks hold
+        held = self.cm.held_blocks(rid)
+        for i, node in enumerate(held):  # what the tree claims must be what blocks hold
             assert node.hash == hashes[i]
             if node.status is DEVICE:
                 assert self.dev.get(node.dev) == node.hash, "device block content mismatch"
             else:
                 assert node.status is HOST
                 assert self.host.get(node.host) == node.hash, "host block content mismatch"
-        assert m.num_device + m.num_host == len(st_.nodes)
+        assert m.num_device + m.num_host == len(held)
         if prefetch:
             self.cm.prefetch(rid)
             self.cm.check_invariants()
@@ -113,7 +113,7 @@ class CacheMachine(RuleBasedStateMachine):
         self._run_ops(data)
         for rid in allocated:
             hashes = self.reqs.pop(rid, None) or self.stepped[rid]
-            st_ = self.cm._reqs[rid]
+            st_ = self.cm.request(rid)
             for i, b in st_.fresh.items():  # forward pass writes the blocks it computed
                 self.dev[b] = hashes[i] if i < len(hashes) else GARBAGE
             self.stepped[rid] = hashes
@@ -145,7 +145,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cm.on_ops_done(results)
         self.cm.check_invariants()
         for rid, valid in self.cm.take_recompute().items():  # engine recomputes failed swap-ins
-            st_ = self.cm._reqs[rid]
+            st_ = self.cm.request(rid)
             hashes = self.stepped.get(rid) or self.reqs.get(rid)
             for i, b in st_.fresh.items():
                 if valid <= i < len(hashes):
@@ -169,7 +169,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.cm.fail_pending()
             self.cm.check_invariants()
             for rid, valid in self.cm.take_recompute().items():
-                st_ = self.cm._reqs[rid]
+                st_ = self.cm.request(rid)
                 hashes = self.stepped.get(rid) or self.reqs.get(rid)
                 for i, b in st_.fresh.items():
                     if valid <= i < len(hashes):
@@ -181,8 +181,7 @@ class CacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.stepped)))
         hashes = self.stepped.pop(rid)
         computed = data.draw(st.one_of(st.none(), st.integers(0, len(hashes) * BS)))
-        st_ = self.cm._reqs[rid]
-        for i, n in enumerate(st_.nodes):  # adopted/kept device blocks must hold their hash
+        for i, n in enumerate(self.cm.held_blocks(rid)):  # kept device blocks hold their hash
             if n.status is DEVICE and (computed is None or i < computed // BS):
                 assert self.dev.get(n.dev) == n.hash
         self.cm.finish(rid, computed)
@@ -207,11 +206,11 @@ class CacheMachine(RuleBasedStateMachine):
     def consistent(self):
         if hasattr(self, "cm"):
             self.cm.check_invariants()
-            # O(1) eviction: the policies looked at exactly one entry per evicted block
-            # (no skipped parent, no rotation), whatever the ack order.
+            # O(1) eviction: the policies looked at one entry per victim (a run of blocks
+            # cut to what is needed), none skipped or rotated, whatever the ack order.
             stats, tree = self.cm.stats, self.cm.tree
-            assert tree.dpol.probes == stats.evicted_device
-            assert tree.hpol.probes == stats.evicted_host
+            assert tree.dpol.probes <= stats.evicted_device
+            assert tree.hpol.probes <= stats.evicted_host
 
 
 CacheMachine.TestCase.settings = settings(

@@ -1,8 +1,9 @@
 """Eviction policies: which evictable entry of one tier goes next, in O(1).
 
-The tree (``radix.py``) decides *whether* an entry is evictable in a tier and tells the
-policy (``push`` when it becomes evictable, ``remove`` when it stops being); the policy
-decides only the *order*. Two rules make every victim a chain tail without a scan:
+The tree (``radix.py``) decides *whether* a node (a run of blocks) is evictable in a tier
+and tells the policy (``push`` when it becomes evictable, ``remove`` when it stops being);
+the policy decides only the *order*. Two rules make every victim a chain tail without a
+scan:
 
 1. Closed subtrees (the tree's rule): an entry is pushed only when everything below it in
    that tier is already evictable, so an entry's children in the tier are all in the
@@ -12,7 +13,9 @@ decides only the *order*. Two rules make every victim a chain tail without a sca
    children before parents), and an entry's class is never above its parent's class.
 
 Then the oldest entry of the lowest non-empty class has no child in the tier: it is a
-chain tail. ``pop`` is O(1) (``OrderedDict.popitem``), never a rotation or a rescan::
+chain tail. ``oldest`` / ``pop`` are O(1) (``OrderedDict``), never a rotation or a rescan;
+the tree takes the victim's last blocks and puts the rest back first in line
+(``push_oldest``), so evicting a block costs O(1) too. Sizes are in blocks::
 
     LRU    one queue                     victim = oldest
     SLRU   probation ─────────────────►  victim = oldest of probation, else of protected
@@ -20,18 +23,21 @@ chain tail. ``pop`` is O(1) (``OrderedDict.popitem``), never a rotation or a res
               │ over its share of the tier: its oldest is demoted to probation's young end
               └─────────────────────────►
 
-SLRU's class comes from the node: protected when ``hits >= 2`` (matched again after it was
-cached) or ``reused`` (set by the ghost when a block that this tier evicted recently is
-inserted again, and only under a protected parent or the root). Hits never decrease and
-a parent is hit whenever its child is, so classes are monotone along every chain.
+SLRU's class is the queue. A node is pushed into protected when ``hits >= 2`` (matched
+again after it was cached) or ``reused`` (set by the ghost when a block this tier evicted
+recently is inserted again, only under a protected parent or the root); hits never
+decrease and a parent is hit whenever its child is, and no ancestor of a node being
+pushed is in the policy (closed subtrees), so classes are monotone along every chain.
 Demotion takes protected's oldest entry, whose protected descendants (older) are gone
-already, and no ancestor of it is in probation: the two rules still hold.
+already, and no ancestor of it is in probation; the rest of a cut victim goes back to
+the queue it came from. The two rules still hold.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from itertools import takewhile
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,10 +49,12 @@ POLICIES = (LRU_NAME, SLRU_NAME)
 
 
 class EvictionPolicy(ABC):
-    """Order of one tier's evictable entries. Every method is O(1).
+    """Order of one tier's evictable nodes. Every method is O(1) (amortized for SLRU's
+    demotions and ghost trims).
 
-    ``probes`` counts entries looked at to choose victims: one per ``pop`` (tests assert
-    it, to show that no eviction scans or rotates).
+    ``probes`` counts entries looked at to choose victims: one per ``oldest`` that found
+    one (tests assert it, to show that no eviction scans or rotates). ``num_blocks`` is the
+    size of the entries in blocks.
     """
 
     name = "?"
@@ -54,18 +62,31 @@ class EvictionPolicy(ABC):
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.probes = 0
+        self.num_blocks = 0
 
     @abstractmethod
     def push(self, n: Node) -> None:
         """``n`` became evictable: it enters at the young end of its class."""
 
     @abstractmethod
+    def push_oldest(self, n: Node) -> None:
+        """``n`` is what is left of the victim just popped: first in line again."""
+
+    @abstractmethod
     def remove(self, n: Node) -> None:
         """``n`` (in the policy) stopped being evictable."""
 
     @abstractmethod
+    def oldest(self) -> Node | None:
+        """The next victim (not removed); None when empty."""
+
+    @abstractmethod
     def pop(self) -> Node | None:
-        """The next victim, removed from the policy; None when empty."""
+        """Remove and return the next victim; None when empty."""
+
+    def shrink(self, n: Node, c: int) -> None:
+        """``n`` (in the policy) gave its first ``c`` blocks to a new node."""
+        self.num_blocks -= c
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -78,10 +99,12 @@ class EvictionPolicy(ABC):
         return any(n is m for m in self.nodes())
 
     def note_evicted(self, n: Node) -> None:
-        """``n`` left this tier (a victim). Policies with a memory of victims use this."""
+        """``n``'s blocks left this tier (a victim). Policies with a memory use this."""
 
-    def note_inserted(self, n: Node) -> None:
-        """``n`` is new in the tree, under ``n.parent``."""
+    def note_inserted(self, n: Node) -> int:
+        """``n`` is new in the tree, under ``n.parent``: how many of its leading blocks the
+        policy recognizes (the tree marks them ``reused``); 0 by default."""
+        return 0
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
@@ -102,15 +125,30 @@ class LRU(EvictionPolicy):
 
     def push(self, n: Node) -> None:
         self._q[n] = None
+        self.num_blocks += len(n.hashes)
+
+    def push_oldest(self, n: Node) -> None:
+        q = self._q
+        q[n] = None
+        q.move_to_end(n, last=False)
+        self.num_blocks += len(n.hashes)
 
     def remove(self, n: Node) -> None:
         del self._q[n]
+        self.num_blocks -= len(n.hashes)
+
+    def oldest(self) -> Node | None:
+        if not self._q:
+            return None
+        self.probes += 1
+        return next(iter(self._q))
 
     def pop(self) -> Node | None:
         if not self._q:
             return None
-        self.probes += 1
-        return self._q.popitem(last=False)[0]
+        n = self._q.popitem(last=False)[0]
+        self.num_blocks -= len(n.hashes)
+        return n
 
     def __len__(self) -> int:
         return len(self._q)
@@ -125,12 +163,12 @@ class LRU(EvictionPolicy):
 class SLRU(EvictionPolicy):
     """Segmented LRU with a ghost memory (see the module docstring).
 
-    ``protected_fraction`` of the tier may be protected; the ghost remembers the hashes of
-    the last ``ghost_factor × capacity`` victims (FIFO), so a block recomputed soon after
-    its eviction comes back protected. It keeps blocks that are hit again over blocks seen
-    once, where LRU lets a burst of one-off prompts flush them. The defaults were chosen on
-    the bundled Mooncake trace (0.3-0.5 and 0.25-2x all beat LRU there at 1k and 10k
-    blocks; these gave the best of both).
+    ``protected_fraction`` of the tier (in blocks) may be protected; the ghost remembers
+    the hashes of the last ``ghost_factor × capacity`` evicted blocks (FIFO), so a block
+    recomputed soon after its eviction comes back protected. It keeps blocks that are hit
+    again over blocks seen once, where LRU lets a burst of one-off prompts flush them. The
+    defaults were chosen on the bundled Mooncake trace (0.3-0.5 and 0.25-2x all beat LRU
+    there at 1k and 10k blocks; these gave the best of both).
     """
 
     name = SLRU_NAME
@@ -142,34 +180,74 @@ class SLRU(EvictionPolicy):
             raise ValueError("protected_fraction must be in [0, 1] and ghost_factor >= 0")
         self.protected_fraction = protected_fraction
         self.ghost_factor = ghost_factor
-        self._max_ghost = int(capacity * ghost_factor)
         self._prob: OrderedDict[Node, None] = OrderedDict()
         self._prot: OrderedDict[Node, None] = OrderedDict()
-        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._prot_blocks = 0
+        self._popped_from = self._prob
+        self._ghost: dict[bytes, None] = {}  # insertion-ordered; trimmed in bulk
         self._max_prot = int(capacity * protected_fraction)
+        self._max_ghost = int(capacity * ghost_factor)
 
     def class_of(self, n: Node) -> int:
-        return 1 if n.hits >= 2 or n.reused else 0
+        """1 in protected, 0 in probation (a demoted node is in probation)."""
+        return 1 if n in self._prot else 0
 
     def push(self, n: Node) -> None:
+        k = len(n.hashes)
+        self.num_blocks += k
         if n.hits >= 2 or n.reused:
             prot = self._prot
             prot[n] = None
-            if len(prot) > self._max_prot:
-                self._prob[prot.popitem(last=False)[0]] = None  # demote the oldest
+            self._prot_blocks += k
+            while self._prot_blocks > self._max_prot:  # demote the oldest
+                d = prot.popitem(last=False)[0]
+                self._prot_blocks -= len(d.hashes)
+                self._prob[d] = None
         else:
             self._prob[n] = None
 
+    def push_oldest(self, n: Node) -> None:
+        # Into the queue the victim came from (a demoted victim's rest stays in probation,
+        # below its ancestors), where it was a moment ago: no demotion.
+        k = len(n.hashes)
+        self.num_blocks += k
+        q = self._popped_from
+        if q is self._prot:
+            self._prot_blocks += k
+        q[n] = None
+        q.move_to_end(n, last=False)
+
     def remove(self, n: Node) -> None:
+        k = len(n.hashes)
+        self.num_blocks -= k
         if self._prob.pop(n, _ABSENT) is _ABSENT:
             del self._prot[n]
+            self._prot_blocks -= k
 
-    def pop(self) -> Node | None:
+    def shrink(self, n: Node, c: int) -> None:
+        self.num_blocks -= c
+        if n in self._prot:
+            self._prot_blocks -= c
+
+    def oldest(self) -> Node | None:
         q = self._prob or self._prot
         if not q:
             return None
         self.probes += 1
-        return q.popitem(last=False)[0]
+        return next(iter(q))
+
+    def pop(self) -> Node | None:
+        if self._prob:
+            n = self._prob.popitem(last=False)[0]
+            self._popped_from = self._prob
+        elif self._prot:
+            n = self._prot.popitem(last=False)[0]
+            self._prot_blocks -= len(n.hashes)
+            self._popped_from = self._prot
+        else:
+            return None
+        self.num_blocks -= len(n.hashes)
+        return n
 
     def __len__(self) -> int:
         return len(self._prob) + len(self._prot)
@@ -186,24 +264,27 @@ class SLRU(EvictionPolicy):
 
     def note_evicted(self, n: Node) -> None:
         ghost = self._ghost
-        ghost[n.hash] = None
-        if len(ghost) > self._max_ghost:
-            ghost.popitem(last=False)
+        ghost.update(dict.fromkeys(n.hashes))
+        if len(ghost) > 2 * self._max_ghost:  # amortized O(1) per block, in C
+            keep = list(ghost)[len(ghost) - self._max_ghost:]
+            self._ghost = dict.fromkeys(keep)
 
-    def note_inserted(self, n: Node) -> None:
-        if self._ghost.pop(n.hash, _ABSENT) is _ABSENT:
-            return
+    def note_inserted(self, n: Node) -> int:
+        """Leading blocks of ``n`` evicted recently (in the ghost), counted in C; none
+        unless the parent is protected-worthy (or the root): classes stay monotone."""
         p = n.parent
         assert p is not None
-        # Only under a protected parent (or the root): classes stay monotone on chains.
-        n.reused = p.parent is None or p.hits >= 2 or p.reused
+        if p.parent is not None and p.hits < 2 and not p.reused:
+            return 0
+        ghost = self._ghost
+        if n.hashes[0] not in ghost:
+            return 0
+        return len(list(takewhile(ghost.__contains__, n.hashes)))
 
     def resize(self, capacity: int) -> None:
         super().resize(capacity)
         self._max_prot = int(capacity * self.protected_fraction)
         self._max_ghost = int(capacity * self.ghost_factor)
-        while len(self._ghost) > self._max_ghost:
-            self._ghost.popitem(last=False)
 
 
 _ABSENT = object()

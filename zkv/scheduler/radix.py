@@ -1,39 +1,52 @@
-"""Radix tree of KV blocks keyed by chained block hashes, with one eviction policy per tier.
+"""Radix tree of KV blocks keyed by chained block hashes; a node holds a run of blocks.
 
-A node is one block: because hashes are chained, a node's hash names its whole prefix,
-so lookups go through one ``hash -> node`` index in O(1) per block while the tree keeps
-parent / children links for eviction order and subtree drops.
+Hashes are chained, so one block's hash names its whole prefix. A node holds a run of
+consecutive blocks of one chain that share every per-node field (status, refs, ops in
+flight, hits, ...), like the edges of a compressed radix tree; each block keeps its own
+hash and ids. ``index`` maps every block hash to its node, so a prefix is found with a
+binary search over a request's hashes (present hashes form a prefix), and work per request
+grows with the nodes it touches, not with its blocks::
 
-Statuses (only ``DEVICE`` and ``HOST`` nodes can be matched)::
+    root ── [h0 h1 h2 h3] ── [h4 h5] ── [h6 h7 h8]       node.depth = chain position of
+                  │                └── [h6' h7']           its first block (0, 4, 6, 6)
+                  └── (children keyed by their first hash)
 
-    DEVICE                 dev >= 0          host copy optional (a backup, host_ok)
-    HOST                   dev == -1         host >= 0, host_ok
-    SWAP_TO_HOST           dev == -1 (given up, reusable this step)  host = d2h destination
-    SWAP_TO_DEVICE         dev = h2d destination                     host = h2d source
-    LOADING_FROM_STORAGE   dev == -1         host = s2h destination
-    DELETING               detached from the tree; blocks freed when its last op is acked
+``split(n, c)`` puts a new node with ``n``'s first ``c`` blocks between ``n`` and its
+parent; ``n`` keeps the rest, its children, its place in the eviction policies, and the
+object identity that requests (their path ends at a node) and ops in flight (an entry
+covers a node and the ancestors a split put above it: ``pieces``) refer to.
 
-Tier order: a node with a device block has a parent with a device block (or the root), so
-no HOST node sits inside a device prefix.
+Statuses (only ``DEVICE`` and ``HOST`` can be matched); ``dev`` / ``host`` are per-block
+id lists or None::
 
-Evictable sets, one per tier, closed under subtrees (so a victim is always a chain tail,
-and eviction is O(1): see ``eviction.py`` for the ordering half of the argument)::
+    DEVICE                 dev                host optional (a backup, host_ok)
+    HOST                   None               host, host_ok
+    SWAP_TO_HOST           None (given up)    host = d2h destination
+    SWAP_TO_DEVICE         dev = h2d dest.    host = h2d source
+    LOADING_FROM_STORAGE   None               host = s2h destination
+    DELETING               detached; blocks freed when its last op is acked
+
+Tier order: a node on device has its parent on device (or the root).
+
+Evictable sets, one per tier, closed under subtrees, so a victim is a chain tail and each
+eviction is O(1) (``eviction.py`` gives the ordering half of the argument)::
 
     device-listed  ⟺  DEVICE, ref 0, busy 0, and dpin == 0
     host-listed    ⟺  host_ok, ref 0, busy 0, and (DEVICE, or HOST and hpin == 0)
-
     dpin = children on device (DEVICE / SWAP_TO_DEVICE) that are not device-listed
     hpin = children that are not host-listed
 
-A node is listed when it qualifies (``relist``), which lowers its parent's pin count and
-may list the parent in turn (a cascade up the chain, one step per node listed); it is
-unlisted when it stops qualifying (``unlist``, one step). A device node's backup can be
-dropped whatever lies below it, so only HOST nodes wait for their children (``hpin``).
+``relist`` lists a node where it qualifies and goes on up the chain (one step per node
+listed); ``unlist`` is one step. A device node's backup may be dropped whatever is below
+it, so only HOST nodes wait for their children.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
 from enum import IntEnum
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -59,68 +72,178 @@ ON_DEVICE = (DEVICE, SWAP_TO_DEVICE)
 
 
 class Node:
-    """One block of KV. ``ref`` counts running requests that hold it; ``busy`` counts ops
-    in flight that read or write one of its blocks; ``dpin`` / ``hpin`` count children
-    that keep it out of the device / host evictable set; ``reused`` is the eviction
-    policy's mark (see ``eviction.SLRU``)."""
+    """A run of blocks. ``ref`` counts running requests that hold it (a request holds whole
+    nodes from the root); ``busy`` counts ops in flight over it; ``dpin`` / ``hpin`` count
+    children that keep it out of the device / host evictable set; ``reused`` is the
+    eviction policy's mark (``eviction.SLRU``)."""
 
     __slots__ = (
-        "hash", "parent", "children", "dev", "host", "status", "ref", "hits", "last_access",
-        "busy", "host_ok", "in_store", "dpin", "hpin", "dlisted", "hlisted", "reused",
+        "hashes", "dev", "host", "parent", "children", "depth", "status", "ref", "busy",
+        "hits", "last_access", "host_ok", "in_store", "reused", "dpin", "hpin", "dlisted",
+        "hlisted",
     )
 
-    def __init__(self, h: bytes, parent: Node | None, status: Status, dev: int = -1, host: int = -1):
-        # Chained assignments and a lazily created children dict: a node is created per
-        # new block on the scheduling hot path (half the cost of one field per line).
-        self.hash = h
-        self.parent = parent
-        self.children: dict[bytes, Node] | None = None
+    def __init__(self, hashes: list[bytes], parent: Node | None, status: Status,
+                 dev: list[int] | None = None, host: list[int] | None = None) -> None:
+        self.hashes = hashes
         self.dev = dev
         self.host = host
+        self.parent = parent
+        self.children: dict[bytes, Node] | None = None
+        self.depth = 0 if parent is None else parent.depth + len(parent.hashes)
         self.status = status
-        self.ref = self.hits = self.last_access = self.busy = self.dpin = self.hpin = 0
-        self.host_ok = self.in_store = self.dlisted = self.hlisted = self.reused = False
+        self.ref = self.busy = self.hits = self.last_access = self.dpin = self.hpin = 0
+        self.host_ok = self.in_store = self.reused = self.dlisted = self.hlisted = False
+
+    def __len__(self) -> int:
+        return len(self.hashes)
 
     def __repr__(self) -> str:
-        return (f"Node({self.hash.hex()[:8]}, {self.status.name}, dev={self.dev}, host={self.host}, "
-                f"ref={self.ref}, busy={self.busy})")
+        h = self.hashes[0].hex()[:8] if self.hashes else "root"
+        return (f"Node({h}+{len(self.hashes)}@{self.depth}, {self.status.name}, dev={self.dev}, "
+                f"host={self.host}, ref={self.ref}, busy={self.busy})")
 
 
 class RadixTree:
-    """Index, parent/child links and the per-tier evictable sets (their order is the
-    policies'). Every method is O(1) except ``subtree_postorder`` and the cascades of
-    ``relist`` (one step per node listed)."""
+    """Nodes, the block index and the per-tier evictable sets (their order is the
+    policies'). O(1) per call, plus O(blocks) C-level index updates on add / split /
+    detach; ``relist`` cascades one step per node listed."""
 
     def __init__(self, device_policy: EvictionPolicy, host_policy: EvictionPolicy) -> None:
-        self.root = Node(b"", None, DEVICE)
+        self.root = Node([], None, DEVICE)
         self.root.children = {}
         self.index: dict[bytes, Node] = {}
         self.dpol = device_policy
         self.hpol = host_policy
 
+    # ---------------------------------------------------------------- lookup
+
+    def num_present(self, hashes: Sequence[bytes]) -> int:
+        """How many leading ``hashes`` are in the tree (they form a prefix: binary search)."""
+        index = self.index
+        n = len(hashes)
+        if not n or hashes[0] not in index:
+            return 0
+        if hashes[-1] in index:
+            return n
+        return bisect_left(range(n), True, 1, n - 1, key=lambda i: hashes[i] not in index)
+
+    @staticmethod
+    def common_run(n: Node, hashes: Sequence[bytes], start: int, limit: int) -> int:
+        """How many of ``n``'s blocks equal ``hashes[start:limit]`` from the first one (the
+        first must). Chained hashes agree on a prefix only, so a binary search does it."""
+        hs = n.hashes
+        top = min(len(hs), limit - start)
+        if hs[top - 1] == hashes[start + top - 1]:
+            return top
+        return bisect_left(range(top), True, 1, top - 1,
+                           key=lambda i: hs[i] != hashes[start + i])
+
+    def locate(self, h: bytes) -> tuple[Node, int] | None:
+        """(node, offset) of block ``h``, or None."""
+        n = self.index.get(h)
+        if n is None:
+            return None
+        return n, n.hashes.index(h)
+
+    def path(self, tail: Node | None) -> list[Node]:
+        """Nodes from the root's child down to ``tail`` (none for None or the root)."""
+        out = []
+        n = tail
+        while n is not None and n.parent is not None:
+            out.append(n)
+            n = n.parent
+        out.reverse()
+        return out
+
     # ---------------------------------------------------------------- structure
 
-    def add(self, parent: Node, h: bytes, status: Status, dev: int = -1, host: int = -1) -> Node:
-        """A new (unlisted) child of ``parent``."""
-        node = Node(h, parent, status, dev, host)
+    def add(self, parent: Node, hashes: list[bytes], status: Status,
+            dev: list[int] | None = None, host: list[int] | None = None) -> Node:
+        """A new (unlisted) child of ``parent`` holding ``hashes``."""
+        node = Node(hashes, parent, status, dev, host)
         if parent.children is None:
-            parent.children = {h: node}
+            parent.children = {hashes[0]: node}
         else:
-            parent.children[h] = node
-        self.index[h] = node
+            parent.children[hashes[0]] = node
+        self.index.update(zip(hashes, repeat(node)))
         parent.hpin += 1
         if status in ON_DEVICE:
             parent.dpin += 1
         return node
 
+    def split(self, n: Node, c: int) -> Node:
+        """Put a new node with ``n``'s first ``c`` blocks between ``n`` and its parent and
+        return it. It copies every per-node field; it is unlisted (the caller holds it,
+        lists it or lets it be), with pin counts that see ``n`` as its only child."""
+        hs = n.hashes
+        assert 0 < c < len(hs), f"split of {n} at {c}"
+        h = Node.__new__(Node)
+        h.hashes = hs[:c]
+        n.hashes = hs[c:]
+        if n.dev is not None:
+            h.dev = n.dev[:c]
+            n.dev = n.dev[c:]
+        else:
+            h.dev = None
+        if n.host is not None:
+            h.host = n.host[:c]
+            n.host = n.host[c:]
+        else:
+            h.host = None
+        p: Node = n.parent  # type: ignore[assignment]
+        h.parent = p
+        p.children[hs[0]] = h  # type: ignore[index]
+        h.children = {n.hashes[0]: n}
+        n.parent = h
+        h.depth = n.depth
+        n.depth += c
+        h.status = n.status
+        h.ref = n.ref
+        h.busy = n.busy
+        h.hits = n.hits
+        h.last_access = n.last_access
+        h.host_ok = n.host_ok
+        h.in_store = n.in_store
+        h.reused = n.reused
+        h.dlisted = h.hlisted = False
+        on_dev = n.status in ON_DEVICE
+        h.dpin = 1 if on_dev and not n.dlisted else 0
+        h.hpin = 0 if n.hlisted else 1
+        if n.dlisted:  # the parent now sees an unlisted child where it saw a listed one
+            p.dpin += 1
+            self.dpol.shrink(n, c)
+        if n.hlisted:
+            p.hpin += 1
+            self.hpol.shrink(n, c)
+        self.index.update(zip(h.hashes, repeat(h)))
+        return h
+
+    def mark_reused(self, n: Node, r: int) -> None:
+        """The policy recognized ``n``'s first ``r`` blocks (``note_inserted``): mark them
+        ``reused``, splitting a new node when only a part came back."""
+        if r <= 0:
+            return
+        if r < len(n.hashes):
+            n = self.split(n, r)
+        n.reused = True
+
+    def split_at(self, n: Node, depth: int) -> Node:
+        """The node that ends just before block ``depth`` of the chain, ``n`` covering it
+        (split when ``depth`` falls inside ``n``)."""
+        c = depth - n.depth
+        return self.split(n, c) if c > 0 else n.parent  # type: ignore[return-value]
+
     def detach(self, node: Node) -> None:
-        """Remove a childless node from the index, its parent and the evictable sets (O(1))."""
+        """Remove a childless node from the index, its parent and the evictable sets."""
         assert not node.children, f"detaching {node} with children"
         parent = node.parent
         assert parent is not None and parent.children is not None
         self.unlist(node)
-        del parent.children[node.hash]
-        del self.index[node.hash]
+        del parent.children[node.hashes[0]]
+        index = self.index
+        for h in node.hashes:
+            del index[h]
         parent.hpin -= 1
         if node.status in ON_DEVICE:
             parent.dpin -= 1
@@ -193,22 +316,42 @@ class RadixTree:
         p.dpin -= 1
         self.relist(p)
 
-    def pop_device(self) -> Node | None:
-        """The device policy's next victim, a chain tail, unlisted. The caller moves it off
-        the device at once (its parent's ``dpin`` already does not count it)."""
-        n = self.dpol.pop()
-        if n is not None:
-            n.dlisted = False
-        return n
+    def pop_device(self, want: int) -> Node | None:
+        """The device policy's next victim cut to at most ``want`` blocks (its tail), now
+        unlisted; the caller moves it off the device at once (its parent's ``dpin`` does
+        not count it). The rest of a cut victim stays first in line."""
+        v = self.dpol.oldest()
+        if v is None:
+            return None
+        cut = len(v.hashes) - want
+        head = self.split(v, cut) if cut > 0 else None
+        self.dpol.pop()
+        v.dlisted = False
+        if head is not None:  # its only device child is leaving: evictable, first in line
+            self.dpol.push_oldest(head)
+            head.dlisted = True
+            head.parent.dpin -= 1  # type: ignore[union-attr]
+            if head.host_ok:
+                self.relist(head)  # its backup can be dropped as before
+        return v
 
-    def pop_host(self) -> Node | None:
-        """The host policy's next victim, unlisted (a DEVICE node's backup, or a HOST chain
-        tail). The caller drops its host copy at once."""
-        n = self.hpol.pop()
-        if n is not None:
-            n.hlisted = False
-            n.parent.hpin += 1  # type: ignore[union-attr]
-        return n
+    def pop_host(self, want: int) -> Node | None:
+        """The host policy's next victim, unlisted: a DEVICE node (its whole backup goes) or
+        a HOST chain tail cut to at most ``want`` blocks (the caller detaches it at once;
+        the rest of a cut victim stays first in line)."""
+        v = self.hpol.oldest()
+        if v is None:
+            return None
+        cut = len(v.hashes) - want if v.status is HOST else 0
+        head = self.split(v, cut) if cut > 0 else None
+        self.hpol.pop()
+        v.hlisted = False
+        v.parent.hpin += 1  # type: ignore[union-attr]
+        if head is not None:  # listed before v is detached (the caller does it next)
+            self.hpol.push_oldest(head)
+            head.hlisted = True
+            head.parent.hpin -= 1  # type: ignore[union-attr]
+        return v
 
     def became_host(self, n: Node) -> None:
         """A host-listed DEVICE node lost its device copy (now HOST): it stays listed only
@@ -224,15 +367,91 @@ class RadixTree:
 
     @property
     def num_dlru(self) -> int:
-        """Device blocks evictable right now (every one of them, in policy order)."""
-        return len(self.dpol)
+        """Device blocks evictable right now."""
+        return self.dpol.num_blocks
 
     @property
     def num_hlru(self) -> int:
-        return len(self.hpol)
+        """Host blocks whose copy could be dropped right now."""
+        return self.hpol.num_blocks
 
     def dlru_nodes(self) -> list[Node]:
         return self.dpol.nodes()
 
     def hlru_nodes(self) -> list[Node]:
         return self.hpol.nodes()
+
+    # ---------------------------------------------------------------- per-block views
+
+    def block(self, h: bytes) -> BlockView:
+        if h not in self.index:
+            raise KeyError(h.hex())
+        return BlockView(self, h)
+
+    def num_blocks(self) -> int:
+        return len(self.index)
+
+
+class BlockView:
+    """One cached block as it is now (tests, logs): every read looks the block up again, so
+    a view stays right across splits. Raises KeyError once the block left the tree."""
+
+    __slots__ = ("_tree", "hash")
+
+    def __init__(self, tree: RadixTree, h: bytes) -> None:
+        self._tree = tree
+        self.hash = h
+
+    def _at(self) -> tuple[Node, int]:
+        loc = self._tree.locate(self.hash)
+        if loc is None:
+            raise KeyError(f"block {self.hash.hex()[:8]} is not in the tree")
+        return loc
+
+    @property
+    def node(self) -> Node:
+        return self._at()[0]
+
+    @property
+    def status(self) -> Status:
+        return self._at()[0].status
+
+    @property
+    def dev(self) -> int:
+        n, i = self._at()
+        return -1 if n.dev is None else n.dev[i]
+
+    @property
+    def host(self) -> int:
+        n, i = self._at()
+        return -1 if n.host is None else n.host[i]
+
+    def __getattr__(self, name: str) -> object:  # ref, busy, hits, host_ok, in_store, ...
+        return getattr(self._at()[0], name)
+
+    @property
+    def parent(self) -> BlockView | None:
+        """The previous block of the chain; None for the first."""
+        n, i = self._at()
+        if i:
+            return BlockView(self._tree, n.hashes[i - 1])
+        p = n.parent
+        return None if p is None or p.parent is None else BlockView(self._tree, p.hashes[-1])
+
+    @property
+    def children(self) -> list[bytes]:
+        """Hashes of the next blocks of every chain through this block."""
+        n, i = self._at()
+        if i + 1 < len(n.hashes):
+            return [n.hashes[i + 1]]
+        return list(n.children or ())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockView) and other.hash == self.hash and other._tree is self._tree
+
+    def __hash__(self) -> int:
+        return hash(self.hash)
+
+    def __repr__(self) -> str:
+        n, i = self._at()
+        return f"Block({self.hash.hex()[:8]} of {n!r}[{i}])"

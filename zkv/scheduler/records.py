@@ -72,10 +72,14 @@ class Match:
 
 @dataclass(slots=True)
 class RequestState:
+    """A running request. It holds (one ref each) the nodes from the root down to ``tail``,
+    its first ``num_held`` blocks (whole nodes; a split keeps ``tail`` the last one)."""
+
     req_id: str
     hashes: list[bytes]
-    nodes: list[Node] = field(default_factory=list)     # ref'd path, DEVICE/HOST at match time
-    loading: list[Node] = field(default_factory=list)   # ref'd LOADING_FROM_STORAGE nodes
+    tail: Node | None = None        # last held node; None: nothing held
+    num_held: int = 0
+    loading: Node | None = None     # held LOADING_FROM_STORAGE run below ``tail`` (one s2h)
     fresh: dict[int, int] = field(default_factory=dict)  # logical index -> owned device block
     table: list[int] = field(default_factory=list)       # device block per logical block
     allocated: bool = False
@@ -90,13 +94,21 @@ class RequestState:
 
 @dataclass(slots=True)
 class PendingOp:
+    """One op: entries (a node and how many blocks it had when added: a later split puts
+    the first ones in new nodes above it, ``ledger.pieces``) and per-block src / dst / keys."""
+
     op_id: int
     kind: str
     nodes: list[Node] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    req_ids: list[str | None] = field(default_factory=list)
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
-    req_ids: list[str | None] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.counts)
 
 
 @dataclass(slots=True)
@@ -107,8 +119,8 @@ class CacheStats:
     hit_host: int = 0
     hit_storage: int = 0
     evicted_device: int = 0      # blocks that left L1 (d2h, metadata only, or dropped)
-    evicted_host: int = 0        # host copies dropped
-    dropped: int = 0             # nodes removed from the tree (KV lost from L1/L2)
+    evicted_host: int = 0        # host copies dropped (blocks)
+    dropped: int = 0             # blocks removed from the tree (KV lost from L1/L2)
     swapped_in: int = 0          # h2d blocks committed
     swapped_out: int = 0         # d2h blocks committed
     backed_up: int = 0           # backup blocks committed

@@ -1,0 +1,67 @@
+"""The state the scheduler's components share, and what each may change.
+
+::
+
+    CacheManager (manager.py) ── public API: argument checks, then one call below
+      ├─ requests.py   match / prefetch / allocate / finish of engine requests
+      ├─ external.py   incremental caching and the external-L1 (engine-owned device) mode
+      ├─ tiers.py      making room: device eviction, host blocks, drops, backups, stores
+      ├─ commit.py     commit or roll back acked ops
+      └─ invariants.py whole-state check (tests)
+    all over one Core:
+      pools (block_pool.py) · tree + per-tier evictable sets (radix.py) · policies
+      (eviction.py) · ledger of ops (ledger.py) · running requests · stats
+
+Arrows point down only: the modules above import ``core`` and the parts, never the
+manager or each other in a circle (``tiers`` is the one they share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zkv.scheduler.block_pool import BlockPool
+from zkv.scheduler.eviction import EvictionPolicy, make_policy
+from zkv.scheduler.ledger import Ledger
+from zkv.scheduler.records import CacheConfig, CacheStats, RequestState, StorageExists
+from zkv.scheduler.radix import Node, RadixTree
+
+
+@dataclass(eq=False, slots=True)
+class Core:
+    """Shared state (no behaviour). ``device`` / ``host`` own block ids; ``tree`` the nodes
+    and which are evictable; ``ledger`` the ops built this step and in flight; ``requests``
+    the running requests (each holds its path's nodes); ``deleting`` nodes detached while
+    an op was in flight (freed when it settles); ``negative`` hashes storage failed to
+    deliver, with expiry; ``clock`` one tick per match."""
+
+    config: CacheConfig
+    device: BlockPool
+    host: BlockPool
+    tree: RadixTree
+    storage_exists: StorageExists | None = None
+    ledger: Ledger = field(default_factory=Ledger)
+    stats: CacheStats = field(default_factory=CacheStats)
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    deleting: set[Node] = field(default_factory=set)
+    negative: dict[bytes, float] = field(default_factory=dict)
+    clock: int = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def backup_threshold(self) -> int | None:
+        return self.config.backup_threshold
+
+
+def make_core(config: CacheConfig, storage_exists: StorageExists | None,
+              device_policy: EvictionPolicy | None, host_policy: EvictionPolicy | None) -> Core:
+    if device_policy is None:  # (an empty policy is falsy: no `or` here)
+        device_policy = make_policy(config.eviction_policy, config.num_device_blocks)
+    if host_policy is None:
+        host_policy = make_policy(config.eviction_policy, config.num_host_blocks)
+    return Core(config, BlockPool(config.num_device_blocks, "device"),
+                BlockPool(config.num_host_blocks, "host"), RadixTree(device_policy, host_policy),
+                storage_exists)

@@ -1,0 +1,136 @@
+"""Incremental caching while a request runs, and the external-L1 mode.
+
+External L1: the engine owns device memory and its own prefix cache (e.g. vLLM's); zkv is
+L2 / L3 behind it, with no device pool of its own (``num_device_blocks=0``)::
+
+    match_prefix ─► held HOST nodes ─► load_external(first, engine ids) ─► load op (h2d)
+    cache_computed(device_ids=...) ─► new SWAP_TO_HOST node ─► save op (backup) ─► HOST
+    finish ─► refs dropped (the engine frees its own blocks)
+
+Functions over a ``Core``; O(nodes touched) Python steps, per-block work in C.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zkv.scheduler.core import Core
+from zkv.scheduler.ledger import Ledger
+from zkv.scheduler.records import LOAD, SAVE, RequestState
+from zkv.scheduler.requests import count_hits, hold
+from zkv.scheduler.tiers import take_host_blocks
+from zkv.scheduler.radix import DEVICE, HOST, SWAP_TO_HOST
+
+
+def cache_computed(core: Core, st: RequestState, num_tokens: int,
+                   block_hashes: Sequence[bytes] | None,
+                   device_ids: Sequence[int] | None) -> int:
+    """See ``CacheManager.cache_computed``."""
+    if block_hashes is not None:
+        if list(block_hashes[: st.num_held]) != st.hashes[: st.num_held]:
+            raise ValueError(f"request {st.req_id!r}: block_hashes disagree with its prefix")
+        st.hashes = list(block_hashes)
+    full = min(num_tokens // core.config.block_size, len(st.hashes))
+    if device_ids is not None or st.external:
+        if device_ids is None:
+            raise ValueError(f"request {st.req_id!r} is external: pass device_ids")
+        go_external(core, st)
+        return _save_external(core, st, min(full, len(device_ids)), device_ids)
+    if not st.allocated:
+        raise ValueError(f"request {st.req_id!r} is not allocated")
+    full = min(full, len(st.table))
+    start = st.num_held
+    tree = core.tree
+    parent = st.tail or tree.root
+    # Stop at a block already in the tree (another request cached or is loading it;
+    # finish sorts that out): present hashes are a prefix, so only the first can be.
+    if full <= start or parent.status is not DEVICE or st.hashes[start] in tree.index:
+        return 0
+    ids = [st.fresh.pop(i) for i in range(start, full)]
+    n = tree.add(parent, st.hashes[start:full], DEVICE, ids)
+    n.ref = n.hits = 1
+    n.last_access = core.clock
+    tree.mark_reused(n, tree.dpol.note_inserted(n))
+    st.tail = n
+    st.num_held = full
+    return full - start
+
+
+def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence[int]) -> int:
+    start = st.num_held
+    tree = core.tree
+    parent = st.tail or tree.root
+    if full <= start or parent.status not in (HOST, DEVICE) or st.loading is not None:
+        return 0  # an earlier save (or a load from L3) of this request is in flight
+    index, hashes, now = tree.index, st.hashes, core.clock
+    i = start
+    while i < full:
+        m = index.get(hashes[i])
+        if m is None:  # the rest is new: save what host blocks allow
+            hb = take_host_blocks(core, full - i)
+            if not hb:
+                break  # every host block is held or in flight
+            n = tree.add(parent, hashes[i : i + len(hb)], SWAP_TO_HOST, host=hb)
+            n.ref = n.hits = 1
+            n.last_access = now
+            n.reused = tree.hpol.note_inserted(n) > 0  # (a node in flight is not split)
+            Ledger.add(core.ledger.op(SAVE, f"{SAVE}:{st.req_id}"), n, st.req_id,
+                       [int(b) for b in device_ids[i : i + len(hb)]], hb)
+            parent = n
+            i += len(hb)
+            break
+        if m.status is not HOST:
+            break  # another request is saving or loading it: take it up later
+        c = tree.common_run(m, hashes, i, full)
+        if c < len(m.hashes):
+            m = tree.split(m, c)
+        hold(tree, m, now)
+        parent = m
+        i += c
+    st.tail = parent if parent is not tree.root else None
+    st.num_held = i
+    return i - start
+
+
+def load_external(core: Core, st: RequestState, first_block: int,
+                  device_ids: Sequence[int]) -> int:
+    """See ``CacheManager.load_external``."""
+    if st.loading is not None:
+        raise ValueError(f"request {st.req_id!r} is still loading from storage")
+    go_external(core, st)
+    if first_block < 0:
+        raise ValueError(f"first_block must be >= 0, got {first_block}")
+    end = min(first_block + len(device_ids), st.num_held)
+    tree = core.tree
+    planned = 0
+    for n in tree.path(st.tail):
+        if n.depth + len(n.hashes) <= first_block:
+            continue
+        if n.depth >= end or n.status is not HOST:
+            break
+        if n.depth < first_block:
+            tree.split(n, first_block - n.depth)  # n keeps the blocks from first_block
+        if n.depth + len(n.hashes) > end:
+            n = tree.split(n, end - n.depth)
+        off = n.depth - first_block
+        Ledger.add(core.ledger.op(LOAD), n, st.req_id, n.host,  # type: ignore[arg-type]
+                   [int(b) for b in device_ids[off : off + len(n.hashes)]])
+        planned += len(n.hashes)
+    return planned
+
+
+def go_external(core: Core, st: RequestState) -> None:
+    if core.device.num_blocks:
+        raise ValueError("external-L1 calls need a CacheManager without a device pool "
+                         "(num_device_blocks=0): the engine owns device memory")
+    st.external = st.allocated = True
+    count_hits(core, st, st.num_held)
+
+
+def take_load_failures(core: Core) -> dict[str, list[int]]:
+    out = {}
+    for st in core.requests.values():
+        if st.failed_loads:
+            out[st.req_id] = st.failed_loads
+            st.failed_loads = []
+    return out

@@ -1,0 +1,112 @@
+"""The ledger of copy ops: this step's ops while they are built, then ops in flight until
+every rank acked them (commit on ack is ``commit.py``'s; the ledger only keeps records)::
+
+    op(kind) ──► open (one per kind; s2h / save one per request) ──take_ops──► pending
+                                                                   on ack: pop ──► commit
+
+An op entry is a node and the number of blocks it had when added; each entry holds one
+``busy`` count on its node. A node split while in flight keeps its object for the last
+blocks and puts the first ones in new nodes above it, so an entry's blocks are always the
+node and the nearest ancestors that add up to its count (``pieces``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op
+from zkv.scheduler.records import LOAD, SAVE, WIRE_KIND, PendingOp
+from zkv.scheduler.radix import DELETING, Node, RadixTree
+
+_KIND_ORDER = {D2H: 0, BACKUP: 1, SAVE: 1, H2D: 2, LOAD: 2, S2H: 3, H2S: 4}
+
+
+class Ledger:
+    """Open and pending ops. ``add`` is O(blocks) in C (list extends); ``take_ops`` O(ops)."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, PendingOp] = {}     # this step's ops: by kind; s2h, save by request
+        self.pending: dict[int, PendingOp] = {}  # taken, not yet acked
+        self._next_op_id = 0
+
+    def op(self, kind: str, key: str | None = None) -> PendingOp:
+        """The step's open op of ``kind`` (or under ``key``: loads get one op per request, as
+        an s2h's ``done`` counts a prefix, and one request's missing key must not discard
+        another request's blocks)."""
+        key = key or kind
+        op = self.open.get(key)
+        if op is None:
+            op = PendingOp(self._next_op_id, kind)
+            self._next_op_id += 1
+            self.open[key] = op
+        return op
+
+    @staticmethod
+    def add(op: PendingOp, n: Node, req_id: str | None = None, src: Sequence[int] = (),
+            dst: Sequence[int] = (), keys: Sequence[bytes] = ()) -> None:
+        """Put node ``n`` (all its blocks) in ``op``; ``n`` is busy until the op settles."""
+        n.busy += 1
+        op.nodes.append(n)
+        op.counts.append(len(n.hashes))
+        op.req_ids.append(req_id)
+        op.src += src
+        op.dst += dst
+        op.keys += keys
+
+    def take_ops(self) -> list[Op]:
+        """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
+        op per kind, one s2h per prefetching request). In flight until acked."""
+        out = []
+        for p in sorted(self.open.values(), key=_kind_rank):  # stable: s2h in request order
+            self.pending[p.op_id] = p
+            kind = WIRE_KIND.get(p.kind, p.kind)
+            out.append(Op(
+                p.op_id, kind,
+                src=np.asarray(p.src, dtype="<i4"), dst=np.asarray(p.dst, dtype="<i4"),
+                keys=tuple(p.keys), layerwise=kind == H2D,
+            ))
+        self.open.clear()
+        return out
+
+    def discard_open(self) -> list[PendingOp]:
+        """Forget this step's ops (never dispatched: nothing will ack them)."""
+        out = list(self.open.values())
+        self.open.clear()
+        return out
+
+
+def pieces(n: Node, count: int) -> list[Node]:
+    """The nodes holding an entry's ``count`` blocks, root side first (see the module)."""
+    out = []
+    total = 0
+    while total < count:
+        out.append(n)
+        total += len(n.hashes)
+        n = n.parent  # type: ignore[assignment]
+    assert total == count, f"op entry of {count} blocks ends inside {out[-1]}"
+    out.reverse()
+    return out
+
+
+def settled_pieces(tree: RadixTree, p: PendingOp, done: int
+                   ) -> Iterator[tuple[Node, bool, int, int]]:
+    """(node, ok, entry index, position of its first block in the op) for every block run
+    of ``p``; ``ok`` for the first ``done`` blocks. An attached node across the boundary is
+    split there first (a DELETING one only settles: its outcome does not matter)."""
+    pos = 0
+    for e, (node, count) in enumerate(zip(p.nodes, p.counts)):
+        for piece in pieces(node, count):
+            k = len(piece.hashes)
+            if pos < done < pos + k and piece.status is not DELETING:
+                head = tree.split(piece, done - pos)
+                yield head, True, e, pos
+                yield piece, False, e, done
+            else:
+                yield piece, pos < done, e, pos
+            pos += k
+
+
+def _kind_rank(p: PendingOp) -> int:
+    return _KIND_ORDER[p.kind]

@@ -1,0 +1,141 @@
+"""Moving blocks between tiers to make room: device eviction (by the write policy: a host
+copy kept, a d2h to host, or a drop), taking host blocks (free, else the host policy's
+victim), dropping subtrees, backups and storage writes. Functions over a ``Core``.
+
+Each victim the tree hands out is a chain tail cut to what is needed, so the cost is O(1)
+per victim node plus O(blocks) in C (list slices and extends), never a scan::
+
+    evict_device(n) ─ pop_device(need) ─► victim v (its last ≤ need blocks, now unlisted)
+        v.host_ok ────────────────────► HOST (metadata only)
+        write_back and host blocks ───► SWAP_TO_HOST + d2h entry (ack: HOST, fail: dropped)
+        otherwise ────────────────────► dropped with its host-only subtree
+"""
+
+from __future__ import annotations
+
+from zkv.protocol import BACKUP, D2H, H2S
+from zkv.scheduler.core import Core
+from zkv.scheduler.ledger import Ledger
+from zkv.scheduler.radix import DELETING, HOST, SWAP_TO_HOST, Node
+
+
+def evict_device(core: Core, n_blocks: int) -> list[int] | None:
+    """Evict ``n_blocks`` device blocks in the policy's order. Their ids pass to the caller
+    still allocated (reusable this step: the worker runs d2h before compute). None (nothing
+    done) when fewer are evictable."""
+    if n_blocks <= 0:
+        return []
+    tree = core.tree
+    if n_blocks > tree.dpol.num_blocks:
+        return None
+    write_back = core.config.backup_threshold is None and core.host.num_blocks > 0
+    note_evicted = tree.dpol.note_evicted
+    out: list[int] = []
+    need = n_blocks
+    while need:
+        v = tree.pop_device(need)
+        assert v is not None and not v.dpin, f"device victim {v} is not a chain tail"
+        note_evicted(v)
+        ids: list[int] = v.dev  # type: ignore[assignment]
+        k = len(ids)
+        need -= k
+        out += ids[::-1]  # chain tails first, as one block at a time would give them
+        v.dev = None
+        if v.host_ok:
+            v.status = HOST  # backed up: metadata only
+            tree.became_host(v)
+            continue
+        hb = take_host_blocks(core, k) if write_back else []
+        m = len(hb)
+        v.status = SWAP_TO_HOST  # off the device for the tree's counts
+        if m < k:  # keep what host blocks allow (the first blocks), drop the rest
+            keep = tree.split(v, m) if m else None
+            v.status = HOST
+            drop_subtree(core, v)
+            if keep is None:
+                continue
+            v = keep
+        v.host = hb
+        Ledger.add(core.ledger.op(D2H), v, None, ids[:m], hb)
+    core.stats.evicted_device += n_blocks
+    return out
+
+
+def take_host_blocks(core: Core, k: int) -> list[int]:
+    """Up to ``k`` host blocks: free ones, then the host policy's victims (a host-only chain
+    tail is dropped; a device node's backup is forgotten, all of it, the spare ids going
+    back to the pool). Fewer when every host block is held or in flight."""
+    host = core.host
+    out = host.allocate(min(k, host.num_free)) or []
+    if len(out) == k:
+        return out
+    tree = core.tree
+    stats = core.stats
+    while len(out) < k:
+        v = tree.pop_host(k - len(out))
+        if v is None:
+            break
+        tree.hpol.note_evicted(v)
+        ids: list[int] = v.host  # type: ignore[assignment]
+        v.host = None
+        v.host_ok = False
+        stats.evicted_host += len(ids)
+        if v.status is HOST:
+            assert not v.children, f"host victim {v} is not a chain tail"
+            tree.detach(v)
+            stats.dropped += len(ids)
+        out += ids
+    if len(out) > k:
+        host.free(out[k:])
+        del out[k:]
+    return out
+
+
+def drop_subtree(core: Core, n: Node) -> None:
+    """Remove a node without device blocks, and its host-only subtree. Nodes with an op in
+    flight become DELETING and free their blocks when acked. The parent may become
+    evictable once the subtree is gone."""
+    parent = n.parent
+    tree = core.tree
+    for d in tree.subtree_postorder(n):
+        assert d.ref == 0, f"dropping {d} held by a request"
+        assert d.dev is None or d.status is DELETING or d is n, f"dropping {d} still on device"
+        tree.detach(d)
+        core.stats.dropped += len(d.hashes)
+        if d.busy:
+            d.status = DELETING
+            core.deleting.add(d)
+        else:
+            free_node_blocks(core, d)
+    tree.relist(parent)  # type: ignore[arg-type]
+
+
+def free_node_blocks(core: Core, n: Node) -> None:
+    # Tail blocks first, as freeing one block at a time from the chain's end would: the
+    # pool hands the most recently freed id out first.
+    if n.dev is not None:
+        core.device.free(n.dev[::-1])
+        n.dev = None
+    if n.host is not None:
+        core.host.free(n.host[::-1])
+        n.host = None
+    n.host_ok = False
+
+
+def backup(core: Core, n: Node) -> None:
+    """Copy a held DEVICE node to new host blocks (its first blocks when fewer are free)."""
+    k = len(n.hashes)
+    hb = take_host_blocks(core, k)
+    if not hb:
+        return  # host tier full of pinned blocks: no backup this time
+    if len(hb) < k:
+        n = core.tree.split(n, len(hb))  # held like the rest: released with the path
+    n.host = hb
+    Ledger.add(core.ledger.op(BACKUP), n, None, n.dev, hb)  # type: ignore[arg-type]
+
+
+def maybe_store(core: Core, n: Node) -> None:
+    """Write a node's committed host copy to storage (h2s), unless it is there already."""
+    if not core.config.storage_write or n.in_store:
+        return
+    Ledger.add(core.ledger.op(H2S), n, None, n.host, (), n.hashes)  # type: ignore[arg-type]
