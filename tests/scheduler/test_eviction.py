@@ -100,18 +100,25 @@ def test_slru_ghost_brings_a_recomputed_block_back_protected() -> None:
     assert list(pol._ghost) == [n.hashes[0] for n in olds[1:]]  # a, c, olds[0] trimmed
 
 
-def test_slru_puts_the_rest_of_a_cut_victim_back_where_it_was() -> None:
-    """A demoted node (in probation although hit twice) whose tail is evicted goes back to
-    probation, below its ancestors, not to protected where its hits would send it."""
-    pol = SLRU(4, protected_fraction=0.25)  # one protected block
-    p, c = chain(2, tag=8)
-    p.hits = c.hits = 3
-    pol.push(c)
-    pol.push(p)  # c is demoted
-    assert pol.queues() == ([c], [p])
-    assert pol.pop() is c
-    pol.push_oldest(c)  # what a split leaves of the victim
-    assert pol.queues() == ([c], [p]) and pol.num_blocks == 2
+def test_a_victim_run_gives_its_last_blocks_and_keeps_its_place() -> None:
+    """Evicting fewer blocks than a victim node holds takes its tail and leaves the rest
+    first in line: one block at a time would go in the same order."""
+    cm = CacheManager(CacheConfig(4, block_size=BS))
+    a = hash_ids_chain([1, 2, 3])
+    cm.match_prefix("a", a)
+    assert cm.allocate("a", 12) == [0, 1, 2]
+    cm.finish("a")
+    b = hash_ids_chain([9])
+    cm.match_prefix("b", b)
+    assert cm.allocate("b", 8) == [2, 3]  # the tail of a, then the free block
+    cm.check_invariants()
+    assert [cm.tree.block(h).status if h in cm.tree.index else None for h in a] == [
+        DEVICE, DEVICE, None]
+    run_ = cm.tree.index[a[0]]
+    assert cm.tree.dlru_nodes() == [run_] and run_.hashes == a[:2]
+    cm.finish("b", num_computed_tokens=0)
+    assert cm.tree.dlru_nodes() == [run_]  # still the oldest
+    cm.check_invariants()
 
 
 def test_make_policy_and_bad_arguments() -> None:
@@ -143,10 +150,6 @@ class Counting(EvictionPolicy):
     def remove(self, n: Node) -> None:
         self.calls += 1
         self.inner.remove(n)
-
-    def push_oldest(self, n: Node) -> None:
-        self.calls += 1
-        self.inner.push_oldest(n)
 
     def oldest(self) -> Node | None:
         self.calls += 1

@@ -14,8 +14,8 @@ scan:
 
 Then the oldest entry of the lowest non-empty class has no child in the tier: it is a
 chain tail. ``oldest`` / ``pop`` are O(1) (``OrderedDict``), never a rotation or a rescan;
-the tree takes the victim's last blocks and puts the rest back first in line
-(``push_oldest``), so evicting a block costs O(1) too. Sizes are in blocks::
+the tree takes the last blocks it needs of that victim and leaves the rest where it is
+(``shrink``), so evicting a block costs O(1) too. Sizes are in blocks::
 
     LRU    one queue                     victim = oldest
     SLRU   probation ─────────────────►  victim = oldest of probation, else of protected
@@ -29,8 +29,7 @@ recently is inserted again, only under a protected parent or the root); hits nev
 decrease and a parent is hit whenever its child is, and no ancestor of a node being
 pushed is in the policy (closed subtrees), so classes are monotone along every chain.
 Demotion takes protected's oldest entry, whose protected descendants (older) are gone
-already, and no ancestor of it is in probation; the rest of a cut victim goes back to
-the queue it came from. The two rules still hold.
+already, and no ancestor of it is in probation. The two rules still hold.
 """
 
 from __future__ import annotations
@@ -69,10 +68,6 @@ class EvictionPolicy(ABC):
         """``n`` became evictable: it enters at the young end of its class."""
 
     @abstractmethod
-    def push_oldest(self, n: Node) -> None:
-        """``n`` is what is left of the victim just popped: first in line again."""
-
-    @abstractmethod
     def remove(self, n: Node) -> None:
         """``n`` (in the policy) stopped being evictable."""
 
@@ -85,7 +80,7 @@ class EvictionPolicy(ABC):
         """Remove and return the next victim; None when empty."""
 
     def shrink(self, n: Node, c: int) -> None:
-        """``n`` (in the policy) gave its first ``c`` blocks to a new node."""
+        """``n`` (in the policy, where it stays) gave ``c`` of its blocks to a new node."""
         self.num_blocks -= c
 
     @abstractmethod
@@ -125,12 +120,6 @@ class LRU(EvictionPolicy):
 
     def push(self, n: Node) -> None:
         self._q[n] = None
-        self.num_blocks += len(n.hashes)
-
-    def push_oldest(self, n: Node) -> None:
-        q = self._q
-        q[n] = None
-        q.move_to_end(n, last=False)
         self.num_blocks += len(n.hashes)
 
     def remove(self, n: Node) -> None:
@@ -183,7 +172,6 @@ class SLRU(EvictionPolicy):
         self._prob: OrderedDict[Node, None] = OrderedDict()
         self._prot: OrderedDict[Node, None] = OrderedDict()
         self._prot_blocks = 0
-        self._popped_from = self._prob
         self._ghost: dict[bytes, None] = {}  # insertion-ordered; trimmed in bulk
         self._max_prot = int(capacity * protected_fraction)
         self._max_ghost = int(capacity * ghost_factor)
@@ -205,17 +193,6 @@ class SLRU(EvictionPolicy):
                 self._prob[d] = None
         else:
             self._prob[n] = None
-
-    def push_oldest(self, n: Node) -> None:
-        # Into the queue the victim came from (a demoted victim's rest stays in probation,
-        # below its ancestors), where it was a moment ago: no demotion.
-        k = len(n.hashes)
-        self.num_blocks += k
-        q = self._popped_from
-        if q is self._prot:
-            self._prot_blocks += k
-        q[n] = None
-        q.move_to_end(n, last=False)
 
     def remove(self, n: Node) -> None:
         k = len(n.hashes)
@@ -239,11 +216,9 @@ class SLRU(EvictionPolicy):
     def pop(self) -> Node | None:
         if self._prob:
             n = self._prob.popitem(last=False)[0]
-            self._popped_from = self._prob
         elif self._prot:
             n = self._prot.popitem(last=False)[0]
             self._prot_blocks -= len(n.hashes)
-            self._popped_from = self._prot
         else:
             return None
         self.num_blocks -= len(n.hashes)

@@ -219,6 +219,52 @@ class RadixTree:
         self.index.update(zip(h.hashes, repeat(h)))
         return h
 
+    def split_tail(self, n: Node, k: int) -> Node:
+        """Move ``n``'s last ``k`` blocks and its children into a new child of ``n`` and
+        return it (for victims: nothing refers to ``n``, which keeps its place in the
+        policies, shorter). The new node is unlisted; O(children) re-parenting."""
+        hs = n.hashes
+        c = len(hs) - k
+        assert 0 < c and n.ref == 0 and n.busy == 0, f"tail split of {n} at {c}"
+        t = Node.__new__(Node)
+        t.hashes = hs[c:]
+        n.hashes = hs[:c]
+        if n.dev is not None:
+            t.dev = n.dev[c:]
+            n.dev = n.dev[:c]
+        else:
+            t.dev = None
+        if n.host is not None:
+            t.host = n.host[c:]
+            n.host = n.host[:c]
+        else:
+            t.host = None
+        t.parent = n
+        t.children = kids = n.children
+        if kids:
+            for ch in kids.values():
+                ch.parent = t
+        n.children = {t.hashes[0]: t}
+        t.depth = n.depth + c
+        t.status = n.status
+        t.ref = t.busy = 0
+        t.hits = n.hits
+        t.last_access = n.last_access
+        t.host_ok = n.host_ok
+        t.in_store = n.in_store
+        t.reused = n.reused
+        t.dlisted = t.hlisted = False
+        t.dpin = n.dpin
+        t.hpin = n.hpin
+        n.dpin = 1 if t.status in ON_DEVICE else 0
+        n.hpin = 1
+        if n.dlisted:
+            self.dpol.shrink(n, k)
+        if n.hlisted:
+            self.hpol.shrink(n, k)
+        self.index.update(zip(t.hashes, repeat(t)))
+        return t
+
     def mark_reused(self, n: Node, r: int) -> None:
         """The policy recognized ``n``'s first ``r`` blocks (``note_inserted``): mark them
         ``reused``, splitting a new node when only a part came back."""
@@ -317,53 +363,42 @@ class RadixTree:
         self.relist(p)
 
     def pop_device(self, want: int) -> Node | None:
-        """The device policy's next victim cut to at most ``want`` blocks (its tail), now
-        unlisted; the caller moves it off the device at once (its parent's ``dpin`` does
-        not count it). The rest of a cut victim stays first in line."""
+        """The device policy's next victim, its last ``want`` blocks at most (the rest stays
+        first in line), unlisted; the caller moves it off the device at once (its parent's
+        ``dpin`` does not count it)."""
         v = self.dpol.oldest()
         if v is None:
             return None
-        cut = len(v.hashes) - want
-        head = self.split(v, cut) if cut > 0 else None
+        if len(v.hashes) > want:
+            t = self.split_tail(v, want)
+            v.dpin -= 1  # t is leaving the device
+            return t
         self.dpol.pop()
         v.dlisted = False
-        if head is not None:  # its only device child is leaving: evictable, first in line
-            self.dpol.push_oldest(head)
-            head.dlisted = True
-            head.parent.dpin -= 1  # type: ignore[union-attr]
-            if head.host_ok:
-                self.relist(head)  # its backup can be dropped as before
         return v
 
     def pop_host(self, want: int) -> Node | None:
         """The host policy's next victim, unlisted: a DEVICE node (its whole backup goes) or
-        a HOST chain tail cut to at most ``want`` blocks (the caller detaches it at once;
-        the rest of a cut victim stays first in line)."""
+        a HOST chain tail, its last ``want`` blocks at most (the rest stays first in line;
+        the caller detaches the victim at once)."""
         v = self.hpol.oldest()
         if v is None:
             return None
-        cut = len(v.hashes) - want if v.status is HOST else 0
-        head = self.split(v, cut) if cut > 0 else None
+        if v.status is HOST and len(v.hashes) > want:
+            return self.split_tail(v, want)  # v.hpin counts it until it is detached
         self.hpol.pop()
         v.hlisted = False
         v.parent.hpin += 1  # type: ignore[union-attr]
-        if head is not None:  # listed before v is detached (the caller does it next)
-            self.hpol.push_oldest(head)
-            head.hlisted = True
-            head.parent.hpin -= 1  # type: ignore[union-attr]
         return v
 
     def became_host(self, n: Node) -> None:
-        """A host-listed DEVICE node lost its device copy (now HOST): it stays listed only
-        as the youngest entry with every child listed before it, else waits for them."""
-        if not n.hlisted:
-            return
-        self.hpol.remove(n)
-        if n.hpin:
+        """A DEVICE node with a host copy lost its device copy (now HOST): it is listed again
+        as the youngest entry when every child is listed before it, else waits for them."""
+        if n.hlisted:
+            self.hpol.remove(n)
             n.hlisted = False
             n.parent.hpin += 1  # type: ignore[union-attr]
-        else:
-            self.hpol.push(n)
+        self.relist(n)
 
     @property
     def num_dlru(self) -> int:
