@@ -62,7 +62,7 @@ def relist_all(core: Core, nodes: list[Node]) -> None:
     order, root side first, are pushed reversed)."""
     relist = core.tree.relist
     for n in reversed(nodes):
-        if not (n.ref or n.busy or n.status is DELETING):
+        if not n.busy and n.status is not DELETING:
             relist(n)
 
 

@@ -122,8 +122,8 @@ def _check_node(tree: RadixTree, n: Node) -> None:
     assert parent is tree.root or parent.hits >= n.hits, f"{n}: more hits than its parent"
     want_d = n.status is DEVICE and n.ref == 0 and n.busy == 0 and n.dpin == 0
     assert n.dlisted == want_d, f"{n}: device evictable-set membership wrong"
-    want_h = n.host_ok and n.ref == 0 and n.busy == 0 and (
-        n.status is DEVICE or (n.status is HOST and n.hpin == 0))
+    want_h = n.host_ok and n.busy == 0 and (
+        n.status is DEVICE or (n.status is HOST and n.ref == 0 and n.hpin == 0))
     assert n.hlisted == want_h, f"{n}: host evictable-set membership wrong"
 
 

@@ -58,6 +58,8 @@ class Ledger:
     def take_ops(self) -> list[Op]:
         """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
         op per kind, one s2h per prefetching request). In flight until acked."""
+        if not self.open:
+            return []
         out = []
         for p in sorted(self.open.values(), key=_kind_rank):  # stable: s2h in request order
             self.pending[p.op_id] = p

@@ -32,18 +32,20 @@ Evictable sets, one per tier, closed under subtrees, so a victim is a chain tail
 eviction is O(1) (``eviction.py`` gives the ordering half of the argument)::
 
     device-listed  ⟺  DEVICE, ref 0, busy 0, and dpin == 0
-    host-listed    ⟺  host_ok, ref 0, busy 0, and (DEVICE, or HOST and hpin == 0)
+    host-listed    ⟺  host_ok, busy 0, and (DEVICE, or HOST, ref 0 and hpin == 0)
     dpin = children on device (DEVICE / SWAP_TO_DEVICE) that are not device-listed
     hpin = children that are not host-listed
 
 ``relist`` lists a node where it qualifies and goes on up the chain (one step per node
-listed); ``unlist`` is one step. A device node's backup may be dropped whatever is below
-it, so only HOST nodes wait for their children.
+listed); ``hold`` / ``unlist`` are one step. A device node's backup may be dropped
+whatever is below it, and while a request holds the node (it reads the device copy), so
+only HOST nodes wait for their children and their holders.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Sequence
 from enum import IntEnum
 from itertools import repeat
@@ -174,8 +176,9 @@ class RadixTree:
 
     def split(self, n: Node, c: int) -> Node:
         """Put a new node with ``n``'s first ``c`` blocks between ``n`` and its parent and
-        return it. It copies every per-node field; it is unlisted (the caller holds it,
-        lists it or lets it be), with pin counts that see ``n`` as its only child."""
+        return it. It copies every per-node field; it is out of the device set (the caller
+        holds it or lists it) and in the host set only as a DEVICE node's backup, with pin
+        counts that see ``n`` as its only child."""
         hs = n.hashes
         assert 0 < c < len(hs), f"split of {n} at {c}"
         h = Node.__new__(Node)
@@ -214,8 +217,12 @@ class RadixTree:
             p.dpin += 1
             self.dpol.shrink(n, c)
         if n.hlisted:
-            p.hpin += 1
             self.hpol.shrink(n, c)
+            if n.status is DEVICE:  # a backup stays droppable, held or not
+                self.hpol.push(h)
+                h.hlisted = True
+            else:
+                p.hpin += 1
         self.index.update(zip(h.hashes, repeat(h)))
         return h
 
@@ -287,9 +294,7 @@ class RadixTree:
         assert parent is not None and parent.children is not None
         self.unlist(node)
         del parent.children[node.hashes[0]]
-        index = self.index
-        for h in node.hashes:
-            del index[h]
+        deque(map(self.index.__delitem__, node.hashes), 0)  # a C loop
         parent.hpin -= 1
         if node.status in ON_DEVICE:
             parent.dpin -= 1
@@ -308,8 +313,22 @@ class RadixTree:
 
     # ---------------------------------------------------------------- evictable sets
 
+    def hold(self, n: Node) -> None:
+        """One more request holds ``n``: it leaves the device set, and the host set when it
+        is HOST (a held DEVICE node's backup can still go)."""
+        if n.ref == 0:
+            if n.dlisted:
+                self.dpol.remove(n)
+                n.dlisted = False
+                n.parent.dpin += 1  # type: ignore[union-attr]
+            if n.hlisted and n.status is HOST:
+                self.hpol.remove(n)
+                n.hlisted = False
+                n.parent.hpin += 1  # type: ignore[union-attr]
+        n.ref += 1
+
     def unlist(self, n: Node) -> None:
-        """``n`` stops being evictable (held, busy, or leaving the tree)."""
+        """``n`` stops being evictable (busy, or leaving the tree)."""
         if n.dlisted:
             self.dpol.remove(n)
             n.dlisted = False
@@ -324,8 +343,8 @@ class RadixTree:
         if (not n.dlisted and n.status is DEVICE and not n.ref and not n.busy and not n.dpin
                 and n.parent is not None):
             self._dlist_up(n)
-        if not n.hlisted and n.host_ok and not n.ref and not n.busy and (
-                n.status is DEVICE or (n.status is HOST and not n.hpin)):
+        if not n.hlisted and n.host_ok and not n.busy and (
+                n.status is DEVICE or (n.status is HOST and not n.ref and not n.hpin)):
             self._hlist_up(n)
 
     def _dlist_up(self, n: Node) -> None:

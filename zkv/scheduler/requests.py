@@ -26,9 +26,7 @@ from zkv.scheduler.radix import DEVICE, HOST, LOADING_FROM_STORAGE, SWAP_TO_DEVI
 
 def hold(tree: RadixTree, n: Node, now: int, count_hit: bool = True) -> None:
     """One more request holds ``n`` (it stops being evictable)."""
-    if n.ref == 0 and (n.dlisted or n.hlisted):
-        tree.unlist(n)
-    n.ref += 1
+    tree.hold(n)
     if count_hit:
         n.hits += 1
     n.last_access = now
@@ -110,7 +108,9 @@ def match_prefix(core: Core, req_id: str, block_hashes: Sequence[bytes]) -> Matc
                 n = tree.split(n, c)  # hold whole nodes: the matched part only
             else:
                 c = len(n.hashes)
-            hold(tree, n, now)
+            tree.hold(n)
+            n.hits += 1
+            n.last_access = now
             if s is DEVICE:
                 num_dev += c
             else:
@@ -193,13 +193,16 @@ def prefetch(core: Core, st: RequestState) -> int:
 # ---------------------------------------------------------------------------- allocation
 
 
-def plan(core: Core, st: RequestState, num_tokens: int) -> tuple[int, int]:
-    """(device blocks needed, usable held prefix) for allocating ``num_tokens``."""
+def plan(core: Core, st: RequestState, num_tokens: int,
+         path: list[Node] | None = None) -> tuple[int, int]:
+    """(device blocks needed, usable held prefix) for allocating ``num_tokens``; ``path``
+    is the request's held path when the caller has it."""
     total = -(-num_tokens // core.config.block_size)
     if st.allocated:
         return max(0, total - len(st.table)), st.num_held
     k = swaps = 0
-    for n in core.tree.path(st.tail):  # stop at a node another request is swapping in
+    for n in core.tree.path(st.tail) if path is None else path:  # stop at a node another
+        # request is swapping in
         s = n.status
         if s is HOST:
             swaps += len(n.hashes)
@@ -211,10 +214,11 @@ def plan(core: Core, st: RequestState, num_tokens: int) -> tuple[int, int]:
 
 def allocate(core: Core, st: RequestState, num_tokens: int) -> list[int] | None:
     """See ``CacheManager.allocate``."""
-    need, k = plan(core, st, num_tokens)
+    tree = core.tree
+    path = None if st.allocated else tree.path(st.tail)
+    need, k = plan(core, st, num_tokens, path)
     device = core.device
     free = device.num_free
-    tree = core.tree
     if need > free + tree.dpol.num_blocks:
         return None
     evicted = evict_device(core, need - free)
@@ -229,8 +233,9 @@ def allocate(core: Core, st: RequestState, num_tokens: int) -> list[int] | None:
         # is not shared (one owner if that h2d fails): recompute from there.
         if k < st.num_held:
             cut_path(tree, st, k)
+            path = tree.path(st.tail)
         count_hits(core, st, st.num_held)
-        for n in tree.path(st.tail):
+        for n in path:  # type: ignore[union-attr]
             if n.status is HOST:
                 _swap_in(core, st, n, evicted)
             table += n.dev  # type: ignore[arg-type]
@@ -314,6 +319,7 @@ def _insert_path(core: Core, st: RequestState, full: int) -> list[int]:
             if (n.status is HOST and not n.busy and parent.status is DEVICE
                     and all(i in fresh for i in range(d, d + c))):
                 _attach_device(tree, n, [fresh[i] for i in range(d, d + c)])
+                tree.relist(n)  # a held DEVICE node's backup is droppable
                 adopted_low.update(range(d, d + c))
             parent = n
     stop, to_free = _insert_new(core, st, full)
@@ -363,6 +369,8 @@ def _insert_new(core: Core, st: RequestState, full: int) -> tuple[int, list[int]
         else:
             _attach_device(tree, m, table[i : i + c])
         hold(tree, m, now, count_hit=i >= st.num_hit)
+        if s is not DEVICE:
+            tree.relist(m)  # attached: a held DEVICE node's backup is droppable
         parent = m
         i += c
     st.tail = parent if parent is not tree.root else None

@@ -28,37 +28,55 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
     tree = core.tree
     if n_blocks > tree.dpol.num_blocks:
         return None
-    write_back = core.config.backup_threshold is None and core.host.num_blocks > 0
     note_evicted = tree.dpol.note_evicted
     out: list[int] = []
+    moving: list[tuple[Node, list[int]]] = []  # victims without a host copy
     need = n_blocks
     while need:
         v = tree.pop_device(need)
         assert v is not None and not v.dpin, f"device victim {v} is not a chain tail"
         note_evicted(v)
         ids: list[int] = v.dev  # type: ignore[assignment]
-        k = len(ids)
-        need -= k
+        need -= len(ids)
         out += ids[::-1]  # chain tails first, as one block at a time would give them
         v.dev = None
         if v.host_ok:
             v.status = HOST  # backed up: metadata only
             tree.became_host(v)
-            continue
-        hb = take_host_blocks(core, k) if write_back else []
-        m = len(hb)
-        v.status = SWAP_TO_HOST  # off the device for the tree's counts
+        else:
+            v.status = SWAP_TO_HOST  # off the device for the tree's counts
+            moving.append((v, ids))
+    core.stats.evicted_device += n_blocks
+    if moving:
+        _write_back_or_drop(core, moving)
+    return out
+
+
+def _write_back_or_drop(core: Core, moving: list[tuple[Node, list[int]]]) -> None:
+    """Victims without a host copy: d2h into host blocks under write_back (as far as host
+    blocks go: a victim keeps its first blocks), dropped otherwise."""
+    write_back = core.config.backup_threshold is None and core.host.num_blocks > 0
+    hb = take_host_blocks(core, sum(len(ids) for _v, ids in moving)) if write_back else []
+    tree = core.tree
+    pos = 0
+    for v, ids in moving:
+        k = len(ids)
+        m = min(k, len(hb) - pos)
         if m < k:  # keep what host blocks allow (the first blocks), drop the rest
             keep = tree.split(v, m) if m else None
             v.status = HOST
-            drop_subtree(core, v)
+            if v.children:
+                drop_subtree(core, v)
+            else:  # the common drop: a bare chain tail without blocks
+                tree.detach(v)
+                core.stats.dropped += k - m
+                tree.relist(v.parent)  # type: ignore[arg-type]  # (a HOST parent may wait on it)
             if keep is None:
                 continue
             v = keep
-        v.host = hb
-        Ledger.add(core.ledger.op(D2H), v, None, ids[:m], hb)
-    core.stats.evicted_device += n_blocks
-    return out
+        v.host = hb[pos : pos + m]
+        pos += m
+        Ledger.add(core.ledger.op(D2H), v, None, ids[:m], v.host)
 
 
 def take_host_blocks(core: Core, k: int) -> list[int]:
