@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, OpResult
 from zkv.scheduler.core import Core
-from zkv.scheduler.ledger import settled_pieces
+from zkv.scheduler.ledger import outcomes
 from zkv.scheduler.records import LOAD, SAVE, PendingOp
 from zkv.scheduler.tiers import drop_subtree, free_node_blocks, maybe_store
 from zkv.scheduler.radix import DELETING, DEVICE, HOST, Node
@@ -50,11 +50,15 @@ def settle(core: Core, n: Node) -> bool:
     """Drop one in-flight op from ``n``; True when it is DELETING (freed with its last op)."""
     n.busy -= 1
     if n.status is DELETING:
-        if n.busy == 0:
-            core.deleting.discard(n)
-            free_node_blocks(core, n)
+        settle_deleting(core, n)
         return True
     return False
+
+
+def settle_deleting(core: Core, n: Node) -> None:
+    if n.busy == 0:
+        core.deleting.discard(n)
+        free_node_blocks(core, n)
 
 
 def relist_all(core: Core, nodes: list[Node]) -> None:
@@ -67,51 +71,60 @@ def relist_all(core: Core, nodes: list[Node]) -> None:
 
 
 def _commit_d2h(core: Core, p: PendingOp, done: int) -> None:
+    ok, failed = outcomes(core.tree, p, done)
     store = core.config.storage_write
     relist = core.tree.relist
     committed = 0
-    for n, ok, _e, _pos in list(settled_pieces(core.tree, p, done)):
-        if settle(core, n):
+    for n in ok:
+        n.busy -= 1
+        if n.status is DELETING:
+            settle_deleting(core, n)
             continue
-        if ok:
-            n.status = HOST
-            n.host_ok = True
-            committed += len(n.hashes)
-            if store and not n.in_store:
-                maybe_store(core, n)
-            elif not n.ref and not n.busy:  # d2h entries list chain tails first
-                relist(n)
-        else:
+        n.status = HOST
+        n.host_ok = True
+        committed += len(n.hashes)
+        if store and not n.in_store:
+            maybe_store(core, n)
+        elif not n.ref and not n.busy:  # d2h entries list chain tails first
+            relist(n)
+    for n, _e, _pos in failed:
+        if not settle(core, n):
             drop_subtree(core, n)  # its only copy is gone
     core.stats.swapped_out += committed
 
 
 def _commit_backup(core: Core, p: PendingOp, done: int) -> None:
+    ok, failed = outcomes(core.tree, p, done)
     settled = []
-    for n, ok, _e, _pos in list(settled_pieces(core.tree, p, done)):
+    for n in ok:
         if settle(core, n):
             continue
-        if ok:
-            n.host_ok = True
-            core.stats.backed_up += len(n.hashes)
-            maybe_store(core, n)
-        else:
-            core.host.free(n.host)  # type: ignore[arg-type]
-            n.host = None
+        n.host_ok = True
+        core.stats.backed_up += len(n.hashes)
+        maybe_store(core, n)
+        settled.append(n)
+    for n, _e, _pos in failed:
+        if settle(core, n):
+            continue
+        core.host.free(n.host)  # type: ignore[arg-type]
+        n.host = None
         settled.append(n)
     relist_all(core, settled)
 
 
 def _commit_h2d(core: Core, p: PendingOp, done: int) -> None:
+    ok, failed = outcomes(core.tree, p, done)
     settled = []
-    for n, ok, e, _pos in list(settled_pieces(core.tree, p, done)):
+    for n in ok:
+        if settle(core, n):
+            continue
+        n.status = DEVICE
+        core.stats.swapped_in += len(n.hashes)
+        settled.append(n)
+    for n, e, _pos in failed:
         if settle(core, n):
             continue
         settled.append(n)
-        if ok:
-            n.status = DEVICE
-            core.stats.swapped_in += len(n.hashes)
-            continue
         # Device copy is garbage: back to HOST; the blocks go to the request (recompute).
         ids: list[int] = n.dev  # type: ignore[assignment]
         n.dev = None
@@ -128,31 +141,29 @@ def _commit_h2d(core: Core, p: PendingOp, done: int) -> None:
 
 
 def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
+    # One entry: a request's loads are one op (``done`` counts a prefix of its keys).
+    ok, failed_at = outcomes(core.tree, p, done)
+    failed = [n for n, _e, _pos in failed_at]
+    st = core.requests.get(p.req_ids[0] or "")
+    adopt = st is not None and st.loading is p.nodes[0]
     settled = []
-    failed = []
-    for n, ok, e, _pos in list(settled_pieces(core.tree, p, done)):
+    for n in ok:
         if settle(core, n):
             continue
-        st = core.requests.get(p.req_ids[e] or "")
-        if st is not None and st.loading is p.nodes[e]:
-            if ok:  # the request keeps its ref; swapped in at allocate
-                st.tail = n
-                st.num_held += len(n.hashes)
-                n.hits += 1  # a use, like a match (a parent is hit whenever its child)
-            else:
-                n.ref -= 1
-        if ok:
-            n.status = HOST
-            n.host_ok = True
-            core.stats.loaded += len(n.hashes)
-            settled.append(n)
-        else:
-            failed.append(n)
-    for e, node in enumerate(p.nodes):  # what arrived is a host hit now; the rest recomputes
-        st = core.requests.get(p.req_ids[e] or "")
-        if st is not None and st.loading is node:
-            st.loading = None
-            st.num_storage = 0
+        if adopt:  # the request keeps its ref; swapped in at allocate
+            st.tail = n  # type: ignore[union-attr]
+            st.num_held += len(n.hashes)  # type: ignore[union-attr]
+            n.hits += 1  # a use, like a match (a parent is hit whenever its child)
+        n.status = HOST
+        n.host_ok = True
+        core.stats.loaded += len(n.hashes)
+        settled.append(n)
+    failed = [n for n in failed if not settle(core, n)]
+    if adopt:  # what arrived is a host hit now; the rest recomputes
+        for n in failed:
+            n.ref -= 1
+        st.loading = None  # type: ignore[union-attr]
+        st.num_storage = 0  # type: ignore[union-attr]
     expiry = time.monotonic() + core.config.negative_cache_s
     for n in failed:
         core.negative.update(dict.fromkeys(n.hashes, expiry))
@@ -163,28 +174,28 @@ def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
 
 
 def _commit_h2s(core: Core, p: PendingOp, done: int) -> None:
+    ok, failed = outcomes(core.tree, p, done)
     settled = []
-    for n, ok, _e, _pos in list(settled_pieces(core.tree, p, done)):
+    for n in ok:
         if settle(core, n):
             continue
-        if ok:
-            n.in_store = True
-            core.stats.stored += len(n.hashes)
+        n.in_store = True
+        core.stats.stored += len(n.hashes)
         settled.append(n)
+    settled += [n for n, _e, _pos in failed if not settle(core, n)]
     relist_all(core, settled)
 
 
 def _commit_load(core: Core, p: PendingOp, done: int) -> None:
     """External L1: host blocks copied into engine blocks. The host copies stay as they
     were; a failure is the engine's to recompute (``take_load_failures``)."""
-    settled = []
-    for n, ok, e, pos in list(settled_pieces(core.tree, p, done)):
+    ok, failed = outcomes(core.tree, p, done)
+    settled = [n for n in ok if not settle(core, n)]
+    core.stats.loaded_external += sum(len(n.hashes) for n in settled)
+    for n, e, pos in failed:
         if settle(core, n):
             continue
         settled.append(n)
-        if ok:
-            core.stats.loaded_external += len(n.hashes)
-            continue
         st = core.requests.get(p.req_ids[e] or "")
         if st is not None:
             st.failed_loads += p.dst[pos : pos + len(n.hashes)]
@@ -195,8 +206,7 @@ def _commit_save(core: Core, p: PendingOp, done: int) -> None:
     """External L1: engine blocks copied into new host blocks: HOST (matchable), or on
     failure removed with the rest of the op (its nodes are a chain, later blocks children
     of earlier ones) and cut from the request's held path."""
-    runs = list(settled_pieces(core.tree, p, done))
-    ok_nodes = [n for n, ok, _e, _pos in runs if ok]
+    ok_nodes, failed_at = outcomes(core.tree, p, done)
     for n in ok_nodes:
         if settle(core, n):
             continue
@@ -204,30 +214,30 @@ def _commit_save(core: Core, p: PendingOp, done: int) -> None:
         n.host_ok = True
         core.stats.saved_external += len(n.hashes)
         maybe_store(core, n)
-    failed = [n for n, ok, _e, _pos in runs if not ok]
-    if failed:
-        st = core.requests.get(p.req_ids[0] or "")
-        first = failed[0]
-        if st is not None and first.ref and st.num_held > first.depth:
-            n = st.tail
-            while n is not first.parent:  # the request's path from its tail up to `first`
-                n.ref -= 1  # type: ignore[union-attr]
-                n = n.parent  # type: ignore[union-attr]
-            st.tail = first.parent if first.parent is not core.tree.root else None
-            st.num_held = first.depth
-        parent = first.parent
-        for n in reversed(failed):  # deepest first: each is a leaf when it is dropped
-            if settle(core, n):
-                continue
-            assert n.ref == 0 and not n.children, f"failed save of {n} is still in use"
-            core.tree.detach(n)
-            free_node_blocks(core, n)
-            core.stats.dropped += len(n.hashes)
+    failed = [n for n, _e, _pos in failed_at]
+    if not failed:
         relist_all(core, ok_nodes)
-        if parent is not None and parent.status is not DELETING:
-            core.tree.relist(parent)  # the first failed node's parent, now without it
-    else:
-        relist_all(core, ok_nodes)
+        return
+    st = core.requests.get(p.req_ids[0] or "")
+    first = failed[0]
+    if st is not None and first.ref and st.num_held > first.depth:
+        n = st.tail
+        while n is not first.parent:  # the request's path from its tail up to `first`
+            n.ref -= 1  # type: ignore[union-attr]
+            n = n.parent  # type: ignore[union-attr]
+        st.tail = first.parent if first.parent is not core.tree.root else None
+        st.num_held = first.depth
+    parent = first.parent
+    for n in reversed(failed):  # deepest first: each is a leaf when it is dropped
+        if settle(core, n):
+            continue
+        assert n.ref == 0 and not n.children, f"failed save of {n} is still in use"
+        core.tree.detach(n)
+        free_node_blocks(core, n)
+        core.stats.dropped += len(n.hashes)
+    relist_all(core, ok_nodes)
+    if parent is not None and parent.status is not DELETING:
+        core.tree.relist(parent)  # the first failed node's parent, now without it
 
 
 _COMMIT: dict[str, Callable[[Core, PendingOp, int], None]] = {

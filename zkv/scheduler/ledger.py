@@ -12,7 +12,7 @@ node and the nearest ancestors that add up to its count (``pieces``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -64,11 +64,8 @@ class Ledger:
         for p in sorted(self.open.values(), key=_kind_rank):  # stable: s2h in request order
             self.pending[p.op_id] = p
             kind = WIRE_KIND.get(p.kind, p.kind)
-            out.append(Op(
-                p.op_id, kind,
-                src=np.asarray(p.src, dtype="<i4"), dst=np.asarray(p.dst, dtype="<i4"),
-                keys=tuple(p.keys), layerwise=kind == H2D,
-            ))
+            out.append(Op(p.op_id, kind, src=_ids(p.src), dst=_ids(p.dst),
+                          keys=tuple(p.keys), layerwise=kind == H2D))
         self.open.clear()
         return out
 
@@ -92,22 +89,43 @@ def pieces(n: Node, count: int) -> list[Node]:
     return out
 
 
-def settled_pieces(tree: RadixTree, p: PendingOp, done: int
-                   ) -> Iterator[tuple[Node, bool, int, int]]:
-    """(node, ok, entry index, position of its first block in the op) for every block run
-    of ``p``; ``ok`` for the first ``done`` blocks. An attached node across the boundary is
-    split there first (a DELETING one only settles: its outcome does not matter)."""
+def outcomes(tree: RadixTree, p: PendingOp, done: int
+             ) -> tuple[list[Node], list[tuple[Node, int, int]]]:
+    """The nodes of ``p`` whose blocks are among the first ``done`` (succeeded), and the
+    others as (node, entry index, position of its first block in the op), both in block
+    order. An attached node across the boundary is split there first (a DELETING one only
+    settles: its outcome does not matter)."""
+    if done >= sum(p.counts):  # the common case: every block made it
+        ok = []
+        for node, count in zip(p.nodes, p.counts):
+            if len(node.hashes) == count:
+                ok.append(node)
+            else:
+                ok += pieces(node, count)
+        return ok, []
+    ok, failed = [], []
     pos = 0
     for e, (node, count) in enumerate(zip(p.nodes, p.counts)):
         for piece in pieces(node, count):
             k = len(piece.hashes)
             if pos < done < pos + k and piece.status is not DELETING:
-                head = tree.split(piece, done - pos)
-                yield head, True, e, pos
-                yield piece, False, e, done
+                ok.append(tree.split(piece, done - pos))
+                failed.append((piece, e, done))
+            elif pos < done:
+                ok.append(piece)
             else:
-                yield piece, pos < done, e, pos
+                failed.append((piece, e, pos))
             pos += k
+    return ok, failed
+
+
+_I4 = np.dtype("<i4")
+_NO_IDS = np.empty(0, _I4)
+_NO_IDS.flags.writeable = False
+
+
+def _ids(ids: list[int]) -> np.ndarray:
+    return np.array(ids, _I4) if ids else _NO_IDS
 
 
 def _kind_rank(p: PendingOp) -> int:
