@@ -6,20 +6,50 @@
   ``last_access = t``, then while the trie holds more than ``capacity`` blocks the leaf with
   the least ``(last_access, -depth)`` is evicted (a heap with lazy deletion). Slow and simple.
 
-- ``ListLRUCache``: the speed baseline, the simplest correct prefix cache: a dict of prefix
-  hashes (hash -> [parent, number of children]) and a Python list as the LRU
-  (``list.remove`` / ``append``), evicting only leaves. Same request steps as the
-  CacheManager (match pins the matched prefix, allocate evicts to make room, finish inserts
-  and unpins), device tier only.
+- ``SimplePrefixCache``: the speed baseline, the straightforward way to write a prefix
+  cache in Python: chained hashes computed block by block (numpy conversion, one xxhash
+  call per block: the formula zkv documents), one dict entry per cached block, and an
+  ``OrderedDict`` of unheld blocks released leaf first (so the oldest is a chain tail),
+  device tier only. Same request steps as the bench's CacheManager replay: match holds the
+  matched prefix, allocate evicts to make room, finish inserts and releases.
 
-Both take each request as a list of chained block hashes (any hashable, equal prefixes
-give equal items); because hashes are chained, a block's hash names its whole prefix.
+Both take each request's block hashes (any hashable; equal prefixes give equal items);
+because hashes are chained, a block's hash names its whole prefix.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+
+import numpy as np
+import xxhash
+
+ROOT = b"zkv-root-v1\x00\x00\x00\x00\x00"
+
+
+def chain_hashes_tokens(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """``h_i = XXH3-128(h_{i-1} ‖ tokens_i as int32 LE)`` per full block, from ``ROOT``."""
+    data = np.asarray(tokens, dtype="<i4").tobytes()
+    step = 4 * block_size
+    out = []
+    h = ROOT
+    for off in range(0, len(data) - step + 1, step):
+        h = xxhash.xxh3_128_digest(h + data[off : off + step])
+        out.append(h)
+    return out
+
+
+def chain_hashes_ids(ids: Sequence[int]) -> list[bytes]:
+    """One int64 LE id per block, chained the same way."""
+    data = np.asarray(ids, dtype="<i8").tobytes()
+    out = []
+    h = ROOT
+    for off in range(0, len(data), 8):
+        h = xxhash.xxh3_128_digest(h + data[off : off + 8])
+        out.append(h)
+    return out
 
 
 def reference_lru_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> tuple[int, int]:
@@ -72,86 +102,61 @@ def reference_lru_hits(requests: Sequence[Sequence[Hashable]], capacity: int) ->
     return hits, total
 
 
-class ListLRUCache:
-    """Naive device-only prefix cache: dict of prefix hashes + list LRU (oldest first)."""
+class SimplePrefixCache:
+    """Per-block dict + OrderedDict LRU, device tier only (see the module docstring)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.entries: dict[Hashable, list] = {}  # hash -> [parent hash or None, children]
-        self.lru: list[Hashable] = []            # unpinned cached blocks, oldest first
-        self.running: dict[str, tuple[Sequence[Hashable], int]] = {}
+        self.parent: dict[Hashable, Hashable | None] = {}  # cached block -> its parent
+        self.lru: OrderedDict[Hashable, None] = OrderedDict()  # unheld blocks, oldest first
 
-    def match(self, req_id: str, hashes: Sequence[Hashable]) -> int:
-        entries = self.entries
-        lru = self.lru
+    def match(self, hashes: Sequence[Hashable]) -> int:
+        parent, lru = self.parent, self.lru
         k = 0
         for h in hashes:
-            if h not in entries:
+            if h not in parent:
                 break
-            lru.remove(h)  # pinned while the request runs
+            lru.pop(h, None)  # held while the request runs
             k += 1
-        self.running[req_id] = (hashes, k)
         return k
 
-    def allocate(self, req_id: str) -> bool:
-        hashes, k = self.running[req_id]
-        need = len(hashes) - k
-        free = self.capacity - len(self.entries)
-        if need > free + len(self.lru):
+    def allocate(self, need: int) -> bool:
+        """Make room for ``need`` new blocks (evicting the oldest unheld blocks)."""
+        parent, lru = self.parent, self.lru
+        evict = len(parent) + need - self.capacity
+        if evict > len(lru):
             return False
-        entries = self.entries
-        lru = self.lru
-        for _ in range(need - free):
-            i = next((j for j, x in enumerate(lru) if entries[x][1] == 0), -1)  # oldest leaf
-            if i < 0:
-                return False
-            h = lru.pop(i)
-            p = entries.pop(h)[0]
-            if p is not None:
-                entries[p][1] -= 1
+        for _ in range(evict):
+            h, _ = lru.popitem(last=False)  # released leaf first: a chain tail
+            del parent[h]
         return True
 
-    def finish(self, req_id: str, cache: bool = True) -> None:
-        hashes, k = self.running.pop(req_id)
-        entries = self.entries
+    def finish(self, hashes: Sequence[Hashable], k: int, cache: bool) -> None:
+        parent, lru = self.parent, self.lru
+        n = len(hashes) if cache else k
         if cache:
-            parent = hashes[k - 1] if k else None
+            p = hashes[k - 1] if k else None
             for h in hashes[k:]:
-                entries[h] = [parent, 0]
-                if parent is not None:
-                    entries[parent][1] += 1
-                parent = h
-            n = len(hashes)
-        else:
-            n = k
-        # leaf first, so every block is older than its ancestors
-        self.lru.extend(reversed(hashes[:n]))
+                parent[h] = p
+                p = h
+        for h in reversed(hashes[:n]):  # leaf first: ancestors end up younger
+            lru[h] = None
 
 
-def run_list_lru(requests: Sequence[Sequence[Hashable]], capacity: int, clock, cpu_clock,
-                 budget_ns: int | None = None) -> tuple[int, int, int, list[int], list[int]]:
-    """Replay through ListLRUCache; returns (hits, total, fails, per-request wall ns, CPU
-    stamps: one before each request and one at the end). With ``budget_ns``, stops once the
-    timed steps add up to more than that (a prefix of the replay)."""
-    c = ListLRUCache(capacity)
-    hits = total = fails = 0
-    times: list[int] = []
-    cpu: list[int] = []
-    spent = 0
-    for i, hashes in enumerate(requests):
-        if budget_ns is not None and spent > budget_ns:
-            break
-        rid = str(i)
+def run_simple(requests: Sequence[Sequence[int]], capacity: int, hash_fn, cpu_clock
+               ) -> tuple[int, int, list[int]]:
+    """Replay through SimplePrefixCache, hashing each request first; returns (hit blocks,
+    total blocks, CPU stamps: one before each request and one at the end)."""
+    c = SimplePrefixCache(capacity)
+    hits = total = 0
+    cpu = []
+    for req in requests:
         cpu.append(cpu_clock())
-        t0 = clock()
-        k = c.match(rid, hashes)
-        ok = c.allocate(rid)
-        c.finish(rid, cache=ok)
-        dt = clock() - t0
-        times.append(dt)
-        spent += dt
+        hashes = hash_fn(req)
+        k = c.match(hashes)
+        ok = c.allocate(len(hashes) - k)
+        c.finish(hashes, k, cache=ok)
         hits += k
         total += len(hashes)
-        fails += not ok
     cpu.append(cpu_clock())
-    return hits, total, fails, times, cpu
+    return hits, total, cpu

@@ -57,6 +57,8 @@ class EvictionPolicy(ABC):
     """
 
     name = "?"
+    #: Whether ``note_evicted`` does anything (callers skip the call when not).
+    remembers = False
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -161,6 +163,7 @@ class SLRU(EvictionPolicy):
     """
 
     name = SLRU_NAME
+    remembers = True
 
     def __init__(self, capacity: int, protected_fraction: float = 0.5,
                  ghost_factor: float = 2.0) -> None:

@@ -46,7 +46,7 @@ def cache_computed(core: Core, st: RequestState, num_tokens: int,
     # finish sorts that out): present hashes are a prefix, so only the first can be.
     if full <= start or parent.status is not DEVICE or st.hashes[start] in tree.index:
         return 0
-    ids = [st.fresh.pop(i) for i in range(start, full)]
+    ids = list(map(st.fresh.pop, range(start, full)))
     n = tree.add(parent, st.hashes[start:full], DEVICE, ids)
     n.ref = n.hits = 1
     n.last_access = core.clock
@@ -75,7 +75,7 @@ def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence
             n.last_access = now
             n.reused = tree.hpol.note_inserted(n) > 0  # (a node in flight is not split)
             Ledger.add(core.ledger.op(SAVE, f"{SAVE}:{st.req_id}"), n, st.req_id,
-                       [int(b) for b in device_ids[i : i + len(hb)]], hb)
+                       list(map(int, device_ids[i : i + len(hb)])), hb)
             parent = n
             i += len(hb)
             break
@@ -114,7 +114,7 @@ def load_external(core: Core, st: RequestState, first_block: int,
             n = tree.split(n, end - n.depth)
         off = n.depth - first_block
         Ledger.add(core.ledger.op(LOAD), n, st.req_id, n.host,  # type: ignore[arg-type]
-                   [int(b) for b in device_ids[off : off + len(n.hashes)]])
+                   list(map(int, device_ids[off : off + len(n.hashes)])))
         planned += len(n.hashes)
     return planned
 

@@ -28,14 +28,15 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
     tree = core.tree
     if n_blocks > tree.dpol.num_blocks:
         return None
-    note_evicted = tree.dpol.note_evicted
+    note_evicted = tree.dpol.note_evicted if tree.dpol.remembers else None
     out: list[int] = []
     moving: list[tuple[Node, list[int]]] = []  # victims without a host copy
     need = n_blocks
     while need:
         v = tree.pop_device(need)
         assert v is not None and not v.dpin, f"device victim {v} is not a chain tail"
-        note_evicted(v)
+        if note_evicted is not None:
+            note_evicted(v)
         ids: list[int] = v.dev  # type: ignore[assignment]
         need -= len(ids)
         out += ids[::-1]  # chain tails first, as one block at a time would give them
@@ -89,11 +90,13 @@ def take_host_blocks(core: Core, k: int) -> list[int]:
         return out
     tree = core.tree
     stats = core.stats
+    remembers = tree.hpol.remembers
     while len(out) < k:
         v = tree.pop_host(k - len(out))
         if v is None:
             break
-        tree.hpol.note_evicted(v)
+        if remembers:
+            tree.hpol.note_evicted(v)
         ids: list[int] = v.host  # type: ignore[assignment]
         v.host = None
         v.host_ok = False
