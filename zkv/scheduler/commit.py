@@ -19,12 +19,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from zkv import log as ev
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, OpResult
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import outcomes
 from zkv.scheduler.records import LOAD, SAVE, PendingOp
 from zkv.scheduler.tiers import drop_subtree, free_node_blocks, maybe_store
 from zkv.scheduler.radix import DELETING, DEVICE, HOST, Node
+
+
+_log = ev.get_logger("scheduler")
 
 
 def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
@@ -42,8 +46,16 @@ def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
         if done < total:
             stats.failed_ops += 1
             stats.failed_blocks += total - done
-        _COMMIT[p.kind](core, p, done)
+            req_ids = sorted({q for q in p.req_ids if q is not None})
+            _log.warning(ev.OP_FAILED, op_id=p.op_id, kind=p.kind, num_blocks=total,
+                         done=done, error=r.error, req_ids=req_ids[:16])
+        commit(core, p, done)
     return unknown
+
+
+def commit(core: Core, p: PendingOp, done: int) -> None:
+    """Commit the first ``done`` blocks of ``p`` and roll the rest back."""
+    _COMMIT[p.kind](core, p, done)
 
 
 def settle(core: Core, n: Node) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from zkv import log as ev
 from zkv.protocol import Op, OpResult
 from zkv.scheduler import commit, external, invariants, requests
 from zkv.scheduler.block_pool import BlockPool
@@ -49,6 +50,8 @@ from zkv.scheduler.records import (  # re-exported: the manager's public surface
 )
 from zkv.scheduler.tiers import free_node_blocks
 from zkv.scheduler.radix import DELETING, BlockView, RadixTree, Status
+
+_log = ev.get_logger("scheduler")
 
 __all__ = [
     "LOAD", "SAVE", "WRITE_BACK", "WRITE_POLICIES", "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE",
@@ -185,10 +188,22 @@ class CacheManager:
         """
         return external.load_external(self.core, self._req(req_id), first_block, device_ids)
 
+    def cancel_saves(self, req_id: str) -> int:
+        """Drop the request's save planned this step and not yet taken (the engine freed
+        the blocks it would read, e.g. on preemption). Returns the blocks dropped."""
+        p = self.core.ledger.open.pop(f"{SAVE}:{req_id}", None)
+        if p is None:
+            return 0
+        commit.commit(self.core, p, 0)  # the same roll back as a save that failed everywhere
+        return p.num_blocks
+
     def take_load_failures(self) -> dict[str, list[int]]:
         """External-L1 mode: req_id -> engine block ids whose load failed on some rank
         since the last call (the engine must recompute them)."""
         return external.take_load_failures(self.core)
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self.core.requests
 
     def is_external(self, req_id: str) -> bool:
         st = self.core.requests.get(req_id)
@@ -219,7 +234,13 @@ class CacheManager:
     def take_ops(self) -> list[Op]:
         """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
         op per kind, one s2h per prefetching request). In flight until ``on_ops_done``."""
-        return self.core.ledger.take_ops()
+        out = self.core.ledger.take_ops()
+        if out:  # one summary per step, not a line per block
+            st = self.core.stats
+            _log.debug(ev.STEP_DONE, num_ops=len(out), num_blocks=sum(o.num_blocks for o in out),
+                       evicted_device=st.evicted_device, evicted_host=st.evicted_host,
+                       dropped=st.dropped, pending_ops=len(self.core.ledger.pending))
+        return out
 
     @property
     def num_pending_ops(self) -> int:
