@@ -59,6 +59,7 @@ from _sched_baseline import (  # noqa: E402
     run_simple,
 )
 
+from zkv import log as zlog  # noqa: E402
 from zkv.protocol import OpResult  # noqa: E402
 from zkv.scheduler import hashing  # noqa: E402
 from zkv.scheduler.eviction import POLICIES  # noqa: E402
@@ -250,6 +251,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=None, help="replays per config (default 3)")
     args = ap.parse_args()
     repeat = max(1, args.repeat or (1 if args.quick else 3))
+    zlog.configure("bench", level="warning")  # the scheduler's per-step debug lines off
     t_start = time.perf_counter()
     workloads = [make_chat(400 if args.quick else CHAT_REQUESTS),
                  make_trace(args.trace, 800 if args.quick else None)]
@@ -268,22 +270,7 @@ def main() -> int:
     for w in workloads:
         print(hashing_line(w))
     print("\n" + HEADER)
-    ratios: list[tuple[str, float]] = []
-    chat_us = None
-    for w in workloads:
-        for dev in w.device:
-            base_us, base_hits = baseline(w, dev, repeat)
-            d = timed(w, "dev", repeat, dev=dev)
-            if base_hits != d.hit_dev:
-                bad.append(f"{w.name} {dev}: baseline hits {base_hits} != zkv {d.hit_dev}")
-            print(row(w, dev, 0, "-", d, base_us, d.cpu_us), flush=True)
-            if w.name == "chat":
-                chat_us = d.cpu_us
-            for tag, policy, store in WRITES:
-                r = timed(w, tag, repeat, dev=dev, host=HOST_FACTOR * dev, policy=policy,
-                          store=store)
-                print(row(w, dev, HOST_FACTOR * dev, tag, r, base_us, d.cpu_us), flush=True)
-                ratios.append((f"{w.name} {dev:,} {tag}", r.cpu_us / d.cpu_us))
+    chat_us, ratios = timed_rows(workloads, repeat, bad)
     print("""
   us/req: thread CPU per request, hashing from the Python list included (median).
   vs base: SimplePrefixCache time / zkv time (device only, same requests).
@@ -303,6 +290,28 @@ def main() -> int:
     for b in bad:
         print(f"FAIL: {b}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def timed_rows(workloads: list[Workload], repeat: int, bad: list[str]
+               ) -> tuple[float | None, list[tuple[str, float]]]:
+    """Print the timed rows; (chat device-only us/request, host-tier ratios)."""
+    ratios: list[tuple[str, float]] = []
+    chat_us = None
+    for w in workloads:
+        for dev in w.device:
+            base_us, base_hits = baseline(w, dev, repeat)
+            d = timed(w, "dev", repeat, dev=dev)
+            if base_hits != d.hit_dev:
+                bad.append(f"{w.name} {dev}: baseline hits {base_hits} != zkv {d.hit_dev}")
+            print(row(w, dev, 0, "-", d, base_us, d.cpu_us), flush=True)
+            if w.name == "chat":
+                chat_us = d.cpu_us
+            for tag, policy, store in WRITES:
+                r = timed(w, tag, repeat, dev=dev, host=HOST_FACTOR * dev, policy=policy,
+                          store=store)
+                print(row(w, dev, HOST_FACTOR * dev, tag, r, base_us, d.cpu_us), flush=True)
+                ratios.append((f"{w.name} {dev:,} {tag}", r.cpu_us / d.cpu_us))
+    return chat_us, ratios
 
 
 def policy_table(workloads: list[Workload]) -> list[str]:

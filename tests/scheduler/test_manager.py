@@ -1120,3 +1120,38 @@ def test_blocks_being_loaded_are_no_storage_hit_for_another_request() -> None:
     assert match(cm, "r2", a) == Match(0, 0, 0, BS)
     assert cm.prefetch("r2") == 0
     assert len(store.queries) == queries  # and no storage round trip was spent on it
+
+
+# ================================================================ events
+
+
+def test_step_summary_and_failed_op_events_follow_the_log_level() -> None:
+    """One ``scheduler.step_done`` line per step with ops at debug (none when filtered, and
+    then not even built), ``scheduler.op_failed`` at warning for a partial ack."""
+    import io
+
+    import orjson
+    import structlog
+
+    from zkv import log as zlog
+
+    def events(level: str) -> list[dict[str, object]]:
+        out = io.StringIO()
+        zlog.configure("scheduler", level=level, stream=out)
+        cm = make(2, 4)
+        cached(cm, "r1", H(1, 2))
+        assert run(cm, "r2", H(3, 4)) == [0, 1]
+        (op,) = take(cm)
+        fail(cm, op, done=1)
+        return [orjson.loads(line) for line in out.getvalue().splitlines()]
+
+    try:
+        debug = events("debug")
+        assert [e["event"] for e in debug] == ["scheduler.step_done", "scheduler.op_failed"]
+        assert (debug[0]["num_ops"], debug[0]["num_blocks"]) == (1, 2)
+        assert (debug[1]["kind"], debug[1]["done"], debug[1]["num_blocks"]) == (D2H, 1, 2)
+        assert [e["event"] for e in events("warning")] == ["scheduler.op_failed"]
+    finally:
+        zlog.close()
+        structlog.contextvars.clear_contextvars()
+        structlog.reset_defaults()
