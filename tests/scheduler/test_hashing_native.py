@@ -117,7 +117,7 @@ def test_extras_reach_exactly_the_overlapping_blocks() -> None:
     ],
 )
 def test_bad_tokens_raise_on_both_paths(tokens: list[object]) -> None:
-    assert native.hash_token_list(tokens, 4, ROOT_HASH, None) is None  # left to Python
+    assert native.hash_tokens(tokens, 4, ROOT_HASH, None) is None  # left to Python
     with pytest.raises(ValueError):
         hash_tokens_py(tokens, 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
@@ -127,7 +127,7 @@ def test_bad_tokens_raise_on_both_paths(tokens: list[object]) -> None:
 def test_inputs_left_to_python_hash_as_the_reference_does() -> None:
     """bool and numpy ints are not exact ints: the reference decides, on both paths."""
     for toks in ([True, 2, 3, 4], [np.int64(1), 2, 3, 4]):
-        assert native.hash_token_list(toks, 4, ROOT_HASH, None) is None
+        assert native.hash_tokens(toks, 4, ROOT_HASH, None) is None
         assert hash_tokens(toks, 4) == hash_tokens_py(toks, 4)
     for ids in ([True, 2], [np.int64(5)], np.arange(3)):
         assert hash_ids_chain(ids) == hash_ids_chain_py(ids)  # type: ignore[arg-type]
@@ -139,15 +139,15 @@ def test_inputs_left_to_python_hash_as_the_reference_does() -> None:
 
 def test_native_argument_checks() -> None:
     with pytest.raises(ValueError):
-        native.hash_token_list([1, 2], 0, ROOT_HASH, None)
+        native.hash_tokens([1, 2], 0, ROOT_HASH, None)
     with pytest.raises(ValueError):
-        native.hash_token_list([1, 2], 1, b"short", None)
+        native.hash_tokens([1, 2], 1, b"short", None)
     with pytest.raises(ValueError):
         native.hash_id_list([1], b"x" * 17)
     with pytest.raises(TypeError):
-        native.hash_token_bytes(b"\0" * 8, 1, ROOT_HASH, [b"x"])
+        native.hash_tokens(b"\0" * 8, 1, ROOT_HASH, [b"x"])
     with pytest.raises(TypeError):
-        native.hash_token_list([1], 1, ROOT_HASH)  # type: ignore[call-arg]
+        native.hash_tokens([1], 1, ROOT_HASH)  # type: ignore[call-arg]
 
 
 def test_fallback_when_the_extension_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,13 +11,12 @@
  * every block: the digest of block i is written over the parent slot for block i+1, so
  * a token list is converted and hashed in one pass with no intermediate array.
  *
- *     hash_token_list(tokens, block_size, parent, extras) -> list[bytes] | None
- *     hash_token_bytes(data, block_size, parent, extras)  -> list[bytes]
- *     hash_id_list(ids, parent)                           -> list[bytes] | None
+ *     hash_tokens(tokens, block_size, parent, extras) -> list[bytes] | None
+ *     hash_id_list(ids, parent)                       -> list[bytes] | None
  *
- * ``tokens`` / ``ids`` are a list or tuple; ``data`` is a bytes-like object of int32 LE
- * token ids; ``extras`` is None or a dict {block index: extra bytes}. The list functions
- * return None (nothing hashed) when an element is not an exact int or does not fit
+ * ``tokens`` is a list or tuple of ints, or a bytes-like object of int32 LE token ids;
+ * ``ids`` a list or tuple; ``extras`` is None or a dict {block index: extra bytes}. Both
+ * return None (nothing hashed) when a list element is not an exact int or does not fit
  * (int32 tokens, int64 ids): the caller then takes the Python path, which raises its
  * ValueError or hashes what numpy makes of it, so both paths agree on every input.
  */
@@ -122,177 +121,115 @@ chain_block(unsigned char *buf, size_t payload, PyObject *extras, Py_ssize_t b, 
     return rc;
 }
 
-/* Common argument checks: block size, parent digest, extras. */
+/* Convert ``count`` exact ints to int32 LE at ``p`` (``p`` NULL: check only). 1 when one
+ * is not an exact int or does not fit: the caller leaves the input to the Python path. */
 static int
-check_common(Py_ssize_t block_size, Py_buffer *parent, PyObject *extras)
+put_tokens(unsigned char *p, PyObject **items, Py_ssize_t count)
 {
-    if (block_size <= 0 || block_size > (PY_SSIZE_T_MAX - DIGEST) / 8) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be > 0");
-        return -1;
-    }
-    if (parent->len != DIGEST) {
-        PyErr_SetString(PyExc_ValueError, "parent digest must be 16 bytes");
-        return -1;
-    }
-    if (extras != Py_None && !PyDict_Check(extras)) {
-        PyErr_SetString(PyExc_TypeError, "extras must be None or a dict");
-        return -1;
+    for (Py_ssize_t j = 0; j < count; j++) {
+        PyObject *o = items[j];
+        int overflow;
+        long v;
+        if (!PyLong_CheckExact(o)) {
+            return 1;
+        }
+        v = as_long(o, &overflow);
+        if (overflow || v < INT32_MIN || v > INT32_MAX) {
+            return 1;
+        }
+        if (p != NULL) {
+            put_le32(p + 4 * j, (uint32_t)(int32_t)v);
+        }
     }
     return 0;
 }
 
-static unsigned char *
-get_buf(unsigned char *stack, size_t need)
+/* Hash the full blocks of ``src``: a list / tuple of ints (converted block by block into
+ * the chain buffer) or a bytes-like object of int32 LE. Returns Py_None (a new reference)
+ * for a list the Python path must take. */
+static PyObject *
+chain_tokens(PyObject *src, Py_ssize_t bs, Py_buffer *parent, PyObject *extras)
 {
-    if (need <= STACK_BUF) {
-        return stack;
+    int is_seq = PyList_Check(src) || PyTuple_Check(src);
+    Py_buffer data = {0};
+    if (!is_seq && PyObject_GetBuffer(src, &data, PyBUF_SIMPLE) < 0) {
+        return NULL;
     }
-    unsigned char *p = PyMem_Malloc(need);
-    if (p == NULL) {
-        PyErr_NoMemory();
+    unsigned char stack[STACK_BUF];
+    size_t payload = 4 * (size_t)bs;
+    unsigned char *buf = DIGEST + payload <= STACK_BUF ? stack : PyMem_Malloc(DIGEST + payload);
+    PyObject *out = buf == NULL ? PyErr_NoMemory() : PyList_New(0);
+    if (out == NULL) {
+        goto done;
     }
-    return p;
+    memcpy(buf, parent->buf, DIGEST);
+    /* Nothing below runs Python code: the list cannot change while it is read. */
+    PyObject **items = is_seq ? PySequence_Fast_ITEMS(src) : NULL;
+    Py_ssize_t n = is_seq ? PySequence_Fast_GET_SIZE(src) : data.len / 4;
+    Py_ssize_t num_full = n / bs;
+    for (Py_ssize_t b = 0; b < num_full; b++) {
+        if (is_seq) {
+            if (put_tokens(buf + DIGEST, items + b * bs, bs)) {
+                goto fallback;
+            }
+        } else {
+            memcpy(buf + DIGEST, (const unsigned char *)data.buf + (size_t)b * payload, payload);
+        }
+        if (chain_block(buf, payload, extras, b, out) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+    /* The partial tail is not hashed, but the Python path validates every token: leave a
+     * bad one there to that path too. */
+    if (is_seq && put_tokens(NULL, items + num_full * bs, n - num_full * bs)) {
+        goto fallback;
+    }
+    goto done;
+fallback:
+    Py_CLEAR(out);
+    out = Py_NewRef(Py_None);
+done:
+    if (buf != NULL && buf != stack) {
+        PyMem_Free(buf);
+    }
+    if (!is_seq) {
+        PyBuffer_Release(&data);
+    }
+    return out;
 }
 
 static PyObject *
-hash_token_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+hash_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "hash_token_list(tokens, block_size, parent, extras)");
+        PyErr_SetString(PyExc_TypeError, "hash_tokens(tokens, block_size, parent, extras)");
         return NULL;
     }
-    PyObject *tokens = args[0];
     PyObject *extras = args[3];
-    if (!PyList_Check(tokens) && !PyTuple_Check(tokens)) {
-        Py_RETURN_NONE;
-    }
     Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
     if (bs == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (bs <= 0 || bs > (PY_SSIZE_T_MAX - DIGEST) / 8) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be > 0");
+        return NULL;
+    }
+    if (extras != Py_None && !PyDict_Check(extras)) {
+        PyErr_SetString(PyExc_TypeError, "extras must be None or a dict");
         return NULL;
     }
     Py_buffer parent;
     if (PyObject_GetBuffer(args[2], &parent, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
-    unsigned char stack[STACK_BUF];
-    unsigned char *buf = NULL;
     PyObject *out = NULL;
-    if (check_common(bs, &parent, extras) < 0) {
-        goto done;
-    }
-    size_t payload = 4 * (size_t)bs;
-    buf = get_buf(stack, DIGEST + payload);
-    if (buf == NULL) {
-        goto done;
-    }
-    memcpy(buf, parent.buf, DIGEST);
-    /* The list is not mutated below: nothing here runs Python code. */
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
-    PyObject **items = PySequence_Fast_ITEMS(tokens);
-    Py_ssize_t num_full = n / bs;
-    out = PyList_New(0);
-    if (out == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t b = 0; b < num_full; b++) {
-        PyObject **blk = items + b * bs;
-        unsigned char *p = buf + DIGEST;
-        for (Py_ssize_t j = 0; j < bs; j++, p += 4) {
-            PyObject *o = blk[j];
-            int overflow;
-            long v;
-            if (!PyLong_CheckExact(o)) {
-                goto fallback;
-            }
-            v = as_long(o, &overflow);
-            if (overflow || v < INT32_MIN || v > INT32_MAX) {
-                goto fallback;
-            }
-            put_le32(p, (uint32_t)(int32_t)v);
-        }
-        if (chain_block(buf, payload, extras, b, out) < 0) {
-            Py_CLEAR(out);
-            goto done;
-        }
-    }
-    /* The tail past the last full block is not hashed, but the Python path validates
-     * every token: leave a bad one in it to that path too. */
-    for (Py_ssize_t j = num_full * bs; j < n; j++) {
-        PyObject *o = items[j];
-        int overflow;
-        long v;
-        if (!PyLong_CheckExact(o)) {
-            goto fallback;
-        }
-        v = PyLong_AsLongAndOverflow(o, &overflow);
-        if (overflow || v < INT32_MIN || v > INT32_MAX) {
-            goto fallback;
-        }
-    }
-    goto done;
-fallback:
-    Py_CLEAR(out);
-    out = Py_None;
-    Py_INCREF(out);
-done:
-    if (buf != NULL && buf != stack) {
-        PyMem_Free(buf);
+    if (parent.len != DIGEST) {
+        PyErr_SetString(PyExc_ValueError, "parent digest must be 16 bytes");
+    } else {
+        out = chain_tokens(args[0], bs, &parent, extras);
     }
     PyBuffer_Release(&parent);
-    return out;
-}
-
-static PyObject *
-hash_token_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "hash_token_bytes(data, block_size, parent, extras)");
-        return NULL;
-    }
-    PyObject *extras = args[3];
-    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
-    if (bs == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_buffer data, parent;
-    if (PyObject_GetBuffer(args[0], &data, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[2], &parent, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&data);
-        return NULL;
-    }
-    unsigned char stack[STACK_BUF];
-    unsigned char *buf = NULL;
-    PyObject *out = NULL;
-    if (check_common(bs, &parent, extras) < 0) {
-        goto done;
-    }
-    size_t payload = 4 * (size_t)bs;
-    buf = get_buf(stack, DIGEST + payload);
-    if (buf == NULL) {
-        goto done;
-    }
-    memcpy(buf, parent.buf, DIGEST);
-    Py_ssize_t num_full = data.len / (Py_ssize_t)payload;
-    out = PyList_New(0);
-    if (out == NULL) {
-        goto done;
-    }
-    const unsigned char *src = data.buf;
-    for (Py_ssize_t b = 0; b < num_full; b++) {
-        memcpy(buf + DIGEST, src + (size_t)b * payload, payload);
-        if (chain_block(buf, payload, extras, b, out) < 0) {
-            Py_CLEAR(out);
-            goto done;
-        }
-    }
-done:
-    if (buf != NULL && buf != stack) {
-        PyMem_Free(buf);
-    }
-    PyBuffer_Release(&parent);
-    PyBuffer_Release(&data);
     return out;
 }
 
@@ -348,10 +285,9 @@ hash_id_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef chainhash_methods[] = {
-    {"hash_token_list", (PyCFunction)(void (*)(void))hash_token_list, METH_FASTCALL,
-     "Chained hashes of the full blocks of a list/tuple of int tokens, or None (fallback)."},
-    {"hash_token_bytes", (PyCFunction)(void (*)(void))hash_token_bytes, METH_FASTCALL,
-     "Chained hashes of the full blocks of int32 LE token bytes."},
+    {"hash_tokens", (PyCFunction)(void (*)(void))hash_tokens, METH_FASTCALL,
+     "Chained hashes of the full blocks of a list/tuple of ints or of int32 LE bytes;"
+     " None when a list element is left to the Python path."},
     {"hash_id_list", (PyCFunction)(void (*)(void))hash_id_list, METH_FASTCALL,
      "Chained hashes of a list/tuple of int64 ids, or None (fallback)."},
     {NULL, NULL, 0, NULL},

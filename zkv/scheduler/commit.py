@@ -67,6 +67,11 @@ def settle(core: Core, n: Node) -> bool:
     return False
 
 
+def live(core: Core, nodes: list[Node]) -> list[Node]:
+    """Settle ``nodes`` (one op fewer in flight each); the ones still in the tree."""
+    return [n for n in nodes if not settle(core, n)]
+
+
 def settle_deleting(core: Core, n: Node) -> None:
     if n.busy == 0:
         core.deleting.discard(n)
@@ -106,33 +111,25 @@ def _commit_d2h(core: Core, p: PendingOp, done: int) -> None:
 
 
 def _commit_backup(core: Core, p: PendingOp, done: int) -> None:
-    ok, failed = outcomes(core.tree, p, done)
-    settled = []
+    ok, failed_at = outcomes(core.tree, p, done)
+    ok = live(core, ok)
     for n in ok:
-        if settle(core, n):
-            continue
         n.host_ok = True
         core.stats.backed_up += len(n.hashes)
         maybe_store(core, n)
-        settled.append(n)
-    for n, _e, _pos in failed:
-        if settle(core, n):
-            continue
+    failed = live(core, [n for n, _e, _pos in failed_at])
+    for n in failed:
         core.host.free(n.host)  # type: ignore[arg-type]
         n.host = None
-        settled.append(n)
-    relist_all(core, settled)
+    relist_all(core, ok + failed)
 
 
 def _commit_h2d(core: Core, p: PendingOp, done: int) -> None:
     ok, failed = outcomes(core.tree, p, done)
-    settled = []
-    for n in ok:
-        if settle(core, n):
-            continue
+    settled = live(core, ok)
+    for n in settled:
         n.status = DEVICE
         core.stats.swapped_in += len(n.hashes)
-        settled.append(n)
     for n, e, _pos in failed:
         if settle(core, n):
             continue
@@ -158,10 +155,8 @@ def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
     failed = [n for n, _e, _pos in failed_at]
     st = core.requests.get(p.req_ids[0] or "")
     adopt = st is not None and st.loading is p.nodes[0]
-    settled = []
-    for n in ok:
-        if settle(core, n):
-            continue
+    settled = live(core, ok)
+    for n in settled:
         if adopt:  # the request keeps its ref; swapped in at allocate
             st.tail = n  # type: ignore[union-attr]
             st.num_held += len(n.hashes)  # type: ignore[union-attr]
@@ -169,8 +164,7 @@ def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
         n.status = HOST
         n.host_ok = True
         core.stats.loaded += len(n.hashes)
-        settled.append(n)
-    failed = [n for n in failed if not settle(core, n)]
+    failed = live(core, failed)
     if adopt:  # what arrived is a host hit now; the rest recomputes
         for n in failed:
             n.ref -= 1
@@ -187,22 +181,18 @@ def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
 
 def _commit_h2s(core: Core, p: PendingOp, done: int) -> None:
     ok, failed = outcomes(core.tree, p, done)
-    settled = []
+    ok = live(core, ok)
     for n in ok:
-        if settle(core, n):
-            continue
         n.in_store = True
         core.stats.stored += len(n.hashes)
-        settled.append(n)
-    settled += [n for n, _e, _pos in failed if not settle(core, n)]
-    relist_all(core, settled)
+    relist_all(core, ok + live(core, [n for n, _e, _pos in failed]))
 
 
 def _commit_load(core: Core, p: PendingOp, done: int) -> None:
     """External L1: host blocks copied into engine blocks. The host copies stay as they
     were; a failure is the engine's to recompute (``take_load_failures``)."""
     ok, failed = outcomes(core.tree, p, done)
-    settled = [n for n in ok if not settle(core, n)]
+    settled = live(core, ok)
     core.stats.loaded_external += sum(len(n.hashes) for n in settled)
     for n, e, pos in failed:
         if settle(core, n):
@@ -219,9 +209,8 @@ def _commit_save(core: Core, p: PendingOp, done: int) -> None:
     failure removed with the rest of the op (its nodes are a chain, later blocks children
     of earlier ones) and cut from the request's held path."""
     ok_nodes, failed_at = outcomes(core.tree, p, done)
+    ok_nodes = live(core, ok_nodes)
     for n in ok_nodes:
-        if settle(core, n):
-            continue
         n.status = HOST
         n.host_ok = True
         core.stats.saved_external += len(n.hashes)

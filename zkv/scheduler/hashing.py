@@ -98,14 +98,14 @@ def hash_tokens(
     extras = (_block_extras(mm_items, start_token, block_size, len(token_ids) // block_size)
               if mm_items else None)
     if type(token_ids) is list or type(token_ids) is tuple:
-        out = _native.hash_token_list(token_ids, block_size, parent, extras)
+        out = _native.hash_tokens(token_ids, block_size, parent, extras)
         if out is not None:
             return out  # type: ignore[no-any-return]
         # an element the native path leaves to the reference (it raises or converts)
         return hash_tokens_py(token_ids, block_size, parent=parent, start_token=start_token,
                               mm_items=mm_items)
-    return _native.hash_token_bytes(_token_bytes(token_ids), block_size, parent,  # type: ignore[no-any-return]
-                                    extras)
+    return _native.hash_tokens(_token_bytes(token_ids), block_size, parent,  # type: ignore[no-any-return]
+                               extras)
 
 
 def _check_args(block_size: int, start_token: int, parent: bytes) -> None:

@@ -283,8 +283,7 @@ class CacheManager:
             raise ValueError(f"reset with {len(core.requests)} running requests")
         for op in core.ledger.discard_open():  # never dispatched: nothing will ack them
             for n, count in zip(op.nodes, op.counts):
-                for piece in pieces(n, count):
-                    piece.busy -= 1
+                commit.live(core, pieces(n, count))
         tree = core.tree
         for n in tree.subtree_postorder(tree.root)[:-1]:
             tree.detach(n)
