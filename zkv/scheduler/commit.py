@@ -23,9 +23,9 @@ from zkv import log as ev
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, OpResult
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import outcomes
+from zkv.scheduler.radix import DELETING, DEVICE, HOST, Node
 from zkv.scheduler.records import LOAD, SAVE, PendingOp
 from zkv.scheduler.tiers import drop_subtree, free_node_blocks, maybe_store
-from zkv.scheduler.radix import DELETING, DEVICE, HOST, Node
 
 
 _log = ev.get_logger("scheduler")

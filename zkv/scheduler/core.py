@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from zkv.scheduler.block_pool import BlockPool
 from zkv.scheduler.eviction import EvictionPolicy, make_policy
 from zkv.scheduler.ledger import Ledger
-from zkv.scheduler.records import CacheConfig, CacheStats, RequestState, StorageExists
 from zkv.scheduler.radix import Node, RadixTree
+from zkv.scheduler.records import CacheConfig, CacheStats, RequestState, StorageExists
 
 
 @dataclass(eq=False, slots=True)

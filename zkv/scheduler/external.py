@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import Ledger
+from zkv.scheduler.radix import DEVICE, HOST, SWAP_TO_HOST
 from zkv.scheduler.records import LOAD, SAVE, RequestState
 from zkv.scheduler.requests import count_hits, hold
 from zkv.scheduler.tiers import take_host_blocks
-from zkv.scheduler.radix import DEVICE, HOST, SWAP_TO_HOST
 
 
 def cache_computed(core: Core, st: RequestState, num_tokens: int,

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op
-from zkv.scheduler.records import LOAD, SAVE, WIRE_KIND, PendingOp
 from zkv.scheduler.radix import DELETING, Node, RadixTree
+from zkv.scheduler.records import LOAD, SAVE, WIRE_KIND, PendingOp
 
 _KIND_ORDER = {D2H: 0, BACKUP: 1, SAVE: 1, H2D: 2, LOAD: 2, S2H: 3, H2S: 4}
 
@@ -61,7 +61,10 @@ class Ledger:
         if not self.open:
             return []
         out = []
-        for p in sorted(self.open.values(), key=_kind_rank):  # stable: s2h in request order
+        ops = list(self.open.values())
+        if len(ops) > 1:
+            ops.sort(key=_kind_rank)  # stable: s2h in request order
+        for p in ops:
             self.pending[p.op_id] = p
             kind = WIRE_KIND.get(p.kind, p.kind)
             out.append(Op(p.op_id, kind, src=_ids(p.src), dst=_ids(p.dst),

@@ -38,6 +38,7 @@ from zkv.scheduler.block_pool import BlockPool
 from zkv.scheduler.core import Core, make_core
 from zkv.scheduler.eviction import EvictionPolicy
 from zkv.scheduler.ledger import Ledger, pieces
+from zkv.scheduler.radix import DELETING, BlockView, RadixTree, Status
 from zkv.scheduler.records import (  # re-exported: the manager's public surface
     LOAD,
     SAVE,
@@ -52,7 +53,6 @@ from zkv.scheduler.records import (  # re-exported: the manager's public surface
     StorageExists,
 )
 from zkv.scheduler.tiers import free_node_blocks
-from zkv.scheduler.radix import DELETING, BlockView, RadixTree, Status
 
 _log = ev.get_logger("scheduler")
 _debug_for: list[object] = [None, True]  # (structlog wrapper class, debug enabled) last seen

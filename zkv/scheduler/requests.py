@@ -19,9 +19,16 @@ from collections.abc import Sequence
 from zkv.protocol import H2D, S2H
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import Ledger
+from zkv.scheduler.radix import (
+    DEVICE,
+    HOST,
+    LOADING_FROM_STORAGE,
+    SWAP_TO_DEVICE,
+    Node,
+    RadixTree,
+)
 from zkv.scheduler.records import Match, RequestState
 from zkv.scheduler.tiers import backup, evict_device, take_host_blocks
-from zkv.scheduler.radix import DEVICE, HOST, LOADING_FROM_STORAGE, SWAP_TO_DEVICE, Node, RadixTree
 
 
 def hold(tree: RadixTree, n: Node, now: int, count_hit: bool = True) -> None:
