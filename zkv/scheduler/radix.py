@@ -97,9 +97,6 @@ class Node:
         self.ref = self.busy = self.hits = self.last_access = self.dpin = self.hpin = 0
         self.host_ok = self.in_store = self.reused = self.dlisted = self.hlisted = False
 
-    def __len__(self) -> int:
-        return len(self.hashes)
-
     def __repr__(self) -> str:
         h = self.hashes[0].hex()[:8] if self.hashes else "root"
         return (f"Node({h}+{len(self.hashes)}@{self.depth}, {self.status.name}, dev={self.dev}, "
