@@ -248,9 +248,9 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=DEFAULT_TRACE, help="mooncake-style JSONL trace")
     ap.add_argument("--quick", action="store_true", help="fewer requests, one replay (smoke)")
-    ap.add_argument("--repeat", type=int, default=None, help="replays per config (default 3)")
+    ap.add_argument("--repeat", type=int, default=None, help="replays per config (default 5)")
     args = ap.parse_args()
-    repeat = max(1, args.repeat or (1 if args.quick else 3))
+    repeat = max(1, args.repeat or (1 if args.quick else 5))
     zlog.configure("bench", level="warning")  # the scheduler's per-step debug lines off
     t_start = time.perf_counter()
     workloads = [make_chat(400 if args.quick else CHAT_REQUESTS),
