@@ -14,7 +14,9 @@ grows with the nodes it touches, not with its blocks::
 ``split(n, c)`` puts a new node with ``n``'s first ``c`` blocks between ``n`` and its
 parent; ``n`` keeps the rest, its children, its place in the eviction policies, and the
 object identity that requests (their path ends at a node) and ops in flight (an entry
-covers a node and the ancestors a split put above it: ``pieces``) refer to.
+covers a node and the ancestors a split put above it: ``pieces``) refer to. A victim (no
+holder, no op) gives its last blocks instead: ``split_tail`` moves them and its children
+to a new child, and the rest keeps its place first in line in the policy.
 
 Statuses (only ``DEVICE`` and ``HOST`` can be matched); ``dev`` / ``host`` are per-block
 id lists or None::
