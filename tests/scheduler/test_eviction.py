@@ -79,7 +79,7 @@ def test_slru_ghost_brings_a_recomputed_block_back_protected() -> None:
     a.hits = 1
     pol.push(a)
     assert pol.pop() is a
-    pol.note_evicted(a)
+    pol.note_evicted(a.hashes)
     again = Node(a.hashes, a.parent, DEVICE)  # the same block, inserted again
     again.hits = 1
     assert pol.note_inserted(again) == 1
@@ -89,14 +89,14 @@ def test_slru_ghost_brings_a_recomputed_block_back_protected() -> None:
     # Under a parent that is not protected, the mark would break monotone classes: none.
     p, c = chain(2, tag=6)
     p.hits = c.hits = 1
-    pol.note_evicted(c)
+    pol.note_evicted(c.hashes)
     c2 = Node(c.hashes, p, DEVICE)
     assert pol.note_inserted(c2) == 0
     # The ghost keeps the last ghost_factor x capacity evicted blocks, trimmed in bulk
     # (at twice that): the oldest are forgotten first.
     olds = chain(5, tag=7)
     for n in olds:
-        pol.note_evicted(n)
+        pol.note_evicted(n.hashes)
     assert list(pol._ghost) == [n.hashes[0] for n in olds[1:]]  # a, c, olds[0] trimmed
 
 
@@ -182,8 +182,8 @@ class Counting(EvictionPolicy):
     def class_of(self, n: Node) -> int:
         return self.inner.class_of(n)
 
-    def note_evicted(self, n: Node) -> None:
-        self.inner.note_evicted(n)
+    def note_evicted(self, hashes: list[bytes]) -> None:
+        self.inner.note_evicted(hashes)
 
     def note_inserted(self, n: Node) -> int:
         return self.inner.note_inserted(n)

@@ -49,7 +49,7 @@ def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
             req_ids = sorted({q for q in p.req_ids if q is not None})
             _log.warning(ev.OP_FAILED, op_id=p.op_id, kind=p.kind, num_blocks=total,
                          done=done, error=r.error, req_ids=req_ids[:16])
-        commit(core, p, done)
+        _COMMIT[p.kind](core, p, done)
     return unknown
 
 

@@ -95,8 +95,8 @@ class EvictionPolicy(ABC):
     def __contains__(self, n: Node) -> bool:
         return any(n is m for m in self.nodes())
 
-    def note_evicted(self, n: Node) -> None:
-        """``n``'s blocks left this tier (a victim). Policies with a memory use this."""
+    def note_evicted(self, hashes: list[bytes]) -> None:
+        """These blocks left this tier (a victim). Policies with a memory use this."""
 
     def note_inserted(self, n: Node) -> int:
         """``n`` is new in the tree, under ``n.parent``: how many of its leading blocks the
@@ -240,9 +240,9 @@ class SLRU(EvictionPolicy):
         """(probation, protected), each oldest first (tests)."""
         return list(self._prob), list(self._prot)
 
-    def note_evicted(self, n: Node) -> None:
+    def note_evicted(self, hashes: list[bytes]) -> None:
         ghost = self._ghost
-        ghost.update(dict.fromkeys(n.hashes))
+        ghost.update(dict.fromkeys(hashes))
         if len(ghost) > 2 * self._max_ghost:  # amortized O(1) per block, in C
             keep = list(ghost)[len(ghost) - self._max_ghost:]
             self._ghost = dict.fromkeys(keep)

@@ -271,6 +271,43 @@ class RadixTree:
         self.index.update(zip(t.hashes, repeat(t)))
         return t
 
+    def trim_tail(self, n: Node, k: int) -> tuple[list[bytes], list[int] | None, list[int] | None]:
+        """Cut a childless victim's last ``k`` blocks out of the tree (it keeps its place in
+        the policies, shorter); their hashes, device ids and host ids. O(k) in C."""
+        assert not n.children and n.ref == 0 and n.busy == 0, f"trim of {n}"
+        c = len(n.hashes) - k
+        assert 0 < c, f"trim of {n} by {k}"
+        hs = n.hashes[c:]
+        del n.hashes[c:]
+        dev = host = None
+        if n.dev is not None:
+            dev = n.dev[c:]
+            del n.dev[c:]
+        if n.host is not None:
+            host = n.host[c:]
+            del n.host[c:]
+        deque(map(self.index.__delitem__, hs), 0)
+        if n.dlisted:
+            self.dpol.shrink(n, k)
+        if n.hlisted:
+            self.hpol.shrink(n, k)
+        return hs, dev, host
+
+    def drop_device_victim(self, v: Node, k: int) -> tuple[list[bytes], list[int]]:
+        """The oldest device victim ``v`` (childless, no host copy) loses its last ``k``
+        blocks from the tree, all of them or a tail (the rest keeps its place first in
+        line); their hashes and device ids."""
+        if k < len(v.hashes):
+            hs, dev, _ = self.trim_tail(v, k)
+            return hs, dev  # type: ignore[return-value]
+        assert self.dpol.pop() is v
+        v.dlisted = False
+        ids: list[int] = v.dev  # type: ignore[assignment]
+        v.dev = None
+        v.status = HOST  # off the device: its parent's dpin did not count it (listed)
+        self.detach(v)
+        return v.hashes, ids
+
     def mark_reused(self, n: Node, r: int) -> None:
         """The policy recognized ``n``'s first ``r`` blocks (``note_inserted``): mark them
         ``reused``, splitting a new node when only a part came back."""
@@ -380,13 +417,14 @@ class RadixTree:
         p.dpin -= 1
         self.relist(p)
 
-    def pop_device(self, want: int) -> Node | None:
-        """The device policy's next victim, its last ``want`` blocks at most (the rest stays
-        first in line), unlisted; the caller moves it off the device at once (its parent's
-        ``dpin`` does not count it)."""
-        v = self.dpol.oldest()
+    def pop_device(self, want: int, v: Node | None = None) -> Node | None:
+        """The device policy's next victim (``v``, when the caller looked already), its
+        last ``want`` blocks at most (the rest stays first in line), unlisted; the caller
+        moves it off the device at once (its parent's ``dpin`` does not count it)."""
         if v is None:
-            return None
+            v = self.dpol.oldest()
+            if v is None:
+                return None
         if len(v.hashes) > want:
             t = self.split_tail(v, want)
             v.dpin -= 1  # t is leaving the device
@@ -395,18 +433,14 @@ class RadixTree:
         v.dlisted = False
         return v
 
-    def pop_host(self, want: int) -> Node | None:
-        """The host policy's next victim, unlisted: a DEVICE node (its whole backup goes) or
-        a HOST chain tail, its last ``want`` blocks at most (the rest stays first in line;
-        the caller detaches the victim at once)."""
-        v = self.hpol.oldest()
-        if v is None:
-            return None
-        if v.status is HOST and len(v.hashes) > want:
-            return self.split_tail(v, want)  # v.hpin counts it until it is detached
-        self.hpol.pop()
-        v.hlisted = False
-        v.parent.hpin += 1  # type: ignore[union-attr]
+    def pop_host(self) -> Node | None:
+        """The host policy's next victim, unlisted: a DEVICE node (its backup goes) or a
+        HOST chain tail (the caller detaches it at once); trim a longer HOST victim
+        (``trim_tail``) to take fewer blocks."""
+        v = self.hpol.pop()
+        if v is not None:
+            v.hlisted = False
+            v.parent.hpin += 1  # type: ignore[union-attr]
         return v
 
     def became_host(self, n: Node) -> None:

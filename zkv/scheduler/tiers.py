@@ -28,15 +28,27 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
     tree = core.tree
     if n_blocks > tree.dpol.num_blocks:
         return None
-    note_evicted = tree.dpol.note_evicted if tree.dpol.remembers else None
+    dpol = tree.dpol
+    note_evicted = dpol.note_evicted if dpol.remembers else None
+    write_back = core.config.backup_threshold is None and core.host.num_blocks > 0
     out: list[int] = []
     moving: list[tuple[Node, list[int]]] = []  # victims without a host copy
+    num_moving = 0
     need = n_blocks
     while need:
-        v = tree.pop_device(need)
+        v = dpol.oldest()
         assert v is not None and not v.dpin, f"device victim {v} is not a chain tail"
+        if not (write_back or v.host_ok or v.children):  # dropped, in place: no new node
+            hs, ids = tree.drop_device_victim(v, min(need, len(v.hashes)))
+            if note_evicted is not None:
+                note_evicted(hs)
+            need -= len(ids)
+            out += ids[::-1]
+            core.stats.dropped += len(ids)
+            continue
+        v = tree.pop_device(need, v)  # type: ignore[assignment]
         if note_evicted is not None:
-            note_evicted(v)
+            note_evicted(v.hashes)
         ids: list[int] = v.dev  # type: ignore[assignment]
         need -= len(ids)
         out += ids[::-1]  # chain tails first, as one block at a time would give them
@@ -47,17 +59,18 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
         else:
             v.status = SWAP_TO_HOST  # off the device for the tree's counts
             moving.append((v, ids))
+            num_moving += len(ids)
     core.stats.evicted_device += n_blocks
     if moving:
-        _write_back_or_drop(core, moving)
+        _write_back_or_drop(core, moving, num_moving)
     return out
 
 
-def _write_back_or_drop(core: Core, moving: list[tuple[Node, list[int]]]) -> None:
-    """Victims without a host copy: d2h into host blocks under write_back (as far as host
-    blocks go: a victim keeps its first blocks), dropped otherwise."""
+def _write_back_or_drop(core: Core, moving: list[tuple[Node, list[int]]], num: int) -> None:
+    """Victims without a host copy (``num`` blocks): d2h into host blocks under write_back
+    (as far as host blocks go: a victim keeps its first blocks), dropped otherwise."""
     write_back = core.config.backup_threshold is None and core.host.num_blocks > 0
-    hb = take_host_blocks(core, sum(len(ids) for _v, ids in moving)) if write_back else []
+    hb = take_host_blocks(core, num) if write_back else []
     tree = core.tree
     pos = 0
     for v, ids in moving:
@@ -89,14 +102,24 @@ def take_host_blocks(core: Core, k: int) -> list[int]:
     if len(out) == k:
         return out
     tree = core.tree
+    hpol = tree.hpol
     stats = core.stats
-    remembers = tree.hpol.remembers
     while len(out) < k:
-        v = tree.pop_host(k - len(out))
+        v = hpol.oldest()
         if v is None:
             break
-        if remembers:
-            tree.hpol.note_evicted(v)
+        want = k - len(out)
+        if v.status is HOST and len(v.hashes) > want:  # its tail is enough: trimmed in place
+            hs, _, ids = tree.trim_tail(v, want)
+            if hpol.remembers:
+                hpol.note_evicted(hs)
+            stats.evicted_host += want
+            stats.dropped += want
+            out += ids  # type: ignore[arg-type]
+            continue
+        tree.pop_host()
+        if hpol.remembers:
+            hpol.note_evicted(v.hashes)
         ids: list[int] = v.host  # type: ignore[assignment]
         v.host = None
         v.host_ok = False
