@@ -15,7 +15,8 @@ Requests arrive as Python lists of ints, as an engine has them:
 Timed step per request (thread CPU time; the machine is shared): hash the list, then
 ``match_prefix``, ``allocate`` (``abort`` when it does not fit), ``take_ops`` /
 ``on_ops_done`` (every op acked ok), ``finish``, ``take_ops`` / ``on_ops_done``. Each
-config is replayed ``--repeat`` times; the median is printed.
+config is replayed ``--repeat`` times, the configs of one workload and capacity taking
+turns (so a change in the shared machine's load falls on all alike); the median is printed.
 
 Configs: device-only and device + host 4x under write_back (wb), write_through (wt) and
 write_through_selective (wts), and wb with L3 writes (wb+L3: every block that reaches host
@@ -191,11 +192,19 @@ def replay(w: Workload, dev: int, host: int = 0, policy: str = "write_back",
     return cpu / 1e3 / len(w.requests), hit_dev, hit_host
 
 
-def timed(w: Workload, label: str, repeat: int, **kw: object) -> Result:
-    runs = [replay(w, **kw) for _ in range(repeat)]  # type: ignore[arg-type]
-    assert len({r[1:] for r in runs}) == 1, "replays disagree"
-    return Result(label, statistics.median(r[0] for r in runs), runs[0][1], runs[0][2],
-                  w.num_blocks)
+def timed(w: Workload, repeat: int, configs: dict[str, dict[str, object]]) -> dict[str, Result]:
+    """Replay every config ``repeat`` times, in rounds (one replay of each config per
+    round), so a change in the shared machine's load falls on all of them alike."""
+    runs: dict[str, list[tuple[float, int, int]]] = {k: [] for k in configs}
+    for _ in range(repeat):
+        for label, kw in configs.items():
+            runs[label].append(replay(w, **kw))  # type: ignore[arg-type]
+    out = {}
+    for label, rs in runs.items():
+        assert len({r[1:] for r in rs}) == 1, "replays disagree"
+        out[label] = Result(label, statistics.median(r[0] for r in rs), rs[0][1], rs[0][2],
+                            w.num_blocks)
+    return out
 
 
 def baseline(w: Workload, dev: int, repeat: int) -> tuple[float, int]:
@@ -300,17 +309,21 @@ def timed_rows(workloads: list[Workload], repeat: int, bad: list[str]
     for w in workloads:
         for dev in w.device:
             base_us, base_hits = baseline(w, dev, repeat)
-            d = timed(w, "dev", repeat, dev=dev)
+            configs: dict[str, dict[str, object]] = {"-": {"dev": dev}}
+            for tag, policy, store in WRITES:
+                configs[tag] = {"dev": dev, "host": HOST_FACTOR * dev, "policy": policy,
+                                "store": store}
+            res = timed(w, repeat, configs)
+            d = res["-"]
             if base_hits != d.hit_dev:
                 bad.append(f"{w.name} {dev}: baseline hits {base_hits} != zkv {d.hit_dev}")
-            print(row(w, dev, 0, "-", d, base_us, d.cpu_us), flush=True)
             if w.name == "chat":
                 chat_us = d.cpu_us
-            for tag, policy, store in WRITES:
-                r = timed(w, tag, repeat, dev=dev, host=HOST_FACTOR * dev, policy=policy,
-                          store=store)
-                print(row(w, dev, HOST_FACTOR * dev, tag, r, base_us, d.cpu_us), flush=True)
-                ratios.append((f"{w.name} {dev:,} {tag}", r.cpu_us / d.cpu_us))
+            for tag, r in res.items():
+                host = 0 if tag == "-" else HOST_FACTOR * dev
+                print(row(w, dev, host, tag, r, base_us, d.cpu_us), flush=True)
+                if host:
+                    ratios.append((f"{w.name} {dev:,} {tag}", r.cpu_us / d.cpu_us))
     return chat_us, ratios
 
 
