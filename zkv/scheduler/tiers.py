@@ -5,10 +5,12 @@ victim), dropping subtrees, backups and storage writes. Functions over a ``Core`
 Each victim the tree hands out is a chain tail cut to what is needed, so the cost is O(1)
 per victim node plus O(blocks) in C (list slices and extends), never a scan::
 
-    evict_device(n) ─ pop_device(need) ─► victim v (its last ≤ need blocks, now unlisted)
-        v.host_ok ────────────────────► HOST (metadata only)
-        write_back and host blocks ───► SWAP_TO_HOST + d2h entry (ack: HOST, fail: dropped)
-        otherwise ────────────────────► dropped with its host-only subtree
+    evict_device(n) ─ the policy's oldest node v (a chain tail): its last ≤ need blocks
+        no host copy, no write-back, no child ─► cut out of the tree in place (no new node)
+        v.host_ok ────────────────────────────► HOST (metadata only)
+        write_back and host blocks ───────────► SWAP_TO_HOST + d2h entry (ack: HOST,
+                                                fail: dropped)
+        otherwise ────────────────────────────► dropped with its host-only subtree
 """
 
 from __future__ import annotations
