@@ -8,10 +8,11 @@
 
 - ``SimplePrefixCache``: the speed baseline, the straightforward way to write a prefix
   cache in Python: chained hashes computed block by block (numpy conversion, one xxhash
-  call per block: the formula zkv documents), one dict entry per cached block, and an
-  ``OrderedDict`` of unheld blocks released leaf first (so the oldest is a chain tail),
-  device tier only. Same request steps as the bench's CacheManager replay: match holds the
-  matched prefix, allocate evicts to make room, finish inserts and releases.
+  call per block: the formula zkv documents), one dict entry per cached block (its device
+  block id), a free list, and an ``OrderedDict`` of unheld blocks released leaf first (so
+  the oldest is a chain tail), device tier only. Same request steps as the bench's
+  CacheManager replay: match holds the matched prefix, allocate evicts to make room and
+  returns the block table, finish inserts and releases.
 
 Both take each request's block hashes (any hashable; equal prefixes give equal items);
 because hashes are chained, a block's hash names its whole prefix.
@@ -103,42 +104,45 @@ def reference_lru_hits(requests: Sequence[Sequence[Hashable]], capacity: int) ->
 
 
 class SimplePrefixCache:
-    """Per-block dict + OrderedDict LRU, device tier only (see the module docstring)."""
+    """Per-block dict + LRU + free list of device block ids, device tier only (see the
+    module docstring). Like the CacheManager it hands out a block table per request."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.parent: dict[Hashable, Hashable | None] = {}  # cached block -> its parent
-        self.lru: OrderedDict[Hashable, None] = OrderedDict()  # unheld blocks, oldest first
+        self.free = list(range(capacity - 1, -1, -1))
+        self.block: dict[Hashable, int] = {}                    # cached block -> device block
+        self.lru: OrderedDict[Hashable, None] = OrderedDict()   # unheld blocks, oldest first
 
     def match(self, hashes: Sequence[Hashable]) -> int:
-        parent, lru = self.parent, self.lru
+        block, lru = self.block, self.lru
         k = 0
         for h in hashes:
-            if h not in parent:
+            if h not in block:
                 break
             lru.pop(h, None)  # held while the request runs
             k += 1
         return k
 
-    def allocate(self, need: int) -> bool:
-        """Make room for ``need`` new blocks (evicting the oldest unheld blocks)."""
-        parent, lru = self.parent, self.lru
-        evict = len(parent) + need - self.capacity
-        if evict > len(lru):
-            return False
-        for _ in range(evict):
+    def allocate(self, hashes: Sequence[Hashable], k: int) -> list[int] | None:
+        """The request's block table: its matched blocks, then new ones (evicting the
+        oldest unheld blocks as needed); None when they do not fit."""
+        block, lru, free = self.block, self.lru, self.free
+        need = len(hashes) - k
+        if need > len(free) + len(lru):
+            return None
+        while len(free) < need:
             h, _ = lru.popitem(last=False)  # released leaf first: a chain tail
-            del parent[h]
-        return True
+            free.append(block.pop(h))
+        new = free[len(free) - need :]
+        del free[len(free) - need :]
+        return [block[h] for h in hashes[:k]] + new
 
-    def finish(self, hashes: Sequence[Hashable], k: int, cache: bool) -> None:
-        parent, lru = self.parent, self.lru
-        n = len(hashes) if cache else k
-        if cache:
-            p = hashes[k - 1] if k else None
-            for h in hashes[k:]:
-                parent[h] = p
-                p = h
+    def finish(self, hashes: Sequence[Hashable], k: int, table: list[int] | None) -> None:
+        block, lru = self.block, self.lru
+        n = k
+        if table is not None:
+            for i in range(k, len(hashes)):
+                block[hashes[i]] = table[i]
+            n = len(hashes)
         for h in reversed(hashes[:n]):  # leaf first: ancestors end up younger
             lru[h] = None
 
@@ -154,8 +158,7 @@ def run_simple(requests: Sequence[Sequence[int]], capacity: int, hash_fn, cpu_cl
         cpu.append(cpu_clock())
         hashes = hash_fn(req)
         k = c.match(hashes)
-        ok = c.allocate(len(hashes) - k)
-        c.finish(hashes, k, cache=ok)
+        c.finish(hashes, k, c.allocate(hashes, k))
         hits += k
         total += len(hashes)
     cpu.append(cpu_clock())
