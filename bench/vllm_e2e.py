@@ -5,8 +5,11 @@ questions; the measured phase asks every document a new question in an order tha
 defeats a small vLLM cache:
 
     big        vLLM, prefix caching on, its KV cache holds every document (the baseline)
-    zkv        vLLM's KV cache holds ~2 documents; zkv's host tier (L2) holds them all
-    recompute  vLLM's KV cache holds ~2 documents; prefix caching off, no connector
+    zkv        vLLM's KV cache holds one batch of documents; zkv's host tier holds them all
+    recompute  vLLM's KV cache holds one batch of documents; prefix caching off
+
+Every configuration runs the measured phase in generate calls of ``--batch`` prompts, so
+they all run the same batches (the small cache can hold one).
 
 Printed: the measured phase's wall time per engine and the ratios zkv/big (target
 <= 1.1) and recompute/zkv; time to first token of a single ~2k-token prompt whose prefix
@@ -78,12 +81,14 @@ def bench_model(label: str, model: str, vocab: int, args: argparse.Namespace,
     doc_tokens = args.doc_tokens
     w = workload(vocab, args.docs, doc_tokens)
     doc_blocks = -(-(doc_tokens + 128) // BLOCK)
-    small = max(2 * doc_blocks + 8, 2048 // BLOCK + 8) * BLOCK * per_tok
+    # vLLM's small cache runs one batch of --batch prompts, and holds nothing else: the
+    # next batch's documents were evicted (every round walks the documents in order)
+    small = (args.batch * doc_blocks + 8) * BLOCK * per_tok
     big = (args.docs + 2) * doc_blocks * BLOCK * per_tok + small
     phases = [{"name": "warm", "prompts": w["warm"], "max_tokens": 1}]
     for i in range(args.repeat):  # the same questions again: every round is LRU-hostile
         phases += [{"name": f"measured{i}", "prompts": w["measured"],
-                    "max_tokens": args.max_tokens},
+                    "max_tokens": args.max_tokens, "group": args.batch},
                    {"name": f"ttft{i}", "prompts": w["ttft"], "max_tokens": 1,
                     "one_by_one": True}]
     base = {"model": model, "tp": 1, "max_model_len": doc_tokens + 256, "phases": phases,
@@ -110,8 +115,8 @@ def bench_model(label: str, model: str, vocab: int, args: argparse.Namespace,
     zt = res["zkv"]["phases"][-1]["zkv"]
     print(f"\n== {label}: {args.docs} documents x {doc_tokens} tokens, KV {per_tok} B/token; "
           f"vLLM cache small {small >> 20} MiB / big {big >> 20} MiB")
-    print(f"  measured phase ({args.docs} prompts, {args.max_tokens} output tokens each; "
-          f"median of {args.repeat} rounds):")
+    print(f"  measured phase ({args.docs} prompts in generate calls of {args.batch}, "
+          f"{args.max_tokens} output tokens each; median of {args.repeat} rounds):")
     for k in ("big", "zkv", "recompute"):
         print(f"    {k:10s} {wall[k]:7.3f} s")
     print(f"  ratio zkv/big       {wall['zkv'] / wall['big']:.3f}x   (target <= 1.1)")
@@ -135,6 +140,7 @@ def main() -> int:
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds (median)")
+    ap.add_argument("--batch", type=int, default=2, help="prompts per generate call")
     ap.add_argument("--workdir", default=None, help="keep models and results here")
     args = ap.parse_args()
     tmp = args.workdir or tempfile.mkdtemp(prefix="zkv-bench-vllm-")

@@ -137,7 +137,8 @@ def test_l3_deleted_between_runs(env, ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
 def test_unwritable_store_and_injected_load_failures(env, ref_tp1) -> None:  # noqa: ANN001
     blocker = env["tmp"] / "not-a-dir"
     blocker.write_text("a file where the store wants a directory")
-    cfg = _zkv(env, storage=f"file://{blocker}/l3", inject_load_failures=[0, 2, 5])
+    cfg = _zkv(env, storage=f"file://{blocker}/l3", inject_load_failures=[0, 2, 5],
+               gate=True)  # the gated worker (what async scheduling uses) on this run
     out = run_engine(env["tmp"], "zkv-tp1-faults", _spec(env, connector=cfg))
     _same_tokens(out, ref_tp1)
     z = _last(out)

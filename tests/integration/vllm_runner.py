@@ -7,7 +7,8 @@ here, so each configuration runs once, as its own process)::
 
 ``spec``: ``{"model": dir, "tp": 1, "prefix_caching": true, "kv_cache_bytes": N,
 "block_size": 32, "max_model_len": 4096, "connector": {extra config} | null,
-"phases": [{"name": .., "prompts": [[ids..], ..], "max_tokens": 8, "one_by_one": false}]}``.
+"phases": [{"name": .., "prompts": [[ids..], ..], "max_tokens": 8, "one_by_one": false,
+"group": 0}]}`` (``group`` N: one generate call per N prompts; ``one_by_one``: N = 1).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, and zkv's Prometheus metrics.
 
@@ -113,11 +114,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                             ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
         t = time.perf_counter()
-        if ph.get("one_by_one"):
+        group = 1 if ph.get("one_by_one") else ph.get("group", 0)
+        if group:  # generate calls of `group` prompts each, timed one by one
             res, lat = [], []
-            for p in prompts:
+            for i in range(0, len(prompts), group):
                 t1 = time.perf_counter()
-                res += llm.generate([p], sp, use_tqdm=False)
+                res += llm.generate(prompts[i : i + group], sp, use_tqdm=False)
                 lat.append(time.perf_counter() - t1)
         else:
             res, lat = llm.generate(prompts, sp, use_tqdm=False), []

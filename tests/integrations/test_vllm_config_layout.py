@@ -36,6 +36,7 @@ def test_defaults() -> None:
     ({"write_through_threshold": 0}, "write_through_threshold must be >= 1"),
     ({"inject_load_failures": [1, -2]}, "inject_load_failures must be a list of integers"),
     ({"log_level": "loud"}, "log_level must be one of"),
+    ({"gate": "maybe"}, "gate must be"),
     ({"metrics_port": "9000"}, "metrics_port must be an integer port"),
 ])
 def test_bad_values_refused_with_one_line(extra: dict, msg: str) -> None:

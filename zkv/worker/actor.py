@@ -385,7 +385,9 @@ class WorkerActor:
         results: dict[int, P.OpResult] = {}
         pending: tuple[int, ...] = ()
         self.counter.begin(seq)
-        why = self._wait_released(seq) if self.gated else None
+        # Storage-only batches (s2h / h2s) touch no engine block: nothing to wait for.
+        gate = self.gated and any(op.kind not in (P.S2H, P.H2S) for op in batch.ops)
+        why = self._wait_released(seq) if gate else None
         if why is not None:
             self._log.error(ev.COPY_FAILED, seq=seq, error=why)
             self.counter.fail(seq, why)

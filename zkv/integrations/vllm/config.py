@@ -19,6 +19,8 @@ Keys (all optional)::
     prefetch_base_ms         float >= 0   timeout policy: budget = base + per_ki_token x
     prefetch_per_ki_token_ms float >= 0   prompt tokens / 1024, at most max (defaults 50,
     prefetch_max_ms          float >= 0   50 and 2000 ms; zkv.scheduler.prefetch)
+    gate                     "auto"|bool  run a batch only once the worker half released it
+                                          (auto: when vLLM schedules asynchronously)
     layer_timeout_s          float > 0    a forward waits this long for a layer's load
                                           before it counts as failed (default 30)
     log_dir                  str          zkv's JSON logs (default: stderr, level warning)
@@ -71,6 +73,7 @@ class ZkvVllmConfig:
     prefetch_per_ki_token_ms: float = 50.0
     prefetch_max_ms: float = 2000.0
     layer_timeout_s: float = 30.0
+    gate: str | bool = "auto"
     log_dir: str | None = None
     log_level: str = "warning"
     metrics_port: int | None = None
@@ -169,6 +172,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
             kw[key] = _choice(key, value, PREFETCH_POLICIES)
         elif key in ("prefetch_base_ms", "prefetch_per_ki_token_ms", "prefetch_max_ms"):
             kw[key] = _number(key, value, 0)
+        elif key == "gate":
+            if value != "auto" and not isinstance(value, bool):
+                raise ConfigError(f"zkv: gate must be \"auto\", true or false; got {value!r}")
+            kw[key] = value
         elif key == "layer_timeout_s":
             kw[key] = _number(key, value, 0, strict=True)
         elif key in ("log_dir", "namespace_salt"):

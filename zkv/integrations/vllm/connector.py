@@ -209,8 +209,11 @@ class ZkvConnector(KVConnectorBase_V1):
         layout = self._layout(kind)
         pub, pull, _ = ipc_endpoints(self.engine_id, create=True)
         store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
+        gate = self.cfg.gate
+        if gate == "auto":
+            gate = bool(getattr(self._vllm_config.scheduler_config, "async_scheduling", True))
         self.worker.start(names, views, layout, pub_endpoint=pub, pull_endpoint=pull,
-                          store=store)
+                          store=store, gated=bool(gate))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

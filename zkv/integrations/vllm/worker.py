@@ -76,7 +76,10 @@ class WorkerHalf:
         self._checked: int | None = None
 
     def start(self, names: list[str], views: list[tuple[Any, Any]], layout: CacheLayout, *,
-              pub_endpoint: str, pull_endpoint: str, store: Any) -> None:
+              pub_endpoint: str, pull_endpoint: str, store: Any, gated: bool = True) -> None:
+        """``gated``: batches wait for :meth:`bind` (needed when vLLM schedules a step while
+        the previous forward still runs: async scheduling); without it a batch runs as it
+        arrives, which with synchronous scheduling is after the previous forward ended."""
         from zkv.worker.sidecar import Sidecar, resolve_backend, select_device
 
         device = select_device(views)  # the engine's cache device (None: CPU caches)
@@ -86,7 +89,7 @@ class WorkerHalf:
         self.layer_index = {n: i for i, n in enumerate(names)}
         self.sidecar = Sidecar(views, layout=layout, rank=self.rank, pub_endpoint=pub_endpoint,
                                pull_endpoint=pull_endpoint, backend=backend, store=store,
-                               gated=True)
+                               gated=gated)
 
     # ------------------------------------------------------------ per step
 
