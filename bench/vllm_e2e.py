@@ -92,7 +92,7 @@ def bench_model(label: str, model: str, vocab: int, args: argparse.Namespace,
                    {"name": f"ttft{i}", "prompts": w["ttft"], "max_tokens": 1,
                     "one_by_one": True}]
     base = {"model": model, "tp": 1, "max_model_len": doc_tokens + 256, "phases": phases,
-            "max_num_batched_tokens": 8192}
+            "max_num_batched_tokens": 8192, "multiprocess": True}  # as deployed
     zkv_cfg = {"host_blocks": (args.docs + 2) * doc_blocks, "storage": "none"}
     res = {
         "big": run(f"{label}-big", dict(base, kv_cache_bytes=big, prefix_caching=True), tmp),

@@ -13,7 +13,10 @@ Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, and zkv's Prometheus metrics.
 
 The EngineCore runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
-snapshot can be read; model workers are still their own processes.
+connector's snapshot can be read (at TP=1 the model worker then shares the process, and
+the GIL, with it). With ``"multiprocess": true`` vLLM runs as deployed (EngineCore and
+every worker in their own processes) and the counters are scraped from the connector's
+Prometheus endpoint on a free loopback port.
 """
 
 from __future__ import annotations
@@ -83,9 +86,36 @@ def build_smollm2(path: str, cache_dir: str | None = None) -> str:
 
 def _connector_half(llm: Any) -> Any:
     core = llm.llm_engine.engine_core
-    core = getattr(core, "engine_core", core)
+    core = getattr(core, "engine_core", None)
+    if core is None:  # EngineCore in its own process: read the metrics instead
+        return None
     conn = core.scheduler.connector
     return None if conn is None else conn.sched
+
+
+def scrape(port: int) -> dict[str, Any]:
+    """The connector's counters from its Prometheus endpoint (EngineCore in another process)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    v: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            v[(smp.name, smp.labels.get("tier") or smp.labels.get("op") or "")] = smp.value
+    reqs = int(v.get(("zkv:requests_total", ""), 0))
+    return {"requests": reqs,
+            "vllm_local_tokens": int(v.get(("zkv:prompt_tokens_total", "vllm_local"), 0)),
+            "zkv_host_tokens": int(v.get(("zkv:prompt_tokens_total", "zkv_host"), 0)),
+            "zkv_store_tokens": int(v.get(("zkv:prompt_tokens_total", "zkv_store"), 0)),
+            "computed_tokens": int(v.get(("zkv:prompt_tokens_total", "computed"), 0)),
+            "saved_blocks": int(v.get(("zkv:blocks_total", "save"), 0)),
+            "loaded_blocks": int(v.get(("zkv:blocks_total", "load"), 0)),
+            "failed_load_blocks": int(v.get(("zkv:blocks_total", "failed_load"), 0)),
+            "sched_us_per_request": 1e6 * v.get(("zkv:scheduler_seconds_total", ""), 0)
+            / max(1, reqs)}
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -93,6 +123,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = {}
+    port = None
+    if spec.get("connector") is not None and spec.get("multiprocess"):
+        from tests.servers import free_port
+
+        port = free_port()
+        spec["connector"] = dict(spec["connector"], metrics_port=port)
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ZkvConnector",
@@ -129,12 +165,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         out["phases"].append({
             "name": ph.get("name", ""), "wall_s": wall, "latencies_s": lat,
             "tokens": [list(r.outputs[0].token_ids) for r in res],
-            "zkv": half.snapshot() if half is not None else None,
+            "zkv": half.snapshot() if half is not None else (
+                scrape(port) if port is not None else None),
         })
     if half is not None:
         from zkv.integrations.vllm import metrics
 
         out["metrics"] = metrics.render()
+    elif port is not None:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            out["metrics"] = r.read().decode()
     del llm
     return out
 
@@ -144,10 +186,11 @@ def main() -> int:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with open(args.spec, encoding="utf-8") as f:
         spec = json.load(f)
+    if not spec.get("multiprocess"):  # the EngineCore here: its connector half is readable
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if spec.get("tp", 1) > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
             str(i % (os.cpu_count() or 1)) for i in range(spec["tp"])))

@@ -7,6 +7,7 @@ every number is the minimum-over-ranks outcome zkv commits on)::
 
     zkv:prompt_tokens_total{tier="vllm_local|zkv_host|zkv_store|computed"}
     zkv:requests_total
+    zkv:scheduler_seconds_total                          time in the scheduler-side calls
     zkv:blocks_total{op="load|save|store_write|store_read|failed_load"}
     zkv:bytes_total{op="load|save"}
     zkv:batch_seconds (histogram: publish -> every rank acked)
@@ -49,6 +50,10 @@ class _HalfCollector:
                                   labels=["model", "rank"])
         req.add_metric(labels, c.requests)
         yield req
+        sec = CounterMetricFamily("zkv:scheduler_seconds", "Wall time spent in the "
+                                  "connector's scheduler-side calls.", labels=["model", "rank"])
+        sec.add_metric(labels, c.sched_s)
+        yield sec
         blk = CounterMetricFamily("zkv:blocks", "Blocks moved by zkv, per op.",
                                   labels=["model", "rank", "op"])
         for op, v in (("load", s.loaded_external), ("save", s.saved_external),

@@ -424,8 +424,15 @@ class SchedulerHalf:
         self.log.debug(STEP_PUBLISHED, seq=seq, num_ops=len(ops))
         return seq
 
-    def _poll(self) -> None:
-        for done in self.dp.poll(0.0):
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Commit acks until no batch is in flight (shutdown, tests, benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while self.dp.in_flight and time.monotonic() < deadline:
+            self._poll(min(0.1, max(0.0, deadline - time.monotonic())))
+        return not self.dp.in_flight
+
+    def _poll(self, timeout_s: float = 0.0) -> None:
+        for done in self.dp.poll(timeout_s):
             self._batch_seconds.observe(done.latency_s)
             self.cm.on_ops_done(done.results.values())
             self._mark_done(done.seq)
