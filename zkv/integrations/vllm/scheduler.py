@@ -64,13 +64,15 @@ _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_select
 class ZkvMetadata:
     """What the scheduler half tells every worker half for one step (pickled by vLLM).
 
-    ``release_upto``: every batch up to this seq may run (the worker finishes all earlier
-    ones before this step's forward); ``load_seq`` / ``load_op`` / ``loads``: this step's
+    ``release_upto``: every batch up to this seq may run (a gated worker finishes all earlier
+    ones before this step's forward); ``fence``: the forward must not start before batch
+    ``fence`` ran (it saves blocks of a request vLLM just preempted; -1: none); ``load_seq`` / ``load_op`` / ``loads``: this step's
     batch with loads, the load op, and its destination blocks in op order; ``finishing``:
     req_id -> seq of the batch holding its last save (report it finished once that ran).
     """
 
     release_upto: int = -1
+    fence: int = -1
     load_seq: int | None = None
     load_op: int | None = None
     loads: list[int] = field(default_factory=list)
@@ -160,6 +162,7 @@ class SchedulerHalf:
         self._steps: collections.deque[dict[str, tuple[int, int]]] = collections.deque()
         self._dirty: set[str] = set()
         self._finishing: dict[str, int] = {}
+        self._fence = -1
         self._done_upto = -1         # every seq <= this completed on all ranks
         self._done_above: set[int] = set()
         self._step = 0
@@ -293,6 +296,7 @@ class SchedulerHalf:
                 meta.load_seq, meta.load_op = seq, loads[0].id
                 meta.loads = [int(b) for b in loads[0].dst]
         meta.release_upto = self.dp.next_seq - 1
+        meta.fence, self._fence = self._fence, -1
         meta.finishing, self._finishing = self._finishing, {}
         return meta
 
@@ -306,6 +310,8 @@ class SchedulerHalf:
         if self.cm.has_request(rid):
             self.cm.cancel_saves(rid)
             self.cm.finish(rid)
+        if r.last_save_seq is not None and not self._seq_done(r.last_save_seq):
+            self._fence = max(self._fence, r.last_save_seq)  # its blocks may be reused now
         r.epoch += 1
         r.allocated, r.block_ids, r.confirmed = False, [], 0
         r.prefetched, r.local, r.ext = False, 0, 0

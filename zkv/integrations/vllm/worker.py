@@ -4,7 +4,8 @@ A gated :class:`~zkv.worker.sidecar.Sidecar` runs over vLLM's own KV tensors. On
 
     bind_connector_metadata(meta)   release batches <= meta.release_upto, then wait until
                                     every batch before this step's load batch ran here
-                                    (so no earlier save reads a block this forward writes)
+                                    (gated) or until batch meta.fence ran (ungated): no
+                                    earlier save reads a block this forward writes
     forward: wait_for_layer_load(L) layer L of this step's loads is in (CPU: copied;
                                     GPU: the compute stream waits on its event)
     get_block_ids_with_load_errors  this rank's ack of the load batch: the blocks past
@@ -18,6 +19,7 @@ recompute them, or generated tokens change.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -71,9 +73,12 @@ class WorkerHalf:
         self.sidecar: Any = None
         self.layer_index: dict[str, int] = {}
         self.meta: ZkvMetadata | None = None
+        self.gated = True
         self._finishing: dict[str, int] = {}
         self._errors: set[int] = set()
         self._checked: int | None = None
+        self.wait_s = {"bind": 0.0, "layers": 0.0, "acks": 0.0}  # the forward blocked on zkv
+        self.num_steps = 0
 
     def start(self, names: list[str], views: list[tuple[Any, Any]], layout: CacheLayout, *,
               pub_endpoint: str, pull_endpoint: str, store: Any, gated: bool = True) -> None:
@@ -87,6 +92,7 @@ class WorkerHalf:
         if self.cfg.inject_load_failures and self.rank == self.cfg.inject_rank:
             backend = _FaultyLoads(backend, self.cfg.inject_load_failures)
         self.layer_index = {n: i for i, n in enumerate(names)}
+        self.gated = gated
         self.sidecar = Sidecar(views, layout=layout, rank=self.rank, pub_endpoint=pub_endpoint,
                                pull_endpoint=pull_endpoint, backend=backend, store=store,
                                gated=gated)
@@ -100,12 +106,18 @@ class WorkerHalf:
         self._finishing.update(meta.finishing)
         if meta.release_upto < 0 or self.sidecar is None:
             return
+        self.num_steps += 1
         self.sidecar.release(meta.release_upto)
-        before = (meta.load_seq if meta.load_seq is not None else meta.release_upto + 1) - 1
+        if self.gated:  # every earlier batch ran before this forward
+            before = (meta.load_seq if meta.load_seq is not None else meta.release_upto + 1) - 1
+        else:  # batches ran as they came after the previous forward: only a fence matters
+            before = meta.fence
         if before >= 0 and self.sidecar.alive and self.sidecar.last_seq < before:
+            t0 = time.perf_counter()
             if self.sidecar.wait_acked(before, self.cfg.layer_timeout_s) is None:
                 self.log.error("connector.batch_late", seq=before,
                                timeout_s=self.cfg.layer_timeout_s)
+            self.wait_s["bind"] += time.perf_counter() - t0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         meta = self.meta
@@ -114,8 +126,10 @@ class WorkerHalf:
         i = self.layer_index.get(layer_name)
         if i is None:
             return
+        t0 = time.perf_counter()
         try:
             self.sidecar.wait_layer(meta.load_seq, i, timeout=self.cfg.layer_timeout_s)
+            self.wait_s["layers"] += time.perf_counter() - t0
         except (TransferError, TimeoutError) as e:
             if not self._errors:
                 self.log.error(LOAD_FAILED, seq=meta.load_seq, layer=i, error=str(e))
@@ -129,7 +143,9 @@ class WorkerHalf:
         self._checked = meta.load_seq
         ack = None
         if self.sidecar is not None:
+            t0 = time.perf_counter()
             ack = self.sidecar.wait_acked(meta.load_seq, self.cfg.layer_timeout_s)
+            self.wait_s["acks"] += time.perf_counter() - t0
         res = None if ack is None else next((r for r in ack.results if r.id == meta.load_op), None)
         if res is None or not res.ok:
             done = 0 if res is None else res.done
@@ -149,6 +165,8 @@ class WorkerHalf:
         return done
 
     def close(self) -> None:
+        self.log.info("connector.worker_stats", num_steps=self.num_steps,
+                      **{f"wait_{k}_ms": round(v * 1e3, 3) for k, v in self.wait_s.items()})
         if self.sidecar is not None:
             self.sidecar.close()
             self.sidecar = None
