@@ -76,7 +76,7 @@ def run(name: str, spec: dict[str, Any], tmp: str) -> dict[str, Any]:
 
 
 def bench_model(label: str, model: str, vocab: int, args: argparse.Namespace,
-                tmp: str) -> None:
+                tmp: str, multiprocess: bool) -> None:
     per_tok = kv_bytes_per_token(model)
     doc_tokens = args.doc_tokens
     w = workload(vocab, args.docs, doc_tokens)
@@ -92,13 +92,13 @@ def bench_model(label: str, model: str, vocab: int, args: argparse.Namespace,
                    {"name": f"ttft{i}", "prompts": w["ttft"], "max_tokens": 1,
                     "one_by_one": True}]
     base = {"model": model, "tp": 1, "max_model_len": doc_tokens + 256, "phases": phases,
-            "max_num_batched_tokens": 8192, "multiprocess": True}  # as deployed
+            "max_num_batched_tokens": 8192, "multiprocess": multiprocess}
     zkv_cfg = {"host_blocks": (args.docs + 2) * doc_blocks, "storage": "none"}
     res = {
-        "big": run(f"{label}-big", dict(base, kv_cache_bytes=big, prefix_caching=True), tmp),
-        "zkv": run(f"{label}-zkv", dict(base, kv_cache_bytes=small, prefix_caching=True,
+        "big": run(f"{label}-{multiprocess:d}-big", dict(base, kv_cache_bytes=big, prefix_caching=True), tmp),
+        "zkv": run(f"{label}-{multiprocess:d}-zkv", dict(base, kv_cache_bytes=small, prefix_caching=True,
                                          connector=zkv_cfg), tmp),
-        "recompute": run(f"{label}-recompute", dict(base, kv_cache_bytes=small,
+        "recompute": run(f"{label}-{multiprocess:d}-recompute", dict(base, kv_cache_bytes=small,
                                                     prefix_caching=False), tmp),
     }
     def measured(v: dict[str, Any]) -> list[dict[str, Any]]:
@@ -113,8 +113,10 @@ def bench_model(label: str, model: str, vocab: int, args: argparse.Namespace,
                for a, b in zip(res[k]["phases"], res["recompute"]["phases"]))
     z = measured(res["zkv"])[0]["zkv"]
     zt = res["zkv"]["phases"][-1]["zkv"]
-    print(f"\n== {label}: {args.docs} documents x {doc_tokens} tokens, KV {per_tok} B/token; "
-          f"vLLM cache small {small >> 20} MiB / big {big >> 20} MiB")
+    mode = ("deployed: EngineCore, worker and client in 3 processes" if multiprocess else
+            "one process: EngineCore + model worker (the Sidecar a thread beside them)")
+    print(f"\n== {label} [{mode}]: {args.docs} documents x {doc_tokens} tokens, "
+          f"KV {per_tok} B/token; vLLM cache small {small >> 20} MiB / big {big >> 20} MiB")
     print(f"  measured phase ({args.docs} prompts in generate calls of {args.batch}, "
           f"{args.max_tokens} output tokens each; median of {args.repeat} rounds):")
     for k in ("big", "zkv", "recompute"):
@@ -141,6 +143,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds (median)")
     ap.add_argument("--batch", type=int, default=2, help="prompts per generate call")
+    ap.add_argument("--mode", choices=("both", "inprocess", "deployed"), default="both",
+                    help="vLLM in one process and/or as deployed (3 processes on this VM's "
+                         "2 cores: the copies then compete with the forward for a core)")
     ap.add_argument("--workdir", default=None, help="keep models and results here")
     args = ap.parse_args()
     tmp = args.workdir or tempfile.mkdtemp(prefix="zkv-bench-vllm-")
@@ -152,7 +157,8 @@ def main() -> int:
             model, vocab = build_smollm2(os.path.join(tmp, "smollm2"), tmp), 49000
         else:
             sys.exit(f"bench: unknown model {label!r} (tiny, smollm2)")
-        bench_model(label, model, vocab, args, tmp)
+        for mp in {"both": (False, True), "inprocess": (False,), "deployed": (True,)}[args.mode]:
+            bench_model(label, model, vocab, args, tmp, mp)
     return 0
 
 
