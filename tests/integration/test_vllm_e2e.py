@@ -226,3 +226,19 @@ def test_shared_store_urls(env, ref_tp1, backend, request) -> None:  # noqa: ANN
     z = _last(out)
     assert z["zkv_store_tokens"] > 2_000 and z["cm_failed_ops"] == 0
     assert z["cm_stored"] > 300
+
+
+def test_preempted_requests_resume_identical(env) -> None:  # noqa: ANN001
+    """Long outputs on a small vLLM cache: vLLM preempts running requests (their blocks go
+    to others) and resumes them later; zkv cancels their pending saves, fences the forward
+    on saves already sent, and serves the resumed prefixes: same tokens as without zkv."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2000) for _ in range(700)] for _ in range(6)]  # 6 x 22 blocks
+    phases = [{"name": "long", "prompts": prompts, "max_tokens": 240}]
+    ref = run_engine(env["tmp"], "preempt-ref", _spec(env, phases=phases))
+    out = run_engine(env["tmp"], "preempt-zkv", _spec(
+        env, phases=phases, connector=_zkv(env, storage="none", namespace_salt="preempt")))
+    _same_tokens(out, ref)
+    z = _last(out)
+    assert z["preempted"] > 0, "the workload should make vLLM preempt"
+    assert z["disabled"] is None and z["cm_failed_ops"] == 0

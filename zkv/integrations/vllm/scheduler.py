@@ -108,6 +108,7 @@ class TokenCounts:
     zkv_store: int = 0
     computed: int = 0
     failed_load_blocks: int = 0
+    preempted: int = 0
     sched_s: float = 0.0
 
 
@@ -307,6 +308,7 @@ class SchedulerHalf:
         r = self._reqs.get(rid)
         if r is None:
             return
+        self.counts.preempted += 1
         if self.cm.has_request(rid):
             self.cm.cancel_saves(rid)
             self.cm.finish(rid)
@@ -475,6 +477,7 @@ class SchedulerHalf:
         return {"requests": c.requests, "vllm_local_tokens": c.vllm_local,
                 "zkv_host_tokens": c.zkv_host, "zkv_store_tokens": c.zkv_store,
                 "computed_tokens": c.computed, "failed_load_blocks": c.failed_load_blocks,
+                "preempted": c.preempted,
                 "saved_blocks": self.cm.stats.saved_external,
                 "loaded_blocks": self.cm.stats.loaded_external,
                 "sched_us_per_request": 1e6 * c.sched_s / max(1, c.requests),
