@@ -272,12 +272,16 @@ class Replayer:
             if now > deadline:
                 raise TimeoutError(f"batches {sorted(self.outstanding)} not acked within 120 s")
             wake = next_deadline() if next_deadline is not None else None
-            timeout = 0.1 if wake is None else min(0.1, max(0.0, wake - now))
-            lost = None
-            for b in self.dp.poll(timeout):  # type: ignore[attr-defined]
-                lost = self._commit(b) or lost  # commit all (roll back) before raising
-            if lost is not None:
-                raise lost
+            self.pump(0.1 if wake is None else min(0.1, max(0.0, wake - now)))
+
+    def pump(self, timeout_s: float) -> None:
+        """Poll the dispatcher once and commit what completed (all of it, rolled back where
+        it failed, before a RankLost is raised)."""
+        lost = None
+        for b in self.dp.poll(timeout_s):  # type: ignore[attr-defined]
+            lost = self._commit(b) or lost
+        if lost is not None:
+            raise lost
 
     def _commit(self, done: BatchDone) -> RankLost | None:
         """Commit (or roll back) one batch; the RankLost to raise if a rank was lost."""

@@ -53,7 +53,7 @@ FAULTS = ("junk", "forged", "rogue", "duplicate", "truncate", "store", "kill", "
 def leaked_blocks(cm: CacheManager) -> int:
     """Blocks that nothing owns: abort every running request, drop every cached block
     (``reset``); whatever is still allocated then leaked. Call with no op in flight."""
-    for rid in list(cm._reqs):
+    for rid in list(cm.core.requests):  # (the manager lists them nowhere else)
         cm.abort(rid)
     cm.check_invariants()
     cm.reset()
@@ -250,16 +250,22 @@ class Soak:
         t0 = time.monotonic()
         next_fault = t0 + self.args.fault_every
         seed = self.args.seed
-        while time.monotonic() - t0 < self.args.seconds or plan:
+        def over() -> bool:  # time is up, every kind was injected, every fault settled
+            spent = time.monotonic() - t0  # (a fault that never settles: not survived)
+            return spent >= self.args.seconds and (not plan and not self.confirm
+                                                   or spent >= self.args.seconds + 120)
+
+        while not over():
             workload = list(chat_workload(60, self.layout.block_size, seed))
             seed += 1
             for i in range(0, len(workload), 2):
-                if time.monotonic() >= next_fault:
+                now = time.monotonic()
+                if now >= next_fault and (plan or now - t0 < self.args.seconds):
                     kind = plan.pop(0) if plan else self.rng.choice(self.args.faults)
                     self._inject(kind)
                     next_fault = time.monotonic() + self.args.fault_every
                 self._one_step(workload[i:i + 2])
-                if not plan and time.monotonic() - t0 >= self.args.seconds:
+                if over():
                     break
         self.report.wall_s = time.monotonic() - t0
         self.report.end = self._stats()
@@ -333,11 +339,13 @@ class Soak:
         return s
 
     def _wait_counted(self, what: str, target: int) -> bool:
+        """Until the dispatcher counted ``target`` refusals of a kind (completions that come
+        meanwhile, storage writes, are committed by the replayer, never dropped)."""
         deadline = time.monotonic() + 10
         while self.dp.refusals()[what] < target:
             if time.monotonic() > deadline:
                 return False
-            self.dp.poll(0.01)
+            self.rp.pump(0.01)
         return True
 
     def _fault_junk(self) -> None:

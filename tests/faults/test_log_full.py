@@ -24,7 +24,7 @@ def _replay(tmp_path: Path, logs: Path, preexec: object = None) -> subprocess.Co
     env = dict(os.environ, ZKV_LOG_LEVEL="debug")  # many lines: one per batch per rank
     return subprocess.run(
         [sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests", "60",
-         "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--device-blocks", "400",
+         "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--device-blocks", "800",
          "--host-blocks", "200", "--log-dir", str(logs),
          "--store-dir", str(tmp_path / "l3")],
         capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,

@@ -47,7 +47,7 @@ def test_store_failing_mid_write_keeps_the_written_prefix_and_the_host_copies(
         pipe.step("a", a)
         store = LocalDirStore(store_dir, LAYOUT.fingerprint())
         # the first two blocks of `a` are evicted to host, then written to storage: the
-        # directory the second one goes to is unusable on rank 1 (a file stands in it)
+        # directory one of them goes to is unusable (a file stands in it)
         shard = os.path.dirname(store.path(pack_key(a[3], 1)))
         assert shard != os.path.dirname(store.path(pack_key(a[2], 1)))
         os.makedirs(os.path.dirname(shard), exist_ok=True)
@@ -60,11 +60,12 @@ def test_store_failing_mid_write_keeps_the_written_prefix_and_the_host_copies(
         from tests.worker.helpers import poll_until_done
 
         res = poll_until_done(pipe.d, seq)[seq].results[h2s.id]
-        assert not res.ok and res.done == first_blocked and "rank 1" in str(res.error)
+        # done: the prefix written on every rank (whole chunks of a batched put count)
+        assert not res.ok and res.done <= first_blocked and "put" in str(res.error)
         stored_before = pipe.cm.stats.stored
         pipe.cm.on_ops_done([res])
         pipe.cm.check_invariants()
-        assert pipe.cm.stats.stored - stored_before == first_blocked
+        assert pipe.cm.stats.stored - stored_before == res.done
         # the host copies stay and are served (checked byte for byte on every rank)
         assert [pipe.cm.tree.index[h].status for h in a[2:]] == [HOST, HOST]
         done = pipe.step("a2", a)
