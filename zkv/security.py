@@ -48,6 +48,7 @@ import re
 import shutil
 import stat
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -290,11 +291,15 @@ class ZapHandler:
         self._domains: dict[str, _Domain] = {}
         self._stop_ep = f"inproc://zkv-zap-stop-{uuid.uuid4().hex}"
         self._zap = ctx.socket(zmq.REP)
-        self._zap.linger = 0
-        self._zap.bind(ZAP_ENDPOINT)
         self._stop_in = ctx.socket(zmq.PAIR)
-        self._stop_in.linger = 0
-        self._stop_in.bind(self._stop_ep)
+        try:
+            self._zap.linger = self._stop_in.linger = 0
+            _bind_when_free(self._zap, ZAP_ENDPOINT)
+            self._stop_in.bind(self._stop_ep)
+        except zmq.ZMQError:
+            self._zap.close(0)
+            self._stop_in.close(0)
+            raise
         self._thread = threading.Thread(target=self._serve, name="zkv-zap", daemon=True)
         self._thread.start()
 
@@ -358,6 +363,20 @@ class ZapHandler:
         if user is None:
             return [b"1.0", request_id, b"400", reason.encode(), b"", b""]
         return [b"1.0", request_id, b"200", b"OK", user.encode(), b""]
+
+
+def _bind_when_free(sock: zmq.Socket[Any], endpoint: str, timeout_s: float = 2.0) -> None:
+    """Bind, waiting while a handler that just closed still holds the endpoint: libzmq
+    releases an inproc name when its reaper thread has destroyed the old socket."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        time.sleep(0.005)  # a retry interval: nothing to wait on but the reaper
 
 
 def _authenticate(d: _Domain, address: str, mechanism: bytes,

@@ -34,13 +34,12 @@ def test_junk_flood_is_counted_not_logged_per_message_and_batches_go_on(
 
     def flood() -> None:  # its own socket, in its own thread (a PUSH blocks when full)
         junk = ctx.socket(zmq.PUSH)
-        junk.linger = 0
         junk.connect(g.d.pull_endpoint)
         try:
             for i in range(n):
                 junk.send_multipart(kinds[i % len(kinds)])
         finally:
-            junk.close(0)
+            junk.close(linger=30_000)  # deliver what is queued (the test waits for it all)
 
     flooder = threading.Thread(target=flood, daemon=True)
     try:
