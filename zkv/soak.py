@@ -152,7 +152,11 @@ class Soak:
         os.mkdir(self.store_dir, 0o700)
         self.keys_dir = security.Keyring.generate(args.ranks).save(os.path.join(run_dir, "keys"))
         self.keyring = security.Keyring.load(self.keys_dir)
-        self.store = LocalDirStore(self.store_dir, self.layout.fingerprint())
+        # A byte budget keeps the store (and each writer's in-memory index of its files,
+        # ~250 bytes a file) bounded however long the soak runs.
+        budget = args.store_mb << 20
+        self.store_url = f"file://{self.store_dir}?max_bytes={budget}"
+        self.store = LocalDirStore(self.store_dir, self.layout.fingerprint(), max_bytes=budget)
         self.pub, self.pull = f"ipc://{run_dir}/pub", f"ipc://{run_dir}/pull"
         self.log_dir = args.log_dir or os.path.join(run_dir, "logs")
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -174,7 +178,8 @@ class Soak:
         ep = Endpoints(self.pub, self.pull, self.run_dir, self.keys_dir)
         for r in range(self.args.ranks):
             env = rank_env(cfg, r, ep)
-            env.update(ZKV_BACKEND="cpu", ZKV_STORE_DIR=self.store_dir, ZKV_HEARTBEAT_S="0.1",
+            env.pop("ZKV_STORE_DIR", None)
+            env.update(ZKV_BACKEND="cpu", ZKV_STORE_URL=self.store_url, ZKV_HEARTBEAT_S="0.1",
                        ZKV_LOG_LEVEL="warning")
             self.procs.append(subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env,
                                                stdin=subprocess.DEVNULL,
@@ -430,6 +435,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--check-every", type=int, default=10, help="steps between invariant checks")
     p.add_argument("--device-blocks", type=int, default=512)
     p.add_argument("--host-blocks", type=int, default=256)
+    p.add_argument("--store-mb", type=int, default=256, help="L3 byte budget (all ranks)")
     p.add_argument("--log-dir", default=None)
     args = p.parse_args(argv)
     args.faults = [f for f in args.faults.split(",") if f]
