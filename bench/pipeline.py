@@ -77,13 +77,13 @@ class Row:
 
 
 def start_group(folder: str, world_size: int,
-                curve: bool = False) -> tuple[Dispatcher, list[subprocess.Popen[bytes]]]:
-    """``curve``: a per-run keyring (what zkvrun uses), else the ipc-only trust path."""
+                keys: bool = False) -> tuple[Dispatcher, list[subprocess.Popen[bytes]]]:
+    """``keys``: a per-run keyring (what zkvrun uses), else the keyless ipc path."""
     from zkv.security import Keyring
 
     layout = bench_layout(world_size)
     pub, pull = f"ipc://{folder}/pub", f"ipc://{folder}/pull"
-    keyring = Keyring.generate(world_size) if curve else None
+    keyring = Keyring.generate(world_size) if keys else None
     keys_dir = keyring.save(os.path.join(folder, f"keys-{world_size}")) if keyring else None
     d = Dispatcher(pub, pull, world_size, layout, heartbeat_timeout_s=10.0, keys=keyring)
     procs = []
@@ -215,8 +215,9 @@ def main() -> int:
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--empty", type=int, default=3000)
     ap.add_argument("--copies", type=int, default=300)
-    ap.add_argument("--curve", action="store_true",
-                    help="CURVE with per-rank keys (zkvrun's default) instead of plain ipc")
+    ap.add_argument("--keys", action="store_true",
+                    help="per-rank keys (zkvrun's default; on ipc: a token per rank, no "
+                         "encryption) instead of the keyless ipc path")
     args = ap.parse_args()
     zlog.configure("bench", level="warning")
     rows: list[Row] = []
@@ -228,7 +229,7 @@ def main() -> int:
             floor = echo_floor(folder, world_size, args.empty, warmup=200)
             floor_p50 = float(np.percentile(floor, 50))
             rows.append(Row(world_size, "bare pyzmq echo (floor)", args.empty, floor))
-            d, procs = start_group(folder, world_size, args.curve)
+            d, procs = start_group(folder, world_size, args.keys)
             try:
                 rows.append(Row(world_size, "empty", args.empty,
                                 one_at_a_time(d, [[]], args.empty, warmup=200), floor_p50))
@@ -242,7 +243,7 @@ def main() -> int:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     print(f"actor pipeline: publish -> all acks, one batch in flight, ipc://"
-          f"{' + CURVE' if args.curve else ''}, {os.cpu_count()} cores, latencies in us")
+          f"{' + per-rank keys' if args.keys else ''}, {os.cpu_count()} cores, latencies in us")
     print(f"{'ranks':>5}  {'workload':<26} {'n':>6}  {'p50':>9}  {'p99':>9}  {'mean':>9}"
           f"  {'max':>9}  {'x floor':>9}")
     for row in rows:

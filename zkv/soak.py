@@ -339,7 +339,7 @@ class Soak:
         s = self.ctx.socket(zmq.PUSH)
         s.linger = 0
         s.sndhwm = 10_000
-        security.setup_client(s, keys)
+        security.setup_client(s, keys, self.pull)
         s.connect(self.pull)
         return s
 

@@ -1,8 +1,10 @@
-"""CURVE on tcp://: a peer without a rank's key reads nothing and counts for nothing; a rank
-cannot speak for another rank; real worker processes work over it; plain tcp is refused."""
+"""Per-rank identities, on tcp:// (CURVE keys) and on ipc:// (tokens derived from the keys):
+a peer without a rank's credential reads nothing and counts for nothing; a rank cannot speak
+for another rank; real worker processes work over both; plain tcp is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from tests.worker.helpers import FakeRank, poll_until_done, reap, worker_env
+from tests.worker.helpers import FakeRank, poll_until_done, reap, short_ipc_dir, worker_env
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
@@ -43,10 +45,20 @@ def _poll_until(d: Dispatcher, pred: Any, what: str, timeout: float = 10.0) -> N
         d.poll(0.02)
 
 
+def _endpoints(transport: str, folder: str) -> tuple[str, str]:
+    return (TCP, TCP) if transport == "tcp" else (f"ipc://{folder}/pub", f"ipc://{folder}/pull")
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def group(ctx: zmq.Context[Any],
-          keyring: Keyring) -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
-    d = Dispatcher(TCP, TCP, 2, FP, context=ctx, keys=keyring, heartbeat_timeout_s=60.0)
+def group(ctx: zmq.Context[Any], keyring: Keyring, transport: str,
+          folder: str) -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
+    d = Dispatcher(*_endpoints(transport, folder), 2, FP, context=ctx, keys=keyring,
+                   heartbeat_timeout_s=60.0)
     ranks = [FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, r, FP, keys=keyring.for_rank(r))
              for r in range(2)]
     try:
@@ -65,8 +77,8 @@ def test_rogue_without_a_rank_key_reads_no_batch_and_gets_nothing_counted(
         group: tuple[Dispatcher, list[FakeRank]]) -> None:
     d, ranks = group
     pub, pull = d.pub_endpoint, d.pull_endpoint
-    # One rogue speaks no CURVE at all; the other knows the server's public key (it is no
-    # secret) and brings a key pair of its own.
+    # One rogue brings no credential at all; the other knows the server's public key (it
+    # is no secret) and brings a key pair of its own (on ipc: the token it derives).
     own_public, own_secret = zmq.curve_keypair()
     rogues = [FakeRank(ctx, pub, pull, 0, FP, pid=ranks[0].pid),
               FakeRank(ctx, pub, pull, 0, FP, pid=ranks[0].pid,
@@ -122,8 +134,9 @@ def test_a_rank_cannot_ack_heartbeat_or_say_bye_for_another(
     assert done.ok and done.results == {0: P.OpResult(0, True, 1)}
 
 
-def test_a_rank_cannot_join_as_another(ctx: zmq.Context[Any], keyring: Keyring) -> None:
-    d = Dispatcher(TCP, TCP, 2, FP, context=ctx, keys=keyring)
+def test_a_rank_cannot_join_as_another(ctx: zmq.Context[Any], keyring: Keyring, transport: str,
+                                       folder: str) -> None:
+    d = Dispatcher(*_endpoints(transport, folder), 2, FP, context=ctx, keys=keyring)
     # rank 1's keys, claiming rank 0: its ready marker and hello are both refused
     impostor = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 0, FP, keys=keyring.for_rank(1))
     try:
@@ -159,8 +172,9 @@ def np_zeros() -> Any:
     return np.zeros((2, 1, 4, 4), dtype=np.float16)
 
 
-def test_worker_processes_over_curve(tmp_path: Path) -> None:
-    """Real ``python -m zkv.worker`` ranks with keys from $ZKV_KEYS: fill, then check."""
+def test_worker_processes_with_keys(tmp_path: Path, transport: str, folder: str) -> None:
+    """Real ``python -m zkv.worker`` ranks with keys from $ZKV_KEYS: fill, then check; a
+    third with a stranger's key for rank 1 is refused."""
     layout = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=8,
                          num_device_blocks=4, num_host_blocks=4, world_size=2)
     keyring = Keyring.generate(2)
@@ -168,7 +182,8 @@ def test_worker_processes_over_curve(tmp_path: Path) -> None:
     other = Keyring.generate(2)  # a stranger who knows our server's public key (no secret)
     stranger = Keyring(keyring.server_public, None, other.rank_publics,
                        other.rank_secrets).save(str(tmp_path / "other-keys"))
-    d = Dispatcher(TCP, TCP, 2, layout, keys=keyring, heartbeat_timeout_s=10.0)
+    d = Dispatcher(*_endpoints(transport, folder), 2, layout, keys=keyring,
+                   heartbeat_timeout_s=10.0)
     procs = []
     try:
         for rank, keys in ((0, keys_dir), (1, keys_dir), (1, stranger)):
@@ -216,6 +231,10 @@ def test_keyring_files_and_loading(tmp_path: Path) -> None:
         partial.for_rank(0)
     with pytest.raises(ConfigError, match="server secret"):
         Dispatcher(TCP, TCP, 3, FP, keys=partial)
+    with short_ipc_dir() as d:  # on ipc the scheduler derives every rank's token
+        with pytest.raises(ConfigError, match="whole keyring"):
+            Dispatcher(f"ipc://{d}/pub", f"ipc://{d}/pull", 3, FP,
+                       keys=dataclasses.replace(keyring, rank_secrets={1: keyring.rank_secrets[1]}))
     os.chmod(node / "rank-1.key_secret", 0o644)
     with pytest.raises(ConfigError, match="readable by others"):
         Keyring.load(str(node))

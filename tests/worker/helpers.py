@@ -87,7 +87,7 @@ class FakeRank:
         self.push = ctx.socket(zmq.PUSH)
         for s in (self.sub, self.push):
             s.setsockopt(zmq.LINGER, 0)
-            security.setup_client(s, keys)
+            security.setup_client(s, keys, pull_ep if s is self.push else pub_ep)
         self.sub.connect(pub_ep)
         self.push.connect(pull_ep)
 

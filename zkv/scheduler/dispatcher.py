@@ -190,7 +190,7 @@ class Dispatcher:
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pull = self._ctx.socket(zmq.PULL)
         try:
-            self._setup_sockets(keys)
+            self._setup_sockets(keys, pub_endpoint, pull_endpoint)
             self._pub.bind(pub_endpoint)
             self._pull.bind(pull_endpoint)
         except (zmq.ZMQError, ConfigError):
@@ -215,11 +215,12 @@ class Dispatcher:
         self._closed = False
         self._next_check = 0.0
 
-    def _setup_sockets(self, keys: security.Keyring | None) -> None:
+    def _setup_sockets(self, keys: security.Keyring | None, pub_endpoint: str,
+                       pull_endpoint: str) -> None:
         pub, pull = self._pub, self._pull
-        for sock in (pub, pull):
+        for sock, endpoint in ((pub, pub_endpoint), (pull, pull_endpoint)):
             sock.setsockopt(zmq.LINGER, 0)
-            security.setup_server(sock, self._domain, keys)
+            security.setup_server(sock, self._domain, keys, endpoint)
         # A PUB drops at its high-water mark, and a drop is a seq gap: with NODROP a full
         # queue (a rank that stopped reading) makes send fail for every rank instead, and
         # publish declares that rank lost. Inbound: subscriptions only (small).

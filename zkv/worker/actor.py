@@ -34,9 +34,9 @@ Errors in a batch::
                                    fails the rank's ops at once. Nothing touches the
                                    dead context again.
 
-Trust: with :class:`~zkv.security.ClientKeys` both sockets are CURVE clients that pin
-the scheduler's public key, so only the scheduler can send batches and only this rank's
-key can ack as this rank. Refusals are counted (``num_refused``) and logged at most a few
+Trust: with :class:`~zkv.security.ClientKeys` both sockets authenticate as this rank
+(CURVE pinning the scheduler's key on tcp, the rank's ipc token on ipc, where the private
+socket directory vouches for the scheduler), so only this rank can ack as this rank. Refusals are counted (``num_refused``) and logged at most a few
 lines a second. A scheduler that restarts (a new connection after the first) is joined
 again: the actor starts over at seq 0 and says hello, the new scheduler's tree is empty.
 """
@@ -300,8 +300,8 @@ class WorkerActor:
         push.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
         push.setsockopt(zmq.SNDHWM, P.RECV_HWM)
         push.setsockopt(zmq.SNDTIMEO, _ACK_SEND_TIMEOUT_MS)
-        security.setup_client(sub, self._keys)
-        security.setup_client(push, self._keys)
+        security.setup_client(sub, self._keys, self.pub_endpoint)
+        security.setup_client(push, self._keys, self.pull_endpoint)
 
     def _hello(self) -> None:
         self._send(P.Hello(self.rank, self._pid, self.layout.fingerprint(),
