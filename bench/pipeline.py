@@ -76,10 +76,16 @@ class Row:
                 f"  {self.lat_us.mean():>9.1f}  {self.lat_us.max():>9.1f}  {ratio}")
 
 
-def start_group(folder: str, world_size: int) -> tuple[Dispatcher, list[subprocess.Popen[bytes]]]:
+def start_group(folder: str, world_size: int,
+                keys: bool = False) -> tuple[Dispatcher, list[subprocess.Popen[bytes]]]:
+    """``keys``: a per-run keyring (what zkvrun uses), else the keyless ipc path."""
+    from zkv.security import Keyring
+
     layout = bench_layout(world_size)
     pub, pull = f"ipc://{folder}/pub", f"ipc://{folder}/pull"
-    d = Dispatcher(pub, pull, world_size, layout.fingerprint(), heartbeat_timeout_s=10.0)
+    keyring = Keyring.generate(world_size) if keys else None
+    keys_dir = keyring.save(os.path.join(folder, f"keys-{world_size}")) if keyring else None
+    d = Dispatcher(pub, pull, world_size, layout, heartbeat_timeout_s=10.0, keys=keyring)
     procs = []
     for rank in range(world_size):
         env = dict(os.environ)
@@ -87,6 +93,9 @@ def start_group(folder: str, world_size: int) -> tuple[Dispatcher, list[subproce
                     "ZKV_CONFIG": layout.to_json(), "ZKV_PUB_ENDPOINT": pub,
                     "ZKV_PULL_ENDPOINT": pull, "ZKV_BACKEND": "cpu", "ZKV_LOG_LEVEL": "warning"})
         env.pop("ZKV_LOG_DIR", None)
+        env.pop("ZKV_KEYS", None)
+        if keys_dir:
+            env["ZKV_KEYS"] = keys_dir
         env.setdefault("OMP_NUM_THREADS", "1")  # as zkvrun / torchrun set it
         procs.append(subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env,
                                       stdin=subprocess.DEVNULL))
@@ -206,6 +215,9 @@ def main() -> int:
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--empty", type=int, default=3000)
     ap.add_argument("--copies", type=int, default=300)
+    ap.add_argument("--keys", action="store_true",
+                    help="per-rank keys (zkvrun's default; on ipc: a token per rank, no "
+                         "encryption) instead of the keyless ipc path")
     args = ap.parse_args()
     zlog.configure("bench", level="warning")
     rows: list[Row] = []
@@ -217,7 +229,7 @@ def main() -> int:
             floor = echo_floor(folder, world_size, args.empty, warmup=200)
             floor_p50 = float(np.percentile(floor, 50))
             rows.append(Row(world_size, "bare pyzmq echo (floor)", args.empty, floor))
-            d, procs = start_group(folder, world_size)
+            d, procs = start_group(folder, world_size, args.keys)
             try:
                 rows.append(Row(world_size, "empty", args.empty,
                                 one_at_a_time(d, [[]], args.empty, warmup=200), floor_p50))
@@ -230,8 +242,8 @@ def main() -> int:
                 stop_group(d, procs)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-    print(f"actor pipeline: publish -> all acks, one batch in flight, ipc://, "
-          f"{os.cpu_count()} cores, latencies in us")
+    print(f"actor pipeline: publish -> all acks, one batch in flight, ipc://"
+          f"{' + per-rank keys' if args.keys else ''}, {os.cpu_count()} cores, latencies in us")
     print(f"{'ranks':>5}  {'workload':<26} {'n':>6}  {'p50':>9}  {'p99':>9}  {'mean':>9}"
           f"  {'max':>9}  {'x floor':>9}")
     for row in rows:

@@ -16,6 +16,18 @@ reaches the whole tree under it; on Linux each also gets ``PR_SET_PDEATHSIG=SIGK
 so a SIGKILLed zkvrun leaves no orphans. Exit codes: 0 (scheduler exited 0, or every
 rank exited 0 on a node without one), the scheduler's code, 1 (a rank failed with no
 restarts left), 2 (usage / refused configuration), 128+signum (SIGINT / SIGTERM / SIGHUP).
+
+Restarts (``--max-restarts N``) restart the whole group, like torchrun: a scheduler that
+lost a rank cannot take it back (the rank's cache died with it and the scheduler's tree
+still points into it), so any child's failure tears every child down and starts all of
+them again, up to N times; a fresh scheduler starts from an empty tree.
+
+Files (single node): ``{tmp}/zkv-{uid}/run-{pid}-{random}/`` (0700) holds the ipc
+sockets and, unless ``--keys`` names a keyring, a fresh per-run CURVE keyring (every
+rank authenticates with its own key). It is removed at exit; one left by a zkvrun that
+was SIGKILLed is removed by the next start (see :func:`zkv.security.clean_stale_runs`).
+Across nodes: ``tcp://`` with ``--keys DIR`` (``zkv keys``), or ``--insecure-tcp``;
+a ``--master-addr`` other than loopback also needs ``--allow-remote``.
 """
 
 from __future__ import annotations
@@ -25,7 +37,6 @@ import ctypes
 import dataclasses
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,153 +47,30 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from launch.env import (
+    RANKS_PER_CORE,
+    SCHEDULER,
+    WORKER,
+    Endpoints,
+    LaunchConfig,
+    check_keys,
+    keys_for,
+    load_layout,
+    make_endpoints,
+    max_local_ranks,
+    rank_env,
+    resolve_cmd,
+    run_base,
+    scheduler_env,
+)
 from zkv import log as zlog
-from zkv.config import CacheLayout
+from zkv import security
 from zkv.errors import ConfigError
 
-WORKER = "worker"
-SCHEDULER = "scheduler"
+__all__ = ["Endpoints", "LaunchConfig", "describe_exit", "main", "make_endpoints",
+           "max_local_ranks", "parse_args", "rank_env", "resolve_cmd", "run", "scheduler_env"]
+
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# Variables a rank gets from zkvrun and the scheduler must not inherit from zkvrun's env.
-_RANK_ONLY_VARS = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
-_MAX_IPC_PATH = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS
-
-
-@dataclass(slots=True)
-class LaunchConfig:
-    """The flags of ``zkvrun``. ``run_id`` / ``log_dir`` left ``None`` are filled by
-    :func:`run` (a random id; ``$ZKV_LOG_DIR`` or ``{tmp}/zkv-logs/{run_id}``)."""
-
-    nnodes: int = 1
-    nproc_per_node: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29511
-    max_restarts: int = 0
-    log_dir: str | None = None
-    run_id: str | None = None
-    insecure_tcp: bool = False
-    grace_s: float = 5.0
-    config: str | None = None  # CacheLayout JSON, or a path to a file holding it
-    monitor_interval_s: float = 0.05
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
-
-    def check(self) -> str | None:
-        """The reason this configuration is refused, or None."""
-        if self.nnodes < 1 or self.nproc_per_node < 1:
-            return "--nnodes and --nproc-per-node must be >= 1"
-        if not 0 <= self.node_rank < self.nnodes:
-            return f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"
-        if self.max_restarts < 0 or self.grace_s < 0 or self.monitor_interval_s <= 0:
-            return "--max-restarts and --grace-s must be >= 0"
-        if self.nnodes > 1 and not 0 < self.master_port < 65535:
-            return f"--master-port must be in [1, 65534] (PULL uses port+1), got {self.master_port}"
-        if self.nnodes > 1 and not self.insecure_tcp:
-            return (f"--nnodes {self.nnodes} needs tcp:// endpoints between machines and CURVE "
-                    "(encrypted, authenticated) transport is not implemented yet; pass "
-                    "--insecure-tcp to use plain tcp on a trusted network")
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoints:
-    """Where the scheduler binds PUB / PULL and the ranks connect SUB / PUSH."""
-
-    pub: str
-    pull: str
-    ipc_dir: str | None = None  # removed by :func:`run` at exit
-
-
-def make_endpoints(config: LaunchConfig) -> Endpoints:
-    """``ipc://`` files in a fresh 0700 directory on one node, ``tcp://`` across nodes."""
-    if config.nnodes > 1:
-        host = config.master_addr
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"  # IPv6 literal
-        return Endpoints(f"tcp://{host}:{config.master_port}",
-                         f"tcp://{host}:{config.master_port + 1}")
-    base = tempfile.gettempdir()
-    if len(base) + len("/zkv-xxxxxxxx/pull") > _MAX_IPC_PATH:
-        base = "/tmp"  # a long $TMPDIR would overflow sun_path
-    ipc_dir = tempfile.mkdtemp(prefix="zkv-", dir=base)  # mode 0700 already
-    os.chmod(ipc_dir, 0o700)
-    return Endpoints(f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/pull", ipc_dir)
-
-
-def _common_env(config: LaunchConfig, endpoints: Endpoints, role: str,
-                base_env: dict[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ if base_env is None else base_env)
-    env.update({
-        "WORLD_SIZE": str(config.world_size),
-        "MASTER_ADDR": config.master_addr,
-        "MASTER_PORT": str(config.master_port),
-        "ZKV_PUB_ENDPOINT": endpoints.pub,
-        "ZKV_PULL_ENDPOINT": endpoints.pull,
-        "ZKV_ROLE": role,
-    })
-    if config.log_dir is not None:
-        env["ZKV_LOG_DIR"] = config.log_dir
-    if config.run_id is not None:
-        env["ZKV_RUN_ID"] = config.run_id
-    if config.config is not None:
-        env["ZKV_CONFIG"] = load_layout(config).to_json()
-    return env
-
-
-def rank_env(config: LaunchConfig, local_rank: int, endpoints: Endpoints,
-             base_env: dict[str, str] | None = None) -> dict[str, str]:
-    """The full environment of local rank ``local_rank`` (``base_env`` defaults to ours)."""
-    env = _common_env(config, endpoints, WORKER, base_env)
-    env.update({
-        "RANK": str(config.node_rank * config.nproc_per_node + local_rank),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
-        "NODE_RANK": str(config.node_rank),
-    })
-    # Like torchrun: ranks that share a node's cores get one OpenMP thread each unless the
-    # caller chose otherwise (oversubscribed OpenMP regions stall for whole time slices).
-    if config.nproc_per_node > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def scheduler_env(config: LaunchConfig, endpoints: Endpoints,
-                  base_env: dict[str, str] | None = None) -> dict[str, str]:
-    """The scheduler's environment: like a rank's, without RANK / LOCAL_RANK / ..."""
-    env = _common_env(config, endpoints, SCHEDULER, base_env)
-    for name in _RANK_ONLY_VARS:
-        env.pop(name, None)
-    return env
-
-
-def load_layout(config: LaunchConfig) -> CacheLayout:
-    """Parse ``--config`` (JSON text or a file path); its world_size must match."""
-    assert config.config is not None
-    text = config.config
-    if not text.lstrip().startswith("{"):
-        try:
-            with open(text, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ConfigError(f"--config is neither layout JSON nor a readable file: {e}") from e
-    layout = CacheLayout.from_json(text)
-    if layout.world_size != config.world_size:
-        raise ConfigError(f"--config has world_size={layout.world_size} but this job has "
-                          f"WORLD_SIZE={config.world_size} (nnodes * nproc-per-node)")
-    return layout
-
-
-def resolve_cmd(cmd: list[str]) -> list[str]:
-    """``-m mod ...``, ``-c code``, any leading Python flag, and ``path.py ...`` run with
-    this Python (``sys.executable``); anything else runs as given."""
-    if not cmd:
-        raise ValueError("empty command")
-    if cmd[0].startswith("-") or cmd[0].endswith(".py"):
-        return [sys.executable, *cmd]
-    return list(cmd)
 
 
 def describe_exit(code: int) -> str:
@@ -222,7 +110,6 @@ class _Child:
     cmd: list[str]
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
     done: bool = False  # exited and will not be restarted
 
     @property
@@ -244,6 +131,19 @@ class _Child:
         return self.proc is not None and not self.done and self.proc.returncode is None
 
 
+class _Signals:
+    """SIGINT / SIGTERM / SIGHUP received by zkvrun, in order; ``wake`` interrupts waits.
+    Installed before anything starts, so a signal during start-up is never lost."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.wake = threading.Event()
+
+    def on_signal(self, signum: int, _frame: object = None) -> None:
+        self.received.append(signum)
+        self.wake.set()
+
+
 def _killpg(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -259,18 +159,37 @@ class _Group:
     SIGKILLed at once, so nothing it started outlives it.
     """
 
-    def __init__(self, config: LaunchConfig, log: zlog.FileLogger,
-                 children: list[_Child]) -> None:
+    def __init__(self, config: LaunchConfig, log: zlog.FileLogger, children: list[_Child],
+                 signals: _Signals | None = None, attempt: int = 0) -> None:
         self.config = config
         self.log = log
         self.children = children
-        self.signals: list[int] = []
-        self.wake = threading.Event()
+        self.sig = signals or _Signals()
+        self.signals = self.sig.received
+        self.wake = self.sig.wake
+        self.attempt = attempt
+        self.failed = False  # a child failed (rather than: done, or a signal to zkvrun)
         self._preexec = _make_pdeathsig()
 
     def on_signal(self, signum: int, _frame: object = None) -> None:
-        self.signals.append(signum)
-        self.wake.set()
+        self.sig.on_signal(signum, _frame)
+
+    def start_all(self) -> int | None:
+        """Start every child; None when all started. A signal to zkvrun meanwhile stops the
+        starting at once and forwards it (its exit code); a child that cannot be started
+        tears the group down (1)."""
+        for child in self.children:
+            if self.signals:
+                return self._forward(self.signals[0])
+            try:
+                self.start(child)
+            except OSError as e:
+                print(f"zkvrun: cannot start {child.name} ({shlex.join(child.cmd)}): {e}",
+                      file=sys.stderr, flush=True)
+                self.log.error(zlog.GROUP_FAILED, **child.fields(), error=str(e))
+                self.teardown(signal.SIGTERM)
+                return 1
+        return None
 
     def _pause(self) -> None:
         self.wake.wait(self.config.monitor_interval_s)
@@ -281,7 +200,7 @@ class _Group:
             child.cmd, env=child.env, start_new_session=True, preexec_fn=self._preexec)
         child.done = False
         event = zlog.SCHEDULER_STARTED if child.role == SCHEDULER else zlog.RANK_STARTED
-        self.log.info(event, **child.fields(), child_pid=child.pid, restarts=child.restarts,
+        self.log.info(event, **child.fields(), child_pid=child.pid, restarts=self.attempt,
                       cmd=child.cmd)
 
     def _reaped(self, child: _Child, code: int) -> None:
@@ -315,7 +234,8 @@ class _Group:
             self._pause()
 
     def _on_exit(self, child: _Child, code: int) -> int | None:
-        """What a child's exit means: an exit code for zkvrun, or None to keep going."""
+        """What a child's exit means: an exit code for zkvrun, or None to keep going.
+        Any failure tears the whole group down (``failed``; :func:`run` may restart it)."""
         if child.role == SCHEDULER and code == 0:
             self.log.info(zlog.GROUP_STOPPED, reason="scheduler_done", code=0,
                           num_torn_down=len(self._live()))
@@ -323,23 +243,20 @@ class _Group:
             return 0
         if child.role == WORKER and code == 0:
             return None
-        head = f"zkvrun: {child.name} (pid {child.pid}) exited with {describe_exit(code)}"
-        tail = "; no restarts left" if child.role == WORKER else ""
-        if child.role == WORKER and child.restarts < self.config.max_restarts:
-            child.restarts += 1
-            print(f"{head}; restarting ({child.restarts}/{self.config.max_restarts})",
-                  file=sys.stderr, flush=True)
-            self.log.warning(zlog.RANK_RESTARTED, rank=child.rank, child_pid=child.pid, code=code,
-                             restart=child.restarts, max_restarts=self.config.max_restarts)
-            try:
-                self.start(child)
-                return None
-            except OSError as e:  # e.g. the binary was removed meanwhile
-                head, tail = f"zkvrun: cannot restart {child.name}: {e}", ""
+        self.failed = True
         live = self._live()
-        print(f"{head}{tail}; tearing down {len(live)} processes", file=sys.stderr, flush=True)
+        left = self.config.max_restarts - self.attempt
+        head = f"zkvrun: {child.name} (pid {child.pid}) exited with {describe_exit(code)}"
+        if left > 0:
+            tail = (f"; tearing down {len(live)} processes, then restarting the group "
+                    f"({self.attempt + 1}/{self.config.max_restarts})")
+        else:
+            tail = ("; no restarts left" if self.config.max_restarts or child.role == WORKER
+                    else "") + f"; tearing down {len(live)} processes"
+        print(head + tail, file=sys.stderr, flush=True)
         self.log.error(zlog.GROUP_FAILED, **child.fields(), child_pid=child.pid, code=code,
-                       how=describe_exit(code), restarts=child.restarts, num_torn_down=len(live))
+                       how=describe_exit(code), restarts=self.attempt,
+                       num_torn_down=len(live))
         self.teardown(signal.SIGTERM)
         if child.role == SCHEDULER:
             return code if code > 0 else 1
@@ -425,11 +342,13 @@ def _install_handlers(handler: Callable[[int, object], None]) -> dict[int, objec
 def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig, str | None]:
     """Validate; the config with ``--config`` parsed once into canonical JSON."""
     problem = config.check() or (None if worker_cmd else "no per-rank command given")
-    if problem is None and config.config is not None:
-        try:
+    try:
+        if problem is None and config.config is not None:
             config = dataclasses.replace(config, config=load_layout(config).to_json())
-        except ConfigError as e:
-            problem = str(e)
+        if problem is None and config.keys is not None:
+            check_keys(config)
+    except ConfigError as e:
+        problem = str(e)
     return config, problem
 
 
@@ -437,47 +356,79 @@ def run(config: LaunchConfig, worker_cmd: list[str], scheduler_cmd: list[str] | 
     """Launch and supervise this node's scheduler (node rank 0) and ranks; exit code.
 
     Installs SIGINT / SIGTERM / SIGHUP handlers while it runs when called from the main
-    thread (restored on return). Does not modify ``config``.
+    thread (restored on return). Does not modify ``config``. With ``max_restarts`` a
+    failed group is torn down and started again (a fresh run directory each time).
     """
     config, problem = _refusal(config, worker_cmd)
     if problem is not None:
         print(f"zkvrun: error: {problem}", file=sys.stderr, flush=True)
         return 2
-    config, chosen = _resolve_defaults(config)
-    assert config.log_dir is not None
-    if chosen:
-        print(f"zkvrun: run {config.run_id}, logs in {config.log_dir}", file=sys.stderr, flush=True)
-    name = "launcher" if config.nnodes == 1 else f"launcher-node{config.node_rank}"
-    log = zlog.open_logger("launcher", config.log_dir, name=name, run_id=config.run_id,
-                           node_rank=config.node_rank)
+    signals = _Signals()
+    previous = _install_handlers(signals.on_signal)
+    try:
+        config, chosen = _resolve_defaults(config)
+        assert config.log_dir is not None
+        if chosen:
+            print(f"zkvrun: run {config.run_id}, logs in {config.log_dir}", file=sys.stderr,
+                  flush=True)
+        name = "launcher" if config.nnodes == 1 else f"launcher-node{config.node_rank}"
+        log = zlog.open_logger("launcher", config.log_dir, name=name, run_id=config.run_id,
+                               node_rank=config.node_rank)
+        try:
+            _clean_stale_runs(log)
+            for attempt in range(config.max_restarts + 1):
+                code, failed = _run_group(config, log, signals, attempt, worker_cmd,
+                                          scheduler_cmd)
+                if not failed or attempt == config.max_restarts or signals.received:
+                    return code
+                log.warning(zlog.GROUP_RESTARTED, restart=attempt + 1, code=code,
+                            max_restarts=config.max_restarts)
+            return code
+        finally:
+            log.close()
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)  # type: ignore[arg-type]
+
+
+def _clean_stale_runs(log: zlog.FileLogger) -> None:
+    """Remove what a SIGKILLed zkvrun left (its run directory: sockets, keys)."""
+    try:
+        removed = security.clean_stale_runs(run_base())
+    except ConfigError:
+        return  # make_run_dir reports the bad root in one line
+    if removed:
+        print(f"zkvrun: removed {len(removed)} run directories left by dead launchers",
+              file=sys.stderr, flush=True)
+        log.info(zlog.RUN_DIRS_CLEANED, paths=removed)
+
+
+def _run_group(config: LaunchConfig, log: zlog.FileLogger, signals: _Signals, attempt: int,
+               worker_cmd: list[str], scheduler_cmd: list[str] | None) -> tuple[int, bool]:
+    """One start of the group: ``(exit code, whether a child failed)``."""
     endpoints: Endpoints | None = None
     group: _Group | None = None
-    previous: dict[int, object] = {}
     try:
         endpoints = make_endpoints(config)
-        group = _Group(config, log, _build_children(config, endpoints, worker_cmd, scheduler_cmd))
-        previous = _install_handlers(group.on_signal)
+        endpoints = dataclasses.replace(endpoints, keys=keys_for(config, endpoints))
+        group = _Group(config, log, _build_children(config, endpoints, worker_cmd,
+                                                    scheduler_cmd), signals, attempt)
         log.info(zlog.GROUP_STARTED, world_size=config.world_size, nnodes=config.nnodes,
                  nproc_per_node=config.nproc_per_node, pub=endpoints.pub, pull=endpoints.pull,
-                 max_restarts=config.max_restarts)
-        for child in group.children:
-            try:
-                group.start(child)
-            except OSError as e:
-                print(f"zkvrun: cannot start {child.name} ({shlex.join(child.cmd)}): {e}",
-                      file=sys.stderr, flush=True)
-                log.error(zlog.GROUP_FAILED, **child.fields(), error=str(e))
-                group.teardown(signal.SIGTERM)
-                return 1
-        return group.supervise()
+                 max_restarts=config.max_restarts, attempt=attempt,
+                 curve=endpoints.keys is not None)
+        code = group.start_all()
+        if code is None:
+            code = group.supervise()
+        return code, group.failed
+    except ConfigError as e:
+        print(f"zkvrun: error: {e}", file=sys.stderr, flush=True)
+        return 2, False
     finally:
         if group is not None:
             group.kill_all()
-        for signum, old in previous.items():
-            signal.signal(signum, old)  # type: ignore[arg-type]
         if endpoints is not None and endpoints.ipc_dir:
-            shutil.rmtree(endpoints.ipc_dir, ignore_errors=True)
-        log.close()
+            security.remove_run_dir(endpoints.ipc_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -495,12 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", "--master_port", type=int, default=29511,
                    help="PUB port with --nnodes > 1; PULL is port+1 (default 29511)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="restarts per rank before the group is torn down (default 0)")
+                   help="times the whole group (scheduler and ranks) is started again after "
+                        "a child fails (default 0)")
     p.add_argument("--log-dir", "--log_dir", default=None,
                    help="default $ZKV_LOG_DIR, else {tmp}/zkv-logs/{run_id}")
     p.add_argument("--run-id", "--run_id", default=None)
-    p.add_argument("--insecure-tcp", action="store_true",
-                   help="allow plain tcp:// between nodes (no CURVE yet)")
+    p.add_argument("--insecure-tcp", "--insecure", action="store_true",
+                   help="allow plain tcp:// between nodes (no CURVE keys)")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="CURVE keyring (zkv keys DIR --world-size N); default on one node: "
+                        "a fresh keyring per run")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="let the scheduler listen on a --master-addr that is not loopback")
+    p.add_argument("--force-ranks", action="store_true",
+                   help=f"allow --nproc-per-node above {RANKS_PER_CORE} per core")
     p.add_argument("--grace-s", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL at teardown (default 5)")
     p.add_argument("--scheduler", default=None, metavar="CMD",
@@ -554,7 +513,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, list[str], 
         nnodes=ns.nnodes, nproc_per_node=ns.nproc_per_node, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port, max_restarts=ns.max_restarts,
         log_dir=ns.log_dir, run_id=ns.run_id, insecure_tcp=ns.insecure_tcp, grace_s=ns.grace_s,
-        config=ns.config)
+        config=ns.config, keys=ns.keys, allow_remote=ns.allow_remote,
+        force_ranks=ns.force_ranks)
     return config, cmd, scheduler
 
 

@@ -13,12 +13,20 @@ Every line carries ``ts`` (epoch seconds, float), ``level``, ``event``, ``compon
   thread inside a model process binds its own ``component`` / ``rank``).
 - :func:`open_logger`: a logger on its own file that leaves structlog's global
   configuration alone (the launcher uses it, since ``zkv replay`` runs it in-process).
+
+Logging never takes a process down. Files are written through :class:`LineFile`: a line
+that cannot be written (disk full, ``ulimit -f``, an I/O error) is dropped and counted,
+one warning goes to stderr, and later lines are tried again (the disk may free up).
+``SIGXFSZ`` is ignored so a file-size limit is an error return, not a kill. Events that
+can repeat at an attacker's pace go through :class:`RateLimited`.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,6 +51,7 @@ BATCH_DONE = "worker.batch_done"
 BATCH_REFUSED = "worker.batch_refused"
 SEQ_GAP = "worker.seq_gap"
 COPY_FAILED = "worker.copy_failed"
+SCHEDULER_REJOINED = "worker.scheduler_rejoined"
 DEVICE_FAILED = "worker.device_failed"
 BACKEND_READY = "worker.backend_ready"
 IO_DONE = "worker.io_done"
@@ -64,6 +73,13 @@ GROUP_STOPPED = "launch.group_stopped"
 SCHEDULER_STARTED = "launch.scheduler_started"
 SCHEDULER_EXITED = "launch.scheduler_exited"
 SIGNAL_FORWARDED = "launch.signal_forwarded"
+RUN_DIRS_CLEANED = "launch.run_dirs_cleaned"
+GROUP_RESTARTED = "launch.group_restarted"
+# security
+HANDSHAKE_REFUSED = "security.handshake_refused"
+IDENTITY_FORGED = "security.identity_forged"
+# logging itself
+LOG_LINES_DROPPED = "log.lines_dropped"
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR, "critical": logging.CRITICAL}
@@ -94,33 +110,124 @@ def _level_no(level: str | None) -> int:
     return LEVELS.get(level, logging.INFO)
 
 
+class LineFile:
+    """An append-only JSON-lines file that never raises on write.
+
+    Each line is one ``write(2)`` (``O_APPEND``: lines of concurrent writers never
+    interleave). A failed write drops the line and counts it (``num_dropped``); the first
+    failure prints one warning to stderr. A short write (a size limit hit mid-line) is
+    ended with a newline before the next line, so readers skip one broken line at most.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.num_dropped = 0
+        self._partial = False
+        self._warned = False
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                                       0o644)
+
+    def write(self, text: str) -> int:
+        fd = self._fd
+        if fd is None:
+            self.num_dropped += 1
+            return len(text)
+        data = text.encode("utf-8", "replace")
+        if self._partial:
+            data = b"\n" + data
+        try:
+            n = os.write(fd, data)
+        except OSError as e:
+            self._dropped(e)
+            return len(text)
+        self._partial = n < len(data)
+        if self._partial:
+            self._dropped(OSError(errno.EFBIG, "short write"))
+        return len(text)
+
+    def _dropped(self, e: OSError) -> None:
+        self.num_dropped += 1
+        if not self._warned:
+            self._warned = True
+            _warn(f"zkv: cannot write log file {self.path} ({e.strerror or e}); dropping log "
+                  "lines (counted) and trying again later")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        if self.num_dropped:
+            _warn(f"zkv: {self.num_dropped} log lines dropped ({self.path})")
+
+
+def _warn(text: str) -> None:
+    """One line to stderr; nothing happens if stderr cannot be written either."""
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def open_line_file(path: str) -> LineFile | None:
+    """A :class:`LineFile` on ``path`` (its directory created), or None with one warning on
+    stderr when it cannot be opened: the caller logs to stderr instead."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        return LineFile(path)
+    except OSError as e:
+        _warn(f"zkv: cannot open log file {path} ({e.strerror or e}); logging to stderr")
+        return None
+
+
+def ignore_file_size_signal() -> None:
+    """Make a ``ulimit -f`` overrun an EFBIG error instead of a SIGXFSZ kill (main thread
+    only; elsewhere the process's setting stays)."""
+    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
 class _Sink:
     """The one stream every configured logger writes to; ``configure`` swaps its target.
 
     Loggers bound before a reconfiguration (``get_logger().bind(...)`` captures the
-    output stream) keep writing to the current file instead of a closed one.
+    output stream) keep writing to the current file instead of a closed one. A write that
+    fails on a stream (stderr closed or full) is dropped.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._target: TextIO | None = None
+        self._target: Any = None
         self._owned = False
 
-    def swap(self, target: TextIO | None, owned: bool) -> None:
+    def swap(self, target: Any, owned: bool) -> None:
         with self._lock:
             old, old_owned = self._target, self._owned
             self._target, self._owned = target, owned
         if old is not None and old_owned and old is not target:
             old.close()
 
+    @property
+    def num_dropped(self) -> int:
+        return getattr(self._target, "num_dropped", 0)
+
     def write(self, text: str) -> int:
         with self._lock:
             out = self._target or sys.stderr
-            return out.write(text)
+            try:
+                return out.write(text)
+            except (OSError, ValueError):
+                return len(text)
 
     def flush(self) -> None:
         with self._lock:
-            (self._target or sys.stderr).flush()
+            try:
+                (self._target or sys.stderr).flush()
+            except (OSError, ValueError):
+                pass
 
 
 _SINK = _Sink()
@@ -139,12 +246,18 @@ def configure(
     Calling it again closes the file the previous call opened.
     """
     log_dir = log_dir or os.environ.get("ZKV_LOG_DIR") or None
+    ignore_file_size_signal()
     path = None
+    target = None
     if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
         name = component if rank is None else f"{component}-{rank}"
         path = os.path.join(log_dir, f"{name}.jsonl")
-        _SINK.swap(open(path, "a", buffering=1, encoding="utf-8"), owned=True)  # noqa: SIM115
+        target = open_line_file(path)
+        if target is None:
+            path = None
+    if target is not None:
+        _SINK.swap(target, owned=True)
+        _close_at_exit()
     else:
         _SINK.swap(stream, owned=False)
     structlog.configure(
@@ -161,9 +274,26 @@ def configure(
     return path
 
 
+_AT_EXIT: list[bool] = []
+
+
+def _close_at_exit() -> None:
+    """Close the file at interpreter exit (it reports dropped lines on stderr), once."""
+    if not _AT_EXIT:
+        import atexit
+
+        atexit.register(close)
+        _AT_EXIT.append(True)
+
+
 def close() -> None:
     """Close the file :func:`configure` opened; later lines go to stderr."""
     _SINK.swap(None, owned=False)
+
+
+def num_dropped_lines() -> int:
+    """Lines the configured file could not take so far (disk full, size limit)."""
+    return _SINK.num_dropped
 
 
 def get_logger(component: str, **binds: Any) -> Any:
@@ -181,17 +311,15 @@ class FileLogger:
     """A JSON-lines logger on its own file, independent of structlog's global config.
 
     ``with FileLogger(path, "launcher") as log: log.info(RANK_STARTED, rank=0)``.
-    Thread-safe (one lock per file); the file is line-buffered.
+    Thread-safe (structlog's lock per file); one ``write(2)`` per line (:class:`LineFile`),
+    stderr when ``path`` is None or cannot be opened.
     """
 
     def __init__(self, path: str | None, component: str, level: str | None = None,
                  **binds: Any) -> None:
-        if path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            out: TextIO = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-            self._file: TextIO | None = out
-        else:
-            self._file, out = None, sys.stderr
+        ignore_file_size_signal()
+        self._file: LineFile | None = open_line_file(path) if path else None
+        out: Any = self._file if self._file is not None else _Sink()
         self.path = path
         self.log = structlog.wrap_logger(
             structlog.WriteLogger(out),
@@ -205,6 +333,10 @@ class FileLogger:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.log, name)
+
+    @property
+    def num_dropped(self) -> int:
+        return self._file.num_dropped if self._file is not None else 0
 
     def close(self) -> None:
         if self._file is not None:
@@ -224,3 +356,46 @@ def open_logger(component: str, log_dir: str | None = None, name: str | None = N
     """:class:`FileLogger` on ``{log_dir}/{name or component}.jsonl`` (stderr without a dir)."""
     path = os.path.join(log_dir, f"{name or component}.jsonl") if log_dir else None
     return FileLogger(path, component, level=level, **binds)
+
+
+class RateLimited:
+    """Logs a repeating event at most ``burst`` times per ``window_s``; the rest are only
+    counted. The next line that gets through carries ``num_suppressed``; :meth:`flush`
+    writes what is still pending. ``total`` counts every call. O(1) per call.
+    """
+
+    __slots__ = ("log", "event", "level", "burst", "window_s", "total", "_left", "_end",
+                 "_suppressed")
+
+    def __init__(self, log: Any, event: str, *, level: str = "error", burst: int = 10,
+                 window_s: float = 1.0) -> None:
+        self.log = log
+        self.event = event
+        self.level = level
+        self.burst = burst
+        self.window_s = window_s
+        self.total = 0
+        self._left = burst
+        self._end = 0.0
+        self._suppressed = 0
+
+    def __call__(self, **fields: Any) -> None:
+        self.total += 1
+        now = time.monotonic()
+        if now >= self._end:
+            self._end = now + self.window_s
+            self._left = self.burst
+        if self._left <= 0:
+            self._suppressed += 1
+            return
+        self._left -= 1
+        if self._suppressed:
+            fields["num_suppressed"] = self._suppressed
+            self._suppressed = 0
+        getattr(self.log, self.level)(self.event, **fields)
+
+    def flush(self) -> None:
+        if self._suppressed:
+            getattr(self.log, self.level)(self.event, num_suppressed=self._suppressed,
+                                          num_total=self.total, summary=True)
+            self._suppressed = 0

@@ -27,6 +27,17 @@ Op kinds and which id space each side uses::
 ``decode`` refuses anything malformed with :class:`~zkv.errors.ProtocolError`: unknown
 type or version, wrong field types, frame lengths that disagree with the header,
 ids out of the receiver's range, duplicate op ids or duplicate destinations.
+
+Bounds (every socket sets them; see the README's "Security" section)::
+
+    socket            max frame (ZMQ_MAXMSGSIZE)      queue (HWM, messages)
+    scheduler XPUB    -                               SEND_HWM batches per rank, no drop:
+                                                      a full queue fails publish (never a gap)
+    worker SUB        MAX_BATCH_FRAME_BYTES           RECV_HWM (backpressure, never drops)
+    worker PUSH       -                               RECV_HWM; a heartbeat is skipped when full
+    scheduler PULL    MAX_WORKER_FRAME_BYTES          RECV_HWM per rank's connection
+
+A peer that sends a larger frame is disconnected by libzmq before Python sees a byte.
 """
 
 from __future__ import annotations
@@ -42,6 +53,21 @@ from zkv.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 DIGEST_SIZE = 16
+
+#: Largest frame of a batch (one op's id or key frame, or the header) a worker accepts.
+MAX_BATCH_FRAME_BYTES = 64 << 20
+#: Largest frame of a worker message (ack, hello, heartbeat, bye) the scheduler accepts.
+MAX_WORKER_FRAME_BYTES = 8 << 20
+#: Ops per batch; a batch carries 3 frames per op.
+MAX_OPS = 1 << 16
+#: An op's error text is cut to this many characters (an ack stays small).
+MAX_ERROR_CHARS = 512
+#: Hello's layout description (JSON) is at most this long.
+MAX_GEOMETRY_CHARS = 4096
+#: Messages queued per connection: batches for a rank on the scheduler's XPUB (a full
+#: queue means that rank stopped reading), anything else on the other sockets.
+SEND_HWM = 1000
+RECV_HWM = 10000
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -135,9 +161,13 @@ class BlocksCopied:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
+    """A rank joins. ``layout`` is its layout fingerprint; ``geometry`` its full layout as
+    JSON (pool sizes included), so a refusal can name the fields that differ."""
+
     rank: int
     pid: int
     layout: str
+    geometry: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +244,8 @@ def encode(msg: Message) -> list[bytes]:
             hdr["pending"] = list(msg.pending)
         return [T_ACK, orjson.dumps(hdr)]
     if isinstance(msg, Hello):
-        hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid, "layout": msg.layout}
+        hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid, "layout": msg.layout,
+               "geometry": msg.geometry}
         return [T_HELLO, orjson.dumps(hdr)]
     if isinstance(msg, Heartbeat):
         hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid, "last_seq": msg.last_seq}
@@ -281,7 +312,11 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
             pending=pending,
         )
     if tag == T_HELLO:
-        return Hello(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _get(hdr, "layout", str))
+        geometry = _get(hdr, "geometry", str) if "geometry" in hdr else ""
+        if len(geometry) > MAX_GEOMETRY_CHARS:
+            raise ProtocolError(f"hello: geometry longer than {MAX_GEOMETRY_CHARS} characters")
+        return Hello(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _get(hdr, "layout", str),
+                     geometry)
     if tag == T_HEARTBEAT:
         return Heartbeat(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _int(hdr, "last_seq"))
     if tag == T_BYE:
@@ -304,6 +339,8 @@ def _decode_batch(hdr: dict[str, Any], payload: Sequence[Any], limits: Limits) -
     seq = _nonneg(hdr, "seq")
     step = _nonneg(hdr, "step")
     ops_hdr = _get(hdr, "ops", list)
+    if len(ops_hdr) > MAX_OPS:
+        raise ProtocolError(f"batch {seq}: {len(ops_hdr)} ops, more than {MAX_OPS}")
     if len(payload) != 3 * len(ops_hdr):
         raise ProtocolError(
             f"batch {seq}: {len(ops_hdr)} ops need {3 * len(ops_hdr)} payload frames, got {len(payload)}"

@@ -12,6 +12,11 @@ plus a simulated forward pass: ``check`` ops verify, on every rank, that each re
 block hash) when it was computed, and ``fill`` ops write those bytes into newly computed
 blocks. A single flipped byte anywhere in a device → host → storage → host → device round
 trip fails the job.
+
+Exit status: 0 every request served and every reused block verified; 1 a mismatch, a
+failed op or a lost rank; 2 a usage or configuration error (one line on stderr, no
+traceback); 4 requests dropped because they did not fit in the pools (counted in the
+summary). With ``--max-restarts`` a lost rank restarts the whole group (zkvrun).
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import orjson
 
 from zkv import metrics as M
 from zkv.config import CacheLayout
-from zkv.errors import ConfigError
+from zkv.errors import ConfigError, RankLost
 from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
 from zkv.scheduler.dispatcher import BatchDone
 from zkv.scheduler.hashing import hash_ids_chain, hash_tokens
@@ -39,6 +45,7 @@ from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy, PrefetchTr
 DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
                              "mooncake_synthetic_trace.jsonl")
 _SIM_OP_BASE = 1 << 40  # op ids of the simulated forward pass, apart from the manager's
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DROPPED = 0, 1, 2, 4
 
 
 # ---------------------------------------------------------------- workloads
@@ -90,6 +97,13 @@ class Summary:
     store_failed: int = 0        # h2s blocks dropped (the store declined or was down)
     batches: int = 0
     wall_s: float = 0.0
+    dropped: int = 0             # requests that did not fit in the device pool, even evicting
+
+    @property
+    def exit_code(self) -> int:
+        if self.mismatched or self.failed_ops:
+            return EXIT_FAILED
+        return EXIT_DROPPED if self.dropped else EXIT_OK
 
 
 class Replayer:
@@ -116,11 +130,13 @@ class Replayer:
         self.moved = {k: 0 for k in M.DIRECTIONS}  # blocks every rank copied, per direction
         self.tracker = PrefetchTracker(prefetch or PrefetchPolicy())
         self.outstanding: dict[int, tuple[list[Op], list[Op]]] = {}
+        self.running: list[str] = []  # requests of the step in progress (aborted on failure)
+        self.failed_sim: set[int] = set()  # sim ops (fill / check) that failed on some rank
 
     def run(self, workload: Sequence[tuple[str, list[bytes]]]) -> Summary:
         t0 = time.perf_counter()
         for i in range(0, len(workload), self.batch):
-            self._step(workload[i : i + self.batch])
+            self.run_step(workload[i : i + self.batch])
             if self.progress:
                 _bar(min(i + self.batch, len(workload)), len(workload), t0)
         while True:  # commits of late acks may emit ops (a d2h commit's storage write)
@@ -135,7 +151,10 @@ class Replayer:
             print(file=sys.stderr)
         return self.s
 
-    def _step(self, reqs: Sequence[tuple[str, list[bytes]]]) -> None:
+    def run_step(self, reqs: Sequence[tuple[str, list[bytes]]]) -> None:
+        """One scheduling step: match, allocate, one batch (the manager's ops and the
+        simulated forward), commit. A request whose forward failed on some rank is aborted:
+        blocks that were never written are never cached. Raises RankLost (rolled back)."""
         cm = self.cm
         bs = self.layout.block_size
         matches = {}
@@ -149,27 +168,41 @@ class Replayer:
             self.carry = []
             self._wait_prefetch([rid for rid, _ in reqs])
         sim: list[Op] = []
-        running = []
+        sim_of: dict[str, list[int]] = {}
+        running = self.running = []
         for rid, hashes in reqs:
             table = cm.allocate(rid, len(hashes) * bs)
-            if table is None:  # did not fit even after eviction: recompute-free skip
+            if table is None:  # did not fit even after eviction: dropped, and counted
                 cm.abort(rid)
+                self.s.dropped += 1
                 continue
             running.append(rid)
             cached = cm.num_reused_blocks(rid)
             self._count_hits(matches[rid], cached, len(hashes))
+            mine = []
             if cached:
-                sim.append(self._sim(CHECK, table[:cached], hashes[:cached]))
+                mine.append(self._sim(CHECK, table[:cached], hashes[:cached]))
             if len(hashes) > cached:
-                sim.append(self._sim(FILL, table[cached:], hashes[cached:]))
+                mine.append(self._sim(FILL, table[cached:], hashes[cached:]))
+            sim += mine
+            sim_of[rid] = [o.id for o in mine]
         seq = self._publish(cm.take_ops() + self.carry, sim)
         self.carry = []
         if seq is not None:
             self._wait(lambda: seq not in self.outstanding)
         for rid in running:  # the step's forward ran: its blocks are matchable from now on
-            cm.cache_computed(rid, len(dict(reqs)[rid]) * bs)
-            cm.finish(rid)
+            if self.failed_sim.isdisjoint(sim_of[rid]):
+                cm.cache_computed(rid, len(dict(reqs)[rid]) * bs)
+                cm.finish(rid)
+            else:
+                cm.abort(rid)
+        self.running = []
+        self.failed_sim.clear()
         self.carry = cm.take_ops()
+
+    def settle(self) -> None:
+        """Wait until every published batch completed (and commit it). Raises RankLost."""
+        self._wait(lambda: not self.outstanding)
 
     def _count_hits(self, m: object, cached: int, num_blocks: int) -> None:
         num_device, num_host = m.num_device, m.num_host  # type: ignore[attr-defined]
@@ -239,11 +272,19 @@ class Replayer:
             if now > deadline:
                 raise TimeoutError(f"batches {sorted(self.outstanding)} not acked within 120 s")
             wake = next_deadline() if next_deadline is not None else None
-            timeout = 0.1 if wake is None else min(0.1, max(0.0, wake - now))
-            for b in self.dp.poll(timeout):  # type: ignore[attr-defined]
-                self._commit(b)
+            self.pump(0.1 if wake is None else min(0.1, max(0.0, wake - now)))
 
-    def _commit(self, done: BatchDone) -> None:
+    def pump(self, timeout_s: float) -> None:
+        """Poll the dispatcher once and commit what completed (all of it, rolled back where
+        it failed, before a RankLost is raised)."""
+        lost = None
+        for b in self.dp.poll(timeout_s):  # type: ignore[attr-defined]
+            lost = self._commit(b) or lost
+        if lost is not None:
+            raise lost
+
+    def _commit(self, done: BatchDone) -> RankLost | None:
+        """Commit (or roll back) one batch; the RankLost to raise if a rank was lost."""
         ops, sim = self.outstanding.pop(done.seq)
         self.s.batches += 1
         self.latencies.append(done.latency_s)
@@ -262,13 +303,17 @@ class Replayer:
         self._record(ops, results)
         for o in sim:
             r = results.get(o.id)
+            if r is None or not r.ok:
+                self.failed_sim.add(o.id)
             if o.kind == CHECK:
                 self.s.checked += len(o.keys)
                 if r is None or not r.ok or r.done != len(o.keys):
                     self.s.mismatched += len(o.keys) - (r.done if r else 0)
         if not done.ok and done.lost_ranks:
             M.LOST_RANKS.inc(len(done.lost_ranks))
-            raise RuntimeError(f"lost ranks {sorted(done.lost_ranks)}")
+            rank = min(done.lost_ranks)
+            return RankLost(rank, str(results[next(iter(results))].error) if results else "")
+        return None
 
 
 def _bar(done: int, total: int, t0: float) -> None:
@@ -284,12 +329,26 @@ def _bar(done: int, total: int, t0: float) -> None:
 
 
 def node_main(args: argparse.Namespace) -> int:
-    """The scheduler node (run by zkvrun with the endpoints in the environment)."""
+    """The scheduler node (run by zkvrun with the endpoints in the environment). Errors are
+    one line on stderr: 2 for a configuration the ranks do not share, 1 for a lost rank."""
     from zkv import log as zlog
+
+    zlog.configure("scheduler")
+    try:
+        return _serve(args)
+    except ConfigError as e:
+        print(f"zkv replay: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    except (RankLost, TimeoutError) as e:
+        print(f"zkv replay: failed: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from zkv import security
     from zkv.scheduler.dispatcher import Dispatcher
     from zkv.storage import StorageQuery, open_store
 
-    zlog.configure("scheduler")
     layout = CacheLayout.from_env()
     store = open_store(args.storage, layout.fingerprint()) if args.storage else None
     cm = CacheManager(
@@ -303,19 +362,22 @@ def node_main(args: argparse.Namespace) -> int:
         workload = list(chat_workload(args.requests, layout.block_size, args.seed))
     else:
         workload = list(trace_workload(args.trace, args.requests))
-    dp = Dispatcher(os.environ["ZKV_PUB_ENDPOINT"], os.environ["ZKV_PULL_ENDPOINT"],
-                    layout.world_size, layout.fingerprint(), heartbeat_timeout_s=10.0,
-                    ack_timeout_s=60.0)
+    env = os.environ
+    dp = Dispatcher(env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"], layout.world_size, layout,
+                    heartbeat_timeout_s=10.0, ack_timeout_s=60.0, keys=security.keyring_from_env(),
+                    insecure=env.get("ZKV_INSECURE") == "1",
+                    allow_remote=env.get("ZKV_ALLOW_REMOTE") == "1")
     server = M.serve(args.metrics_port) if args.metrics_port is not None else None
     if server is not None:
         print(f"zkv replay: metrics at {server.url}", file=sys.stderr, flush=True)
+    rp = None
     try:
         dp.wait_for_ranks(60.0)
         rp = Replayer(cm, dp, layout, args.batch, progress=not args.no_progress,
                       prefetch=prefetch)
         s = rp.run(workload)
-        cm.check_invariants()
     finally:
+        _check_pools(cm, rp)
         dp.close()
         if store is not None:
             store.close()
@@ -325,7 +387,16 @@ def node_main(args: argparse.Namespace) -> int:
             with open(args.metrics_file, "w", encoding="utf-8") as f:
                 f.write(M.render())
     _print_summary(s, rp.moved, layout, rp.latencies, args, store)
-    return 0 if s.mismatched == 0 and s.failed_ops == 0 else 1
+    return s.exit_code
+
+
+def _check_pools(cm: CacheManager, rp: Replayer | None) -> None:
+    """Also after a failure: whatever failed was rolled back, no block leaked."""
+    if rp is not None and rp.running:
+        for rid in rp.running:
+            cm.abort(rid)
+        rp.running = []
+    cm.check_invariants()
 
 
 def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: list[float],
@@ -365,6 +436,8 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
            if store is not None else ""),
         f"  verified     {s.checked} reused blocks checked byte-for-byte on every rank, "
         f"{s.mismatched} mismatched; {s.failed_ops} failed ops",
+        f"  dropped      {s.dropped} requests did not fit in the pools"
+        + (" (exit status 4)" if s.dropped else ""),
     ]
     print("\n".join(lines), flush=True)
 
@@ -372,8 +445,15 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
 # ---------------------------------------------------------------- front end
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (``zkv replay: error: ...``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zkv replay", description=__doc__.split("\n")[0])
+    p = _Parser(prog="zkv replay", description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=("chat", "trace"), default="chat")
     p.add_argument("--trace", default=os.path.normpath(DEFAULT_TRACE), help="Mooncake trace JSONL")
     p.add_argument("--requests", type=int, default=300)
@@ -404,8 +484,53 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any)")
     p.add_argument("--metrics-file", default=None, help="write the final metrics here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="start the whole group again after a failure, this many times")
+    p.add_argument("--force", action="store_true",
+                   help="allow more ranks than 4 per core, or pools larger than free memory")
     p.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def check_args(args: argparse.Namespace) -> CacheLayout:
+    """The layout, or ConfigError naming the first argument that makes no sense."""
+    from launch.env import max_local_ranks
+
+    for name, low in (("requests", 0), ("batch", 1), ("ranks", 1), ("device_blocks", 1),
+                      ("host_blocks", 0), ("threshold", 1), ("max_restarts", 0)):
+        if getattr(args, name) < low:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got "
+                              f"{getattr(args, name)}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    if args.workload == "trace" and not os.path.isfile(args.trace):
+        raise ConfigError(f"trace not found: {args.trace}")
+    layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype,
+                         args.device_blocks, args.host_blocks, world_size=args.ranks)
+    if args.force:
+        return layout
+    if args.ranks > max_local_ranks():
+        raise ConfigError(f"--ranks {args.ranks} is more than 4 per core ({max_local_ranks()} "
+                          "here); pass --force if you mean it")
+    need = args.ranks * (args.device_blocks + args.host_blocks) * layout.block_bytes
+    free = _available_memory()
+    if free is not None and need > 0.8 * free:
+        raise ConfigError(f"the pools need {need / 2**30:.1f} GiB ({args.ranks} ranks x "
+                          f"{args.device_blocks}+{args.host_blocks} blocks x "
+                          f"{layout.block_bytes >> 10} KiB), {free / 2**30:.1f} GiB is "
+                          "available; lower them or pass --force")
+    return layout
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _without_storage(argv: Sequence[str]) -> list[str]:
@@ -440,21 +565,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.node:
         return node_main(args)
     from launch.zkvrun import LaunchConfig, run
+    from zkv import security
 
-    if args.workload == "trace" and not os.path.exists(args.trace):
-        print(f"zkv replay: trace not found: {args.trace}", file=sys.stderr)
-        return 2
-    layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype,
-                         args.device_blocks, args.host_blocks, world_size=args.ranks)
     # The default L3 directory lives in /dev/shm when there is one: on this class of VM a
-    # file put costs ~1.5 ms on the disk-backed /tmp and ~0.06 ms on tmpfs.
+    # file put costs ~1.5 ms on the disk-backed /tmp and ~0.06 ms on tmpfs. It is a run
+    # directory: one that a SIGKILLed replay left behind is removed here, next time.
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="zkv-l3-", dir=shm) as tmp:
-        try:
-            url = _storage_url(args, tmp)
-        except ConfigError as e:
-            print(f"zkv replay: {e}", file=sys.stderr)
-            return 2
+    base = shm or tempfile.gettempdir()
+    tmp = None
+    try:
+        layout = check_args(args)
+        security.clean_stale_runs(base)
+        if not args.storage and not args.store_dir:
+            tmp = security.make_run_dir(base, prefix="l3-")
+        url = _storage_url(args, tmp or "")
+    except ConfigError as e:
+        print(f"zkv replay: error: {e}", file=sys.stderr)
+        if tmp is not None:
+            security.remove_run_dir(tmp)
+        return EXIT_CONFIG
+    try:
         sched = ["-m", "zkv.replay", "--node",
                  *_without_storage(argv if argv is not None else sys.argv[1:])]
         if url:
@@ -464,8 +594,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.environ.pop("ZKV_STORE_URL", None)
         os.environ.pop("ZKV_STORE_DIR", None)
         os.environ.setdefault("ZKV_BACKEND", "cpu")
-        cfg = LaunchConfig(nproc_per_node=args.ranks, log_dir=args.log_dir, config=layout.to_json())
+        cfg = LaunchConfig(nproc_per_node=args.ranks, log_dir=args.log_dir,
+                           config=layout.to_json(), max_restarts=args.max_restarts,
+                           force_ranks=args.force)
         return run(cfg, ["-m", "zkv.worker"], sched)
+    finally:
+        if tmp is not None:
+            security.remove_run_dir(tmp)
 
 
 if __name__ == "__main__":

@@ -124,31 +124,32 @@ def poll_until_done_or_lost(g: WorkerGroup, timeout: float = 5.0) -> None:
         g.d.poll(0.05)
 
 
-def test_wrong_layout_is_refused(folder: str) -> None:
-    other = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=16,
-                        num_device_blocks=8, num_host_blocks=8, world_size=1)
-    theirs = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=8,
-                         num_device_blocks=8, num_host_blocks=8, world_size=1)
+@pytest.mark.parametrize("field,value", [("num_host_blocks", 16), ("head_dim", 16)])
+def test_wrong_layout_is_refused_at_hello_naming_the_field(folder: str, field: str,
+                                                            value: int) -> None:
+    """A rank whose layout differs (pool sizes too) is refused as soon as its hello
+    arrives, not at the join timeout, and the error names the differing field."""
+    import dataclasses
     import subprocess
     import sys
 
     from tests.worker.helpers import endpoints, worker_env
+    from zkv.errors import ConfigError
     from zkv.scheduler.dispatcher import RANK_REFUSED, Dispatcher
 
+    ours = dataclasses.replace(LAYOUT, world_size=1)
+    theirs = dataclasses.replace(ours, **{field: value})
     pub, pull = endpoints(folder)
-    d = Dispatcher(pub, pull, 1, theirs.fingerprint())
+    d = Dispatcher(pub, pull, 1, ours)
     proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"],
-                            env=worker_env(0, other.to_json(), pub, pull),
+                            env=worker_env(0, theirs.to_json(), pub, pull),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        with capture_logs() as logs:
-            deadline = time.monotonic() + 60
-            while not events_named(logs, RANK_REFUSED):
-                assert time.monotonic() < deadline
-                with pytest.raises(TimeoutError, match=r"ranks \[0\] of 1"):
-                    d.wait_for_ranks(0.2)
+        with capture_logs() as logs, pytest.raises(ConfigError) as err:
+            d.wait_for_ranks(60.0)
+        assert f"{field}: rank has {value}, scheduler has {getattr(ours, field)}" in str(err.value)
         (refused,) = events_named(logs, RANK_REFUSED)
-        assert refused["rank"] == 0 and other.fingerprint() in refused["error"]
+        assert refused["rank"] == 0 and field in refused["error"]
     finally:
         d.close(shutdown=True)
         try:

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from tests.worker.helpers import FakeRank, endpoints, events_named, poll_until_done, short_ipc_dir
 from zkv import protocol as P
-from zkv.errors import RankLost
+from zkv.errors import ConfigError, RankLost
 from zkv.scheduler.dispatcher import RANK_REFUSED, Dispatcher
 
 FP = "layout-fp"
@@ -178,9 +178,10 @@ def test_layout_mismatch_is_refused(ctx: zmq.Context[Any], eps: tuple[str, str])
     r0 = FakeRank(ctx, *eps, 0, FP).join()
     r1 = FakeRank(ctx, *eps, 1, "other-layout").join()
     try:
-        with capture_logs() as logs, pytest.raises(TimeoutError) as err:
-            d.wait_for_ranks(0.5)
-        assert "ranks [1] of 2" in str(err.value) and "refused" in str(err.value)
+        with capture_logs() as logs, pytest.raises(ConfigError) as err:
+            d.wait_for_ranks(5)  # refused at the hello, not at the timeout
+        assert "rank 1 (pid 100001) refused" in str(err.value)
+        assert "other-layout" in str(err.value)
         (refused,) = events_named(logs, RANK_REFUSED)
         assert refused["rank"] == 1 and "other-layout" in refused["error"]
         r1.hello(FP)  # the same rank, now with the right layout

@@ -37,7 +37,7 @@ def _field(out: str, pattern: str) -> int:
 
 
 def test_chat_replay_moves_real_bytes_through_every_tier(tmp_path) -> None:
-    out, metrics = _replay(tmp_path, "--requests", "120", "--device-blocks", "300",
+    out, metrics = _replay(tmp_path, "--requests", "120", "--device-blocks", "800",
                            "--host-blocks", "200", "--ranks", "2")
     assert "0 mismatched; 0 failed ops" in out
     checked = _field(out, r"verified\s+(\d+) reused blocks")

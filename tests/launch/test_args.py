@@ -49,7 +49,7 @@ def test_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_rank_env_multi_node() -> None:
     cfg = LaunchConfig(nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1",
-                       master_port=4000, insecure_tcp=True, log_dir="/l", run_id="r")
+                       master_port=4000, insecure_tcp=True, log_dir="/l", run_id="r", allow_remote=True)
     ep = make_endpoints(cfg)
     assert ep == Endpoints("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4001")
     env = rank_env(cfg, 3, ep, base_env={"PATH": "/bin", "RANK": "77"})
@@ -58,7 +58,7 @@ def test_rank_env_multi_node() -> None:
         "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "4000", "ZKV_PUB_ENDPOINT": "tcp://10.0.0.1:4000",
         "ZKV_PULL_ENDPOINT": "tcp://10.0.0.1:4001", "ZKV_ROLE": "worker", "ZKV_LOG_DIR": "/l",
-        "ZKV_RUN_ID": "r", "OMP_NUM_THREADS": "1",
+        "ZKV_RUN_ID": "r", "OMP_NUM_THREADS": "1", "ZKV_INSECURE": "1", "ZKV_ALLOW_REMOTE": "1",
     }
     assert rank_env(cfg, 3, ep, base_env={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
     s = scheduler_env(cfg, ep, base_env={"RANK": "77", "LOCAL_RANK": "1"})
@@ -70,9 +70,25 @@ def test_rank_env_multi_node() -> None:
 def test_config_checks() -> None:
     assert LaunchConfig().check() is None
     assert "--insecure-tcp" in (LaunchConfig(nnodes=2).check() or "")
+    assert "--keys DIR" in (LaunchConfig(nnodes=2).check() or "")
+    assert LaunchConfig(nnodes=2, keys="/k").check() is None  # loopback master: no flag
     assert "--node-rank" in (LaunchConfig(nnodes=2, node_rank=2, insecure_tcp=True).check() or "")
     assert LaunchConfig(nproc_per_node=0).check() is not None
     assert LaunchConfig(max_restarts=-1).check() is not None
+    remote = LaunchConfig(nnodes=2, master_addr="10.0.0.1", keys="/k")
+    assert "--allow-remote" in (remote.check() or "")
+    assert LaunchConfig(nnodes=2, master_addr="10.0.0.1", keys="/k", allow_remote=True).check() \
+        is None
+
+
+def test_ranks_are_bounded_by_the_cores_unless_forced() -> None:
+    limit = 4 * (os.cpu_count() or 1)
+    assert LaunchConfig(nproc_per_node=limit).check() is None
+    problem = LaunchConfig(nproc_per_node=limit + 1).check() or ""
+    assert f"--nproc-per-node {limit + 1} is more than 4 per core" in problem
+    assert "--force-ranks" in problem
+    assert LaunchConfig(nproc_per_node=limit + 1, force_ranks=True).check() is None
+    assert main(["--nproc-per-node", "5000", "-c", "pass"]) == 2
 
 
 def test_resolve_cmd_and_describe_exit() -> None:

@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,9 +62,14 @@ def zkvrun_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "launch.zkvrun", *args]
 
 
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
 def env_for(out: Path, **extra: str) -> dict[str, str]:
+    """zkvrun's environment; PYTHONPATH makes children that run from ``out`` import this
+    checkout's zkv, not whichever one the venv's editable install points at."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKV_", "RANK"))}
-    env.update(T_OUT=str(out), **extra)
+    env.update(T_OUT=str(out), PYTHONPATH=ROOT, **extra)
     return env
 
 
@@ -169,21 +175,48 @@ def test_rank_killed_by_a_signal_is_reported_by_name(tmp_path: Path) -> None:
     assert "exited with code -9 (SIGKILL); no restarts left; tearing down 0 processes" in r.stderr
 
 
-def test_max_restarts_restarts_a_rank_with_the_same_env(tmp_path: Path) -> None:
+def test_max_restarts_restarts_the_whole_group(tmp_path: Path) -> None:
+    """A failed rank takes the whole group down (its scheduler cannot take a rank back);
+    --max-restarts starts scheduler and ranks again, in a fresh run directory."""
     worker = script(tmp_path, "worker.py", r'''
-if os.path.exists(os.path.join(OUT, "marker")):
-    put("second", os.environ["RANK"] + " " + os.environ["ZKV_PUB_ENDPOINT"])
+first = not os.path.exists(os.path.join(OUT, f"attempt-{RANK}"))
+with open(os.path.join(OUT, f"attempt-{RANK}"), "a") as f:
+    f.write(os.environ["ZKV_PUB_ENDPOINT"] + "\n")
+if RANK == "1" and first:
+    sys.exit(5)
+time.sleep(60)
+''')
+    sched = script(tmp_path, "sched.py", r'''
+with open(os.path.join(OUT, "attempt-sched"), "a") as f:
+    f.write(os.environ["ZKV_PUB_ENDPOINT"] + "\n")
+def lines(name):
+    path = os.path.join(OUT, name)
+    return len(open(path).read().split()) if os.path.exists(path) else 0
+if lines("attempt-sched") == 2:
+    deadline = time.monotonic() + 20
+    while lines("attempt-0") < 2 or lines("attempt-1") < 2:  # the restarted ranks are up
+        if time.monotonic() > deadline:
+            sys.exit(99)
+        time.sleep(0.01)
     sys.exit(0)
-put("marker", os.environ["RANK"] + " " + os.environ["ZKV_PUB_ENDPOINT"])
-sys.exit(5)
+time.sleep(60)
 ''')
     logs = tmp_path / "logs"
-    r = run_zkvrun(tmp_path, "--max-restarts", "1", "--log-dir", str(logs), worker)
+    r = run_zkvrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--grace-s", "2",
+                   "--log-dir", str(logs), "--scheduler", sched, worker)
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "second").read_text() == (tmp_path / "marker").read_text()
-    assert "exited with code 5; restarting (1/1)" in r.stderr
-    restarted = [e for e in events(logs) if e["event"] == zlog.RANK_RESTARTED]
-    assert [(e["rank"], e["restart"], e["code"]) for e in restarted] == [(0, 1, 5)]
+    eps = {n: (tmp_path / f"attempt-{n}").read_text().split() for n in ("0", "1", "sched")}
+    assert all(len(v) == 2 for v in eps.values()), eps  # every child started twice
+    assert eps["0"] == eps["1"] == eps["sched"] and eps["0"][0] != eps["0"][1]
+    assert "exited with code 5; tearing down 2 processes, then restarting the group (1/1)" \
+        in r.stderr
+    evs = events(logs)
+    assert [(e["restart"], e["code"]) for e in evs if e["event"] == zlog.GROUP_RESTARTED] == \
+        [(1, 1)]
+    exits = [(e.get("rank", "sched"), e["code"]) for e in evs
+             if e["event"] in (zlog.RANK_EXITED, zlog.SCHEDULER_EXITED)]
+    assert exits[0] == (1, 5)  # then the others of the first group were torn down
+    assert set(exits[1:3]) == {(0, -signal.SIGTERM), ("sched", -signal.SIGTERM)}
 
 
 def test_restarts_run_out(tmp_path: Path) -> None:
@@ -348,16 +381,74 @@ os._exit(0)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
-def test_sigkilled_zkvrun_leaves_no_orphans(tmp_path: Path) -> None:
-    worker = script(tmp_path, "worker.py", WRITE_ENV + "time.sleep(60)\n")
-    with subprocess.Popen(zkvrun_cmd("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
-                                     worker), env=env_for(tmp_path), cwd=tmp_path) as p:
-        try:
-            wait_files(tmp_path, "env-0.json", "env-1.json")
-        finally:
-            p.kill()
-    infos = [json.loads((tmp_path / f"env-{i}.json").read_text()) for i in range(2)]
-    # A SIGKILLed zkvrun cannot remove its ipc directory; this test does.
-    shutil.rmtree(os.path.dirname(infos[0]["ZKV_PUB_ENDPOINT"][len("ipc://"):]))
-    for info in infos:
-        wait_dead(info["pid"])
+def test_sigkilled_zkvrun_leaves_nothing_the_next_start_does_not_clean(tmp_path: Path) -> None:
+    """No orphans (PDEATHSIG); its run directory (sockets, per-run keys) outlives it, and
+    the next zkvrun removes it. A live run's directory is never touched."""
+    base = tempfile.mkdtemp(prefix="zkv-t")  # $TMPDIR of both runs: short, ours alone
+    try:
+        worker = script(tmp_path, "worker.py", WRITE_ENV + "time.sleep(60)\n")
+        with subprocess.Popen(zkvrun_cmd("--nproc-per-node", "2", "--log-dir",
+                                         str(tmp_path / "logs"), worker),
+                              env=env_for(tmp_path, TMPDIR=base), cwd=tmp_path) as p:
+            try:
+                wait_files(tmp_path, "env-0.json", "env-1.json")
+            finally:
+                p.kill()
+        infos = [json.loads((tmp_path / f"env-{i}.json").read_text()) for i in range(2)]
+        run_dir = os.path.dirname(infos[0]["ZKV_PUB_ENDPOINT"][len("ipc://"):])
+        assert os.path.dirname(run_dir) == os.path.join(base, f"zkv-{os.geteuid()}")
+        assert sorted(os.listdir(run_dir)) == ["keys", "owner"]  # no scheduler: no sockets
+        for info in infos:
+            wait_dead(info["pid"])
+        live = security_run_dir(base)  # a run whose owner (this process) is alive
+        r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs2"), "-c", "pass",
+                       TMPDIR=base)
+        assert r.returncode == 0, r.stderr
+        assert "removed 1 run directories left by dead launchers" in r.stderr
+        assert not os.path.exists(run_dir) and os.path.isdir(live)
+        cleaned = [e for e in events(tmp_path / "logs2") if e["event"] == zlog.RUN_DIRS_CLEANED]
+        assert [e["paths"] for e in cleaned] == [[run_dir]]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def security_run_dir(base: str) -> str:
+    from zkv.security import make_run_dir
+
+    return make_run_dir(base)
+
+
+def test_sigterm_while_ranks_start_stops_the_starting(tmp_path: Path) -> None:
+    """The handler is in place before the first rank starts, and the start loop looks at
+    it before every start: a SIGTERM that arrives after the first rank started stops the
+    launch, tears down what started, and exits 128+15."""
+    import threading
+
+    from launch.zkvrun import LaunchConfig, run
+    from tests.worker.helpers import children_of
+
+    me = os.getpid()
+    sent = threading.Event()
+    others = set(children_of(me))  # (a session's servers, say)
+
+    def signal_after_first_child() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if set(children_of(me)) - others:
+                os.kill(me, signal.SIGTERM)
+                sent.set()
+                return
+            time.sleep(0.001)  # polling interval
+
+    before = signal.getsignal(signal.SIGTERM)
+    watcher = threading.Thread(target=signal_after_first_child, daemon=True)
+    watcher.start()
+    cfg = LaunchConfig(nproc_per_node=64, force_ranks=True, grace_s=2.0,
+                       log_dir=str(tmp_path / "logs"))
+    code = run(cfg, ["sleep", "60"], None)
+    watcher.join(10)
+    assert sent.is_set() and code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+    started = [e for e in events(tmp_path / "logs") if e["event"] == zlog.RANK_STARTED]
+    assert 1 <= len(started) < 64, len(started)
+    assert set(children_of(me)) <= others

@@ -76,7 +76,10 @@ class FakeRank:
     """A worker's two sockets driven by hand, to test the dispatcher alone."""
 
     def __init__(self, ctx: zmq.Context[Any], pub_ep: str, pull_ep: str, rank: int,
-                 fingerprint: str, pid: int | None = None) -> None:
+                 fingerprint: str, pid: int | None = None, keys: Any = None) -> None:
+        """``keys``: :class:`zkv.security.ClientKeys` to connect with (CURVE)."""
+        from zkv import security
+
         self.rank = rank
         self.pid = pid if pid is not None else 100000 + rank
         self.fingerprint = fingerprint
@@ -84,6 +87,7 @@ class FakeRank:
         self.push = ctx.socket(zmq.PUSH)
         for s in (self.sub, self.push):
             s.setsockopt(zmq.LINGER, 0)
+            security.setup_client(s, keys, pull_ep if s is self.push else pub_ep)
         self.sub.connect(pub_ep)
         self.push.connect(pull_ep)
 
@@ -211,7 +215,8 @@ class WorkerGroup:
 
     def __init__(self, folder: str, world_size: int, layout: Any, *, store_dir: str | None = None,
                  heartbeat_timeout_s: float = 5.0, ack_timeout_s: float = 30.0,
-                 join_timeout_s: float = 60.0, extra_env: dict[str, str] | None = None) -> None:
+                 join_timeout_s: float = 60.0, extra_env: dict[str, str] | None = None,
+                 dispatcher_kw: dict[str, Any] | None = None) -> None:
         import subprocess
         import sys
 
@@ -219,8 +224,8 @@ class WorkerGroup:
         self.world_size = world_size
         self.layout = layout
         pub, pull = endpoints(folder)
-        self.d = Dispatcher(pub, pull, world_size, layout.fingerprint(),
-                            heartbeat_timeout_s=heartbeat_timeout_s, ack_timeout_s=ack_timeout_s)
+        self.d = Dispatcher(pub, pull, world_size, layout, heartbeat_timeout_s=heartbeat_timeout_s,
+                            ack_timeout_s=ack_timeout_s, **(dispatcher_kw or {}))
         self.procs: list[subprocess.Popen[bytes]] = []
         try:
             extra = dict(extra_env or {})
@@ -268,3 +273,33 @@ class WorkerGroup:
                     p.kill()
                     p.wait()
         return [p.returncode for p in self.procs]
+
+
+def reap(procs: list[Any], timeout: float = 10.0) -> list[int | None]:
+    """Wait for each process (killing what outlives ``timeout``); their exit codes."""
+    import subprocess
+
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return [p.returncode for p in procs]
+
+
+def children_of(pid: int) -> list[int]:
+    """Child pids of ``pid``'s main thread (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""

@@ -29,6 +29,16 @@ may still come (a seq gap, a crash it caught, a sidecar closed early), or its SU
 final: every in-flight batch completes as failed at once and later ``publish`` raises
 :class:`~zkv.errors.RankLost`.
 
+Trust (see :mod:`zkv.security`). Every peer passes the ZAP handler at connect time. With
+a :class:`~zkv.security.Keyring` every connection is CURVE and carries its rank as
+``User-Id``; a message naming another rank (ack, heartbeat, bye, hello, ready marker) is
+dropped and counted as forged. Anything malformed is refused and counted; refusals are
+logged at most ``_LOG_BURST`` lines a second (the rest only counted, see
+:meth:`Dispatcher.refusals`), and one drain takes at most ``_MAX_DRAIN`` messages, so a
+flood cannot stall deadline checks. A rank whose batch queue is full (``send_hwm``
+batches it has not read) holds publish back for at most ``send_timeout_s``, then is lost:
+publish never drops a batch for one rank only (that would be a seq gap).
+
 The dispatcher is single-threaded: call it from the scheduling loop only.
 """
 
@@ -36,14 +46,18 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import orjson
 import zmq
 
 from zkv import log as ev
 from zkv import protocol as P
+from zkv import security
+from zkv.config import CacheLayout
 from zkv.errors import ConfigError, ProtocolError, RankLost
 
 RANK_REFUSED = "dispatcher.rank_refused"
@@ -56,6 +70,10 @@ _CHECK_INTERVAL_S = 0.005
 #: A rank whose subscriber disconnected is declared lost this long after (unless its Bye
 #: arrives first and gives the reason).
 _BYE_GRACE_S = 0.05
+#: Messages taken per drain before deadlines are looked at again.
+_MAX_DRAIN = 256
+#: Refusal log lines per second; the rest are counted.
+_LOG_BURST = 10
 
 
 def _logger() -> Any:
@@ -112,8 +130,15 @@ class Dispatcher:
     """Publishes one :class:`~zkv.protocol.CopyBlocks` per step to ``world_size`` ranks and
     aggregates their :class:`~zkv.protocol.BlocksCopied` acks.
 
+    ``layout``: the scheduler's :class:`~zkv.config.CacheLayout` (a rank whose layout
+    differs in any field, pool sizes included, is refused at its hello, naming the fields),
+    or only a layout fingerprint string (then only the fingerprint is compared).
+    ``keys``: a :class:`~zkv.security.Keyring` (CURVE, per-rank identities); without one,
+    only ``ipc://`` in a private directory is accepted, or ``tcp://`` with ``insecure``.
+
     Invariants: seqs are published 0, 1, 2, ... with no gap; a batch completes exactly once
-    (all acks, or failed by a rank loss); the in-flight table only holds uncompleted seqs.
+    (all acks, or failed by a rank loss); the in-flight table only holds uncompleted seqs;
+    a message counts only for the rank whose identity sent it.
     Cost: ``publish`` O(ops); an ack O(ops of its batch); deadline checks O(world_size).
     """
 
@@ -122,36 +147,56 @@ class Dispatcher:
         pub_endpoint: str,
         pull_endpoint: str,
         world_size: int,
-        layout_fingerprint: str,
+        layout: CacheLayout | str,
         *,
         heartbeat_timeout_s: float = 5.0,
         ack_timeout_s: float = 30.0,
         context: zmq.Context[Any] | None = None,
+        keys: security.Keyring | None = None,
+        insecure: bool = False,
+        allow_remote: bool = False,
+        send_hwm: int = P.SEND_HWM,
+        send_timeout_s: float | None = None,
     ) -> None:
         if world_size <= 0 or world_size > 4096:
             raise ValueError(f"world_size must be in [1, 4096], got {world_size}")
+        if keys is not None and keys.world_size != world_size:
+            raise ConfigError(f"the keyring has keys for {keys.world_size} ranks, the group "
+                              f"has {world_size}")
+        for ep in (pub_endpoint, pull_endpoint):
+            security.check_endpoint(ep, keys=keys, insecure=insecure, allow_remote=allow_remote)
         self.world_size = world_size
-        self.layout_fingerprint = layout_fingerprint
+        self.layout = layout if isinstance(layout, CacheLayout) else None
+        self.layout_fingerprint = layout.fingerprint() if isinstance(layout, CacheLayout) \
+            else layout
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.ack_timeout_s = ack_timeout_s
+        self.send_hwm = send_hwm
+        self.send_timeout_s = ack_timeout_s if send_timeout_s is None else send_timeout_s
         self._all_mask = (1 << world_size) - 1
         self._own_context = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
         self._log = _logger()
+        self._refused_log = ev.RateLimited(self._log, ev.ACK_REFUSED, burst=_LOG_BURST)
+        self._forged_log = ev.RateLimited(self._log, ev.IDENTITY_FORGED, burst=_LOG_BURST)
+        self._counts = {"malformed": 0, "forged": 0, "unknown_seq": 0, "duplicate": 0,
+                        "unknown_rank": 0}
+        self.num_received = 0
+        # With keys every connection's User-Id is its rank; messages come as zmq.Frames.
+        self._authenticated = keys is not None
+        self._user_rank = {str(r): r for r in range(world_size)}
+        self._domain = f"zkv-{uuid.uuid4().hex[:12]}"
+        self._zap = security.ZapHandler.register(self._ctx, self._domain, keys)
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pull = self._ctx.socket(zmq.PULL)
-        for sock in (self._pub, self._pull):
-            sock.setsockopt(zmq.LINGER, 0)
-        # Unbounded queues: a PUB drops at its high-water mark, and a drop is a seq gap.
-        # The scheduler bounds the number of batches in flight, not the transport.
-        self._pub.setsockopt(zmq.SNDHWM, 0)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
         try:
+            self._setup_sockets(keys, pub_endpoint, pull_endpoint)
             self._pub.bind(pub_endpoint)
             self._pull.bind(pull_endpoint)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, ConfigError):
             self._pub.close(0)
             self._pull.close(0)
+            self._zap.unregister(self._domain)
             if self._own_context:
                 self._ctx.term()
             raise
@@ -169,6 +214,21 @@ class Dispatcher:
         self._closing = False
         self._closed = False
         self._next_check = 0.0
+
+    def _setup_sockets(self, keys: security.Keyring | None, pub_endpoint: str,
+                       pull_endpoint: str) -> None:
+        pub, pull = self._pub, self._pull
+        for sock, endpoint in ((pub, pub_endpoint), (pull, pull_endpoint)):
+            sock.setsockopt(zmq.LINGER, 0)
+            security.setup_server(sock, self._domain, keys, endpoint)
+        # A PUB drops at its high-water mark, and a drop is a seq gap: with NODROP a full
+        # queue (a rank that stopped reading) makes send fail for every rank instead, and
+        # publish declares that rank lost. Inbound: subscriptions only (small).
+        pub.setsockopt(zmq.SNDHWM, self.send_hwm)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)
+        pub.setsockopt(zmq.MAXMSGSIZE, 4096)
+        pull.setsockopt(zmq.RCVHWM, P.RECV_HWM)
+        pull.setsockopt(zmq.MAXMSGSIZE, P.MAX_WORKER_FRAME_BYTES)
 
     # ------------------------------------------------------------ public API
 
@@ -188,16 +248,27 @@ class Dispatcher:
     def joined(self) -> bool:
         return self._started
 
+    def refusals(self) -> dict[str, int]:
+        """Messages refused so far, by reason (``unauthenticated``: connections the ZAP
+        handler turned away; ``forged``: messages naming another rank than their sender's)."""
+        return {**self._counts, "unauthenticated": self._zap.num_refused(self._domain)}
+
     def wait_for_ranks(self, timeout_s: float) -> None:
         """Return once every rank joined (hello with our layout + subscription proven).
 
-        Raises ``TimeoutError`` naming the missing (and refused) ranks.
+        Raises :class:`~zkv.errors.ConfigError` at once when a rank's layout differs
+        (naming the fields), ``TimeoutError`` naming the missing ranks.
         """
         if self._started:
             return
         deadline = time.monotonic() + timeout_s
         while True:
             self._drain()
+            refused = [r.refused for r in self._ranks if r.refused]
+            if refused:
+                for r in self._ranks:
+                    r.refused = None  # reported once; a later hello may fix it
+                raise ConfigError("; ".join(refused))
             if all(r.joined_pid is not None for r in self._ranks):
                 break
             left = deadline - time.monotonic()
@@ -213,8 +284,11 @@ class Dispatcher:
     def publish(self, ops: Sequence[P.Op], step: int) -> int:
         """Send one batch with the next seq and return that seq.
 
-        Raises :class:`RankLost` if a rank is lost (nothing is sent then), ``RuntimeError``
-        before :meth:`wait_for_ranks`, ``ValueError`` for duplicate op ids.
+        Raises :class:`RankLost` if a rank is lost (nothing is sent then). While a rank's
+        batch queue is full it waits (at most ``send_timeout_s``; then that rank is lost: it
+        stopped reading). ``RuntimeError``
+        before :meth:`wait_for_ranks`, ``ValueError`` for duplicate op ids or a batch
+        over the protocol's limits.
         """
         if not self._started or self._closed:
             raise RuntimeError("publish before wait_for_ranks() or after close()")
@@ -225,15 +299,50 @@ class Dispatcher:
         op_ids = tuple(op.id for op in ops)
         if len(set(op_ids)) != len(op_ids):
             raise ValueError(f"duplicate op ids in batch: {op_ids}")
+        if len(ops) > P.MAX_OPS:
+            raise ValueError(f"batch has {len(ops)} ops, more than {P.MAX_OPS}")
         seq = self._next_seq
         frames = P.encode(P.CopyBlocks(seq=seq, step=step, ops=ops))
-        now = time.monotonic()
-        self._in_flight[seq] = _InFlight(seq, step, op_ids, frozenset(op_ids), time.perf_counter(),
-                                         now + self.ack_timeout_s)
-        self._pub.send_multipart(frames, copy=False)
+        if max(map(len, frames)) > P.MAX_BATCH_FRAME_BYTES:
+            raise ValueError(f"batch has a frame over {P.MAX_BATCH_FRAME_BYTES} bytes; "
+                             "split its ops")
+        t_pub = time.perf_counter()
+        try:
+            self._pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._send_when_room(frames)
+        self._in_flight[seq] = _InFlight(seq, step, op_ids, frozenset(op_ids), t_pub,
+                                         time.monotonic() + self.ack_timeout_s)
         self._next_seq = seq + 1
         self._log.info(ev.BATCH_PUBLISHED, seq=seq, step=step, num_ops=len(ops))
         return seq
+
+    def _send_when_room(self, frames: list[bytes]) -> None:
+        """Some rank has ``send_hwm`` batches it did not read, so no rank got this one (no
+        gaps). Wait up to ``send_timeout_s`` for room, taking acks and checking deadlines
+        meanwhile (a stuck rank misses its ack deadline); then the ranks that acked least
+        are lost (a rank that keeps up acks every batch). Raises RankLost."""
+        deadline = time.monotonic() + self.send_timeout_s
+        while not self._lost and time.monotonic() < deadline:
+            self._drain()
+            self._check_deadlines(time.monotonic())
+            if self._lost:
+                break
+            try:
+                self._pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                self._poller.poll(10)
+        if not self._lost:
+            live = [r for r in self._ranks if r.rank not in self._lost]
+            behind = min(r.last_seq for r in live)
+            for r in live:
+                if r.last_seq == behind:
+                    self._declare_lost(r.rank, f"its batch queue stayed full ({self.send_hwm} "
+                                               f"batches) for {self.send_timeout_s} s: it "
+                                               f"stopped reading after seq {behind}")
+        rank = next(iter(self._lost))
+        raise RankLost(rank, self._lost[rank])
 
     def poll(self, timeout_s: float = 0.0) -> list[BatchDone]:
         """Process incoming messages for at most ``timeout_s``; return completed batches.
@@ -278,16 +387,27 @@ class Dispatcher:
         self._closing = True
         try:
             if shutdown:
-                self._pub.send_multipart(P.encode(P.Shutdown("scheduler closed")), copy=False)
+                # A full queue (a rank that stopped reading) may drain within the timeout;
+                # if not, the ranks see the disconnect instead.
+                self._pub.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+                try:
+                    self._pub.send_multipart(P.encode(P.Shutdown("scheduler closed")),
+                                             copy=False)
+                except zmq.Again:
+                    pass
                 self._wait_byes(timeout_s)
         finally:
             self._closed = True
+            counts = self.refusals()
             self._pub.close(0)
             self._pull.close(0)
+            self._zap.unregister(self._domain)
             if self._own_context:
                 self._ctx.term()
+            self._refused_log.flush()
+            self._forged_log.flush()
             self._log.info(DISPATCHER_STOPPED, next_seq=self._next_seq,
-                           num_in_flight=len(self._in_flight))
+                           num_in_flight=len(self._in_flight), **counts)
 
     def __enter__(self) -> Dispatcher:
         return self
@@ -298,23 +418,54 @@ class Dispatcher:
     # ------------------------------------------------------------ receiving
 
     def _drain(self) -> None:
-        """Handle every message already queued on both sockets, without blocking."""
+        """Handle the messages already queued on both sockets (at most ``_MAX_DRAIN`` per
+        socket), without blocking."""
         pull, pub = self._pull, self._pub
+        copy = not self._authenticated
         # EVENTS is cheaper than a NOBLOCK recv that raises zmq.Again.
-        while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = pull.recv_multipart(zmq.NOBLOCK)
+        for _ in range(_MAX_DRAIN):
+            if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
+            frames = pull.recv_multipart(zmq.NOBLOCK, copy=copy)
             try:
-                self._on_message(frames)
+                self._on_message(frames, None if copy else self._sender(frames[0]))
             except Exception as e:  # a message must never take the scheduler down
-                self._log.exception(ev.ACK_REFUSED, error=repr(e), type=_tag(frames))
-        while pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._on_subscription(pub.recv(zmq.NOBLOCK))
+                self._counts["malformed"] += 1
+                self._refused_log(error=repr(e), type=_tag(frames))
+        for _ in range(_MAX_DRAIN):
+            if not pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
+            frame = pub.recv(zmq.NOBLOCK, copy=copy)
+            if copy:
+                self._on_subscription(frame, None)
+            else:
+                self._on_subscription(frame.bytes, self._sender(frame))
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _sender(self, frame: Any) -> int | None:
+        """The rank whose CURVE key the connection authenticated with (its ``User-Id``).
+        None for what libzmq made itself (the unsubscriptions of a closed connection)."""
+        try:
+            return self._user_rank.get(frame.get("User-Id"))
+        except zmq.ZMQError:
+            return None
+
+    def _on_message(self, frames: list[Any], sender: int | None) -> None:
+        self.num_received += 1
         try:
             msg = P.decode(frames)
         except ProtocolError as e:
-            self._log.error(ev.ACK_REFUSED, error=str(e), type=_tag(frames))
+            self._counts["malformed"] += 1
+            self._refused_log(error=str(e), type=_tag(frames))
+            return
+        rank = getattr(msg, "rank", None)
+        if rank is None:
+            self._counts["malformed"] += 1
+            self._refused_log(error="not a worker message", type=_tag(frames))
+            return
+        if self._authenticated and rank != sender:
+            self._counts["forged"] += 1
+            self._forged_log(rank=rank, sender=sender, type=_tag(frames),
+                             num_forged=self._counts["forged"])
             return
         if isinstance(msg, P.BlocksCopied):
             self._on_ack(msg)
@@ -324,13 +475,15 @@ class Dispatcher:
             self._on_hello(msg)
         elif isinstance(msg, P.Bye):
             self._on_bye(msg)
-        else:
-            self._log.error(ev.ACK_REFUSED, error="not a worker message", type=_tag(frames))
+
+    def _refuse(self, reason: str, **fields: Any) -> None:
+        self._counts[reason] += 1
+        self._refused_log(**fields)
 
     def _rank_of(self, rank: int, what: str) -> _Rank | None:
         if rank >= self.world_size:
-            self._log.error(ev.ACK_REFUSED, error=f"{what} from rank {rank} >= world size "
-                            f"{self.world_size}", rank=rank)
+            self._refuse("unknown_rank", error=f"{what} from rank {rank} >= world size "
+                         f"{self.world_size}", rank=rank)
             return None
         return self._ranks[rank]
 
@@ -338,11 +491,10 @@ class Dispatcher:
         r = self._rank_of(msg.rank, "hello")
         if r is None:
             return
-        if msg.layout != self.layout_fingerprint:
-            err = ConfigError(f"rank {msg.rank} (pid {msg.pid}) has layout {msg.layout}, "
-                              f"the scheduler has {self.layout_fingerprint}")
-            r.refused = str(err)
-            self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=str(err))
+        problem = self._layout_problem(msg)
+        if problem is not None:
+            r.refused = f"rank {msg.rank} (pid {msg.pid}) refused: {problem}"
+            self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=r.refused)
             return
         if self._started:
             if msg.pid != r.joined_pid:
@@ -354,7 +506,16 @@ class Dispatcher:
         r.last_seen = time.monotonic()
         self._maybe_join(r)
 
-    def _on_subscription(self, sub: bytes) -> None:
+    def _layout_problem(self, msg: P.Hello) -> str | None:
+        """Why a rank's layout does not fit, naming the differing fields; None if it fits."""
+        if self.layout is not None and msg.geometry:
+            return layout_diff(self.layout, msg.geometry)
+        if msg.layout != self.layout_fingerprint:
+            return (f"layout fingerprint {msg.layout} differs from the scheduler's "
+                    f"{self.layout_fingerprint} (model, dtype or geometry)")
+        return None
+
+    def _on_subscription(self, sub: bytes, sender: int | None) -> None:
         if not sub:
             return
         marker = P.parse_ready_topic(sub[1:])
@@ -362,6 +523,14 @@ class Dispatcher:
             return
         rank, pid = marker
         if rank >= self.world_size:
+            return
+        # An unsubscription needs no identity: only the connection that holds a marker can
+        # drop it (libzmq counts subscriptions per connection), and a closed connection's
+        # come from libzmq itself.
+        if self._authenticated and sub[0] == 1 and rank != sender:
+            self._counts["forged"] += 1
+            self._forged_log(rank=rank, sender=sender, type="subscription",
+                             num_forged=self._counts["forged"])
             return
         r = self._ranks[rank]
         if sub[0] == 1:
@@ -415,21 +584,21 @@ class Dispatcher:
         if batch is None:
             if ack.seq < self._next_seq and (self._lost or rank in self._lost):
                 return  # a late ack of a batch that already failed with a lost rank
-            self._log.error(ev.ACK_REFUSED, seq=ack.seq, rank=rank,
-                            error="ack for an unknown or completed seq")
+            self._refuse("unknown_seq", seq=ack.seq, rank=rank,
+                         error="ack for an unknown or completed seq")
             return
         bit = 1 << rank
         later = batch.acked & bit  # a follow-up: results of ops this rank left pending
         expected = batch.waiting.get(rank, frozenset()) if later else batch.op_set
         if later and not expected:
-            self._log.error(ev.ACK_REFUSED, seq=ack.seq, rank=rank, error="duplicate ack")
+            self._refuse("duplicate", seq=ack.seq, rank=rank, error="duplicate ack")
             return
         by_id = {res.id: res for res in ack.results}
         pending = set(ack.pending)
         if not (by_id.keys() | pending) <= expected:
-            self._log.error(ev.ACK_REFUSED, seq=ack.seq, rank=rank,
-                            error=f"ack names ops {sorted((by_id.keys() | pending) - expected)}, "
-                                  "which the batch does not have or already reported")
+            self._refuse("malformed", seq=ack.seq, rank=rank,
+                         error=f"ack names ops {sorted((by_id.keys() | pending) - expected)}, "
+                               "which the batch does not have or already reported")
             return
         batch.acked |= bit
         r.last_seq = max(r.last_seq, ack.seq)
@@ -513,12 +682,15 @@ class Dispatcher:
         while waiting and time.monotonic() < deadline:
             if not self._pull.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                 break
+            copy = not self._authenticated
             try:
-                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+                frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=copy)
                 msg = P.decode(frames)
             except (zmq.Again, ProtocolError):
                 continue
-            if isinstance(msg, P.Bye) and msg.rank < self.world_size:
+            if not isinstance(msg, P.Bye) or msg.rank >= self.world_size:
+                continue
+            if copy or self._sender(frames[0]) == msg.rank:
                 waiting.discard(msg.rank)
 
     def _missing_message(self, timeout_s: float) -> str:
@@ -538,10 +710,27 @@ class Dispatcher:
                 + "; ".join(parts))
 
 
+def layout_diff(layout: CacheLayout, geometry: str) -> str | None:
+    """The fields in which a rank's layout (``geometry``: its JSON) differs from ``layout``,
+    as ``"num_host_blocks: rank has 16, scheduler has 8; ..."``; None when equal."""
+    try:
+        theirs = orjson.loads(geometry)
+    except orjson.JSONDecodeError:
+        return "its layout description is not JSON"
+    if not isinstance(theirs, dict):
+        return "its layout description is not a JSON object"
+    ours = asdict(layout)
+    diffs = [f"{k}: rank has {theirs.get(k, '(missing)')!r}, scheduler has {v!r}"
+             for k, v in ours.items() if theirs.get(k, object()) != v]
+    diffs += [f"{k}: unknown field" for k in theirs.keys() - ours.keys()]
+    return "layout differs: " + "; ".join(diffs) if diffs else None
+
+
 def _tag(frames: Sequence[Any]) -> str:
     if not frames:
         return ""
     try:
-        return bytes(frames[0][:32]).decode(errors="replace")
+        return bytes(memoryview(getattr(frames[0], "buffer", frames[0]))[:32]).decode(
+            errors="replace")
     except Exception:
         return "?"

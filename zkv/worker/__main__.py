@@ -1,11 +1,12 @@
 """``python -m zkv.worker``: one rank's worker actor as its own process.
 
 Environment (zkvrun sets it): ``RANK``, ``ZKV_CONFIG`` (layout JSON), ``ZKV_PUB_ENDPOINT``,
-``ZKV_PULL_ENDPOINT``; optional ``ZKV_BACKEND`` (auto | cpu | cupy), ``ZKV_STORE_URL``
-(an L3 store: ``file:///path``, ``redis://HOST:PORT/DB``, ``mooncake://HOST:PORT``; see
-:func:`zkv.storage.open_store`) or the older ``ZKV_STORE_DIR`` (= ``file://`` that
-directory), ``ZKV_HEARTBEAT_S``, ``ZKV_LOG_DIR``, ``ZKV_LOG_LEVEL``. A local store's
-byte budget is shared by the group's ranks (each gets ``1 / world_size`` of it).
+``ZKV_PULL_ENDPOINT``, ``ZKV_KEYS`` (keyring directory; zkvrun makes one per run),
+``ZKV_INSECURE=1`` (plain tcp allowed); optional ``ZKV_BACKEND`` (auto | cpu | cupy),
+``ZKV_STORE_URL`` (an L3 store: ``file:///path``, ``redis://HOST:PORT/DB``,
+``mooncake://HOST:PORT``; see :func:`zkv.storage.open_store`) or the older ``ZKV_STORE_DIR``
+(= ``file://`` that directory), ``ZKV_HEARTBEAT_S``, ``ZKV_LOG_DIR``, ``ZKV_LOG_LEVEL``. A
+local store's byte budget is shared by the group's ranks (each gets ``1 / world_size`` of it).
 
 Exit status: 0 after Shutdown or SIGTERM/SIGINT, 3 after a seq gap, 2 on a bad
 configuration, 1 on any other fatal error. The worker also stops when its parent process
@@ -24,7 +25,12 @@ from zkv.config import CacheLayout
 from zkv.errors import ConfigError
 from zkv.storage import Store, file_url, open_store
 from zkv.worker.actor import EXIT_FATAL, WorkerActor
-from zkv.worker.sidecar import endpoints_from_env, rank_from_env, resolve_backend
+from zkv.worker.sidecar import (
+    endpoints_from_env,
+    rank_from_env,
+    resolve_backend,
+    security_from_env,
+)
 
 EXIT_CONFIG = 2
 _PARENT_CHECK_S = 0.5
@@ -55,6 +61,7 @@ def main() -> int:
         layout = CacheLayout.from_env()
         pub, pull = endpoints_from_env()
         heartbeat_s = float(os.environ.get("ZKV_HEARTBEAT_S", "0.25"))
+        keys, insecure = security_from_env(rank)
     except (ConfigError, ValueError) as e:
         print(f"zkv.worker: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -69,11 +76,12 @@ def main() -> int:
         return EXIT_FATAL
     try:
         store = store_from_env(layout)
+        actor = WorkerActor(rank, layout, kv_caches, host_pool, backend, pub_endpoint=pub,
+                            pull_endpoint=pull, store=store, heartbeat_interval_s=heartbeat_s,
+                            keys=keys, insecure=insecure)
     except ConfigError as e:
         print(f"zkv.worker: rank {rank}: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    actor = WorkerActor(rank, layout, kv_caches, host_pool, backend, pub_endpoint=pub,
-                        pull_endpoint=pull, store=store, heartbeat_interval_s=heartbeat_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: actor.stop(signal.Signals(signum).name.lower()))
     stopped = threading.Event()

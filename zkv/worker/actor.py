@@ -33,6 +33,12 @@ Errors in a batch::
                                    Bye("fatal error: DeviceFault(...)"): the scheduler
                                    fails the rank's ops at once. Nothing touches the
                                    dead context again.
+
+Trust: with :class:`~zkv.security.ClientKeys` both sockets authenticate as this rank
+(CURVE pinning the scheduler's key on tcp, the rank's ipc token on ipc, where the private
+socket directory vouches for the scheduler), so only this rank can ack as this rank. Refusals are counted (``num_refused``) and logged at most a few
+lines a second. A scheduler that restarts (a new connection after the first) is joined
+again: the actor starts over at seq 0 and says hello, the new scheduler's tree is empty.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import zmq
 
 from zkv import log as ev
 from zkv import protocol as P
+from zkv import security
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError, DeviceFault, ProtocolError
 from zkv.kernels.layout import describe_for_layout
@@ -63,6 +70,7 @@ EXIT_SEQ_GAP = 3
 _MAX_POLL_MS = 100
 _BYE_LINGER_MS = 250
 _ACK_HISTORY = 1024
+_ACK_SEND_TIMEOUT_MS = 10_000
 _COPY_KINDS = (P.D2H, P.BACKUP)
 _SIM_KINDS = (P.FILL, P.CHECK)
 
@@ -93,6 +101,9 @@ class WorkerActor:
     copies wait on first (``backend.begin_batch``), so a d2h never reads a block the
     previous step's forward still writes; ``None`` means the current stream of the thread
     that builds the actor (the model's thread), never the actor thread's own.
+
+    ``keys``: this rank's CURVE keys (needed for ``tcp://`` unless ``insecure``); the
+    endpoints are checked at construction (:func:`zkv.security.check_endpoint`).
     """
 
     def __init__(
@@ -112,10 +123,16 @@ class WorkerActor:
         compute_stream: int | None = None,
         gated: bool = False,
         gate_timeout_s: float = 60.0,
+        keys: security.ClientKeys | None = None,
+        insecure: bool = False,
     ) -> None:
         if len(kv_caches) != layout.num_layers:
             raise ConfigError(f"kv_caches has {len(kv_caches)} layers, layout has "
                               f"{layout.num_layers}")
+        if keys is not None and keys.rank != rank:
+            raise ConfigError(f"rank {rank} was given the keys of rank {keys.rank}")
+        for ep in (pub_endpoint, pull_endpoint):
+            security.check_endpoint(ep, keys=keys, insecure=insecure, bind=False)
         self.rank = rank
         self.layout = layout
         # Validated once: layout, strides and device (a ConfigError names the tensor).
@@ -156,6 +173,9 @@ class WorkerActor:
         self._gate = threading.Condition()
         self._released = -1
         self._acks: dict[int, P.BlocksCopied] = {}  # recent acks by seq (bounded)
+        self._keys = keys
+        self._num_handshakes = 0
+        self._refused_log = ev.RateLimited(self._log, ev.BATCH_REFUSED, burst=10)
 
     @property
     def last_seq(self) -> int:
@@ -204,6 +224,11 @@ class WorkerActor:
             if time.monotonic() > deadline:
                 return f"the engine did not release batch {seq} within {self.gate_timeout_s} s"
 
+    @property
+    def num_refused(self) -> int:
+        """Messages refused so far (malformed, old seq, not for a worker)."""
+        return self._refused_log.total
+
     def stop(self, reason: str = "stopped") -> None:
         """Ask the loop to stop (thread-safe, returns at once; the loop exits within ~0.1 s)."""
         self._stop_reason = reason
@@ -219,26 +244,26 @@ class WorkerActor:
         sub = ctx.socket(zmq.SUB)
         push = ctx.socket(zmq.PUSH)
         self._push = push
+        monitor = None
         code, reason = EXIT_FATAL, "fatal error"
         try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, 0)
-            push.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
-            push.setsockopt(zmq.SNDHWM, 0)
+            self._setup_sockets(sub, push)
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             push.connect(self.pull_endpoint)
             sub.connect(self.pub_endpoint)
             # Catch-all first, then the marker: the dispatcher seeing the marker proves the
             # catch-all is in place (see zkv.protocol.ready_topic).
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.setsockopt(zmq.SUBSCRIBE, P.ready_topic(self.rank, self._pid))
-            self._send(P.Hello(self.rank, self._pid, self.layout.fingerprint()))
+            self._hello()
             self._start_heartbeats()
             self.backend.bind_thread()  # every CUDA call of this thread: the rank's device
             self._log.info(ev.BACKEND_READY, **self.backend.startup_info())
             self._log.info(ev.WORKER_STARTED, pub=self.pub_endpoint, pull=self.pull_endpoint,
                            num_device_blocks=self.limits.num_device_blocks,
-                           num_host_blocks=self.limits.num_host_blocks)
-            code, reason = self._loop(sub)
+                           num_host_blocks=self.limits.num_host_blocks,
+                           curve=self._keys is not None)
+            code, reason = self._loop(sub, monitor)
         except Exception as e:
             self._log.exception(ev.WORKER_STOPPED, reason="fatal error", error=repr(e))
             code, reason = EXIT_FATAL, f"fatal error: {e!r}"
@@ -249,9 +274,12 @@ class WorkerActor:
                 self._gate.notify_all()
             self.counter.close(f"rank {self.rank} worker stopped: {reason}")
             try:
-                self._send(P.Bye(self.rank, self._pid, reason))
+                self._send(P.Bye(self.rank, self._pid, reason[:P.MAX_ERROR_CHARS]), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(0)
             sub.close(0)
             push.close(_BYE_LINGER_MS)
             self._push = None
@@ -259,11 +287,27 @@ class WorkerActor:
                 self._io.close()
             if own_ctx:
                 ctx.term()
+            self._refused_log.flush()
             self._log.info(ev.WORKER_STOPPED, reason=reason, exit_code=code,
-                           last_seq=self._last_seq)
+                           last_seq=self._last_seq, num_refused=self.num_refused)
         return code
 
-    def _loop(self, sub: zmq.Socket[Any]) -> tuple[int, str]:
+    def _setup_sockets(self, sub: zmq.Socket[Any], push: zmq.Socket[Any]) -> None:
+        """Bounded queues and frames, CURVE when keys were given (see zkv.protocol)."""
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, P.RECV_HWM)  # a full queue stops reading: no drop here
+        sub.setsockopt(zmq.MAXMSGSIZE, P.MAX_BATCH_FRAME_BYTES)
+        push.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
+        push.setsockopt(zmq.SNDHWM, P.RECV_HWM)
+        push.setsockopt(zmq.SNDTIMEO, _ACK_SEND_TIMEOUT_MS)
+        security.setup_client(sub, self._keys, self.pub_endpoint)
+        security.setup_client(push, self._keys, self.pull_endpoint)
+
+    def _hello(self) -> None:
+        self._send(P.Hello(self.rank, self._pid, self.layout.fingerprint(),
+                           self.layout.to_json()))
+
+    def _loop(self, sub: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> tuple[int, str]:
         # A per-batch event must cost ~nothing when filtered out: bind once (a lazy proxy
         # resolves the configuration on every call).
         self._hot_log = self._log.bind()
@@ -271,6 +315,7 @@ class WorkerActor:
         self._next_hb = time.monotonic() + self.heartbeat_interval_s
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         if self.store is not None:
             self._io = StorageIO(self.store, self.rank, self.backend, self.host_pool,
                                  io_threads=self._io_threads)
@@ -283,13 +328,35 @@ class WorkerActor:
             except zmq.Again:
                 self._maybe_heartbeat()
                 wait = max(0.0, self._next_hb - time.monotonic())
-                poller.poll(min(_MAX_POLL_MS, int(wait * 1000) + 1))
+                if monitor in dict(poller.poll(min(_MAX_POLL_MS, int(wait * 1000) + 1))):
+                    self._on_monitor(monitor)
                 continue
             done = self._on_frames(frames)
             if done is not None:
                 return done
             self._maybe_heartbeat()
         return EXIT_OK, self._stop_reason
+
+    def _on_monitor(self, monitor: zmq.Socket[Any]) -> None:
+        """A new connection to the scheduler after the first: it restarted. Join it anew
+        (its subscriptions are resent by libzmq; its tree knows none of our blocks)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if recv_monitor_message(monitor)["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                continue
+            self._num_handshakes += 1
+            if self._num_handshakes == 1:
+                continue
+            self._log.warning(ev.SCHEDULER_REJOINED, last_seq=self._last_seq,
+                              num_handshakes=self._num_handshakes)
+            self.counter.close(f"rank {self.rank}: the scheduler restarted")
+            self.counter = LayerDoneCounter(self.layout.num_layers, self.backend)
+            with self._gate:  # the new scheduler's seqs start at 0 (so do the engine's)
+                self._expected, self._last_seq, self._released = 0, -1, -1
+                self._acks.clear()
+                self._gate.notify_all()
+            self._hello()
 
     def _maybe_heartbeat(self) -> None:
         """Paces the loop's poll; the heartbeats themselves come from their own thread."""
@@ -309,18 +376,23 @@ class WorkerActor:
             self._hb_thread.join()
 
     def _heartbeats(self) -> None:
-        """A heartbeat every interval, whatever the actor thread is waiting on."""
+        """A heartbeat every interval, whatever the actor thread is waiting on; skipped
+        while the queue to the scheduler is full (it is not reading)."""
         while not self._hb_stop.wait(self.heartbeat_interval_s):
             try:
-                self._send(P.Heartbeat(self.rank, self._pid, self._last_seq))
+                self._send(P.Heartbeat(self.rank, self._pid, self._last_seq), zmq.NOBLOCK)
+            except zmq.Again:
+                continue
             except zmq.ZMQError:
                 return
 
-    def _send(self, msg: P.Message) -> None:
+    def _send(self, msg: P.Message, flags: int = 0) -> None:
+        """Send to the scheduler; blocks at most ``_ACK_SEND_TIMEOUT_MS`` (then zmq.Again:
+        the scheduler stopped reading and the actor stops)."""
         frames = P.encode(msg)
         with self._send_lock:
             assert self._push is not None
-            self._push.send_multipart(frames, copy=False)
+            self._push.send_multipart(frames, flags, copy=False)
 
     def _on_frames(self, frames: list[bytes]) -> tuple[int, str] | None:
         t_recv = time.time()
@@ -334,13 +406,11 @@ class WorkerActor:
                 return None
             if msg.seq > self._expected:
                 return self._seq_gap(msg.seq)
-            self._log.error(ev.BATCH_REFUSED, seq=msg.seq, error=f"old seq (expected "
-                            f"{self._expected})")
+            self._refused_log(seq=msg.seq, error=f"old seq (expected {self._expected})")
             return None
         if isinstance(msg, P.Shutdown):
             return EXIT_OK, "shutdown"
-        self._log.error(ev.BATCH_REFUSED, error=f"unexpected {type(msg).__name__} on the "
-                        "batch channel")
+        self._refused_log(error=f"unexpected {type(msg).__name__} on the batch channel")
         return None
 
     def _seq_gap(self, seq: int) -> tuple[int, str]:
@@ -351,8 +421,8 @@ class WorkerActor:
     def _refuse(self, frames: Sequence[Any], error: ProtocolError) -> tuple[int, str] | None:
         """A malformed message never touches the cache. If it is the batch we expect, ack
         it as failed so the scheduler fails its ops now rather than at a timeout."""
-        seq = P.peek_seq(frames) if bytes(frames[0]) == P.T_BATCH else None
-        self._log.error(ev.BATCH_REFUSED, seq=seq, expected=self._expected, error=str(error))
+        seq = P.peek_seq(frames) if frames and bytes(frames[0]) == P.T_BATCH else None
+        self._refused_log(seq=seq, expected=self._expected, error=str(error))
         if seq is None or seq < self._expected:
             return None
         if seq > self._expected:
@@ -365,6 +435,10 @@ class WorkerActor:
 
     def _ack(self, ack: P.BlocksCopied) -> None:
         self._expected = ack.seq + 1
+        if any(r.error is not None and len(r.error) > P.MAX_ERROR_CHARS for r in ack.results):
+            ack = P.BlocksCopied(ack.seq, ack.rank, ack.ok, tuple(
+                P.OpResult(r.id, r.ok, r.done, r.error[:P.MAX_ERROR_CHARS] if r.error else None)
+                for r in ack.results), ack.t_recv, ack.t_done, ack.pending)
         with self._gate:  # before the send: whoever sees the ack sees last_seq too
             self._last_seq = ack.seq
             self._acks[ack.seq] = ack

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from zkv import security
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
 from zkv.storage import Store
@@ -89,6 +90,18 @@ def endpoints_from_env(env: dict[str, str] | None = None) -> tuple[str, str]:
         raise ConfigError(f"{e.args[0]} is not set (zkvrun sets it for every rank)") from None
 
 
+def security_from_env(rank: int, keys: security.ClientKeys | str | None = None,
+                      env: dict[str, str] | None = None) -> tuple[security.ClientKeys | None, bool]:
+    """``(keys, insecure)`` for rank ``rank``: ``keys`` as given (a keyring directory is
+    loaded), else the keyring named by ``$ZKV_KEYS``; ``$ZKV_INSECURE=1`` allows plain tcp."""
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    if isinstance(keys, str):
+        keys = security.Keyring.load(keys).for_rank(rank)
+    elif keys is None:
+        keys = security.client_keys_from_env(rank, env)
+    return keys, env.get("ZKV_INSECURE") == "1"
+
+
 def rank_from_env(env: dict[str, str] | None = None) -> int:
     env = os.environ if env is None else env  # type: ignore[assignment]
     text = env.get("RANK")
@@ -101,7 +114,9 @@ class Sidecar:
     """The worker actor of one rank, on a daemon thread, over the model's own KV cache.
 
     Missing arguments come from the environment zkvrun / torchrun set: ``RANK``,
-    ``ZKV_PUB_ENDPOINT``, ``ZKV_PULL_ENDPOINT``, ``ZKV_CONFIG`` (the layout). The host
+    ``ZKV_PUB_ENDPOINT``, ``ZKV_PULL_ENDPOINT``, ``ZKV_CONFIG`` (the layout), ``ZKV_KEYS``
+    (a keyring directory; ``keys`` may also be :class:`~zkv.security.ClientKeys` or a
+    keyring directory), ``ZKV_INSECURE=1`` (plain tcp allowed). The host
     pool is allocated here (page-first, pinned on GPU). ``compute_stream``: the model's
     CUDA stream as a raw handle (default: the default stream); see :class:`WorkerActor`.
     ``gated``: run a batch only after :meth:`release` (an engine that schedules ahead).
@@ -121,9 +136,11 @@ class Sidecar:
         compute_stream: int | None = None,
         host_pool: Any = None,
         gated: bool = False,
+        keys: security.ClientKeys | str | None = None,
     ) -> None:
         layout = layout if layout is not None else CacheLayout.from_env()
         rank = rank if rank is not None else rank_from_env()
+        client_keys, insecure = security_from_env(rank, keys)
         if pub_endpoint is None or pull_endpoint is None:
             env_pub, env_pull = endpoints_from_env()
             pub_endpoint = pub_endpoint or env_pub
@@ -139,7 +156,7 @@ class Sidecar:
             rank, layout, kv_caches, self.host_pool, self.backend,
             pub_endpoint=pub_endpoint, pull_endpoint=pull_endpoint, store=store,
             heartbeat_interval_s=heartbeat_interval_s, compute_stream=compute_stream,
-            gated=gated,
+            gated=gated, keys=client_keys, insecure=insecure,
         )
         self._thread = threading.Thread(target=self.actor.run, name=f"zkv-worker-{rank}",
                                         daemon=True)

@@ -1,0 +1,32 @@
+"""``zkv soak`` for a few seconds: every kind of fault once (in order), then at random;
+every one survived, nothing leaked, every untouched batch verified. The full soak is the
+command itself (minutes); this keeps CI short."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from zkv.soak import FAULTS
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def test_short_soak_survives_every_fault() -> None:
+    r = subprocess.run([sys.executable, "-m", "zkv.cli", "soak", "--seconds", "2",
+                        "--fault-every", "0.2", "--seed", "3"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    for kind in FAULTS:
+        m = re.search(rf"\b{kind} (\d+)/(\d+)", out)
+        assert m and m.group(1) == m.group(2) and int(m.group(2)) >= 1, (kind, out)
+    assert re.search(r"leaked\s+0 blocks", out)
+    assert re.search(r"unexpected\s+none", out)
+    m = re.search(r"verified\s+(\d+) reused blocks", out)
+    assert m and int(m.group(1)) > 0
+    m = re.search(r"requests\s+(\d+) in (\d+) steps = ([\d.]+) requests/s held", out)
+    assert m and int(m.group(1)) > 0
+    assert re.search(r"scheduler\s+fds \d+ -> \d+\s+RSS \d+ -> \d+ MiB", out)

@@ -1,0 +1,80 @@
+"""``zkv replay``'s honest command line: bad arguments are one line and status 2 (nothing
+started), dropped requests are counted and make the status 4, a wrong layout is refused
+at the ranks' hello with the differing field named."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--log-dir",
+         str(tmp_path / "logs"), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch", "-1"], "--batch must be >= 1, got -1"),
+    (["--batch", "x"], "argument --batch: invalid int value: 'x'"),
+    (["--ranks", "5000"], "--ranks 5000 is more than 4 per core"),
+    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+    (["--layers", "0"], "num_layers must be > 0, got 0"),
+    (["--dtype", "float64"], "unsupported dtype 'float64'"),
+    (["--device-blocks", "100000000"], "the pools need"),
+    (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "trace not found"),
+    (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535]"),
+])
+def test_config_errors_are_one_line_and_start_nothing(tmp_path: Path, args: list[str],
+                                                      message: str) -> None:
+    r = _run(tmp_path, *args, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("zkv replay: error: "), r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == "" and not (tmp_path / "logs").exists()  # nothing was launched
+
+
+def test_dropped_requests_are_counted_and_fail_the_status(tmp_path: Path) -> None:
+    # 20 device blocks: no chat prompt (>= 34 blocks) fits, so every request is dropped
+    r = _run(tmp_path, "--requests", "6", "--device-blocks", "20", "--host-blocks", "8",
+             "--store-dir", "none")
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert re.search(r"dropped\s+6 requests did not fit in the pools \(exit status 4\)", r.stdout)
+    assert re.search(r"requests\s+0 ", r.stdout)
+    assert "zkvrun: scheduler (pid" in r.stderr and "exited with code 4" in r.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_sigkilled_replay_leaves_an_l3_dir_the_next_replay_removes(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    from launch.zkvrun import run_base
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else run_base()
+    root = Path(base) / f"zkv-{os.geteuid()}"
+    proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "replay", "--no-progress",
+                             "--requests", "2000", "--log-dir", str(tmp_path / "logs")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        mine: list[Path] = []
+        while not mine:  # its default L3 directory, named after its pid
+            assert time.monotonic() < deadline and proc.poll() is None
+            mine = list(root.glob(f"l3-{proc.pid}-*")) if root.is_dir() else []
+            time.sleep(0.02)  # a polling interval
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert mine[0].is_dir()  # left behind
+    r = _run(tmp_path, "--requests", "2", "--store-dir", "none")
+    assert r.returncode == 0, r.stderr
+    assert not mine[0].exists()  # the next start removed it

@@ -1,0 +1,149 @@
+"""ipc://: sockets live in a 0700 directory of this user; anything else is refused, and
+another user can connect neither through the file system nor past the ZAP uid check."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from zkv import protocol as P
+from zkv import security
+from zkv.errors import ConfigError
+from zkv.scheduler.dispatcher import Dispatcher
+
+FP = "layout-fp"
+NOBODY = 65534
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+
+
+def test_socket_directory_must_be_private(folder: str) -> None:
+    os.chmod(folder, 0o755)
+    with pytest.raises(ConfigError, match="mode 755; it must be 700"):
+        Dispatcher(f"ipc://{folder}/pub", f"ipc://{folder}/pull", 1, FP)
+    os.chmod(folder, 0o700)
+    link = folder + "-link"
+    os.symlink(folder, link)
+    try:
+        with pytest.raises(ConfigError, match="not a directory"):
+            Dispatcher(f"ipc://{link}/pub", f"ipc://{link}/pull", 1, FP)
+    finally:
+        os.unlink(link)
+    with pytest.raises(ConfigError, match="abstract"):
+        Dispatcher("ipc://@zkv-abstract", f"ipc://{folder}/pull", 1, FP)
+    Dispatcher(f"ipc://{folder}/pub", f"ipc://{folder}/pull", 1, FP).close(shutdown=False)
+
+
+def test_directory_of_another_owner_is_refused(folder: str) -> None:
+    if os.geteuid() == 0:
+        os.chown(folder, NOBODY, NOBODY)
+        target = folder
+    else:
+        target = "/"  # owned by root, not by this user
+    with pytest.raises(ConfigError, match=r"owned by uid \d+, not by this user"):
+        security.check_private_dir(target)
+    with pytest.raises(ConfigError, match="owned by uid"):
+        Dispatcher(f"ipc://{target}/zkv-pub", f"ipc://{target}/zkv-pull", 1, FP)
+
+
+def test_user_root_is_refused_when_someone_else_made_it(tmp_path: Path) -> None:
+    root = tmp_path / f"zkv-{os.geteuid()}"
+    root.mkdir(mode=0o777)
+    os.chmod(root, 0o777)  # made by someone who wants to watch our sockets
+    with pytest.raises(ConfigError, match="mode 777"):
+        security.make_run_dir(str(tmp_path))
+    os.chmod(root, 0o700)
+    run = security.make_run_dir(str(tmp_path))
+    assert stat.S_IMODE(os.stat(run).st_mode) == 0o700
+
+
+def _as_nobody(body: Any) -> int:
+    """Run ``body()`` in a forked child that switched to uid/gid nobody; its exit code
+    (0: body returned True). Fork, not exec: nobody may not read this interpreter's files."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 3
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = 0 if body() else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the child as nobody did not finish")
+        time.sleep(0.01)  # a polling interval, not synchronization
+
+
+@needs_root
+def test_another_user_cannot_reach_the_socket_files(folder: str) -> None:
+    d = Dispatcher(f"ipc://{folder}/pub", f"ipc://{folder}/pull", 1, FP)
+    try:
+        def connect() -> bool:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(f"{folder}/pull")
+            except PermissionError:
+                return True  # EACCES: the 0700 directory stops it
+            finally:
+                s.close()
+            return False
+
+        assert _as_nobody(connect) == 0
+    finally:
+        d.close(shutdown=False)
+
+
+@needs_root
+def test_zap_refuses_another_user_even_where_the_directory_lets_it_in(folder: str) -> None:
+    """Defence in depth: with the directory and socket opened up after the bind (a bad
+    umask, a chmod by mistake), the kernel's peer uid still makes ZAP refuse the peer."""
+    d = Dispatcher(f"ipc://{folder}/pub", f"ipc://{folder}/pull", 1, FP)
+    try:
+        os.chmod(folder, 0o711)
+        for name in ("pub", "pull"):
+            os.chmod(os.path.join(folder, name), 0o777)
+
+        def join_as_rank_0() -> bool:
+            ctx: zmq.Context[Any] = zmq.Context()
+            push = ctx.socket(zmq.PUSH)
+            sub = ctx.socket(zmq.SUB)
+            try:
+                sub.connect(f"ipc://{folder}/pub")
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.setsockopt(zmq.SUBSCRIBE, P.ready_topic(0, os.getpid()))
+                push.connect(f"ipc://{folder}/pull")
+                try:
+                    push.send_multipart(P.encode(P.Hello(0, os.getpid(), FP)), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                return sub.poll(1000) == 0  # nothing ever arrives
+            finally:
+                push.close(0)
+                sub.close(0)
+                ctx.term()
+
+        assert _as_nobody(join_as_rank_0) == 0
+        deadline = time.monotonic() + 10
+        while d.refusals()["unauthenticated"] < 2:
+            assert time.monotonic() < deadline, d.refusals()
+            d.poll(0.05)
+        with pytest.raises(TimeoutError, match="rank 0: no hello"):
+            d.wait_for_ranks(0.2)
+        assert d.num_received == 0
+    finally:
+        d.close(shutdown=False)
