@@ -9,7 +9,8 @@ then measures one batch at a time (publish, then poll until the batch completed)
 - ``copy``:  32 blocks d2h + 32 blocks h2d (layer by layer) of a small layout.
 
 Baseline: the same process count running bare pyzmq PUB → SUB → PUSH → PULL echo (no
-zkv code, no torch), measured the same way; ``x floor`` is zkv's p50 over that floor.
+zkv code, no torch), measured the same way, in rounds that alternate with zkv's (both
+groups alive); ``x floor`` is zkv's p50 over that floor.
 On small VMs the floor is dominated by thread wake-ups (libzmq's I/O thread plus the
 application thread, on both sides), not by Python.
 
@@ -135,56 +136,86 @@ def one_at_a_time(d: Dispatcher, make_ops: list[list[P.Op]], n: int, warmup: int
     return lat
 
 
-def echo_floor(folder: str, world_size: int, n: int, warmup: int) -> np.ndarray:
-    """Publish -> all replies with bare pyzmq echo processes: the transport's floor here."""
-    import zmq
+class EchoGroup:
+    """Bare pyzmq echo processes (PUB -> SUB -> PUSH -> PULL, no zkv code, no torch): the
+    transport's floor here, measured exactly like zkv's batches."""
 
-    pub_ep, pull_ep = f"ipc://{folder}/echo-pub", f"ipc://{folder}/echo-pull"
-    ctx: zmq.Context[object] = zmq.Context()
-    pub, pull = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)
-    pub.bind(pub_ep)
-    pull.bind(pull_ep)
-    procs = [subprocess.Popen([sys.executable, "-c", ECHO_CHILD, pub_ep, pull_ep],
-                              stdin=subprocess.DEVNULL) for _ in range(world_size)]
-    lat = np.empty(n)
-    try:
-        # Slow joiners: ping until every child answered one numbered ping.
-        seq = 0
+    FRAMES = [b"CopyBlocks", b'{"v":1,"seq":0,"step":0,"ops":[]}']
+
+    def __init__(self, folder: str, world_size: int) -> None:
+        import zmq
+
+        self.world_size = world_size
+        pub_ep, pull_ep = f"ipc://{folder}/echo-pub", f"ipc://{folder}/echo-pull"
+        self.ctx: zmq.Context[object] = zmq.Context()
+        self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
+        self.pub.bind(pub_ep)
+        self.pull.bind(pull_ep)
+        self.procs = [subprocess.Popen([sys.executable, "-c", ECHO_CHILD, pub_ep, pull_ep],
+                                       stdin=subprocess.DEVNULL) for _ in range(world_size)]
+        try:
+            self._sync()
+        except BaseException:
+            self.close()
+            raise
+
+    def _sync(self) -> None:
+        """Slow joiners: ping until every child answered one numbered ping."""
+        seq, answered = 0, 0
         deadline = time.monotonic() + 60
-        answered = 0
-        while answered < world_size:
+        while answered < self.world_size:
             if time.monotonic() > deadline:
                 raise RuntimeError("echo children did not join")
             seq += 1
-            pub.send_multipart([b"sync", str(seq).encode()])
+            self.pub.send_multipart([b"sync", str(seq).encode()])
             answered = 0
             end = time.monotonic() + 0.05
-            while time.monotonic() < end and pull.poll(10):
-                if pull.recv_multipart()[1] == str(seq).encode():
+            while time.monotonic() < end and self.pull.poll(10):
+                if self.pull.recv_multipart()[1] == str(seq).encode():
                     answered += 1
-        while pull.poll(50):
-            pull.recv_multipart()
-        frames = [b"CopyBlocks", b'{"v":1,"seq":0,"step":0,"ops":[]}']
+        while self.pull.poll(50):
+            self.pull.recv_multipart()
+
+    def measure(self, n: int, warmup: int) -> np.ndarray:
+        import zmq
+
+        lat = np.empty(n)
+        pub, pull, frames = self.pub, self.pull, self.FRAMES
         for i in range(warmup + n):
             t0 = time.perf_counter()
             pub.send_multipart(frames)
-            for _ in range(world_size):
+            for _ in range(self.world_size):
                 pull.poll(1000)
                 pull.recv_multipart(zmq.NOBLOCK)
             if i >= warmup:
                 lat[i - warmup] = (time.perf_counter() - t0) * 1e6
-        pub.send_multipart([b"quit", b""])
-    finally:
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        pub.close(0)
-        pull.close(0)
-        ctx.term()
-    return lat
+        return lat
+
+    def close(self) -> None:
+        try:
+            self.pub.send_multipart([b"quit", b""])
+        finally:
+            for p in self.procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            self.pub.close(0)
+            self.pull.close(0)
+            self.ctx.term()
+
+
+def interleaved(echo: EchoGroup, d: Dispatcher, n: int,
+                rounds: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    """Floor and zkv in alternating rounds, both groups alive: drift on a shared VM (other
+    load, frequency) hits both alike instead of whichever ran second."""
+    per = max(1, n // rounds)
+    floor, zkv = [], []
+    for _ in range(rounds):
+        floor.append(echo.measure(per, warmup=20))
+        zkv.append(one_at_a_time(d, [[]], per, warmup=20))
+    return np.concatenate(floor), np.concatenate(zkv)
 
 
 def copy_batches(layout: CacheLayout) -> list[list[P.Op]]:
@@ -225,21 +256,27 @@ def main() -> int:
     t_start = time.monotonic()
     for world_size in [int(x) for x in args.ranks.split(",")]:
         folder = tempfile.mkdtemp(prefix="zkv-bench-")
+        os.chmod(folder, 0o700)
         try:
-            floor = echo_floor(folder, world_size, args.empty, warmup=200)
-            floor_p50 = float(np.percentile(floor, 50))
-            rows.append(Row(world_size, "bare pyzmq echo (floor)", args.empty, floor))
-            d, procs = start_group(folder, world_size, args.keys)
+            echo = EchoGroup(folder, world_size)
             try:
-                rows.append(Row(world_size, "empty", args.empty,
-                                one_at_a_time(d, [[]], args.empty, warmup=200), floor_p50))
-                layout = bench_layout(world_size)
-                label = f"copy {NUM_COPY_BLOCKS}x{layout.block_bytes >> 10}KiB d2h+h2d"
-                rows.append(Row(world_size, label, args.copies,
-                                one_at_a_time(d, copy_batches(layout), args.copies, warmup=20)))
-                rates.append((world_size, pipelined(d, args.empty, depth=8)))
+                d, procs = start_group(folder, world_size, args.keys)
+                try:
+                    one_at_a_time(d, [[]], 200, warmup=0)
+                    floor, lat = interleaved(echo, d, args.empty)
+                    floor_p50 = float(np.percentile(floor, 50))
+                    rows.append(Row(world_size, "bare pyzmq echo (floor)", len(floor), floor))
+                    rows.append(Row(world_size, "empty", len(lat), lat, floor_p50))
+                    layout = bench_layout(world_size)
+                    label = f"copy {NUM_COPY_BLOCKS}x{layout.block_bytes >> 10}KiB d2h+h2d"
+                    rows.append(Row(world_size, label, args.copies,
+                                    one_at_a_time(d, copy_batches(layout), args.copies,
+                                                  warmup=20)))
+                    rates.append((world_size, pipelined(d, args.empty, depth=8)))
+                finally:
+                    stop_group(d, procs)
             finally:
-                stop_group(d, procs)
+                echo.close()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     print(f"actor pipeline: publish -> all acks, one batch in flight, ipc://"

@@ -67,10 +67,19 @@ class Tamper:
     def __init__(self, sock: Any, mutate: Callable[[list[bytes]], list[list[bytes]]]) -> None:
         self.sock = sock
         self.mutate = mutate
+        self._parts: list[bytes] = []
 
     def send_multipart(self, frames: list[Any], *args: Any, **kwargs: Any) -> None:
         for msg in self.mutate([bytes(f) for f in frames]):
             self.sock.send_multipart(msg, *args, **kwargs)
+
+    def send(self, frame: Any, flags: int = 0, copy: bool = True, **_: Any) -> None:
+        """Frame by frame (zkv.zmqio.send_frames): the message goes out, mutated, with its
+        last frame."""
+        self._parts.append(bytes(frame))
+        if not flags & zmq.SNDMORE:
+            parts, self._parts = self._parts, []
+            self.send_multipart(parts, flags, copy=copy)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sock, name)

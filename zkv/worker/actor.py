@@ -62,6 +62,7 @@ from zkv.kernels.layout import describe_for_layout
 from zkv.storage import Store
 from zkv.worker.layers import LayerDoneCounter
 from zkv.worker.storage_io import IO_KINDS, StorageIO
+from zkv.zmqio import DONTWAIT, readable, recv_frames, send_frames
 
 EXIT_OK = 0
 EXIT_FATAL = 1
@@ -323,14 +324,14 @@ class WorkerActor:
         while not stop.is_set():
             if self._io is not None and self._io.num_pending:
                 self._send_io_results()
-            try:
-                frames = sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            # Look before receiving: a DONTWAIT receive on an empty queue raises (costly).
+            if not readable(sub):
                 self._maybe_heartbeat()
                 wait = max(0.0, self._next_hb - time.monotonic())
                 if monitor in dict(poller.poll(min(_MAX_POLL_MS, int(wait * 1000) + 1))):
                     self._on_monitor(monitor)
                 continue
+            frames = recv_frames(sub, DONTWAIT)
             done = self._on_frames(frames)
             if done is not None:
                 return done
@@ -392,7 +393,7 @@ class WorkerActor:
         frames = P.encode(msg)
         with self._send_lock:
             assert self._push is not None
-            self._push.send_multipart(frames, flags, copy=False)
+            send_frames(self._push, frames, int(flags))
 
     def _on_frames(self, frames: list[bytes]) -> tuple[int, str] | None:
         t_recv = time.time()
