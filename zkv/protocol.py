@@ -289,7 +289,8 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
     """
     if len(frames) < 2:
         raise ProtocolError(f"expected at least 2 frames, got {len(frames)}")
-    tag = _buf(frames[0]).tobytes()
+    f0 = frames[0]
+    tag = f0 if type(f0) is bytes else _buf(f0).tobytes()
     hdr = _header(frames[1])
     rest = frames[2:]
     if tag == T_BATCH:
@@ -297,11 +298,13 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
     if rest:
         raise ProtocolError(f"{tag.decode(errors='replace')}: unexpected {len(rest)} payload frames")
     if tag == T_ACK:
-        results = tuple(_decode_result(r) for r in _get(hdr, "ops", list))
+        raw = _get(hdr, "ops", list)
+        results = tuple(map(_decode_result, raw)) if raw else ()
         ids = [r.id for r in results]
         if len(set(ids)) != len(ids):
             raise ProtocolError("ack: duplicate op ids")
-        pending = _pending(hdr.get("pending", []), ids)
+        raw = hdr.get("pending", ())
+        pending = () if raw == () or raw == [] else _pending(raw, ids)
         return BlocksCopied(
             seq=_nonneg(hdr, "seq"),
             rank=_nonneg(hdr, "rank"),
@@ -426,7 +429,7 @@ def _buf(frame: Any) -> memoryview:
 
 def _header(frame: Any) -> dict[str, Any]:
     try:
-        hdr = orjson.loads(_buf(frame))
+        hdr = orjson.loads(frame if type(frame) is bytes else _buf(frame))
     except orjson.JSONDecodeError as e:
         raise ProtocolError(f"header is not JSON: {e}") from e
     if not isinstance(hdr, dict):

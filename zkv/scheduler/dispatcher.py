@@ -649,7 +649,7 @@ class Dispatcher:
         self._completed.append(BatchDone(batch.seq, batch.step, ok, batch.results,
                                          frozenset(self._lost), latency))
         self._hot_log.info(ev.BATCH_ACKED, seq=batch.seq, num_ops=len(batch.op_ids), ok=ok,
-                       dur_ms=round(latency * 1e3, 3))
+                           dur_ms=round(latency * 1e3, 3))
 
     # ------------------------------------------------------------ failure
 

@@ -436,7 +436,8 @@ class WorkerActor:
 
     def _ack(self, ack: P.BlocksCopied) -> None:
         self._expected = ack.seq + 1
-        if any(r.error is not None and len(r.error) > P.MAX_ERROR_CHARS for r in ack.results):
+        if ack.results and any(r.error is not None and len(r.error) > P.MAX_ERROR_CHARS
+                               for r in ack.results):
             ack = P.BlocksCopied(ack.seq, ack.rank, ack.ok, tuple(
                 P.OpResult(r.id, r.ok, r.done, r.error[:P.MAX_ERROR_CHARS] if r.error else None)
                 for r in ack.results), ack.t_recv, ack.t_done, ack.pending)
