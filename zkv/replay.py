@@ -38,6 +38,7 @@ from zkv.config import CacheLayout
 from zkv.errors import ConfigError, RankLost
 from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
 from zkv.scheduler.dispatcher import BatchDone
+from zkv.scheduler.eviction import POLICIES as EVICTION_POLICIES
 from zkv.scheduler.hashing import hash_ids_chain, hash_tokens
 from zkv.scheduler.manager import WRITE_POLICIES, CacheConfig, CacheManager
 from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy, PrefetchTracker
@@ -353,7 +354,8 @@ def _serve(args: argparse.Namespace) -> int:
     store = open_store(args.storage, layout.fingerprint()) if args.storage else None
     cm = CacheManager(
         CacheConfig(layout.num_device_blocks, layout.num_host_blocks, layout.block_size,
-                    args.policy, args.threshold, storage_write=store is not None),
+                    args.policy, args.threshold, storage_write=store is not None,
+                    eviction_policy=args.eviction),
         storage_exists=StorageQuery(store, layout.world_size) if store else None,
     )
     prefetch = PrefetchPolicy(args.prefetch, args.prefetch_base_ms / 1e3,
@@ -411,6 +413,7 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
 
     lines = [
         f"zkv replay: workload={args.workload} ranks={layout.world_size} policy={args.policy} "
+        f"eviction={args.eviction} "
         f"L3={args.storage or 'off'} prefetch={args.prefetch}",
         f"  layout       {layout.num_layers} layers x {layout.kv_heads} kv heads x "
         f"{layout.block_size} tokens x {layout.head_dim} dim {layout.dtype} = "
@@ -468,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-blocks", type=int, default=1024)
     p.add_argument("--policy", choices=WRITE_POLICIES, default="write_back")
     p.add_argument("--threshold", type=int, default=2, help="write_through_selective hit threshold")
+    p.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
+                   help="eviction order in each tier (lru, or slru: segmented, with a ghost "
+                        "memory of recent evictions)")
     p.add_argument("--storage", default=None, metavar="URL",
                    help="L3 store: file:///path, redis://HOST:PORT/DB, mooncake://HOST:PORT, "
                         "or 'none' (default: a fresh local directory, in /dev/shm if present)")
