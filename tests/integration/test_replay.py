@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces",
-                     "mooncake_synthetic_trace.jsonl")
+# The first 150 requests of ../shared/traces/mooncake_synthetic_trace.jsonl (tests/data).
+TRACE = os.path.join(os.path.dirname(__file__), "..", "data", "mooncake_trace_head150.jsonl")
 
 
 def _replay(tmp_path, *args: str) -> tuple[str, dict[str, float]]:
@@ -57,7 +57,6 @@ def test_chat_replay_moves_real_bytes_through_every_tier(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(TRACE), reason="shared trace not present")
 def test_trace_replay_four_ranks(tmp_path) -> None:
     out, _ = _replay(tmp_path, "--workload", "trace", "--trace", TRACE, "--requests", "150",
                      "--ranks", "4", "--device-blocks", "400", "--host-blocks", "300")
