@@ -10,7 +10,9 @@ then measures one batch at a time (publish, then poll until the batch completed)
 
 Baseline: the same process count running bare pyzmq PUB → SUB → PUSH → PULL echo (no
 zkv code, no torch), measured the same way, in rounds that alternate with zkv's (both
-groups alive); ``x floor`` is zkv's p50 over that floor.
+groups alive); ``x floor`` is zkv's p50 over that floor. ``echo + zkv codec``: the same
+echo where both sides also encode and decode zkv's messages (zkv.protocol, validation
+included) and nothing else of zkv: the codec's share of zkv's time over the floor.
 On small VMs the floor is dominated by thread wake-ups (libzmq's I/O thread plus the
 application thread, on both sides), not by Python.
 
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from zkv import log as zlog  # noqa: E402
 from zkv import protocol as P  # noqa: E402
@@ -53,6 +56,31 @@ while True:
     push.send_multipart(frames)
 sub.close(0); push.close(0); ctx.term()
 """
+
+# The same echo, but each child decodes the batch and answers with an encoded ack, as a
+# worker does (zkv.protocol, validation included): the codec's share of zkv's time.
+CODEC_CHILD = """
+import sys, time, zmq
+sys.path.insert(0, sys.argv[3])
+from zkv import protocol as P
+ctx = zmq.Context(); sub = ctx.socket(zmq.SUB); push = ctx.socket(zmq.PUSH)
+sub.setsockopt(zmq.RCVHWM, 0); sub.connect(sys.argv[1]); push.connect(sys.argv[2])
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+while True:
+    if not sub.poll(100):
+        continue
+    frames = sub.recv_multipart(zmq.NOBLOCK)
+    if frames[0] == b"quit":
+        break
+    if frames[0] == b"sync":
+        push.send_multipart(frames)
+        continue
+    m = P.decode(frames)
+    t = time.time()
+    push.send_multipart(P.encode(P.BlocksCopied(m.seq, 0, True, (), t, t)))
+sub.close(0); push.close(0); ctx.term()
+"""
+
 
 
 def bench_layout(world_size: int) -> CacheLayout:
@@ -138,21 +166,25 @@ def one_at_a_time(d: Dispatcher, make_ops: list[list[P.Op]], n: int, warmup: int
 
 class EchoGroup:
     """Bare pyzmq echo processes (PUB -> SUB -> PUSH -> PULL, no zkv code, no torch): the
-    transport's floor here, measured exactly like zkv's batches."""
+    transport's floor here, measured exactly like zkv's batches. ``codec``: the children
+    and the parent also encode / decode zkv's messages (nothing else of zkv)."""
 
     FRAMES = [b"CopyBlocks", b'{"v":1,"seq":0,"step":0,"ops":[]}']
 
-    def __init__(self, folder: str, world_size: int) -> None:
+    def __init__(self, folder: str, world_size: int, codec: bool = False) -> None:
         import zmq
 
         self.world_size = world_size
-        pub_ep, pull_ep = f"ipc://{folder}/echo-pub", f"ipc://{folder}/echo-pull"
+        self.codec = codec
+        name = "codec" if codec else "echo"
+        pub_ep, pull_ep = f"ipc://{folder}/{name}-pub", f"ipc://{folder}/{name}-pull"
+        child = [CODEC_CHILD, pub_ep, pull_ep, ROOT] if codec else [ECHO_CHILD, pub_ep, pull_ep]
         self.ctx: zmq.Context[object] = zmq.Context()
         self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
         self.pub.bind(pub_ep)
         self.pull.bind(pull_ep)
-        self.procs = [subprocess.Popen([sys.executable, "-c", ECHO_CHILD, pub_ep, pull_ep],
-                                       stdin=subprocess.DEVNULL) for _ in range(world_size)]
+        self.procs = [subprocess.Popen([sys.executable, "-c", *child], stdin=subprocess.DEVNULL)
+                      for _ in range(world_size)]
         try:
             self._sync()
         except BaseException:
@@ -180,13 +212,17 @@ class EchoGroup:
         import zmq
 
         lat = np.empty(n)
-        pub, pull, frames = self.pub, self.pull, self.FRAMES
+        pub, pull, frames, codec = self.pub, self.pull, self.FRAMES, self.codec
         for i in range(warmup + n):
             t0 = time.perf_counter()
+            if codec:
+                frames = P.encode(P.CopyBlocks(seq=i, step=i, ops=()))
             pub.send_multipart(frames)
             for _ in range(self.world_size):
                 pull.poll(1000)
-                pull.recv_multipart(zmq.NOBLOCK)
+                reply = pull.recv_multipart(zmq.NOBLOCK)
+                if codec:
+                    P.decode(reply)
             if i >= warmup:
                 lat[i - warmup] = (time.perf_counter() - t0) * 1e6
         return lat
@@ -206,16 +242,17 @@ class EchoGroup:
             self.ctx.term()
 
 
-def interleaved(echo: EchoGroup, d: Dispatcher, n: int,
-                rounds: int = 10) -> tuple[np.ndarray, np.ndarray]:
-    """Floor and zkv in alternating rounds, both groups alive: drift on a shared VM (other
-    load, frequency) hits both alike instead of whichever ran second."""
+def interleaved(echo: EchoGroup, codec: EchoGroup, d: Dispatcher, n: int,
+                rounds: int = 10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Floor, echo + codec and zkv in alternating rounds, all groups alive: drift on a
+    shared VM (other load, frequency) hits all alike instead of whichever ran last."""
     per = max(1, n // rounds)
-    floor, zkv = [], []
+    floor, with_codec, zkv = [], [], []
     for _ in range(rounds):
         floor.append(echo.measure(per, warmup=20))
+        with_codec.append(codec.measure(per, warmup=20))
         zkv.append(one_at_a_time(d, [[]], per, warmup=20))
-    return np.concatenate(floor), np.concatenate(zkv)
+    return np.concatenate(floor), np.concatenate(with_codec), np.concatenate(zkv)
 
 
 def copy_batches(layout: CacheLayout) -> list[list[P.Op]]:
@@ -259,13 +296,16 @@ def main() -> int:
         os.chmod(folder, 0o700)
         try:
             echo = EchoGroup(folder, world_size)
+            codec = EchoGroup(folder, world_size, codec=True)
             try:
                 d, procs = start_group(folder, world_size, args.keys)
                 try:
                     one_at_a_time(d, [[]], 200, warmup=0)
-                    floor, lat = interleaved(echo, d, args.empty)
+                    floor, with_codec, lat = interleaved(echo, codec, d, args.empty)
                     floor_p50 = float(np.percentile(floor, 50))
                     rows.append(Row(world_size, "bare pyzmq echo (floor)", len(floor), floor))
+                    rows.append(Row(world_size, "echo + zkv codec", len(with_codec),
+                                    with_codec, floor_p50))
                     rows.append(Row(world_size, "empty", len(lat), lat, floor_p50))
                     layout = bench_layout(world_size)
                     label = f"copy {NUM_COPY_BLOCKS}x{layout.block_bytes >> 10}KiB d2h+h2d"
@@ -277,6 +317,7 @@ def main() -> int:
                     stop_group(d, procs)
             finally:
                 echo.close()
+                codec.close()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     print(f"actor pipeline: publish -> all acks, one batch in flight, ipc://"

@@ -288,3 +288,69 @@ def test_peek_seq() -> None:
 def test_as_ids_rejects_2d() -> None:
     with pytest.raises(ValueError):
         P.as_ids([[1, 2]])
+
+
+# ------------------------------------------------------------ fast paths == full path
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(-1, 1e10),
+                    st.text(max_size=3), st.just([]), st.lists(st.integers(0, 3), max_size=2),
+                    st.just({}))
+_ACK_KEYS = ("seq", "rank", "ok", "ops", "t_recv", "t_done", "pending")
+_BATCH_KEYS = ("seq", "step", "ops")
+
+
+def _outcome(tag: bytes, hdr: dict[str, object], full: bool,
+             monkeypatch: pytest.MonkeyPatch) -> object:
+    with monkeypatch.context() as m:
+        if full:
+            m.setattr(P, "_fast_ack", lambda h: None)
+            m.setattr(P, "_fast_empty_batch", lambda h: None)
+        try:
+            return P.decode([tag, orjson.dumps(hdr)])
+        except ProtocolError:
+            return ProtocolError
+
+
+@pytest.mark.parametrize("tag", [P.T_ACK, P.T_BATCH])
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), valid=st.booleans())
+def test_fast_paths_accept_and_refuse_what_the_full_decoder_does(tag, data, valid) -> None:
+    """decode() answers the messages of an idle step (an empty batch, an ack without
+    results) in one expression; whatever the header, it must decide as the full path."""
+    keys = _ACK_KEYS if tag == P.T_ACK else _BATCH_KEYS
+    fields = data.draw(st.dictionaries(st.sampled_from(keys), _VALUES, max_size=2))
+    base: dict[str, object] = ({"seq": 1, "rank": 0, "ok": True, "ops": [], "t_recv": 1.0,
+                                "t_done": 2} if tag == P.T_ACK else
+                               {"seq": 1, "step": 0, "ops": []})
+    _same_outcome(tag, {"v": P.PROTOCOL_VERSION, **(base if valid else {}), **fields})
+
+
+@pytest.mark.parametrize("tag,hdr", [
+    (P.T_ACK, {"seq": -1, "rank": 0, "ok": True, "ops": [], "t_recv": 1, "t_done": 2}),
+    (P.T_ACK, {"seq": 1, "rank": -1, "ok": True, "ops": [], "t_recv": 1, "t_done": 2}),
+    (P.T_ACK, {"seq": 1, "rank": 0, "ok": 1, "ops": [], "t_recv": 1, "t_done": 2}),
+    (P.T_ACK, {"seq": 1, "rank": 0, "ok": True, "ops": [], "t_recv": 1, "t_done": True}),
+    (P.T_ACK, {"seq": 1, "rank": 0, "ok": True, "ops": [], "t_recv": 1, "t_done": 2,
+               "pending": [3]}),
+    (P.T_ACK, {"seq": 1, "rank": 0, "ok": True, "ops": [], "t_recv": 1, "t_done": 2,
+               "pending": None}),
+    (P.T_BATCH, {"seq": 1, "step": -1, "ops": []}),
+    (P.T_BATCH, {"seq": -1, "step": 0, "ops": []}),
+    (P.T_BATCH, {"seq": 1, "step": False, "ops": []}),
+    (P.T_BATCH, {"seq": 1, "step": 0, "ops": {}}),
+])
+def test_fast_paths_on_the_edges(tag: bytes, hdr: dict[str, object]) -> None:
+    _same_outcome(tag, {"v": P.PROTOCOL_VERSION, **hdr})
+
+
+def _same_outcome(tag: bytes, hdr: dict[str, object]) -> None:
+    mp = pytest.MonkeyPatch()
+    fast, full = _outcome(tag, hdr, False, mp), _outcome(tag, hdr, True, mp)
+    assert fast == full
+    if fast is not ProtocolError:
+        assert type(fast) is type(full)
+        assert [type(getattr(fast, f)) for f in fast.__slots__] == \
+            [type(getattr(full, f)) for f in full.__slots__]

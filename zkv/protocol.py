@@ -292,6 +292,11 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
     f0 = frames[0]
     tag = f0 if type(f0) is bytes else _buf(f0).tobytes()
     hdr = _header(frames[1])
+    if len(frames) == 2:  # the messages of every step: checked in one expression
+        fast = _fast_ack(hdr) if tag == T_ACK else _fast_empty_batch(hdr) \
+            if tag == T_BATCH else None
+        if fast is not None:
+            return fast
     rest = frames[2:]
     if tag == T_BATCH:
         return _decode_batch(hdr, rest, limits or Limits())
@@ -327,6 +332,31 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
     if tag == T_SHUTDOWN:
         return Shutdown(_get(hdr, "reason", str))
     raise ProtocolError(f"unknown message type {tag[:32]!r}")
+
+
+_NUMBER = (int, float)
+
+
+def _fast_ack(h: dict[str, Any]) -> BlocksCopied | None:
+    """An ack without results or pending ops, if ``h`` is exactly that and valid (what the
+    full path would accept, type for type); None sends it down the full path, which
+    decodes the rest and words the errors."""
+    seq, rank, ok, ops = h.get("seq"), h.get("rank"), h.get("ok"), h.get("ops")
+    t_recv, t_done = h.get("t_recv"), h.get("t_done")
+    if (type(seq) is int and seq >= 0 and type(rank) is int and rank >= 0
+            and type(ok) is bool and type(ops) is list and not ops and "pending" not in h
+            and type(t_recv) in _NUMBER and type(t_done) in _NUMBER):
+        return BlocksCopied(seq, rank, ok, (), float(t_recv), float(t_done))
+    return None
+
+
+def _fast_empty_batch(h: dict[str, Any]) -> CopyBlocks | None:
+    """A batch without ops (an idle step), under the same rule as :func:`_fast_ack`."""
+    seq, step, ops = h.get("seq"), h.get("step"), h.get("ops")
+    if (type(seq) is int and seq >= 0 and type(step) is int and step >= 0
+            and type(ops) is list and not ops):
+        return CopyBlocks(seq=seq, step=step, ops=())
+    return None
 
 
 def peek_seq(frames: Sequence[Any]) -> int | None:
