@@ -42,27 +42,15 @@ from zkv.scheduler.dispatcher import Dispatcher  # noqa: E402
 
 NUM_COPY_BLOCKS = 32
 
+# argv: pub, pull[, repo root]. With the root (``codec``) each child decodes the batch and
+# answers with an encoded ack, as a worker does (zkv.protocol, validation included): the
+# codec's share of zkv's time. Without it, a bare echo of the frames.
 ECHO_CHILD = """
-import sys, zmq
-ctx = zmq.Context(); sub = ctx.socket(zmq.SUB); push = ctx.socket(zmq.PUSH)
-sub.setsockopt(zmq.RCVHWM, 0); sub.connect(sys.argv[1]); push.connect(sys.argv[2])
-sub.setsockopt(zmq.SUBSCRIBE, b"")
-while True:
-    if not sub.poll(100):
-        continue
-    frames = sub.recv_multipart(zmq.NOBLOCK)
-    if frames[0] == b"quit":
-        break
-    push.send_multipart(frames)
-sub.close(0); push.close(0); ctx.term()
-"""
-
-# The same echo, but each child decodes the batch and answers with an encoded ack, as a
-# worker does (zkv.protocol, validation included): the codec's share of zkv's time.
-CODEC_CHILD = """
 import sys, time, zmq
-sys.path.insert(0, sys.argv[3])
-from zkv import protocol as P
+codec = len(sys.argv) > 3
+if codec:
+    sys.path.insert(0, sys.argv[3])
+    from zkv import protocol as P
 ctx = zmq.Context(); sub = ctx.socket(zmq.SUB); push = ctx.socket(zmq.PUSH)
 sub.setsockopt(zmq.RCVHWM, 0); sub.connect(sys.argv[1]); push.connect(sys.argv[2])
 sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -72,12 +60,11 @@ while True:
     frames = sub.recv_multipart(zmq.NOBLOCK)
     if frames[0] == b"quit":
         break
-    if frames[0] == b"sync":
-        push.send_multipart(frames)
-        continue
-    m = P.decode(frames)
-    t = time.time()
-    push.send_multipart(P.encode(P.BlocksCopied(m.seq, 0, True, (), t, t)))
+    if codec and frames[0] != b"sync":
+        m = P.decode(frames)
+        t = time.time()
+        frames = P.encode(P.BlocksCopied(m.seq, 0, True, (), t, t))
+    push.send_multipart(frames)
 sub.close(0); push.close(0); ctx.term()
 """
 
@@ -178,7 +165,7 @@ class EchoGroup:
         self.codec = codec
         name = "codec" if codec else "echo"
         pub_ep, pull_ep = f"ipc://{folder}/{name}-pub", f"ipc://{folder}/{name}-pull"
-        child = [CODEC_CHILD, pub_ep, pull_ep, ROOT] if codec else [ECHO_CHILD, pub_ep, pull_ep]
+        child = [ECHO_CHILD, pub_ep, pull_ep] + ([ROOT] if codec else [])
         self.ctx: zmq.Context[object] = zmq.Context()
         self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
         self.pub.bind(pub_ep)
