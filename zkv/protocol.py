@@ -303,13 +303,11 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
     if rest:
         raise ProtocolError(f"{tag.decode(errors='replace')}: unexpected {len(rest)} payload frames")
     if tag == T_ACK:
-        raw = _get(hdr, "ops", list)
-        results = tuple(map(_decode_result, raw)) if raw else ()
+        results = tuple(_decode_result(r) for r in _get(hdr, "ops", list))
         ids = [r.id for r in results]
         if len(set(ids)) != len(ids):
             raise ProtocolError("ack: duplicate op ids")
-        raw = hdr.get("pending", ())
-        pending = () if raw == () or raw == [] else _pending(raw, ids)
+        pending = _pending(hdr.get("pending", []), ids)
         return BlocksCopied(
             seq=_nonneg(hdr, "seq"),
             rank=_nonneg(hdr, "rank"),

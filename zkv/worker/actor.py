@@ -343,7 +343,7 @@ class WorkerActor:
         (its subscriptions are resent by libzmq; its tree knows none of our blocks)."""
         from zmq.utils.monitor import recv_monitor_message
 
-        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while readable(monitor):
             if recv_monitor_message(monitor)["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 continue
             self._num_handshakes += 1
@@ -436,8 +436,7 @@ class WorkerActor:
 
     def _ack(self, ack: P.BlocksCopied) -> None:
         self._expected = ack.seq + 1
-        if ack.results and any(r.error is not None and len(r.error) > P.MAX_ERROR_CHARS
-                               for r in ack.results):
+        if any(r.error is not None and len(r.error) > P.MAX_ERROR_CHARS for r in ack.results):
             ack = P.BlocksCopied(ack.seq, ack.rank, ack.ok, tuple(
                 P.OpResult(r.id, r.ok, r.done, r.error[:P.MAX_ERROR_CHARS] if r.error else None)
                 for r in ack.results), ack.t_recv, ack.t_done, ack.pending)
