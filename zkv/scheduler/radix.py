@@ -300,12 +300,29 @@ class RadixTree:
         if k < len(v.hashes):
             hs, dev, _ = self.trim_tail(v, k)
             return hs, dev  # type: ignore[return-value]
-        assert self.dpol.pop() is v
+        popped = self.dpol.pop()
+        assert popped is v, f"device drop of {v}, not the oldest"
         v.dlisted = False
         ids: list[int] = v.dev  # type: ignore[assignment]
         v.dev = None
         v.status = HOST  # off the device: its parent's dpin did not count it (listed)
         self.detach(v)
+        return v.hashes, ids
+
+    def drop_host_victim(self, v: Node) -> tuple[list[bytes], list[int]]:
+        """The oldest host victim ``v``, a HOST chain tail (childless, unheld, idle), leaves
+        the tree whole; its hashes and host ids. One step: ``pop_host`` + ``detach`` without
+        the pin counts' round trip (a listed child did not pin its parent, a removed one
+        does not either)."""
+        assert v.status is HOST and not v.children, f"host drop of {v}"
+        popped = self.hpol.pop()
+        assert popped is v, f"host drop of {v}, not the oldest"
+        v.hlisted = False
+        del v.parent.children[v.hashes[0]]  # type: ignore[union-attr]
+        deque(map(self.index.__delitem__, v.hashes), 0)  # a C loop
+        ids: list[int] = v.host  # type: ignore[assignment]
+        v.host = None
+        v.host_ok = False
         return v.hashes, ids
 
     def mark_reused(self, n: Node, r: int) -> None:

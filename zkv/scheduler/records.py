@@ -36,6 +36,9 @@ class CacheConfig:
     storage_write: bool = False  # write blocks that reach host to L3 (h2s)
     negative_cache_s: float = 5.0
     eviction_policy: str = LRU_NAME  # per tier: "lru" or "slru" (eviction.py)
+    #: Hit count at which a device block is backed up to host; None = never (write_back).
+    #: Derived from the write policy (read on every eviction: computed once).
+    backup_threshold: int | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -46,13 +49,9 @@ class CacheConfig:
             raise ValueError("write_through_threshold must be >= 1")
         if self.eviction_policy not in POLICIES:
             raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
-
-    @property
-    def backup_threshold(self) -> int | None:
-        """Hit count at which a device block is backed up to host; None = never (write_back)."""
-        if self.write_policy == WRITE_BACK:
-            return None
-        return 1 if self.write_policy == WRITE_THROUGH else self.write_through_threshold
+        thr = (None if self.write_policy == WRITE_BACK else
+               1 if self.write_policy == WRITE_THROUGH else self.write_through_threshold)
+        object.__setattr__(self, "backup_threshold", thr)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,19 +91,25 @@ class RequestState:
     failed_loads: list[int] = field(default_factory=list)  # engine block ids, external mode
 
 
-@dataclass(slots=True)
 class PendingOp:
     """One op: entries (a node and how many blocks it had when added: a later split puts
-    the first ones in new nodes above it, ``ledger.pieces``) and per-block src / dst / keys."""
+    the first ones in new nodes above it, ``ledger.pieces``) and per-block src / dst / keys.
+    A plain class: one is built per op kind every step."""
 
-    op_id: int
-    kind: str
-    nodes: list[Node] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    req_ids: list[str | None] = field(default_factory=list)
-    src: list[int] = field(default_factory=list)
-    dst: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
+    __slots__ = ("op_id", "kind", "nodes", "counts", "req_ids", "src", "dst", "keys")
+
+    def __init__(self, op_id: int, kind: str) -> None:
+        self.op_id = op_id
+        self.kind = kind
+        self.nodes: list[Node] = []
+        self.counts: list[int] = []
+        self.req_ids: list[str | None] = []
+        self.src: list[int] = []
+        self.dst: list[int] = []
+        self.keys: list[bytes] = []
+
+    def __repr__(self) -> str:
+        return f"PendingOp({self.op_id}, {self.kind!r}, {len(self.nodes)} entries, {self.num_blocks} blocks)"
 
     @property
     def num_blocks(self) -> int:

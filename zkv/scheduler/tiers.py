@@ -28,11 +28,12 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
     if n_blocks <= 0:
         return []
     tree = core.tree
-    if n_blocks > tree.dpol.num_blocks:
-        return None
     dpol = tree.dpol
+    if n_blocks > dpol.num_blocks:
+        return None
     note_evicted = dpol.note_evicted if dpol.remembers else None
     write_back = core.config.backup_threshold is None and core.host.num_blocks > 0
+    stats = core.stats
     out: list[int] = []
     moving: list[tuple[Node, list[int]]] = []  # victims without a host copy
     num_moving = 0
@@ -46,7 +47,7 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
                 note_evicted(hs)
             need -= len(ids)
             out += ids[::-1]
-            core.stats.dropped += len(ids)
+            stats.dropped += len(ids)
             continue
         v = tree.pop_device(need, v)  # type: ignore[assignment]
         if note_evicted is not None:
@@ -62,18 +63,20 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
             v.status = SWAP_TO_HOST  # off the device for the tree's counts
             moving.append((v, ids))
             num_moving += len(ids)
-    core.stats.evicted_device += n_blocks
+    stats.evicted_device += n_blocks
     if moving:
-        _write_back_or_drop(core, moving, num_moving)
+        _write_back_or_drop(core, moving, num_moving, write_back)
     return out
 
 
-def _write_back_or_drop(core: Core, moving: list[tuple[Node, list[int]]], num: int) -> None:
+def _write_back_or_drop(core: Core, moving: list[tuple[Node, list[int]]], num: int,
+                        write_back: bool) -> None:
     """Victims without a host copy (``num`` blocks): d2h into host blocks under write_back
     (as far as host blocks go: a victim keeps its first blocks), dropped otherwise."""
-    write_back = core.config.backup_threshold is None and core.host.num_blocks > 0
     hb = take_host_blocks(core, num) if write_back else []
     tree = core.tree
+    d2h = core.ledger.op(D2H) if hb else None
+    add = Ledger.add
     pos = 0
     for v, ids in moving:
         k = len(ids)
@@ -90,9 +93,10 @@ def _write_back_or_drop(core: Core, moving: list[tuple[Node, list[int]]], num: i
             if keep is None:
                 continue
             v = keep
-        v.host = hb[pos : pos + m]
+            ids = ids[:m]
+        v.host = host = hb[pos : pos + m]
         pos += m
-        Ledger.add(core.ledger.op(D2H), v, None, ids[:m], v.host)
+        add(d2h, v, None, ids, host)  # type: ignore[arg-type]
 
 
 def take_host_blocks(core: Core, k: int) -> list[int]:
@@ -100,36 +104,37 @@ def take_host_blocks(core: Core, k: int) -> list[int]:
     tail is dropped; a device node's backup is forgotten, all of it, the spare ids going
     back to the pool). Fewer when every host block is held or in flight."""
     host = core.host
-    out = host.allocate(min(k, host.num_free)) or []
+    nfree = host.num_free
+    out = host.allocate(k if k <= nfree else nfree) or []
     if len(out) == k:
         return out
     tree = core.tree
     hpol = tree.hpol
+    note_evicted = hpol.note_evicted if hpol.remembers else None
     stats = core.stats
     while len(out) < k:
         v = hpol.oldest()
         if v is None:
             break
         want = k - len(out)
-        if v.status is HOST and len(v.hashes) > want:  # its tail is enough: trimmed in place
-            hs, _, ids = tree.trim_tail(v, want)
-            if hpol.remembers:
-                hpol.note_evicted(hs)
-            stats.evicted_host += want
-            stats.dropped += want
+        if v.status is HOST:
+            if len(v.hashes) > want:  # its tail is enough: trimmed in place
+                hs, _, ids = tree.trim_tail(v, want)
+            else:  # the whole chain tail goes
+                hs, ids = tree.drop_host_victim(v)
+            if note_evicted is not None:
+                note_evicted(hs)
+            stats.evicted_host += len(ids)  # type: ignore[arg-type]
+            stats.dropped += len(ids)  # type: ignore[arg-type]
             out += ids  # type: ignore[arg-type]
             continue
-        tree.pop_host()
-        if hpol.remembers:
-            hpol.note_evicted(v.hashes)
-        ids: list[int] = v.host  # type: ignore[assignment]
+        tree.pop_host()  # a DEVICE node's backup: forgotten, all of it
+        if note_evicted is not None:
+            note_evicted(v.hashes)
+        ids = v.host  # type: ignore[assignment]
         v.host = None
         v.host_ok = False
         stats.evicted_host += len(ids)
-        if v.status is HOST:
-            assert not v.children, f"host victim {v} is not a chain tail"
-            tree.detach(v)
-            stats.dropped += len(ids)
         out += ids
     if len(out) > k:
         host.free(out[k:])
