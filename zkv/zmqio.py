@@ -20,6 +20,9 @@ DONTWAIT = int(zmq.DONTWAIT)
 POLLIN = int(zmq.POLLIN)
 _RCVMORE = zmq.RCVMORE
 _EVENTS = zmq.EVENTS
+#: ``zmq_poll([(socket or fd, POLLIN), ...], timeout_ms)``: the ready items, in order. One
+#: call into libzmq, without ``zmq.Poller``'s registration dict and result mapping.
+zmq_poll = zmq.zmq_poll
 
 
 def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0,

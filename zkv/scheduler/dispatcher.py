@@ -59,7 +59,7 @@ from zkv import protocol as P
 from zkv import security
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError, ProtocolError, RankLost
-from zkv.zmqio import DONTWAIT, readable, recv_frames, send_frames
+from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
 
 RANK_REFUSED = "dispatcher.rank_refused"
 RANK_LEFT = "dispatcher.rank_left"
@@ -68,6 +68,9 @@ DISPATCHER_STOPPED = "dispatcher.stopped"
 #: How often deadlines are checked while messages keep arriving (they are always checked
 #: before ``poll`` blocks).
 _CHECK_INTERVAL_S = 0.005
+#: How often ``poll`` reads the XPUB's subscription messages (a rank's SUB joining or going
+#: away); it wakes for them at least this often while it waits for acks.
+_SUBS_EVERY_S = 0.01
 #: A rank whose subscriber disconnected is declared lost this long after (unless its Bye
 #: arrives first and gives the reason).
 _BYE_GRACE_S = 0.05
@@ -209,6 +212,8 @@ class Dispatcher:
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
         self._poller.register(self._pub, zmq.POLLIN)
+        self._pull_only = [(self._pull, POLLIN)]
+        self._next_subs = 0.0
         self._ranks = [_Rank(r) for r in range(world_size)]
         self._lost: dict[int, str] = {}
         self._in_flight: dict[int, _InFlight] = {}
@@ -356,24 +361,25 @@ class Dispatcher:
         is already there), so a tight loop of ``poll`` calls adds no latency.
         """
         deadline = time.monotonic() + timeout_s
-        pull, pub = True, True  # whatever is already queued first
+        acks, ready = True, False  # whatever is already queued first
+        pull_only = self._pull_only
         while True:
-            self._drain(pull, pub)
+            now = time.monotonic()
+            subs = now >= self._next_subs  # joins and disconnects: on a clock (see below)
+            if subs:
+                self._next_subs = now + _SUBS_EVERY_S
+            self._drain(acks, subs, ready)
             now = time.monotonic()
             if now >= self._next_check or self._completed or now >= deadline:
                 self._check_deadlines(now)
             if self._completed or now >= deadline:
                 return self.take_completed()
-            # zmq_poll takes whole milliseconds; under one, spin (a tight ack loop).
-            ready = self._poller.poll(min(int((deadline - now) * 1000), self._max_wait_ms()))
-            # Subscriptions (joins, disconnects) are rare: look at the XPUB only when the
-            # poll says so, not on every ack.
-            pull = pub = False
-            for sock, _ in ready:
-                if sock is self._pull:
-                    pull = True
-                else:
-                    pub = True
+            # zmq_poll takes whole milliseconds; under one, spin (a tight ack loop). Only
+            # the PULL: each socket in a poll costs syscalls on every call, on every ack,
+            # and the XPUB's messages (subscriptions) are rare, so it is read on a clock.
+            wait_ms = min(int((deadline - now) * 1000), int((self._next_subs - now) * 1000) + 1,
+                          self._max_wait_ms())
+            acks = ready = bool(zmq_poll(pull_only, wait_ms))
 
     def _max_wait_ms(self) -> int:
         if any(r.disconnected_at is not None for r in self._ranks):
@@ -431,21 +437,23 @@ class Dispatcher:
 
     # ------------------------------------------------------------ receiving
 
-    def _drain(self, acks: bool = True, subscriptions: bool = True) -> None:
-        """Handle the messages already queued on the PULL (``acks``) and XPUB
-        (``subscriptions``) sockets, at most ``_MAX_DRAIN`` per socket, without blocking."""
+    def _drain(self, acks: bool = True, subscriptions: bool = True, ready: bool = False) -> None:
+        """Handle the messages already queued on the PULL (``acks``; ``ready``: a poll just
+        said one is there) and XPUB (``subscriptions``) sockets, at most ``_MAX_DRAIN`` per
+        socket, without blocking."""
         pull, pub = self._pull, self._pub
         copy = not self._authenticated
         # EVENTS is cheaper than a NOBLOCK recv that raises zmq.Again.
-        for _ in range(_MAX_DRAIN if acks else 0):
-            if not readable(pull):
-                break
-            frames = recv_frames(pull, DONTWAIT, copy=copy)
-            try:
-                self._on_message(frames, None if copy else self._sender(frames[0]))
-            except Exception as e:  # a message must never take the scheduler down
-                self._counts["malformed"] += 1
-                self._refused_log(error=repr(e), type=_tag(frames))
+        if acks and (ready or readable(pull)):
+            for _ in range(_MAX_DRAIN):
+                frames = recv_frames(pull, DONTWAIT, copy=copy)
+                try:
+                    self._on_message(frames, None if copy else self._sender(frames[0]))
+                except Exception as e:  # a message must never take the scheduler down
+                    self._counts["malformed"] += 1
+                    self._refused_log(error=repr(e), type=_tag(frames))
+                if not readable(pull):
+                    break
         for _ in range(_MAX_DRAIN if subscriptions else 0):
             if not readable(pub):
                 break

@@ -62,13 +62,14 @@ from zkv.kernels.layout import describe_for_layout
 from zkv.storage import Store
 from zkv.worker.layers import LayerDoneCounter
 from zkv.worker.storage_io import IO_KINDS, StorageIO
-from zkv.zmqio import DONTWAIT, readable, recv_frames, send_frames
+from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
 
 EXIT_OK = 0
 EXIT_FATAL = 1
 EXIT_SEQ_GAP = 3
 
-_MAX_POLL_MS = 100
+#: How often the actor looks at its connection monitor (a scheduler restart) between batches.
+_MONITOR_EVERY_S = 0.1
 _BYE_LINGER_MS = 250
 _ACK_HISTORY = 1024
 _ACK_SEND_TIMEOUT_MS = 10_000
@@ -166,7 +167,6 @@ class WorkerActor:
         self._send_lock = threading.Lock()  # the actor and the heartbeat thread share PUSH
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self._next_hb = 0.0
         # Gate (engine sidecar): a batch's copies run only once the engine released its seq,
         # i.e. the forward passes that came before it are done (see :meth:`release`).
         self.gated = gated
@@ -210,7 +210,7 @@ class WorkerActor:
                 self._gate.wait(left if left is None else min(left, 0.1))
 
     def _wait_released(self, seq: int) -> str | None:
-        """Block (heartbeating) until ``seq`` is released; None, or why it never was."""
+        """Block until ``seq`` is released; None, or why it never was."""
         deadline = time.monotonic() + self.gate_timeout_s
         while True:
             with self._gate:
@@ -219,7 +219,6 @@ class WorkerActor:
                 self._gate.wait(min(self.heartbeat_interval_s, 0.05))
                 if self._released >= seq:
                     return None
-            self._maybe_heartbeat()
             if self._stop.is_set():
                 return f"actor stopping ({self._stop_reason})"
             if time.monotonic() > deadline:
@@ -313,29 +312,31 @@ class WorkerActor:
         # resolves the configuration on every call).
         self._hot_log = self._log.bind()
         stop = self._stop
-        self._next_hb = time.monotonic() + self.heartbeat_interval_s
-        poller = zmq.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        # The hot loop polls the batch socket alone (plus the storage thread's wake-up fd):
+        # every socket in a zmq_poll costs syscalls on each call, and the monitor's events
+        # (a scheduler restart) are rare, so it is looked at on a clock instead.
+        items: list[tuple[Any, int]] = [(sub, POLLIN)]
         if self.store is not None:
             self._io = StorageIO(self.store, self.rank, self.backend, self.host_pool,
                                  io_threads=self._io_threads)
-            poller.register(self._io.wake_fd, zmq.POLLIN)
+            items.append((self._io.wake_fd, POLLIN))
+        next_monitor = 0.0
         while not stop.is_set():
             if self._io is not None and self._io.num_pending:
                 self._send_io_results()
-            # Look before receiving: a DONTWAIT receive on an empty queue raises (costly).
-            if not readable(sub):
-                self._maybe_heartbeat()
-                wait = max(0.0, self._next_hb - time.monotonic())
-                if monitor in dict(poller.poll(min(_MAX_POLL_MS, int(wait * 1000) + 1))):
+            now = time.monotonic()
+            if now >= next_monitor:
+                next_monitor = now + _MONITOR_EVERY_S
+                if readable(monitor):
                     self._on_monitor(monitor)
+            # A queued batch returns at once; else sleep until one comes (or the clock).
+            ready = zmq_poll(items, int((next_monitor - now) * 1000) + 1)
+            if not ready or ready[0][0] is not sub:
                 continue
-            frames = recv_frames(sub, DONTWAIT)
+            frames = recv_frames(sub, DONTWAIT)  # this thread is the only reader: it is there
             done = self._on_frames(frames)
             if done is not None:
                 return done
-            self._maybe_heartbeat()
         return EXIT_OK, self._stop_reason
 
     def _on_monitor(self, monitor: zmq.Socket[Any]) -> None:
@@ -358,12 +359,6 @@ class WorkerActor:
                 self._acks.clear()
                 self._gate.notify_all()
             self._hello()
-
-    def _maybe_heartbeat(self) -> None:
-        """Paces the loop's poll; the heartbeats themselves come from their own thread."""
-        now = time.monotonic()
-        if now >= self._next_hb:
-            self._next_hb = now + self.heartbeat_interval_s
 
     def _start_heartbeats(self) -> None:
         self._hb_stop.clear()
