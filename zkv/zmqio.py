@@ -18,7 +18,6 @@ import zmq
 SNDMORE = int(zmq.SNDMORE)
 DONTWAIT = int(zmq.DONTWAIT)
 POLLIN = int(zmq.POLLIN)
-_RCVMORE = zmq.RCVMORE
 _EVENTS = zmq.EVENTS
 #: ``zmq_poll([(socket or fd, POLLIN), ...], timeout_ms)``: the ready items, in order. One
 #: call into libzmq, without ``zmq.Poller``'s registration dict and result mapping.
@@ -36,10 +35,16 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0,
 
 
 def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy: bool = True) -> list[Any]:
-    """``sock.recv_multipart(flags, copy=copy)``."""
-    parts = [sock.recv(flags, copy=copy)]
-    while sock.get(_RCVMORE):
-        parts.append(sock.recv(flags, copy=copy))
+    """``sock.recv_multipart(flags, copy=copy)``. Frames are received as ``zmq.Frame``
+    and asked ``more`` (a field of the message): ``get(RCVMORE)`` is a getsockopt call
+    into libzmq per frame, which costs more than the receive itself."""
+    f = sock.recv(flags, copy=False)
+    parts = [f]
+    while f.more:
+        f = sock.recv(flags, copy=False)
+        parts.append(f)
+    if copy:
+        return [f.bytes for f in parts]
     return parts
 
 

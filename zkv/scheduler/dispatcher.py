@@ -65,8 +65,8 @@ RANK_REFUSED = "dispatcher.rank_refused"
 RANK_LEFT = "dispatcher.rank_left"
 DISPATCHER_STOPPED = "dispatcher.stopped"
 
-#: How often deadlines are checked while messages keep arriving (they are always checked
-#: before ``poll`` blocks).
+#: How often ``poll`` checks deadlines (heartbeats, acks, disconnects); it wakes at least
+#: every ``_SUBS_EVERY_S`` while it waits, and checks once more when its timeout ends.
 _CHECK_INTERVAL_S = 0.005
 #: How often ``poll`` reads the XPUB's subscription messages (a rank's SUB joining or going
 #: away); it wakes for them at least this often while it waits for acks.
@@ -105,17 +105,23 @@ class BatchDone:
     latency_s: float
 
 
-@dataclass(slots=True)
 class _InFlight:
-    seq: int
-    step: int
-    op_ids: tuple[int, ...]
-    op_set: frozenset[int]
-    t_pub: float
-    deadline: float
-    acked: int = 0
-    results: dict[int, P.OpResult] = field(default_factory=dict)
-    waiting: dict[int, frozenset[int]] = field(default_factory=dict)  # rank -> ops still pending
+    """A published batch until every rank acked it (one per step: a plain class)."""
+
+    __slots__ = ("seq", "step", "op_ids", "op_set", "t_pub", "deadline", "acked", "results",
+                 "waiting")
+
+    def __init__(self, seq: int, step: int, op_ids: tuple[int, ...], t_pub: float,
+                 deadline: float) -> None:
+        self.seq = seq
+        self.step = step
+        self.op_ids = op_ids
+        self.op_set = frozenset(op_ids)
+        self.t_pub = t_pub
+        self.deadline = deadline
+        self.acked = 0  # bit per rank
+        self.results: dict[int, P.OpResult] = {}
+        self.waiting: dict[int, frozenset[int]] = {}  # rank -> ops still pending
 
 
 @dataclass(slots=True)
@@ -321,7 +327,7 @@ class Dispatcher:
             send_frames(self._pub, frames, DONTWAIT, copy=False)
         except zmq.Again:
             self._send_when_room(frames)
-        self._in_flight[seq] = _InFlight(seq, step, op_ids, frozenset(op_ids), t_pub,
+        self._in_flight[seq] = _InFlight(seq, step, op_ids, t_pub,
                                          time.monotonic() + self.ack_timeout_s)
         self._next_seq = seq + 1
         self._hot_log.info(ev.BATCH_PUBLISHED, seq=seq, step=step, num_ops=len(ops))
@@ -370,7 +376,7 @@ class Dispatcher:
                 self._next_subs = now + _SUBS_EVERY_S
             self._drain(acks, subs, ready)
             now = time.monotonic()
-            if now >= self._next_check or self._completed or now >= deadline:
+            if now >= self._next_check or now >= deadline:
                 self._check_deadlines(now)
             if self._completed or now >= deadline:
                 return self.take_completed()
@@ -611,6 +617,14 @@ class Dispatcher:
             return
         bit = 1 << rank
         later = batch.acked & bit  # a follow-up: results of ops this rank left pending
+        if not (later or batch.op_ids or ack.results or ack.pending):  # an idle step's
+            batch.acked |= bit
+            if ack.seq > r.last_seq:
+                r.last_seq = ack.seq
+            if batch.acked == self._all_mask and not batch.waiting:
+                del self._in_flight[ack.seq]
+                self._complete(batch)
+            return
         expected = batch.waiting.get(rank, frozenset()) if later else batch.op_set
         if later and not expected:
             self._refuse("duplicate", seq=ack.seq, rank=rank, error="duplicate ack")
