@@ -49,7 +49,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import zmq
@@ -76,6 +76,7 @@ _SUBS_EVERY_S = 0.01
 _BYE_GRACE_S = 0.05
 #: Messages taken per drain before deadlines are looked at again.
 _MAX_DRAIN = 256
+_NO_RANKS: frozenset[int] = frozenset()
 #: Refusal log lines per second; the rest are counted.
 _LOG_BURST = 10
 
@@ -89,8 +90,7 @@ def _logger() -> Any:
     return structlog.get_logger(component="dispatcher", pid=os.getpid())
 
 
-@dataclass(frozen=True, slots=True)
-class BatchDone:
+class BatchDone(NamedTuple):
     """A batch whose outcome is known on every rank (or that failed because a rank is lost).
 
     ``results`` maps op id to the minimum over ranks; ``latency_s`` runs from publish to
@@ -311,17 +311,21 @@ class Dispatcher:
         if self._lost:
             rank, reason = next(iter(self._lost.items()))
             raise RankLost(rank, reason)
-        ops = tuple(ops)
-        op_ids = tuple(op.id for op in ops)
-        if len(set(op_ids)) != len(op_ids):
-            raise ValueError(f"duplicate op ids in batch: {op_ids}")
-        if len(ops) > P.MAX_OPS:
-            raise ValueError(f"batch has {len(ops)} ops, more than {P.MAX_OPS}")
         seq = self._next_seq
-        frames = P.encode(P.CopyBlocks(seq=seq, step=step, ops=ops))
-        if max(map(len, frames)) > P.MAX_BATCH_FRAME_BYTES:
-            raise ValueError(f"batch has a frame over {P.MAX_BATCH_FRAME_BYTES} bytes; "
-                             "split its ops")
+        if ops:
+            ops = tuple(ops)
+            op_ids = tuple(op.id for op in ops)
+            if len(set(op_ids)) != len(op_ids):
+                raise ValueError(f"duplicate op ids in batch: {op_ids}")
+            if len(ops) > P.MAX_OPS:
+                raise ValueError(f"batch has {len(ops)} ops, more than {P.MAX_OPS}")
+            frames = P.encode(P.CopyBlocks(seq, step, ops))
+            if max(map(len, frames)) > P.MAX_BATCH_FRAME_BYTES:
+                raise ValueError(f"batch has a frame over {P.MAX_BATCH_FRAME_BYTES} bytes; "
+                                 "split its ops")
+        else:  # an idle step: nothing to check
+            op_ids = ()
+            frames = P.encode(P.CopyBlocks(seq, step, ()))
         t_pub = time.perf_counter()
         try:
             send_frames(self._pub, frames, DONTWAIT, copy=False)
@@ -367,25 +371,32 @@ class Dispatcher:
         is already there), so a tight loop of ``poll`` calls adds no latency.
         """
         deadline = time.monotonic() + timeout_s
-        acks, ready = True, False  # whatever is already queued first
         pull_only = self._pull_only
+        taken = 0
         while True:
             now = time.monotonic()
-            subs = now >= self._next_subs  # joins and disconnects: on a clock (see below)
-            if subs:
+            if now >= self._next_subs:  # joins and disconnects: on a clock (see below)
                 self._next_subs = now + _SUBS_EVERY_S
-            self._drain(acks, subs, ready)
-            now = time.monotonic()
+                self._drain(acks=False)
             if now >= self._next_check or now >= deadline:
                 self._check_deadlines(now)
-            if self._completed or now >= deadline:
+            if self._completed:
+                self._drain(subscriptions=False)  # and whatever is queued already
                 return self.take_completed()
-            # zmq_poll takes whole milliseconds; under one, spin (a tight ack loop). Only
-            # the PULL: each socket in a poll costs syscalls on every call, on every ack,
-            # and the XPUB's messages (subscriptions) are rare, so it is read on a clock.
-            wait_ms = min(int((deadline - now) * 1000), int((self._next_subs - now) * 1000) + 1,
-                          self._max_wait_ms())
-            acks = ready = bool(zmq_poll(pull_only, wait_ms))
+            # zmq_poll returns at once when a message is queued, and takes whole
+            # milliseconds (under one: a look, then a spin of this loop). Only the PULL:
+            # each socket in a poll costs syscalls on every call, on every ack, and the
+            # XPUB's messages (subscriptions) are rare, so they are read on a clock.
+            wait_ms = max(0, min(int((deadline - now) * 1000),
+                                 int((self._next_subs - now) * 1000) + 1, self._max_wait_ms()))
+            if zmq_poll(pull_only, wait_ms):
+                self._take_message()  # one, then the checks above (a completion returns)
+                taken += 1
+                if now < deadline or taken < _MAX_DRAIN:
+                    continue
+            elif now < deadline:
+                continue
+            return self.take_completed()
 
     def _max_wait_ms(self) -> int:
         if any(r.disconnected_at is not None for r in self._ranks):
@@ -443,23 +454,16 @@ class Dispatcher:
 
     # ------------------------------------------------------------ receiving
 
-    def _drain(self, acks: bool = True, subscriptions: bool = True, ready: bool = False) -> None:
-        """Handle the messages already queued on the PULL (``acks``; ``ready``: a poll just
-        said one is there) and XPUB (``subscriptions``) sockets, at most ``_MAX_DRAIN`` per
-        socket, without blocking."""
+    def _drain(self, acks: bool = True, subscriptions: bool = True) -> None:
+        """Handle the messages already queued on the PULL (``acks``) and XPUB
+        (``subscriptions``) sockets, at most ``_MAX_DRAIN`` per socket, without blocking."""
         pull, pub = self._pull, self._pub
-        copy = not self._authenticated
         # EVENTS is cheaper than a NOBLOCK recv that raises zmq.Again.
-        if acks and (ready or readable(pull)):
-            for _ in range(_MAX_DRAIN):
-                frames = recv_frames(pull, DONTWAIT, copy=copy)
-                try:
-                    self._on_message(frames, None if copy else self._sender(frames[0]))
-                except Exception as e:  # a message must never take the scheduler down
-                    self._counts["malformed"] += 1
-                    self._refused_log(error=repr(e), type=_tag(frames))
-                if not readable(pull):
-                    break
+        for _ in range(_MAX_DRAIN if acks else 0):
+            if not readable(pull):
+                break
+            self._take_message()
+        copy = not self._authenticated
         for _ in range(_MAX_DRAIN if subscriptions else 0):
             if not readable(pub):
                 break
@@ -468,6 +472,17 @@ class Dispatcher:
                 self._on_subscription(frame, None)
             else:
                 self._on_subscription(frame.bytes, self._sender(frame))
+
+    def _take_message(self) -> None:
+        """Receive and handle one queued message from a rank (there is one: a poll or an
+        EVENTS check said so, and only this thread reads)."""
+        copy = not self._authenticated
+        frames = recv_frames(self._pull, DONTWAIT, copy=copy)
+        try:
+            self._on_message(frames, None if copy else self._sender(frames[0]))
+        except Exception as e:  # a message must never take the scheduler down
+            self._counts["malformed"] += 1
+            self._refused_log(error=repr(e), type=_tag(frames))
 
     def _sender(self, frame: Any) -> int | None:
         """The rank whose CURVE key the connection authenticated with (its ``User-Id``).
@@ -667,9 +682,11 @@ class Dispatcher:
 
     def _complete(self, batch: _InFlight) -> None:
         latency = time.perf_counter() - batch.t_pub
-        ok = all(res.ok for res in batch.results.values())
-        self._completed.append(BatchDone(batch.seq, batch.step, ok, batch.results,
-                                         frozenset(self._lost), latency))
+        results = batch.results
+        ok = not results or all(res.ok for res in results.values())
+        self._completed.append(BatchDone(batch.seq, batch.step, ok, results,
+                                         frozenset(self._lost) if self._lost else _NO_RANKS,
+                                         latency))
         self._hot_log.info(ev.BATCH_ACKED, seq=batch.seq, num_ops=len(batch.op_ids), ok=ok,
                            dur_ms=round(latency * 1e3, 3))
 
