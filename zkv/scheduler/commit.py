@@ -41,9 +41,12 @@ def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
         if p is None:
             unknown.append(r.id)
             continue
-        total = p.num_blocks
-        done = max(0, min(r.done, total))
-        if done < total:
+        total = sum(p.counts)
+        done = r.done
+        if done >= total:
+            done = total
+        else:
+            done = max(0, done)
             stats.failed_ops += 1
             stats.failed_blocks += total - done
             req_ids = sorted({q for q in p.req_ids if q is not None})

@@ -58,18 +58,21 @@ class Ledger:
     def take_ops(self) -> list[Op]:
         """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
         op per kind, one s2h per prefetching request). In flight until acked."""
-        if not self.open:
+        open_ = self.open
+        if not open_:
             return []
-        out = []
-        ops = list(self.open.values())
+        ops = list(open_.values())
+        open_.clear()
         if len(ops) > 1:
             ops.sort(key=_kind_rank)  # stable: s2h in request order
+        pending = self.pending
+        out = []
         for p in ops:
-            self.pending[p.op_id] = p
+            pending[p.op_id] = p
             kind = WIRE_KIND.get(p.kind, p.kind)
-            out.append(Op(p.op_id, kind, src=_ids(p.src), dst=_ids(p.dst),
-                          keys=tuple(p.keys), layerwise=kind == H2D))
-        self.open.clear()
+            src, dst = p.src, p.dst
+            out.append(Op(p.op_id, kind, np.array(src, _I4) if src else _NO_IDS,
+                          np.array(dst, _I4) if dst else _NO_IDS, tuple(p.keys), kind == H2D))
         return out
 
     def discard_open(self) -> list[PendingOp]:
@@ -125,10 +128,6 @@ def outcomes(tree: RadixTree, p: PendingOp, done: int
 _I4 = np.dtype("<i4")
 _NO_IDS = np.empty(0, _I4)
 _NO_IDS.flags.writeable = False
-
-
-def _ids(ids: list[int]) -> np.ndarray:
-    return np.array(ids, _I4) if ids else _NO_IDS
 
 
 def _kind_rank(p: PendingOp) -> int:
