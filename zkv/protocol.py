@@ -259,17 +259,14 @@ def encode(msg: Message) -> list[bytes]:
     raise TypeError(f"not a zkv message: {type(msg).__name__}")
 
 
-def _finite(x: Any) -> bool:
-    return type(x) is float and -1e300 < x < 1e300
-
-
 def _fast_ack_header(msg: BlocksCopied) -> bytes | None:
     """The header of an ack without results or pending ops, formatted directly: the JSON
     orjson gives for the same fields (tested to decode alike); None when a field is not
     of the plain type this format assumes (the general path handles it)."""
-    seq, rank, ok, t_recv, t_done = msg.seq, msg.rank, msg.ok, msg.t_recv, msg.t_done
-    if (type(seq) is int and type(rank) is int and type(ok) is bool and _finite(t_recv)
-            and _finite(t_done)):
+    seq, rank, ok, _, t_recv, t_done, _ = msg
+    if (type(seq) is int and type(rank) is int and type(ok) is bool
+            and type(t_recv) is float and -1e300 < t_recv < 1e300
+            and type(t_done) is float and -1e300 < t_done < 1e300):
         return (b'{"v":%d,"seq":%d,"rank":%d,"ok":%s,"ops":[],"t_recv":%r,"t_done":%r}'
                 % (PROTOCOL_VERSION, seq, rank, b"true" if ok else b"false", t_recv, t_done))
     return None
@@ -307,16 +304,20 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
 
     ``frames`` may hold ``bytes``, ``memoryview`` or ``zmq.Frame`` objects.
     """
+    if len(frames) == 2:  # the messages of every step, in one function (see _idle)
+        idle = _idle(frames[0], frames[1])
+        if idle is not None:
+            return idle
+    return _decode(frames, limits)
+
+
+def _decode(frames: Sequence[Any], limits: Limits | None) -> Message:
+    """The general decoder: every message, every check, worded errors."""
     if len(frames) < 2:
         raise ProtocolError(f"expected at least 2 frames, got {len(frames)}")
     f0 = frames[0]
     tag = f0 if type(f0) is bytes else _buf(f0).tobytes()
     hdr = _header(frames[1])
-    if len(frames) == 2:  # the messages of every step: checked in one expression
-        fast = _fast_ack(hdr) if tag == T_ACK else _fast_empty_batch(hdr) \
-            if tag == T_BATCH else None
-        if fast is not None:
-            return fast
     rest = frames[2:]
     if tag == T_BATCH:
         return _decode_batch(hdr, rest, limits or Limits())
@@ -355,25 +356,36 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
 _NUMBER = (int, float)
 
 
-def _fast_ack(h: dict[str, Any]) -> BlocksCopied | None:
-    """An ack without results or pending ops, if ``h`` is exactly that and valid (what the
-    full path would accept, type for type); None sends it down the full path, which
-    decodes the rest and words the errors."""
-    seq, rank, ok, ops = h.get("seq"), h.get("rank"), h.get("ok"), h.get("ops")
-    t_recv, t_done = h.get("t_recv"), h.get("t_done")
-    if (type(seq) is int and seq >= 0 and type(rank) is int and rank >= 0
-            and type(ok) is bool and type(ops) is list and not ops and "pending" not in h
-            and type(t_recv) in _NUMBER and type(t_done) in _NUMBER):
-        return BlocksCopied(seq, rank, ok, (), float(t_recv), float(t_done))
-    return None
+_new = tuple.__new__  # a NamedTuple built without its Python-level __new__
 
 
-def _fast_empty_batch(h: dict[str, Any]) -> CopyBlocks | None:
-    """A batch without ops (an idle step), under the same rule as :func:`_fast_ack`."""
-    seq, step, ops = h.get("seq"), h.get("step"), h.get("ops")
-    if (type(seq) is int and seq >= 0 and type(step) is int and step >= 0
-            and type(ops) is list and not ops):
-        return CopyBlocks(seq=seq, step=step, ops=())
+def _idle(f0: Any, f1: Any) -> CopyBlocks | BlocksCopied | None:
+    """An idle step's message (a batch without ops, an ack without results or pending ops)
+    if the two frames are exactly that and valid: what :func:`_decode` would return, type
+    for type. None sends them down the full path, which decodes the rest and words the
+    errors. One function on purpose: on this path each Python call counts (a process that
+    slept in zmq_poll runs its first code from cold caches)."""
+    if type(f0) is not bytes:
+        f0 = _buf(f0).tobytes()
+    try:
+        h = orjson.loads(f1 if type(f1) is bytes else _buf(f1))
+    except orjson.JSONDecodeError:
+        return None
+    if type(h) is not dict:
+        return None
+    v, seq, ops = h.get("v"), h.get("seq"), h.get("ops")
+    if (type(v) is not int or v != PROTOCOL_VERSION or type(seq) is not int or seq < 0
+            or type(ops) is not list or ops):
+        return None
+    if f0 == T_ACK:
+        rank, ok, t_recv, t_done = h.get("rank"), h.get("ok"), h.get("t_recv"), h.get("t_done")
+        if (type(rank) is int and rank >= 0 and type(ok) is bool and "pending" not in h
+                and type(t_recv) in _NUMBER and type(t_done) in _NUMBER):
+            return _new(BlocksCopied, (seq, rank, ok, (), float(t_recv), float(t_done), ()))
+    elif f0 == T_BATCH:
+        step = h.get("step")
+        if type(step) is int and step >= 0:
+            return _new(CopyBlocks, (seq, step, ()))
     return None
 
 

@@ -26,10 +26,7 @@ node (the policy hands out a chain tail; ``eviction.py``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
-
-import structlog
 
 from zkv import log as ev
 from zkv.protocol import Op, OpResult
@@ -55,21 +52,6 @@ from zkv.scheduler.records import (  # re-exported: the manager's public surface
 from zkv.scheduler.tiers import free_node_blocks
 
 _log = ev.get_logger("scheduler")
-_debug_for: list[object] = [None, True]  # (structlog wrapper class, debug enabled) last seen
-
-
-def _debug_enabled() -> bool:
-    """Whether structlog's configuration in force passes debug lines: a lookup instead of a
-    filtered call through the lazy logger (~5 us, once per step on the hot path)."""
-    wrapper = structlog.get_config()["wrapper_class"]
-    if wrapper is not _debug_for[0]:
-        try:
-            on = bool(wrapper(None, [], {}).is_enabled_for(logging.DEBUG))
-        except (AttributeError, TypeError):  # not a filtering logger: assume it logs
-            on = True
-        _debug_for[:] = [wrapper, on]
-    return bool(_debug_for[1])
-
 __all__ = [
     "LOAD", "SAVE", "WRITE_BACK", "WRITE_POLICIES", "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE",
     "CacheConfig", "CacheManager", "CacheStats", "Match", "StorageExists",
@@ -252,7 +234,7 @@ class CacheManager:
         """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
         op per kind, one s2h per prefetching request). In flight until ``on_ops_done``."""
         out = self.core.ledger.take_ops()
-        if out and _debug_enabled():  # one summary per step, not a line per block
+        if out and ev.debug_enabled():  # one summary per step, not a line per block
             st = self.core.stats
             _log.debug(ev.STEP_DONE, num_ops=len(out), num_blocks=sum(o.num_blocks for o in out),
                        evicted_device=st.evicted_device, evicted_host=st.evicted_host,

@@ -163,6 +163,7 @@ class WorkerActor:
         self._pid = os.getpid()
         self._log = _logger(rank)
         self._hot_log = self._log  # bound in run(), once logging is configured
+        self._debug = True  # whether debug lines pass (set with _hot_log)
         self._push: zmq.Socket[Any] | None = None
         self._send_lock = threading.Lock()  # the actor and the heartbeat thread share PUSH
         self._hb_stop = threading.Event()
@@ -171,7 +172,9 @@ class WorkerActor:
         # i.e. the forward passes that came before it are done (see :meth:`release`).
         self.gated = gated
         self.gate_timeout_s = gate_timeout_s
-        self._gate = threading.Condition()
+        self._gate_lock = threading.RLock()
+        self._gate = threading.Condition(self._gate_lock)
+        self._gate_waiting = 0  # threads waiting on the gate (no waiter: nothing to notify)
         self._released = -1
         self._acks: dict[int, P.BlocksCopied] = {}  # recent acks by seq (bounded)
         self._keys = keys
@@ -207,7 +210,16 @@ class WorkerActor:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
-                self._gate.wait(left if left is None else min(left, 0.1))
+                self._gate_wait(left if left is None else min(left, 0.1))
+
+    def _gate_wait(self, timeout: float | None) -> None:
+        """``self._gate.wait`` (the lock held), counted so that notifiers can skip the
+        call when nobody waits."""
+        self._gate_waiting += 1
+        try:
+            self._gate.wait(timeout)
+        finally:
+            self._gate_waiting -= 1
 
     def _wait_released(self, seq: int) -> str | None:
         """Block until ``seq`` is released; None, or why it never was."""
@@ -216,7 +228,7 @@ class WorkerActor:
             with self._gate:
                 if self._released >= seq:
                     return None
-                self._gate.wait(min(self.heartbeat_interval_s, 0.05))
+                self._gate_wait(min(self.heartbeat_interval_s, 0.05))
                 if self._released >= seq:
                     return None
             if self._stop.is_set():
@@ -311,6 +323,7 @@ class WorkerActor:
         # A per-batch event must cost ~nothing when filtered out: bind once (a lazy proxy
         # resolves the configuration on every call).
         self._hot_log = self._log.bind()
+        self._debug = ev.debug_enabled()
         stop = self._stop
         # The hot loop polls the batch socket alone (plus the storage thread's wake-up fd):
         # every socket in a zmq_poll costs syscalls on each call, and the monitor's events
@@ -431,15 +444,17 @@ class WorkerActor:
 
     def _ack(self, ack: P.BlocksCopied) -> None:
         self._expected = ack.seq + 1
-        if any(r.error is not None and len(r.error) > P.MAX_ERROR_CHARS for r in ack.results):
+        if ack.results and any(r.error is not None and len(r.error) > P.MAX_ERROR_CHARS
+                               for r in ack.results):
             ack = P.BlocksCopied(ack.seq, ack.rank, ack.ok, tuple(
                 P.OpResult(r.id, r.ok, r.done, r.error[:P.MAX_ERROR_CHARS] if r.error else None)
                 for r in ack.results), ack.t_recv, ack.t_done, ack.pending)
-        with self._gate:  # before the send: whoever sees the ack sees last_seq too
+        with self._gate_lock:  # before the send: whoever sees the ack sees last_seq too
             self._last_seq = ack.seq
             self._acks[ack.seq] = ack
             self._acks.pop(ack.seq - _ACK_HISTORY, None)
-            self._gate.notify_all()
+            if self._gate_waiting:
+                self._gate.notify_all()
         self._send(ack)
 
     # ------------------------------------------------------------ one batch
@@ -450,7 +465,8 @@ class WorkerActor:
             self.backend.begin_batch(self.compute_stream)
             self.counter.begin_done(seq, self.backend.record_event())
             self._ack(P.BlocksCopied(seq, self.rank, True, (), t_recv, time.time()))
-            self._hot_log.debug(ev.BATCH_DONE, seq=seq, num_ops=0, ok=True)
+            if self._debug:
+                self._hot_log.debug(ev.BATCH_DONE, seq=seq, num_ops=0, ok=True)
             return
         results: dict[int, P.OpResult] = {}
         pending: tuple[int, ...] = ()

@@ -56,7 +56,9 @@ class LayerDoneCounter:
         self.num_layers = num_layers
         self._backend = backend
         self._history = max(1, history)
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads in wait_layer (no waiter: nothing to notify)
         self._batches: dict[int, _Batch] = {}
         self._finished: deque[int] = deque()
         self._forgotten_upto = -1
@@ -85,12 +87,13 @@ class LayerDoneCounter:
 
     def begin_done(self, seq: int, event_handle: Any = None) -> None:
         """``begin`` + ``mark_all`` under one lock (a batch without h2d ops)."""
-        with self._cond:
+        with self._lock:  # (the condition's lock, without its Python-level __enter__)
             if seq in self._batches or seq <= self._forgotten_upto:
                 raise ValueError(f"batch {seq} already began")
             self._batches[seq] = _Batch([event_handle] * self.num_layers, self.num_layers)
             self._finish(seq)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def mark_all(self, seq: int, event_handle: Any = None) -> None:
         """Every remaining layer of ``seq`` is recorded by one event (no h2d in the batch)."""
@@ -150,7 +153,11 @@ class LayerDoneCounter:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
         with self._cond:
-            ok = self._cond.wait_for(lambda: self._ready(seq, layer), timeout)
+            self._waiting += 1
+            try:
+                ok = self._cond.wait_for(lambda: self._ready(seq, layer), timeout)
+            finally:
+                self._waiting -= 1
             if not ok:
                 raise TimeoutError(f"layer {layer} of batch {seq} not done within {timeout} s")
             batch = self._batches.get(seq)
