@@ -10,9 +10,11 @@ then measures one batch at a time (publish, then poll until the batch completed)
 
 Baseline: the same process count running bare pyzmq PUB → SUB → PUSH → PULL echo (no
 zkv code, no torch), measured the same way, in rounds that alternate with zkv's (both
-groups alive); ``x floor`` is zkv's p50 over that floor. ``echo + zkv codec``: the same
-echo where both sides also encode and decode zkv's messages (zkv.protocol, validation
-included) and nothing else of zkv: the codec's share of zkv's time over the floor.
+groups alive); ``x floor`` is zkv's p50 over that floor. Two references between the two:
+``echo + orjson parse only``, the same echo where both sides read the other's header with
+orjson and format their own (no checks, no message objects: the least any Python actor
+does per message); ``echo + zkv codec``, where both sides encode and decode zkv's
+messages (zkv.protocol, validation included) and nothing else of zkv.
 On small VMs the floor is dominated by thread wake-ups (libzmq's I/O thread plus the
 application thread, on both sides), not by Python.
 
@@ -31,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -42,14 +45,15 @@ from zkv.scheduler.dispatcher import Dispatcher  # noqa: E402
 
 NUM_COPY_BLOCKS = 32
 
-# argv: pub, pull[, repo root]. With the root (``codec``) each child decodes the batch and
-# answers with an encoded ack, as a worker does (zkv.protocol, validation included): the
-# codec's share of zkv's time. Without it, a bare echo of the frames.
+# argv: pub, pull, mode[, repo root]. ``bare``: an echo of the frames. ``parse``: the least
+# a Python actor does, no checks: read the header with orjson, format the ack's header.
+# ``codec``: decode the batch and answer with an encoded ack as a worker does
+# (zkv.protocol, validation included): the codec's share of zkv's time.
 ECHO_CHILD = """
-import sys, time, zmq
-codec = len(sys.argv) > 3
-if codec:
-    sys.path.insert(0, sys.argv[3])
+import sys, time, zmq, orjson
+mode = sys.argv[3]
+if mode == "codec":
+    sys.path.insert(0, sys.argv[4])
     from zkv import protocol as P
 ctx = zmq.Context(); sub = ctx.socket(zmq.SUB); push = ctx.socket(zmq.PUSH)
 sub.setsockopt(zmq.RCVHWM, 0); sub.connect(sys.argv[1]); push.connect(sys.argv[2])
@@ -60,10 +64,15 @@ while True:
     frames = sub.recv_multipart(zmq.NOBLOCK)
     if frames[0] == b"quit":
         break
-    if codec and frames[0] != b"sync":
+    if mode == "codec" and frames[0] != b"sync":
         m = P.decode(frames)
         t = time.time()
         frames = P.encode(P.BlocksCopied(m.seq, 0, True, (), t, t))
+    elif mode == "parse" and frames[0] != b"sync":
+        seq = orjson.loads(frames[1])["seq"]
+        t = time.time()
+        frames = [b"BlocksCopied", b'{"v":1,"seq":%d,"rank":0,"ok":true,"ops":[],'
+                  b'"t_recv":%r,"t_done":%r}' % (seq, t, t)]
     push.send_multipart(frames)
 sub.close(0); push.close(0); ctx.term()
 """
@@ -153,19 +162,20 @@ def one_at_a_time(d: Dispatcher, make_ops: list[list[P.Op]], n: int, warmup: int
 
 class EchoGroup:
     """Bare pyzmq echo processes (PUB -> SUB -> PUSH -> PULL, no zkv code, no torch): the
-    transport's floor here, measured exactly like zkv's batches. ``codec``: the children
-    and the parent also encode / decode zkv's messages (nothing else of zkv)."""
+    transport's floor here, measured exactly like zkv's batches. ``mode`` (``ECHO_CHILD``):
+    ``bare``; ``parse``, the children and the parent read and write headers with orjson and
+    nothing else; ``codec``, they encode / decode zkv's messages (nothing else of zkv)."""
 
     FRAMES = [b"CopyBlocks", b'{"v":1,"seq":0,"step":0,"ops":[]}']
 
-    def __init__(self, folder: str, world_size: int, codec: bool = False) -> None:
+    def __init__(self, folder: str, world_size: int, mode: str = "bare") -> None:
         import zmq
 
+        assert mode in ("bare", "parse", "codec"), mode
         self.world_size = world_size
-        self.codec = codec
-        name = "codec" if codec else "echo"
-        pub_ep, pull_ep = f"ipc://{folder}/{name}-pub", f"ipc://{folder}/{name}-pull"
-        child = [ECHO_CHILD, pub_ep, pull_ep] + ([ROOT] if codec else [])
+        self.mode = mode
+        pub_ep, pull_ep = f"ipc://{folder}/{mode}-pub", f"ipc://{folder}/{mode}-pull"
+        child = [ECHO_CHILD, pub_ep, pull_ep, mode, ROOT]
         self.ctx: zmq.Context[object] = zmq.Context()
         self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
         self.pub.bind(pub_ep)
@@ -199,17 +209,21 @@ class EchoGroup:
         import zmq
 
         lat = np.empty(n)
-        pub, pull, frames, codec = self.pub, self.pull, self.FRAMES, self.codec
+        pub, pull, frames, mode = self.pub, self.pull, self.FRAMES, self.mode
         for i in range(warmup + n):
             t0 = time.perf_counter()
-            if codec:
+            if mode == "codec":
                 frames = P.encode(P.CopyBlocks(seq=i, step=i, ops=()))
+            elif mode == "parse":
+                frames = [b"CopyBlocks", b'{"v":1,"seq":%d,"step":%d,"ops":[]}' % (i, i)]
             pub.send_multipart(frames)
             for _ in range(self.world_size):
                 pull.poll(1000)
                 reply = pull.recv_multipart(zmq.NOBLOCK)
-                if codec:
+                if mode == "codec":
                     P.decode(reply)
+                elif mode == "parse":
+                    orjson.loads(reply[1])
             if i >= warmup:
                 lat[i - warmup] = (time.perf_counter() - t0) * 1e6
         return lat
@@ -229,17 +243,18 @@ class EchoGroup:
             self.ctx.term()
 
 
-def interleaved(echo: EchoGroup, codec: EchoGroup, d: Dispatcher, n: int,
-                rounds: int = 10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Floor, echo + codec and zkv in alternating rounds, all groups alive: drift on a
-    shared VM (other load, frequency) hits all alike instead of whichever ran last."""
+def interleaved(echoes: list[EchoGroup], d: Dispatcher, n: int,
+                rounds: int = 10) -> list[np.ndarray]:
+    """The echo groups and zkv in alternating rounds, all groups alive: drift on a shared
+    VM (other load, frequency) hits all alike instead of whichever ran last. Latencies per
+    echo group, then zkv's."""
     per = max(1, n // rounds)
-    floor, with_codec, zkv = [], [], []
+    out: list[list[np.ndarray]] = [[] for _ in range(len(echoes) + 1)]
     for _ in range(rounds):
-        floor.append(echo.measure(per, warmup=20))
-        with_codec.append(codec.measure(per, warmup=20))
-        zkv.append(one_at_a_time(d, [[]], per, warmup=20))
-    return np.concatenate(floor), np.concatenate(with_codec), np.concatenate(zkv)
+        for lat, echo in zip(out, echoes):
+            lat.append(echo.measure(per, warmup=20))
+        out[-1].append(one_at_a_time(d, [[]], per, warmup=20))
+    return [np.concatenate(lat) for lat in out]
 
 
 def copy_batches(layout: CacheLayout) -> list[list[P.Op]]:
@@ -282,15 +297,18 @@ def main() -> int:
         folder = tempfile.mkdtemp(prefix="zkv-bench-")
         os.chmod(folder, 0o700)
         try:
-            echo = EchoGroup(folder, world_size)
-            codec = EchoGroup(folder, world_size, codec=True)
+            echoes: list[EchoGroup] = []
             try:
+                for mode in ("bare", "parse", "codec"):
+                    echoes.append(EchoGroup(folder, world_size, mode))
                 d, procs = start_group(folder, world_size, args.keys)
                 try:
                     one_at_a_time(d, [[]], 200, warmup=0)
-                    floor, with_codec, lat = interleaved(echo, codec, d, args.empty)
+                    floor, parse, with_codec, lat = interleaved(echoes, d, args.empty)
                     floor_p50 = float(np.percentile(floor, 50))
                     rows.append(Row(world_size, "bare pyzmq echo (floor)", len(floor), floor))
+                    rows.append(Row(world_size, "echo + orjson parse only", len(parse), parse,
+                                    floor_p50))
                     rows.append(Row(world_size, "echo + zkv codec", len(with_codec),
                                     with_codec, floor_p50))
                     rows.append(Row(world_size, "empty", len(lat), lat, floor_p50))
@@ -303,8 +321,8 @@ def main() -> int:
                 finally:
                     stop_group(d, procs)
             finally:
-                echo.close()
-                codec.close()
+                for echo in echoes:
+                    echo.close()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     print(f"actor pipeline: publish -> all acks, one batch in flight, ipc://"

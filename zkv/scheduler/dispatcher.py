@@ -220,6 +220,7 @@ class Dispatcher:
         self._poller.register(self._pub, zmq.POLLIN)
         self._pull_only = [(self._pull, POLLIN)]
         self._next_subs = 0.0
+        self._max_wait_ms = 100  # longest poll; shorter once a rank's SUB went away
         self._ranks = [_Rank(r) for r in range(world_size)]
         self._lost: dict[int, str] = {}
         self._in_flight: dict[int, _InFlight] = {}
@@ -388,7 +389,7 @@ class Dispatcher:
             # each socket in a poll costs syscalls on every call, on every ack, and the
             # XPUB's messages (subscriptions) are rare, so they are read on a clock.
             wait_ms = max(0, min(int((deadline - now) * 1000),
-                                 int((self._next_subs - now) * 1000) + 1, self._max_wait_ms()))
+                                 int((self._next_subs - now) * 1000) + 1, self._max_wait_ms))
             if zmq_poll(pull_only, wait_ms):
                 self._take_message()  # one, then the checks above (a completion returns)
                 taken += 1
@@ -397,11 +398,6 @@ class Dispatcher:
             elif now < deadline:
                 continue
             return self.take_completed()
-
-    def _max_wait_ms(self) -> int:
-        if any(r.disconnected_at is not None for r in self._ranks):
-            return int(_BYE_GRACE_S * 1000)
-        return 100
 
     def drain(self, timeout_s: float) -> list[BatchDone]:
         """Poll until nothing is in flight (or ``timeout_s`` passed); return what completed."""
@@ -588,6 +584,7 @@ class Dispatcher:
             # disconnect (say, a seq gap) gives the reason.
             if r.disconnected_at is None:
                 r.disconnected_at = time.monotonic()
+                self._max_wait_ms = int(_BYE_GRACE_S * 1000)  # wake to declare it lost
         else:
             r.joined_pid = None
             r.hello_pid = None
