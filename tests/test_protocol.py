@@ -306,7 +306,7 @@ def _outcome(tag: bytes, hdr: dict[str, object], full: bool,
              monkeypatch: pytest.MonkeyPatch) -> object:
     with monkeypatch.context() as m:
         if full:
-            m.setattr(P, "_idle", lambda f0, f1: None)
+            m.setattr(P, "_idle", lambda tag, h: None)
         try:
             return P.decode([tag, orjson.dumps(hdr)])
         except ProtocolError:

@@ -98,11 +98,6 @@ READY_TOPIC_PREFIX = b"\xffzkv-ready/"
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 _EMPTY_IDS.setflags(write=False)
 
-# Messages are NamedTuples: immutable like frozen dataclasses, and built several times
-# faster (one tuple allocation; a frozen dataclass sets each field through
-# object.__setattr__), which counts on the control plane's per-step path. They compare
-# like tuples; nothing here relies on more.
-
 
 def as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Block ids as a read-only little-endian int32 array (the wire and kernel format)."""
@@ -110,6 +105,12 @@ def as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"block ids must be one-dimensional, got shape {arr.shape}")
     return arr
+
+
+# Messages are NamedTuples: immutable like frozen dataclasses, and built several times
+# faster (one tuple allocation; a frozen dataclass sets each field through
+# object.__setattr__), which counts on the control plane's per-step path. They compare
+# like tuples; nothing here relies on more.
 
 
 class Op(NamedTuple):
@@ -304,20 +305,24 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
 
     ``frames`` may hold ``bytes``, ``memoryview`` or ``zmq.Frame`` objects.
     """
-    if len(frames) == 2:  # the messages of every step, in one function (see _idle)
-        idle = _idle(frames[0], frames[1])
-        if idle is not None:
-            return idle
-    return _decode(frames, limits)
-
-
-def _decode(frames: Sequence[Any], limits: Limits | None) -> Message:
-    """The general decoder: every message, every check, worded errors."""
     if len(frames) < 2:
         raise ProtocolError(f"expected at least 2 frames, got {len(frames)}")
     f0 = frames[0]
     tag = f0 if type(f0) is bytes else _buf(f0).tobytes()
-    hdr = _header(frames[1])
+    f1 = frames[1]
+    try:
+        hdr = orjson.loads(f1 if type(f1) is bytes else _buf(f1))
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"header is not JSON: {e}") from e
+    if not isinstance(hdr, dict):
+        raise ProtocolError("header is not a JSON object")
+    v = hdr.get("v")
+    if v != PROTOCOL_VERSION or type(v) is not int:
+        raise ProtocolError(f"unknown protocol version {v!r} (this side speaks {PROTOCOL_VERSION})")
+    if len(frames) == 2:  # the messages of every step, checked in one function
+        idle = _idle(tag, hdr)
+        if idle is not None:
+            return idle
     rest = frames[2:]
     if tag == T_BATCH:
         return _decode_batch(hdr, rest, limits or Limits())
@@ -359,30 +364,21 @@ _NUMBER = (int, float)
 _new = tuple.__new__  # a NamedTuple built without its Python-level __new__
 
 
-def _idle(f0: Any, f1: Any) -> CopyBlocks | BlocksCopied | None:
+def _idle(tag: bytes, h: dict[str, Any]) -> CopyBlocks | BlocksCopied | None:
     """An idle step's message (a batch without ops, an ack without results or pending ops)
-    if the two frames are exactly that and valid: what :func:`_decode` would return, type
-    for type. None sends them down the full path, which decodes the rest and words the
-    errors. One function on purpose: on this path each Python call counts (a process that
-    slept in zmq_poll runs its first code from cold caches)."""
-    if type(f0) is not bytes:
-        f0 = _buf(f0).tobytes()
-    try:
-        h = orjson.loads(f1 if type(f1) is bytes else _buf(f1))
-    except orjson.JSONDecodeError:
+    if the header ``h`` (parsed, version checked) is exactly that and valid: what the full
+    path would return, type for type. None sends it down the full path, which decodes the
+    rest and words the errors. One function on purpose: on this path each Python call
+    counts (a process that slept in zmq_poll runs its first code from cold caches)."""
+    seq, ops = h.get("seq"), h.get("ops")
+    if type(seq) is not int or seq < 0 or type(ops) is not list or ops:
         return None
-    if type(h) is not dict:
-        return None
-    v, seq, ops = h.get("v"), h.get("seq"), h.get("ops")
-    if (type(v) is not int or v != PROTOCOL_VERSION or type(seq) is not int or seq < 0
-            or type(ops) is not list or ops):
-        return None
-    if f0 == T_ACK:
+    if tag == T_ACK:
         rank, ok, t_recv, t_done = h.get("rank"), h.get("ok"), h.get("t_recv"), h.get("t_done")
         if (type(rank) is int and rank >= 0 and type(ok) is bool and "pending" not in h
                 and type(t_recv) in _NUMBER and type(t_done) in _NUMBER):
             return _new(BlocksCopied, (seq, rank, ok, (), float(t_recv), float(t_done), ()))
-    elif f0 == T_BATCH:
+    elif tag == T_BATCH:
         step = h.get("step")
         if type(step) is int and step >= 0:
             return _new(CopyBlocks, (seq, step, ()))
@@ -485,19 +481,6 @@ def _buf(frame: Any) -> memoryview:
         return memoryview(buf).cast("B")
     except TypeError as e:
         raise ProtocolError(f"frame is not a byte buffer: {type(frame).__name__}") from e
-
-
-def _header(frame: Any) -> dict[str, Any]:
-    try:
-        hdr = orjson.loads(frame if type(frame) is bytes else _buf(frame))
-    except orjson.JSONDecodeError as e:
-        raise ProtocolError(f"header is not JSON: {e}") from e
-    if not isinstance(hdr, dict):
-        raise ProtocolError("header is not a JSON object")
-    v = hdr.get("v")
-    if v != PROTOCOL_VERSION or type(v) is not int:
-        raise ProtocolError(f"unknown protocol version {v!r} (this side speaks {PROTOCOL_VERSION})")
-    return hdr
 
 
 def _get(d: dict[str, Any], name: str, typ: type) -> Any:
