@@ -196,7 +196,8 @@ class WorkerActor:
         with self._gate:
             if seq > self._released:
                 self._released = seq
-                self._gate.notify_all()
+                if self._gate_waiting:
+                    self._gate.notify_all()
 
     def wait_acked(self, seq: int, timeout: float | None = None) -> P.BlocksCopied | None:
         """This rank's ack of batch ``seq`` once it is sent (None after ``timeout`` or when
@@ -283,7 +284,8 @@ class WorkerActor:
             self._stop_heartbeats()
             with self._gate:
                 self.exit_code, self.exit_reason = code, reason
-                self._gate.notify_all()
+                if self._gate_waiting:
+                    self._gate.notify_all()
             self.counter.close(f"rank {self.rank} worker stopped: {reason}")
             try:
                 self._send(P.Bye(self.rank, self._pid, reason[:P.MAX_ERROR_CHARS]), zmq.NOBLOCK)
@@ -370,7 +372,8 @@ class WorkerActor:
             with self._gate:  # the new scheduler's seqs start at 0 (so do the engine's)
                 self._expected, self._last_seq, self._released = 0, -1, -1
                 self._acks.clear()
-                self._gate.notify_all()
+                if self._gate_waiting:
+                    self._gate.notify_all()
             self._hello()
 
     def _start_heartbeats(self) -> None:

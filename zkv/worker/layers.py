@@ -58,7 +58,7 @@ class LayerDoneCounter:
         self._history = max(1, history)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._waiting = 0  # threads in wait_layer (no waiter: nothing to notify)
+        self._waiting = 0  # threads in wait_layer: every notify is skipped when none
         self._batches: dict[int, _Batch] = {}
         self._finished: deque[int] = deque()
         self._forgotten_upto = -1
@@ -83,7 +83,8 @@ class LayerDoneCounter:
             batch.num_marked = layer + 1
             if batch.num_marked == self.num_layers:
                 self._finish(seq)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def begin_done(self, seq: int, event_handle: Any = None) -> None:
         """``begin`` + ``mark_all`` under one lock (a batch without h2d ops)."""
@@ -106,7 +107,8 @@ class LayerDoneCounter:
             if batch.num_marked < self.num_layers:
                 batch.num_marked = self.num_layers
                 self._finish(seq)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def fail(self, seq: int, error: str) -> None:
         """``seq`` cannot complete; its waiters (present and future) raise TransferError."""
@@ -128,13 +130,15 @@ class LayerDoneCounter:
                 batch.error, batch.failed_from = error, first
             if not finished:
                 self._finish(seq)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def close(self, reason: str) -> None:
         """The actor stopped: every waiter on an unfinished seq raises TransferError."""
         with self._cond:
             self._closed = reason
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def is_done(self, seq: int, layer: int) -> bool:
         with self._cond:
