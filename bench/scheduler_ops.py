@@ -47,6 +47,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -113,6 +114,16 @@ class Result:
     hit_dev: int
     hit_host: int
     blocks: int
+    work: Work
+
+
+class Work(NamedTuple):
+    """What a replay did, in whole runs (the same in every replay of a config)."""
+
+    dev_victims: int    # device policy entries taken (one look each: policy probes)
+    host_victims: int   # host policy entries taken
+    ops: int            # ops taken (one per kind per step, one s2h per request)
+    moved: int          # blocks in committed d2h, h2d, backup and h2s
 
 
 def make_chat(n: int) -> Workload:
@@ -158,15 +169,15 @@ def make_trace(path: str, n: int | None) -> Workload:
 
 
 def replay(w: Workload, dev: int, host: int = 0, policy: str = "write_back",
-           store: bool = False, eviction: str = "lru") -> tuple[float, int, int]:
-    """One replay; (thread CPU us per request, device hits, host hits)."""
+           store: bool = False, eviction: str = "lru") -> tuple[float, int, int, Work]:
+    """One replay; (thread CPU us per request, device hits, host hits, work done)."""
     cm = CacheManager(CacheConfig(dev, host, w.block_size, policy, storage_write=store,
                                   eviction_policy=eviction))
     bs = w.block_size
     hash_fn = w.hash_fn
     match_prefix, allocate, finish, abort = cm.match_prefix, cm.allocate, cm.finish, cm.abort
     take_ops, on_ops_done = cm.take_ops, cm.on_ops_done
-    hit_dev = hit_host = 0
+    hit_dev = hit_host = num_ops = 0
     rids = [f"r{i}" for i in range(len(w.requests))]
     gc.collect()
     c0 = time.thread_time_ns()
@@ -176,6 +187,7 @@ def replay(w: Workload, dev: int, host: int = 0, policy: str = "write_back",
         table = allocate(rid, len(hashes) * bs)
         ops = take_ops()
         if ops:
+            num_ops += len(ops)
             on_ops_done([OpResult(op.id, True, op.num_blocks) for op in ops])
         if table is None:
             abort(rid)
@@ -183,19 +195,23 @@ def replay(w: Workload, dev: int, host: int = 0, policy: str = "write_back",
             finish(rid)
         ops = take_ops()
         if ops:
+            num_ops += len(ops)
             on_ops_done([OpResult(op.id, True, op.num_blocks) for op in ops])
         hit_dev += m.num_device
         hit_host += m.num_host
     cpu = time.thread_time_ns() - c0
     cm.check_invariants()
     assert cm.num_running() == 0 and cm.num_pending_ops == 0
-    return cpu / 1e3 / len(w.requests), hit_dev, hit_host
+    s = cm.stats
+    work = Work(cm.tree.dpol.probes, cm.tree.hpol.probes, num_ops,
+                s.swapped_out + s.swapped_in + s.backed_up + s.stored)
+    return cpu / 1e3 / len(w.requests), hit_dev, hit_host, work
 
 
 def timed(w: Workload, repeat: int, configs: dict[str, dict[str, object]]) -> dict[str, Result]:
     """Replay every config ``repeat`` times, in rounds (one replay of each config per
     round), so a change in the shared machine's load falls on all of them alike."""
-    runs: dict[str, list[tuple[float, int, int]]] = {k: [] for k in configs}
+    runs: dict[str, list[tuple[float, int, int, Work]]] = {k: [] for k in configs}
     for _ in range(repeat):
         for label, kw in configs.items():
             runs[label].append(replay(w, **kw))  # type: ignore[arg-type]
@@ -203,7 +219,7 @@ def timed(w: Workload, repeat: int, configs: dict[str, dict[str, object]]) -> di
     for label, rs in runs.items():
         assert len({r[1:] for r in rs}) == 1, "replays disagree"
         out[label] = Result(label, statistics.median(r[0] for r in rs), rs[0][1], rs[0][2],
-                            w.num_blocks)
+                            w.num_blocks, rs[0][3])
     return out
 
 
@@ -279,13 +295,19 @@ def main() -> int:
     for w in workloads:
         print(hashing_line(w))
     print("\n" + HEADER)
-    chat_us, ratios = timed_rows(workloads, repeat, bad)
+    chat_us, ratios, work_lines = timed_rows(workloads, repeat, bad)
     print("""
   us/req: thread CPU per request, hashing from the Python list included (median).
   vs base: SimplePrefixCache time / zkv time (device only, same requests).
   vs dev: this row / zkv's device-only row (the cost of the host tier and its ops).
   write: wb write_back, wt write_through, wts write_through_selective (threshold 2),
          wb+L3 write_back with storage writes (h2s) of every block that reaches host.""")
+    print("\nwork per request (the same in every replay): victims taken per tier, ops, blocks in"
+          "\ncommitted copies; steps = victims + ops; vs dev = (steps + 1) / device-only's (+1: the"
+          "\nrequest's own match / allocate / finish), the bookkeeping beside the time ratio above:")
+    print(WORK_HEADER)
+    for line in work_lines:
+        print(line)
     bad += policy_table(workloads)
     print("\ntargets:")
     if chat_us is not None:
@@ -302,9 +324,11 @@ def main() -> int:
 
 
 def timed_rows(workloads: list[Workload], repeat: int, bad: list[str]
-               ) -> tuple[float | None, list[tuple[str, float]]]:
-    """Print the timed rows; (chat device-only us/request, host-tier ratios)."""
+               ) -> tuple[float | None, list[tuple[str, float]], list[str]]:
+    """Print the timed rows; (chat device-only us/request, host-tier ratios, the lines of
+    the work-per-request table)."""
     ratios: list[tuple[str, float]] = []
+    work_lines: list[str] = []
     chat_us = None
     for w in workloads:
         for dev in w.device:
@@ -324,7 +348,26 @@ def timed_rows(workloads: list[Workload], repeat: int, bad: list[str]
                 print(row(w, dev, host, tag, r, base_us, d.cpu_us), flush=True)
                 if host:
                     ratios.append((f"{w.name} {dev:,} {tag}", r.cpu_us / d.cpu_us))
-    return chat_us, ratios
+                work_lines.append(work_row(w, dev, tag, r, d))
+    return chat_us, ratios, work_lines
+
+
+WORK_HEADER = (f"  {'work':<6} {'device':>6} {'write':>5}  {'dev vict':>8} {'host vict':>9}"
+               f" {'ops':>5} {'moved blk':>9}  {'steps':>6} {'vs dev':>6}")
+
+
+def work_row(w: Workload, dev: int, tag: str, r: Result, d: Result) -> str:
+    """Per request: victims taken in each tier, ops, blocks moved; ``steps`` = victims +
+    ops, the bookkeeping units a host tier adds (each O(1) nodes: a few Python calls), and
+    ``(steps + 1) / (device-only steps + 1)``, the 1 being the request's own match /
+    allocate / finish: how much more bookkeeping the config does, beside ``vs dev``, how
+    much more time it takes."""
+    n = len(w.requests)
+    k = r.work
+    steps = (k.dev_victims + k.host_victims + k.ops) / n
+    dsteps = (d.work.dev_victims + d.work.host_victims + d.work.ops) / n
+    return (f"  {w.name:<6} {dev:>6,} {tag:>5}  {k.dev_victims / n:>8.2f} {k.host_victims / n:>9.2f}"
+            f" {k.ops / n:>5.2f} {k.moved / n:>9.1f}  {steps:>6.2f} {(steps + 1) / (dsteps + 1):>5.2f}x")
 
 
 def policy_table(workloads: list[Workload]) -> list[str]:

@@ -296,20 +296,28 @@ def num_dropped_lines() -> int:
     return _SINK.num_dropped
 
 
-_debug_for: list[object] = [None, True]  # (structlog wrapper class, debug enabled) last seen
+_enabled_for: dict[int, tuple[object, bool]] = {}  # level -> (wrapper class, enabled) last seen
+
+
+def enabled(level: int) -> bool:
+    """Whether structlog's configuration in force passes lines of ``level``: a lookup
+    instead of a filtered call through a lazy logger (~5 us), for hot paths that log once
+    per step (they check once, when their loop starts, and skip the call, its arguments
+    included, when it would be dropped)."""
+    wrapper = structlog.get_config()["wrapper_class"]
+    seen = _enabled_for.get(level)
+    if seen is None or seen[0] is not wrapper:
+        try:
+            on = bool(wrapper(None, [], {}).is_enabled_for(level))
+        except (AttributeError, TypeError):  # not a filtering logger: assume it logs
+            on = True
+        seen = _enabled_for[level] = (wrapper, on)
+    return seen[1]
 
 
 def debug_enabled() -> bool:
-    """Whether structlog's configuration in force passes debug lines: a lookup instead of a
-    filtered call through a lazy logger (~5 us), for hot paths that log once per step."""
-    wrapper = structlog.get_config()["wrapper_class"]
-    if wrapper is not _debug_for[0]:
-        try:
-            on = bool(wrapper(None, [], {}).is_enabled_for(logging.DEBUG))
-        except (AttributeError, TypeError):  # not a filtering logger: assume it logs
-            on = True
-        _debug_for[:] = [wrapper, on]
-    return bool(_debug_for[1])
+    """``enabled(logging.DEBUG)``."""
+    return enabled(logging.DEBUG)
 
 
 def get_logger(component: str, **binds: Any) -> Any:

@@ -44,6 +44,7 @@ The dispatcher is single-threaded: call it from the scheduling loop only.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -190,6 +191,7 @@ class Dispatcher:
         # Per-batch events: bound once logging is configured (wait_for_ranks); a lazy proxy
         # resolves the configuration on every call (~4 us even when filtered out).
         self._hot_log = self._log
+        self._info = True  # whether info lines pass (checked once the group started)
         self._refused_log = ev.RateLimited(self._log, ev.ACK_REFUSED, burst=_LOG_BURST)
         self._forged_log = ev.RateLimited(self._log, ev.IDENTITY_FORGED, burst=_LOG_BURST)
         self._counts = {"malformed": 0, "forged": 0, "unknown_seq": 0, "duplicate": 0,
@@ -296,6 +298,7 @@ class Dispatcher:
             r.last_seen = now
         self._started = True
         self._hot_log = self._log.bind()
+        self._info = ev.enabled(logging.INFO)
         self._log.info(ev.RANK_JOINED, num_ranks=self.world_size, all_joined=True)
 
     def publish(self, ops: Sequence[P.Op], step: int) -> int:
@@ -335,7 +338,8 @@ class Dispatcher:
         self._in_flight[seq] = _InFlight(seq, step, op_ids, t_pub,
                                          time.monotonic() + self.ack_timeout_s)
         self._next_seq = seq + 1
-        self._hot_log.info(ev.BATCH_PUBLISHED, seq=seq, step=step, num_ops=len(ops))
+        if self._info:
+            self._hot_log.info(ev.BATCH_PUBLISHED, seq=seq, step=step, num_ops=len(ops))
         return seq
 
     def _send_when_room(self, frames: list[bytes]) -> None:
@@ -368,8 +372,10 @@ class Dispatcher:
     def poll(self, timeout_s: float = 0.0) -> list[BatchDone]:
         """Process incoming messages for at most ``timeout_s``; return completed batches.
 
-        Returns as soon as at least one batch completed (after taking every message that
-        is already there), so a tight loop of ``poll`` calls adds no latency.
+        Returns as soon as at least one batch completed (after taking the messages already
+        queued while batches are still in flight: their acks), so a tight loop of ``poll``
+        calls adds no latency. With nothing left in flight it returns at once: what else
+        is queued (a heartbeat) waits for the next call.
         """
         deadline = time.monotonic() + timeout_s
         pull_only = self._pull_only
@@ -382,7 +388,8 @@ class Dispatcher:
             if now >= self._next_check or now >= deadline:
                 self._check_deadlines(now)
             if self._completed:
-                self._drain(subscriptions=False)  # and whatever is queued already
+                if self._in_flight:  # acks of later batches already queued
+                    self._drain(subscriptions=False)
                 return self.take_completed()
             # zmq_poll returns at once when a message is queued, and takes whole
             # milliseconds (under one: a look, then a spin of this loop). Only the PULL:
@@ -684,8 +691,9 @@ class Dispatcher:
         self._completed.append(BatchDone(batch.seq, batch.step, ok, results,
                                          frozenset(self._lost) if self._lost else _NO_RANKS,
                                          latency))
-        self._hot_log.info(ev.BATCH_ACKED, seq=batch.seq, num_ops=len(batch.op_ids), ok=ok,
-                           dur_ms=round(latency * 1e3, 3))
+        if self._info:
+            self._hot_log.info(ev.BATCH_ACKED, seq=batch.seq, num_ops=len(batch.op_ids),
+                               ok=ok, dur_ms=round(latency * 1e3, 3))
 
     # ------------------------------------------------------------ failure
 
