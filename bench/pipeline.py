@@ -16,7 +16,9 @@ orjson and format their own (no checks, no message objects: the least any Python
 does per message); ``echo + zkv codec``, where both sides encode and decode zkv's
 messages (zkv.protocol, validation included) and nothing else of zkv.
 On small VMs the floor is dominated by thread wake-ups (libzmq's I/O thread plus the
-application thread, on both sides), not by Python.
+application thread, on both sides), not by Python. ``cpu/batch``: CPU time (user + system,
+every thread, from /proc) of the group's processes and of this one per batch: with more
+processes than cores the latency follows it.
 
 Targets (not asserted): 4 ranks, empty batches p50 <= 100 us, p99 <= 1 ms. Runs < 1 min.
 """
@@ -95,12 +97,27 @@ class Row:
     n: int
     lat_us: np.ndarray
     floor_us: float | None = None
+    cpu_us: float | None = None  # CPU per batch, every process of the group together
 
     def fmt(self) -> str:
         p50, p99 = np.percentile(self.lat_us, [50, 99])
         ratio = f"{p50 / self.floor_us:>8.2f}x" if self.floor_us else f"{'':>9}"
+        cpu = f"{self.cpu_us:>9.1f}" if self.cpu_us is not None else f"{'':>9}"
         return (f"{self.ranks:>5}  {self.workload:<26} {self.n:>6}  {p50:>9.1f}  {p99:>9.1f}"
-                f"  {self.lat_us.mean():>9.1f}  {self.lat_us.max():>9.1f}  {ratio}")
+                f"  {self.lat_us.mean():>9.1f}  {self.lat_us.max():>9.1f}  {ratio}  {cpu}")
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) of this process and ``pids`` so far."""
+    total = 0.0
+    for pid in (os.getpid(), *pids):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
 
 
 def start_group(folder: str, world_size: int,
@@ -245,23 +262,30 @@ class EchoGroup:
             self.ctx.term()
 
 
-def interleaved(echoes: list[EchoGroup], d: Dispatcher, n: int,
-                rounds: int = 12) -> list[np.ndarray]:
+def interleaved(echoes: list[EchoGroup], d: Dispatcher, worker_pids: list[int], n: int,
+                rounds: int = 12) -> list[tuple[np.ndarray, float]]:
     """The echo groups and zkv in alternating rounds, all groups alive: drift on a shared
     VM (other load, frequency) hits all alike instead of whichever ran last. The order
     rotates each round, so that no group always runs right after the same one (at 4 ranks
     the group that ran after zkv was measured up to 15% slower than an identical one).
-    Latencies per echo group, then zkv's."""
+    (latencies, CPU us per batch of this process and the group's children) per echo group,
+    then zkv's; this process's share includes its other groups' idle threads (~0)."""
     per = max(1, n // rounds)
     runs: list[Callable[[], np.ndarray]] = [
         *(partial(echo.measure, per, warmup=20) for echo in echoes),
         partial(one_at_a_time, d, [[]], per, warmup=20)]
+    pids = [[p.pid for p in echo.procs] for echo in echoes] + [worker_pids]
     out: list[list[np.ndarray]] = [[] for _ in runs]
+    cpu = [0.0] * len(runs)
     for r in range(rounds):
         for i in range(len(runs)):
             k = (i + r) % len(runs)
+            c0 = cpu_s(pids[k])
             out[k].append(runs[k]())
-    return [np.concatenate(lat) for lat in out]
+            cpu[k] += cpu_s(pids[k]) - c0
+    # (warm-up batches included in the CPU: 20 a round, the same share for every group)
+    return [(np.concatenate(lat), c * 1e6 / (len(lat) * (per + 20)))
+            for lat, c in zip(out, cpu)]
 
 
 def copy_batches(layout: CacheLayout) -> list[list[P.Op]]:
@@ -311,14 +335,13 @@ def main() -> int:
                 d, procs = start_group(folder, world_size, args.keys)
                 try:
                     one_at_a_time(d, [[]], 200, warmup=0)
-                    floor, parse, with_codec, lat = interleaved(echoes, d, args.empty)
-                    floor_p50 = float(np.percentile(floor, 50))
-                    rows.append(Row(world_size, "bare pyzmq echo (floor)", len(floor), floor))
-                    rows.append(Row(world_size, "echo + orjson parse only", len(parse), parse,
-                                    floor_p50))
-                    rows.append(Row(world_size, "echo + zkv codec", len(with_codec),
-                                    with_codec, floor_p50))
-                    rows.append(Row(world_size, "empty", len(lat), lat, floor_p50))
+                    measured = interleaved(echoes, d, [p.pid for p in procs], args.empty)
+                    floor_p50 = float(np.percentile(measured[0][0], 50))
+                    names = ("bare pyzmq echo (floor)", "echo + orjson parse only",
+                             "echo + zkv codec", "empty")
+                    for name, (lat, cpu) in zip(names, measured):
+                        rows.append(Row(world_size, name, len(lat), lat,
+                                        None if lat is measured[0][0] else floor_p50, cpu))
                     layout = bench_layout(world_size)
                     label = f"copy {NUM_COPY_BLOCKS}x{layout.block_bytes >> 10}KiB d2h+h2d"
                     rows.append(Row(world_size, label, args.copies,
@@ -335,7 +358,7 @@ def main() -> int:
     print(f"actor pipeline: publish -> all acks, one batch in flight, ipc://"
           f"{' + per-rank keys' if args.keys else ''}, {os.cpu_count()} cores, latencies in us")
     print(f"{'ranks':>5}  {'workload':<26} {'n':>6}  {'p50':>9}  {'p99':>9}  {'mean':>9}"
-          f"  {'max':>9}  {'x floor':>9}")
+          f"  {'max':>9}  {'x floor':>9}  {'cpu/batch':>9}")
     for row in rows:
         print(row.fmt())
     print("empty batches, 8 in flight: " + ", ".join(f"{w} ranks {r:,.0f}/s" for w, r in rates))

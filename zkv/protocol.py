@@ -268,9 +268,16 @@ def _fast_ack_header(msg: BlocksCopied) -> bytes | None:
     if (type(seq) is int and type(rank) is int and type(ok) is bool
             and type(t_recv) is float and -1e300 < t_recv < 1e300
             and type(t_done) is float and -1e300 < t_done < 1e300):
-        return (b'{"v":%d,"seq":%d,"rank":%d,"ok":%s,"ops":[],"t_recv":%r,"t_done":%r}'
-                % (PROTOCOL_VERSION, seq, rank, b"true" if ok else b"false", t_recv, t_done))
+        return idle_ack_header(seq, rank, ok, t_recv, t_done)
     return None
+
+
+def idle_ack_header(seq: int, rank: int, ok: bool, t_recv: float, t_done: float) -> bytes:
+    """The header of an ack without results or pending ops, formatted directly, for a
+    caller whose fields are of the plain types already (ints, a bool, finite floats: a
+    worker's idle step, ``time.time()`` stamps); ``encode`` checks them first."""
+    return (b'{"v":%d,"seq":%d,"rank":%d,"ok":%s,"ops":[],"t_recv":%r,"t_done":%r}'
+            % (PROTOCOL_VERSION, seq, rank, b"true" if ok else b"false", t_recv, t_done))
 
 
 def _encode_batch(msg: CopyBlocks) -> list[bytes]:

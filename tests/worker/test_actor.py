@@ -126,8 +126,14 @@ def test_empty_batches_are_acked_and_mark_every_layer(stack: ExitStack, folder: 
     for step in range(20):
         done = rig.run([], step)
         assert done.ok and done.results == {} and done.seq == step
-        for sc in rig.sidecars:
+        for rank, sc in enumerate(rig.sidecars):
             sc.wait_layer(step, LAYOUT.num_layers - 1, timeout=1)
+            ack = sc.wait_acked(step, 1)  # what the idle step kept is what it sent
+            assert type(ack) is P.BlocksCopied
+            assert (ack.seq, ack.rank, ack.ok, ack.results, ack.pending) == (step, rank, True,
+                                                                             (), ())
+            assert type(ack.t_recv) is float and ack.t_recv <= ack.t_done
+            assert P.decode(P.encode(ack)) == ack
     assert [sc.last_seq for sc in rig.sidecars] == [19, 19]
 
 

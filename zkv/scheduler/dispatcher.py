@@ -503,6 +503,10 @@ class Dispatcher:
             self._counts["malformed"] += 1
             self._refused_log(error=str(e), type=_tag(frames))
             return
+        if type(msg) is P.BlocksCopied:  # an ack: every rank, every step (checks as below)
+            if not self._authenticated or msg.rank == sender:
+                self._on_ack(msg)
+                return
         rank = getattr(msg, "rank", None)
         if rank is None:
             self._counts["malformed"] += 1
@@ -623,8 +627,10 @@ class Dispatcher:
 
     def _on_ack(self, ack: P.BlocksCopied) -> None:
         rank = ack.rank
-        r = self._rank_of(rank, "ack")
-        if r is None:
+        if rank < self.world_size:
+            r = self._ranks[rank]
+        else:
+            self._rank_of(rank, "ack")  # refused, counted and logged
             return
         r.last_seen = time.monotonic()
         batch = self._in_flight.get(ack.seq)

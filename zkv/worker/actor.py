@@ -72,6 +72,7 @@ EXIT_SEQ_GAP = 3
 _MONITOR_EVERY_S = 0.1
 _BYE_LINGER_MS = 250
 _ACK_HISTORY = 1024
+_new = tuple.__new__  # a NamedTuple built without its Python-level __new__
 _ACK_SEND_TIMEOUT_MS = 10_000
 _COPY_KINDS = (P.D2H, P.BACKUP)
 _SIM_KINDS = (P.FILL, P.CHECK)
@@ -414,7 +415,10 @@ class WorkerActor:
             return self._refuse(frames, e)
         if isinstance(msg, P.CopyBlocks):
             if msg.seq == self._expected:
-                self._run_batch(msg, t_recv)
+                if msg.ops:
+                    self._run_batch(msg, t_recv)
+                else:
+                    self._idle_step(msg.seq, t_recv)
                 return None
             if msg.seq > self._expected:
                 return self._seq_gap(msg.seq)
@@ -462,14 +466,34 @@ class WorkerActor:
 
     # ------------------------------------------------------------ one batch
 
+    def _idle_step(self, seq: int, t_recv: float) -> None:
+        """A batch without ops (every step of an idle cache): its layers are done at once
+        and it is acked; what ``_run_batch`` + ``_ack`` do for it, in one function (on this
+        path each Python call counts: a process that slept in zmq_poll runs from cold
+        caches, and the step waits for every rank's ack). ``seq``: the expected one."""
+        backend = self.backend
+        backend.begin_batch(self.compute_stream)
+        self.counter.begin_done(seq, backend.record_event())
+        t_done = time.time()
+        rank = self.rank
+        self._expected = seq + 1
+        with self._gate_lock:  # before the send: whoever sees the ack sees last_seq too
+            self._last_seq = seq
+            acks = self._acks
+            acks[seq] = _new(P.BlocksCopied, (seq, rank, True, (), t_recv, t_done, ()))
+            acks.pop(seq - _ACK_HISTORY, None)
+            if self._gate_waiting:
+                self._gate.notify_all()
+        frames = [P.T_ACK, P.idle_ack_header(seq, rank, True, t_recv, t_done)]
+        with self._send_lock:
+            send_frames(self._push, frames)  # type: ignore[arg-type]
+        if self._debug:
+            self._hot_log.debug(ev.BATCH_DONE, seq=seq, num_ops=0, ok=True)
+
     def _run_batch(self, batch: P.CopyBlocks, t_recv: float) -> None:
         seq = batch.seq
-        if not batch.ops:  # the hot path of an idle cache: nothing to copy, ack at once
-            self.backend.begin_batch(self.compute_stream)
-            self.counter.begin_done(seq, self.backend.record_event())
-            self._ack(P.BlocksCopied(seq, self.rank, True, (), t_recv, time.time()))
-            if self._debug:
-                self._hot_log.debug(ev.BATCH_DONE, seq=seq, num_ops=0, ok=True)
+        if not batch.ops:
+            self._idle_step(seq, t_recv)
             return
         results: dict[int, P.OpResult] = {}
         pending: tuple[int, ...] = ()
