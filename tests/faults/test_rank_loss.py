@@ -74,6 +74,23 @@ def test_frozen_rank_is_lost_by_heartbeat_timeout(folder: str) -> None:
     assert codes[1] == 0
 
 
+def test_an_idle_gap_without_polls_loses_no_rank(folder: str) -> None:
+    """An idle engine runs no step, so nothing polls the dispatcher, for longer than the
+    heartbeat timeout while its workers keep beating: the next step runs on every rank
+    (the heartbeats waiting in the queue are read before any rank is judged)."""
+    g = WorkerGroup(folder, 2, LAYOUT, heartbeat_timeout_s=1.0)
+    try:
+        assert g.run([]).ok
+        time.sleep(2.5)  # the idle gap itself: nothing to wait for
+        with capture_logs() as logs:
+            done = g.run([P.Op(0, P.D2H, P.as_ids([0]), P.as_ids([0]))])
+        assert done.ok and done.lost_ranks == frozenset()
+        assert events_named(logs, "dispatcher.rank_lost") == []
+    finally:
+        codes = g.close()
+    assert codes == [0, 0]
+
+
 def test_missed_ack_deadline_loses_the_rank(folder: str) -> None:
     g = WorkerGroup(folder, 2, LAYOUT, heartbeat_timeout_s=60.0, ack_timeout_s=0.5)
     try:

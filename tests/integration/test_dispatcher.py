@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -247,3 +248,43 @@ def test_rank_loss_fails_in_flight_and_later_publish(
     # late acks of the failed batches are ignored quietly
     ranks[1].ack(batches[1])
     assert d.poll(0.05) == []
+
+
+def _idle_gap(ranks: list[FakeRank], seconds: float) -> None:
+    """Time passes without a poll (an idle engine schedules nothing); ``ranks`` keep
+    beating the way a worker's heartbeat thread does."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for r in ranks:
+            r.heartbeat()
+        time.sleep(0.05)  # the gap itself: nothing here waits for anything
+
+
+def test_an_idle_gap_without_polls_loses_no_rank(ctx: zmq.Context[Any],
+                                                  eps: tuple[str, str]) -> None:
+    d = Dispatcher(*eps, 2, FP, context=ctx, heartbeat_timeout_s=0.3)
+    ranks = [FakeRank(ctx, *eps, r, FP).join() for r in range(2)]
+    try:
+        d.wait_for_ranks(5)
+        _idle_gap(ranks, 0.9)  # 3 timeouts; every heartbeat of it still queued
+        with capture_logs() as logs:
+            assert d.poll(0) == []
+            assert d.lost_ranks == frozenset()
+            seq = d.publish([_op(0)], step=0)
+            for r in ranks:
+                r.ack(r.recv_batch())
+            done = poll_until_done(d, seq)[seq]
+        assert done.ok and done.lost_ranks == frozenset()
+        assert events_named(logs, "dispatcher.rank_lost") == []
+        # The backlog is read before judging, not instead of it: a rank that said
+        # nothing during the gap is lost at the first poll after it.
+        _idle_gap(ranks[:1], 0.9)
+        with capture_logs() as logs:
+            d.poll(0)
+        assert d.lost_ranks == frozenset({1})
+        (lost,) = events_named(logs, "dispatcher.rank_lost")
+        assert lost["rank"] == 1 and "no heartbeat" in lost["reason"]
+    finally:
+        d.close(shutdown=False)
+        for r in ranks:
+            r.close()
