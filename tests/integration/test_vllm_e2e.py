@@ -198,8 +198,10 @@ def smollm2(env: dict[str, Any]) -> dict[str, Any]:
              "the same prefix skips its prefill and answers sooner").split()
     docs = [tok.encode(" ".join(rng.choice(words) for _ in range(800))) for _ in range(4)]
     qs = [tok.encode(f" Question {i}: what does the cache keep?") for i in range(8)]
+    # "again" comes after the engine sat idle for over two heartbeat timeouts (below)
     phases = [{"name": "cold", "prompts": [d + qs[i] for i, d in enumerate(docs)]},
-              {"name": "again", "prompts": [d + qs[4 + i] for i, d in enumerate(docs)]},
+              {"name": "again", "prompts": [d + qs[4 + i] for i, d in enumerate(docs)],
+               "idle_s": 7.0},
               {"name": "paris", "prompts": [tok.encode("The capital of France is")]}]
     return {"model": model, "phases": phases, "tok": tok}
 
@@ -208,11 +210,12 @@ def test_smollm2_identical_through_zkv(env, smollm2) -> None:  # noqa: ANN001
     base = {"model": smollm2["model"], "tp": 1, "kv_cache_bytes": 96 << 20,
             "max_model_len": 2048, "phases": smollm2["phases"]}
     ref = run_engine(env["tmp"], "smol-ref", dict(base, prefix_caching=False))
-    cfg = {"host_blocks": 400, "storage": "none"}
+    cfg = {"host_blocks": 400, "storage": "none", "heartbeat_timeout_s": 3.0}
     out = run_engine(env["tmp"], "smol-zkv", dict(base, prefix_caching=True, connector=cfg))
     _same_tokens(out, ref)
     assert smollm2["tok"].decode(out["phases"][2]["tokens"][0][:2]).strip().startswith("Paris")
     z = out["phases"][1]["zkv"]
+    assert z["disabled"] is None, "an idle engine must not lose its ranks"
     assert z["zkv_host_tokens"] > 2_000, "the documents vLLM evicted come from zkv's host tier"
 
 

@@ -8,7 +8,8 @@ here, so each configuration runs once, as its own process)::
 ``spec``: ``{"model": dir, "tp": 1, "prefix_caching": true, "kv_cache_bytes": N,
 "block_size": 32, "max_model_len": 4096, "connector": {extra config} | null,
 "phases": [{"name": .., "prompts": [[ids..], ..], "max_tokens": 8, "one_by_one": false,
-"group": 0}]}`` (``group`` N: one generate call per N prompts; ``one_by_one``: N = 1).
+"group": 0, "idle_s": 0}]}`` (``group`` N: one generate call per N prompts; ``one_by_one``:
+N = 1; ``idle_s``: the engine sits idle this long before the phase, nothing called).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, and zkv's Prometheus metrics.
 
@@ -149,6 +150,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         sp = SamplingParams(temperature=0, max_tokens=ph.get("max_tokens", 8), detokenize=False,
                             ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
+        if ph.get("idle_s"):
+            time.sleep(ph["idle_s"])  # an idle server: no request, so no step, no poll
         t = time.perf_counter()
         group = 1 if ph.get("one_by_one") else ph.get("group", 0)
         if group:  # generate calls of `group` prompts each, timed one by one

@@ -16,6 +16,8 @@ def test_defaults() -> None:
     assert cfg.storage is not None and cfg.storage.startswith("file://") and cfg.storage_write
     assert cfg.num_host_blocks(1 << 20) == DEFAULT_HOST_BYTES >> 20
     assert parse_extra_config({"storage": "none"}).storage_write is False
+    assert cfg.heartbeat_timeout_s == 30.0
+    assert parse_extra_config({"heartbeat_timeout_s": 2.5}).heartbeat_timeout_s == 2.5
 
 
 @pytest.mark.parametrize("extra, msg", [
@@ -33,6 +35,7 @@ def test_defaults() -> None:
     ({"prefetch": "eager"}, "prefetch must be one of best_effort, wait_complete, timeout"),
     ({"prefetch_base_ms": -1}, "prefetch_base_ms must be >= 0"),
     ({"layer_timeout_s": 0}, "layer_timeout_s must be > 0"),
+    ({"heartbeat_timeout_s": -1}, "heartbeat_timeout_s must be > 0"),
     ({"write_through_threshold": 0}, "write_through_threshold must be >= 1"),
     ({"inject_load_failures": [1, -2]}, "inject_load_failures must be a list of integers"),
     ({"log_level": "loud"}, "log_level must be one of"),

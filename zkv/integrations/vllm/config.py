@@ -23,6 +23,10 @@ Keys (all optional)::
                                           (auto: when vLLM schedules asynchronously)
     layer_timeout_s          float > 0    a forward waits this long for a layer's load
                                           before it counts as failed (default 30)
+    heartbeat_timeout_s      float > 0    a rank not heard from for this long is lost and
+                                          zkv is off for the engine (default 30; an idle
+                                          engine loses none: what the ranks sent while
+                                          nothing polled is read first)
     log_dir                  str          zkv's JSON logs (default: stderr, level warning)
     log_level                str          debug | info | warning | error
     metrics_port             int >= 0     serve zkv's Prometheus metrics on 127.0.0.1:PORT
@@ -73,6 +77,7 @@ class ZkvVllmConfig:
     prefetch_per_ki_token_ms: float = 50.0
     prefetch_max_ms: float = 2000.0
     layer_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 30.0
     gate: str | bool = "auto"
     log_dir: str | None = None
     log_level: str = "warning"
@@ -176,7 +181,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
             if value != "auto" and not isinstance(value, bool):
                 raise ConfigError(f"zkv: gate must be \"auto\", true or false; got {value!r}")
             kw[key] = value
-        elif key == "layer_timeout_s":
+        elif key in ("layer_timeout_s", "heartbeat_timeout_s"):
             kw[key] = _number(key, value, 0, strict=True)
         elif key in ("log_dir", "namespace_salt"):
             kw[key] = _typed(key, value, str, "a string")

@@ -151,7 +151,8 @@ class SchedulerHalf:
         )
         self.prefetch = PrefetchTracker(cfg.prefetch_policy())
         self.dp = Dispatcher(pub_endpoint, pull_endpoint, layout.world_size,
-                             layout.fingerprint(), heartbeat_timeout_s=30.0, ack_timeout_s=120.0)
+                             layout.fingerprint(), heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                             ack_timeout_s=120.0)
         try:
             self.dp.wait_for_ranks(join_timeout_s)
         except BaseException:
