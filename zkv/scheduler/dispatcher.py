@@ -262,6 +262,10 @@ class Dispatcher:
         return frozenset(self._lost)
 
     @property
+    def num_lost(self) -> int:
+        return len(self._lost)
+
+    @property
     def next_seq(self) -> int:
         return self._next_seq
 

@@ -68,7 +68,9 @@ class ZkvMetadata:
     ones before this step's forward); ``fence``: the forward must not start before batch
     ``fence`` ran (it saves blocks of a request vLLM just preempted; -1: none); ``load_seq`` / ``load_op`` / ``loads``: this step's
     batch with loads, the load op, and its destination blocks in op order; ``finishing``:
-    req_id -> seq of the batch holding its last save (report it finished once that ran).
+    req_id -> seq of the batch holding its last save (report it finished once that ran);
+    ``unloaded``: blocks vLLM was told zkv would load but no batch will (zkv turned off
+    after the promise, a rank lost): load errors at once, so vLLM recomputes them.
     """
 
     release_upto: int = -1
@@ -77,6 +79,7 @@ class ZkvMetadata:
     load_op: int | None = None
     loads: list[int] = field(default_factory=list)
     finishing: dict[str, int] = field(default_factory=dict)
+    unloaded: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -165,6 +168,7 @@ class SchedulerHalf:
         self._dirty: set[str] = set()
         self._finishing: dict[str, int] = {}
         self._fence = -1
+        self._unloaded: list[int] = []  # promised loads no batch will run (next metadata)
         self._done_upto = -1         # every seq <= this completed on all ranks
         self._done_above: set[int] = set()
         self._step = 0
@@ -188,6 +192,8 @@ class SchedulerHalf:
         if self.disabled or getattr(request, "prompt_token_ids", None) is None:
             return 0, False
         self._poll()
+        if self.disabled:  # a rank was lost just now: promise nothing
+            return 0, False
         rid = request.request_id
         r = self._reqs.get(rid)
         if r is None:
@@ -221,6 +227,13 @@ class SchedulerHalf:
 
     def _after_alloc(self, request: Any, block_ids: list[int], ext: int) -> None:
         r = self._reqs.get(request.request_id)
+        if r is not None and self.disabled and ext and not r.allocated:
+            # Promised before zkv went off: vLLM counts these tokens as loaded; no batch
+            # will load them, so the worker halves report their blocks failed.
+            start = r.local // self.bs
+            self._unloaded += block_ids[start : -(-(r.local + ext) // self.bs)]
+            r.allocated = True
+            return
         if r is None or self.disabled:
             return
         rid = request.request_id
@@ -292,11 +305,13 @@ class SchedulerHalf:
         ops = self.cm.take_ops()
         seq = self._publish(ops)
         self._saves_published(seq)
-        if seq is not None:
-            loads = [op for op in ops if op.kind == H2D]
-            if loads:
-                meta.load_seq, meta.load_op = seq, loads[0].id
-                meta.loads = [int(b) for b in loads[0].dst]
+        loads = [op for op in ops if op.kind == H2D]
+        if loads and seq is not None:
+            meta.load_seq, meta.load_op = seq, loads[0].id
+            meta.loads = [int(b) for b in loads[0].dst]
+        elif loads:  # planned, then the batch could not be published (a rank lost)
+            self._unloaded += [int(b) for b in loads[0].dst]
+        meta.unloaded, self._unloaded = self._unloaded, []
         meta.release_upto = self.dp.next_seq - 1
         meta.fence, self._fence = self._fence, -1
         meta.finishing, self._finishing = self._finishing, {}
@@ -445,8 +460,10 @@ class SchedulerHalf:
             self._batch_seconds.observe(done.latency_s)
             self.cm.on_ops_done(done.results.values())
             self._mark_done(done.seq)
-            if done.lost_ranks and not self.disabled:
-                self._disable(f"ranks {sorted(done.lost_ranks)} lost")
+        # A rank lost with nothing in flight completes no batch: ask the dispatcher, so
+        # that no later call promises vLLM a load that no batch would run.
+        if not self.disabled and self.dp.num_lost:
+            self._disable(f"ranks {sorted(self.dp.lost_ranks)} lost")
         for rid, failed in self.cm.take_load_failures().items():
             self.log.warning("connector.load_failed", req_id=rid, num_blocks=len(failed))
 

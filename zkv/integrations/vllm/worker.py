@@ -9,7 +9,8 @@ A gated :class:`~zkv.worker.sidecar.Sidecar` runs over vLLM's own KV tensors. On
     forward: wait_for_layer_load(L) layer L of this step's loads is in (CPU: copied;
                                     GPU: the compute stream waits on its event)
     get_block_ids_with_load_errors  this rank's ack of the load batch: the blocks past
-                                    ``done`` failed -> vLLM recomputes them
+                                    ``done`` failed -> vLLM recomputes them; and
+                                    meta.unloaded (promised, then no batch: zkv went off)
     get_finished                    requests whose last save batch ran here
 
 ``inject_load_failures`` (a test hook) wraps the copy backend so that the n-th load batch
@@ -101,7 +102,7 @@ class WorkerHalf:
 
     def bind(self, meta: ZkvMetadata) -> None:
         self.meta = meta
-        self._errors = set()
+        self._errors = set(meta.unloaded)  # promised, never loaded: vLLM recomputes them
         self._checked = None
         self._finishing.update(meta.finishing)
         if meta.release_upto < 0 or self.sidecar is None:

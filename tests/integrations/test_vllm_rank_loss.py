@@ -1,0 +1,155 @@
+"""The connector's scheduler half when a rank is lost between vLLM's calls, against a real
+worker process (``python -m zkv.worker``); the calls are made the way vLLM's scheduler
+makes them, with request and scheduler-output objects shaped like vLLM's.
+
+vLLM counts the tokens ``get_num_new_matched_tokens`` promised as loaded. Once zkv is off
+(a rank lost) no batch loads them, so either nothing is promised (a loss seen during that
+call) or the promised blocks are reported as load errors (``ZkvMetadata.unloaded``, which
+the worker halves return from ``get_block_ids_with_load_errors``) and vLLM recomputes them:
+never a forward over blocks nothing wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.worker.helpers import endpoints, short_ipc_dir, worker_env
+from zkv.config import CacheLayout
+from zkv.integrations.vllm.config import parse_extra_config
+from zkv.integrations.vllm.scheduler import SchedulerHalf
+from zkv.integrations.vllm.worker import WorkerHalf
+
+BS = 16
+DOC = [(7 * i + 3) % 1000 for i in range(8 * BS)]  # 8 full blocks
+LAYOUT = CacheLayout(2, 1, BS, 8, "float32", num_device_blocks=64, num_host_blocks=64,
+                     model="rank-loss")
+TIMEOUT_S = 1.0  # the heartbeat timeout the half runs with
+
+
+class Group:
+    def __init__(self, folder: str) -> None:
+        pub, pull = endpoints(folder)
+        self.proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"],
+                                     env=worker_env(0, LAYOUT.to_json(), pub, pull),
+                                     stdin=subprocess.DEVNULL)
+        cfg = parse_extra_config({"host_blocks": 64, "storage": "none",
+                                  "heartbeat_timeout_s": TIMEOUT_S})
+        self.half = SchedulerHalf(cfg, LAYOUT, pub_endpoint=pub, pull_endpoint=pull,
+                                  join_timeout_s=60)
+        self.n = 0
+
+    def request(self) -> Any:
+        self.n += 1
+        return SimpleNamespace(
+            request_id=f"r{self.n}", prompt_token_ids=DOC + [self.n], all_token_ids=DOC + [self.n],
+            num_tokens=len(DOC) + 1, num_prompt_tokens=len(DOC) + 1, num_computed_tokens=0,
+            status=SimpleNamespace(name="WAITING"), lora_request=None, cache_salt=None,
+            mm_features=[])
+
+    @staticmethod
+    def step(req: Any, blocks: list[int], computed: int) -> Any:
+        new = SimpleNamespace(req_id=req.request_id, block_ids=(blocks,),
+                              num_computed_tokens=computed)
+        cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                 num_computed_tokens=[])
+        return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                               num_scheduled_tokens={req.request_id: req.num_tokens - computed},
+                               preempted_req_ids=set())
+
+    def compute_and_save(self) -> None:
+        """One request computes DOC (nothing cached yet) and zkv saves its blocks."""
+        req = self.request()
+        ext, _ = self.half.get_num_new_matched_tokens(req, 0)
+        assert ext == 0
+        blocks = list(range(9))
+        self.half.update_state_after_alloc(req, blocks, 0)
+        self.half.build_connector_meta(self.step(req, blocks, 0))
+        self.half.update_connector_output(())
+        req.num_computed_tokens = req.num_tokens
+        req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+        self.half.request_finished(req)
+        assert self.half.wait_idle(10.0)
+        assert self.half.snapshot()["saved_blocks"] == 8
+
+    def freeze_worker(self) -> None:
+        """SIGSTOP the worker, read what it sent before, and let the timeout pass with
+        nothing polled: the next call that polls finds the rank lost."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.half.update_connector_output(())  # a poll: what was queued is read now
+        time.sleep(1.5 * TIMEOUT_S)  # the frozen rank's silence itself
+
+    def close(self) -> None:
+        try:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.half.close()
+        finally:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def group() -> Iterator[Group]:
+    with short_ipc_dir() as folder:
+        g = Group(folder)
+        try:
+            g.compute_and_save()
+            yield g
+        finally:
+            g.close()
+
+
+def _worker_errors(meta: Any) -> set[int]:
+    w = WorkerHalf(parse_extra_config({"storage": "none"}), 0)
+    w.bind(meta)
+    return w.load_errors()
+
+
+def test_a_loss_seen_while_matching_promises_nothing(group: Group) -> None:
+    group.freeze_worker()
+    req = group.request()
+    ext, _ = group.half.get_num_new_matched_tokens(req, 0)
+    assert group.half.disabled is not None and "lost" in group.half.disabled
+    assert ext == 0  # the host pool holds DOC's 8 blocks, but no batch could load them
+    group.half.update_state_after_alloc(req, list(range(20, 29)), 0)
+    meta = group.half.build_connector_meta(group.step(req, list(range(20, 29)), 0))
+    assert meta.load_seq is None and meta.unloaded == []
+
+
+def test_a_loss_after_the_promise_reports_the_promised_blocks_failed(group: Group) -> None:
+    req = group.request()
+    ext, _ = group.half.get_num_new_matched_tokens(req, 0)
+    assert ext == 8 * BS  # promised: DOC's blocks from zkv's host pool
+    group.freeze_worker()
+    group.half.update_connector_output(())  # a poll between the calls sees the loss
+    assert group.half.disabled is not None
+    blocks = list(range(20, 29))
+    group.half.update_state_after_alloc(req, blocks, ext)
+    meta = group.half.build_connector_meta(group.step(req, blocks, ext))
+    assert meta.load_seq is None and meta.unloaded == blocks[:8]
+    assert _worker_errors(meta) == set(blocks[:8])  # vLLM recomputes them
+
+
+def test_a_loss_when_the_loads_are_published_reports_them_failed(group: Group) -> None:
+    req = group.request()
+    ext, _ = group.half.get_num_new_matched_tokens(req, 0)
+    blocks = list(range(30, 39))
+    group.half.update_state_after_alloc(req, blocks, ext)  # the load is planned
+    assert ext == 8 * BS and group.half.disabled is None
+    group.freeze_worker()
+    meta = group.half.build_connector_meta(group.step(req, blocks, ext))  # lost at its poll
+    assert group.half.disabled is not None
+    assert meta.load_seq is None and meta.loads == [] and meta.unloaded == blocks[:8]
+    assert _worker_errors(meta) == set(blocks[:8])
+    assert group.half.snapshot()["cm_pending_ops"] == 0  # the load was rolled back
