@@ -724,9 +724,8 @@ class Dispatcher:
             elif now - r.last_seen > self.heartbeat_timeout_s:
                 self._declare_lost(r.rank, f"no heartbeat for {now - r.last_seen:.2f} s "
                                            f"(timeout {self.heartbeat_timeout_s} s)")
-        if self._in_flight:  # the oldest batch some rank has not acked (I/O may be pending)
-            full = self._all_mask
-            oldest = next((b for b in self._in_flight.values() if b.acked != full), None)
+        if self._in_flight:
+            oldest = self._oldest_unacked()
             if oldest is not None and now > oldest.deadline:
                 for rank in range(self.world_size):
                     if not oldest.acked & (1 << rank) and rank not in self._lost:
@@ -739,9 +738,13 @@ class Dispatcher:
         timeout = self.heartbeat_timeout_s
         if any(now - r.last_seen > timeout for r in self._ranks if r.rank not in self._lost):
             return True
-        full = self._all_mask
-        oldest = next((b for b in self._in_flight.values() if b.acked != full), None)
+        oldest = self._oldest_unacked()
         return oldest is not None and now > oldest.deadline
+
+    def _oldest_unacked(self) -> _InFlight | None:
+        """The oldest batch some rank has not acked (acked batches may wait on I/O)."""
+        full = self._all_mask
+        return next((b for b in self._in_flight.values() if b.acked != full), None)
 
     def _drain_backlog(self) -> bool:
         """Take every message already queued; True when there was one. A caller that did

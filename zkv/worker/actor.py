@@ -468,9 +468,9 @@ class WorkerActor:
 
     def _idle_step(self, seq: int, t_recv: float) -> None:
         """A batch without ops (every step of an idle cache): its layers are done at once
-        and it is acked; what ``_run_batch`` + ``_ack`` do for it, in one function (on this
-        path each Python call counts: a process that slept in zmq_poll runs from cold
-        caches, and the step waits for every rank's ack). ``seq``: the expected one."""
+        and it is acked, ``_ack``'s steps inlined. One function on purpose: on this path
+        each Python call counts (a process that slept in zmq_poll runs from cold caches,
+        and the step waits for every rank's ack). ``seq``: the expected one."""
         backend = self.backend
         backend.begin_batch(self.compute_stream)
         self.counter.begin_done(seq, backend.record_event())
@@ -491,10 +491,8 @@ class WorkerActor:
             self._hot_log.debug(ev.BATCH_DONE, seq=seq, num_ops=0, ok=True)
 
     def _run_batch(self, batch: P.CopyBlocks, t_recv: float) -> None:
+        """A batch with ops (``_idle_step`` takes those without)."""
         seq = batch.seq
-        if not batch.ops:
-            self._idle_step(seq, t_recv)
-            return
         results: dict[int, P.OpResult] = {}
         pending: tuple[int, ...] = ()
         self.counter.begin(seq)
