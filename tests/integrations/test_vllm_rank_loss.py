@@ -24,6 +24,7 @@ import pytest
 
 from tests.worker.helpers import endpoints, short_ipc_dir, worker_env
 from zkv.config import CacheLayout
+from zkv.integrations.vllm import metrics
 from zkv.integrations.vllm.config import parse_extra_config
 from zkv.integrations.vllm.scheduler import SchedulerHalf
 from zkv.integrations.vllm.worker import WorkerHalf
@@ -116,12 +117,21 @@ def _worker_errors(meta: Any) -> set[int]:
     return w.load_errors()
 
 
+def _enabled_gauge(half: SchedulerHalf) -> str:
+    metrics.register_half(half)
+    (line,) = [ln for ln in metrics.render().splitlines()
+               if ln.startswith("zkv:enabled{")]
+    return line.rsplit(" ", 1)[1]
+
+
 def test_a_loss_seen_while_matching_promises_nothing(group: Group) -> None:
+    assert _enabled_gauge(group.half) == "1.0"
     group.freeze_worker()
     req = group.request()
     ext, _ = group.half.get_num_new_matched_tokens(req, 0)
     assert group.half.disabled is not None and "lost" in group.half.disabled
     assert ext == 0  # the host pool holds DOC's 8 blocks, but no batch could load them
+    assert _enabled_gauge(group.half) == "0.0"  # what an operator alerts on
     group.half.update_state_after_alloc(req, list(range(20, 29)), 0)
     meta = group.half.build_connector_meta(group.step(req, list(range(20, 29)), 0))
     assert meta.load_seq is None and meta.unloaded == []

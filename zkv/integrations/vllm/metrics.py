@@ -12,6 +12,8 @@ every number is the minimum-over-ranks outcome zkv commits on)::
     zkv:bytes_total{op="load|save"}
     zkv:batch_seconds (histogram: publish -> every rank acked)
     zkv:host_blocks{state="free|used"}
+    zkv:enabled                                           1; 0 once a lost rank turned zkv
+                                                          off for the engine (alert on it)
 
 They live in :data:`zkv.metrics.REGISTRY` (``serve(port)``: 127.0.0.1, ``render()``).
 """
@@ -72,6 +74,11 @@ class _HalfCollector:
         pool.add_metric([*labels, "free"], h.cm.host.num_free)
         pool.add_metric([*labels, "used"], h.cm.host.num_used)
         yield pool
+        on = GaugeMetricFamily("zkv:enabled", "1 while zkv serves this engine; 0 once a "
+                               "lost rank turned it off (vLLM goes on without it).",
+                               labels=["model", "rank"])
+        on.add_metric(labels, 0 if h.disabled else 1)
+        yield on
 
 
 _registered: list[_HalfCollector] = []
