@@ -242,3 +242,29 @@ def test_cancelled_save_rolls_back_like_a_failed_one() -> None:
     assert cm.cancel_saves("r1") == 0
     assert cm.cache_computed("r1", 12, device_ids=[1, 2, 3]) == 3  # saved anew later
     assert [o.src.tolist() for o in cm.take_ops()] == [[1, 2, 3]]
+
+
+def test_a_flush_mid_step_keeps_the_steps_loads_open() -> None:
+    """The connector publishes a prefetch (s2h) as soon as it is planned, in the middle of
+    a step whose earlier requests already planned loads into engine blocks: those loads
+    must stay for the step's own batch (the one whose seq the forward waits on)."""
+    cm = make(8, storage={*H(5, 6)})
+    a = H(1, 2)
+    save(cm, "r1", a, [0, 1])
+    ack(cm, cm.take_ops())
+    cm.finish("r1")
+    cm.match_prefix("r2", a)
+    assert cm.load_external("r2", 0, [20, 21]) == 2  # r2's load, planned first
+    assert cm.match_prefix("r3", H(5, 6)).num_storage == 2
+    assert cm.prefetch("r3") == 2
+    early = cm.take_ops(keep=("load",))  # the prefetch goes now
+    assert [o.kind for o in early] == [S2H]
+    assert cm.take_ops(keep=("load",)) == []  # nothing but the load is open
+    late = cm.take_ops()  # the step's batch
+    assert [(o.kind, o.dst.tolist()) for o in late] == [(H2D, [20, 21])]
+    ack(cm, early)
+    ack(cm, late)
+    assert cm.stats.loaded_external == 2 and cm.stats.loaded == 2
+    cm.finish("r2")
+    cm.finish("r3")
+    cm.check_invariants()

@@ -55,14 +55,21 @@ class Ledger:
         op.dst += dst
         op.keys += keys
 
-    def take_ops(self) -> list[Op]:
+    def take_ops(self, keep: tuple[str, ...] = ()) -> list[Op]:
         """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
-        op per kind, one s2h per prefetching request). In flight until acked."""
+        op per kind, one s2h per prefetching request). In flight until acked. Ops of the
+        kinds in ``keep`` stay open (for a later take of the same step)."""
         open_ = self.open
         if not open_:
             return []
-        ops = list(open_.values())
-        open_.clear()
+        if keep:
+            keys = [k for k, p in open_.items() if p.kind not in keep]
+            ops = [open_.pop(k) for k in keys]
+            if not ops:
+                return []
+        else:
+            ops = list(open_.values())
+            open_.clear()
         if len(ops) > 1:
             ops.sort(key=_kind_rank)  # stable: s2h in request order
         pending = self.pending

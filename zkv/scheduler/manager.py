@@ -230,10 +230,12 @@ class CacheManager:
 
     # ================================================================ ops
 
-    def take_ops(self) -> list[Op]:
+    def take_ops(self, keep: tuple[str, ...] = ()) -> list[Op]:
         """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
-        op per kind, one s2h per prefetching request). In flight until ``on_ops_done``."""
-        out = self.core.ledger.take_ops()
+        op per kind, one s2h per prefetching request). In flight until ``on_ops_done``.
+        Ops of the kinds in ``keep`` (scheduler kinds: ``"load"``, ``"save"``, ``"h2d"``,
+        ...) stay open for a later take."""
+        out = self.core.ledger.take_ops(keep)
         if out and ev.debug_enabled():  # one summary per step, not a line per block
             st = self.core.stats
             _log.debug(ev.STEP_DONE, num_ops=len(out), num_blocks=sum(o.num_blocks for o in out),

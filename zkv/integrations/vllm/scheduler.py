@@ -49,6 +49,7 @@ from zkv.scheduler.dispatcher import Dispatcher
 from zkv.scheduler.hashing import ROOT_HASH, MultiModalItem, hash_tokens
 from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 from zkv.scheduler.manager import (
+    LOAD,
     WRITE_BACK,
     WRITE_THROUGH_SELECTIVE,
     CacheConfig,
@@ -168,7 +169,7 @@ class SchedulerHalf:
         self._dirty: set[str] = set()
         self._finishing: dict[str, int] = {}
         self._fence = -1
-        self._unloaded: list[int] = []  # promised loads no batch will run (next metadata)
+        self._promised: list[int] = []  # blocks whose loads vLLM was promised this step
         self._done_upto = -1         # every seq <= this completed on all ranks
         self._done_above: set[int] = set()
         self._step = 0
@@ -206,7 +207,10 @@ class SchedulerHalf:
             r.prefetched = True
             if self.cm.prefetch(rid):
                 r.host_blocks_at_match = m.num_host
-                self._flush()  # the loads start now, not with the next step's batch
+                # The s2h starts now, not with the step's batch; this step's loads (vLLM
+                # blocks of requests allocated before this one) stay for that batch, whose
+                # seq the worker halves wait on.
+                self._flush(keep=(LOAD,))
                 if self.cfg.prefetch != BEST_EFFORT:
                     self.prefetch.start(rid, request.num_prompt_tokens, time.monotonic())
                     return None, False
@@ -227,26 +231,24 @@ class SchedulerHalf:
 
     def _after_alloc(self, request: Any, block_ids: list[int], ext: int) -> None:
         r = self._reqs.get(request.request_id)
-        if r is not None and self.disabled and ext and not r.allocated:
-            # Promised before zkv went off: vLLM counts these tokens as loaded; no batch
-            # will load them, so the worker halves report their blocks failed.
-            start = r.local // self.bs
-            self._unloaded += block_ids[start : -(-(r.local + ext) // self.bs)]
-            r.allocated = True
+        if r is None or r.allocated:  # a second call (more blocks after an async load)
+            if r is not None and not self.disabled:
+                r.block_ids = list(block_ids)
             return
-        if r is None or self.disabled:
+        r.block_ids = list(block_ids)
+        r.allocated = True
+        start = r.local // self.bs
+        promised = r.block_ids[start : -(-(r.local + ext) // self.bs)] if ext else []
+        # vLLM counts these tokens as loaded: their blocks go into this step's load batch,
+        # or (zkv off, the batch not published) into the metadata's ``unloaded``.
+        self._promised += promised
+        if self.disabled:
             return
         rid = request.request_id
-        r.block_ids = list(block_ids)
-        if r.allocated:  # a second call (more blocks after an async load): ids only
-            return
-        r.allocated = True
         if ext:
-            start = r.local // self.bs
-            end = -(-(r.local + ext) // self.bs)
-            n = self.cm.load_external(rid, start, r.block_ids[start:end])
-            if n != end - start:  # the match is held: this cannot happen
-                raise RuntimeError(f"zkv: planned {n} loads for {rid}, promised {end - start}")
+            n = self.cm.load_external(rid, start, promised)
+            if n != len(promised):  # the match is held: this cannot happen
+                raise RuntimeError(f"zkv: planned {n} loads for {rid}, promised {len(promised)}")
         else:
             self.cm.cache_computed(rid, 0, device_ids=[])  # external mode, hits counted
         r.confirmed = r.local + ext
@@ -306,12 +308,12 @@ class SchedulerHalf:
         seq = self._publish(ops)
         self._saves_published(seq)
         loads = [op for op in ops if op.kind == H2D]
-        if loads and seq is not None:
+        if loads and seq is not None:  # (its blocks are this step's promised ones)
             meta.load_seq, meta.load_op = seq, loads[0].id
             meta.loads = [int(b) for b in loads[0].dst]
-        elif loads:  # planned, then the batch could not be published (a rank lost)
-            self._unloaded += [int(b) for b in loads[0].dst]
-        meta.unloaded, self._unloaded = self._unloaded, []
+        else:  # nothing promised, or zkv went off since (a rank lost): no batch loads them
+            meta.unloaded = self._promised
+        self._promised = []
         meta.release_upto = self.dp.next_seq - 1
         meta.fence, self._fence = self._fence, -1
         meta.finishing, self._finishing = self._finishing, {}
@@ -423,9 +425,10 @@ class SchedulerHalf:
         r.hashes += hash_tokens(tokens, self.bs, parent=parent, start_token=have * self.bs,
                                 mm_items=r.mm_items)
 
-    def _flush(self) -> None:
-        """Publish the open ops now (a finishing request's saves, a prefetch)."""
-        self._saves_published(self._publish(self.cm.take_ops()))
+    def _flush(self, keep: tuple[str, ...] = ()) -> None:
+        """Publish the open ops now (a finishing request's saves, a prefetch), but those
+        of the kinds in ``keep``."""
+        self._saves_published(self._publish(self.cm.take_ops(keep)))
 
     def _saves_published(self, seq: int | None) -> None:
         if seq is None:
