@@ -151,6 +151,19 @@ def test_unwritable_store_and_injected_load_failures(env, ref_tp1) -> None:  # n
     assert z["disabled"] is None
 
 
+def test_sync_scheduling_runs_ungated_and_identical(env, ref_tp1) -> None:  # noqa: ANN001
+    """vLLM without async scheduling (pooling models, pipeline parallelism, some drafters):
+    the workers run batches as they arrive (gate "auto" -> off) and the forward waits only
+    on its own step's load batch."""
+    spec = _spec(env, connector=_zkv(env, namespace_salt="sync"))
+    spec["async_scheduling"] = False
+    out = run_engine(env["tmp"], "zkv-tp1-sync", spec)
+    _same_tokens(out, ref_tp1)
+    z = _last(out)
+    assert z["disabled"] is None and z["failed_load_blocks"] == 0
+    assert z["zkv_host_tokens"] > 2_000 and z["zkv_store_tokens"] > 5_000
+
+
 @pytest.fixture(scope="module")
 def ref_tp2(env: dict[str, Any]) -> dict[str, Any]:
     return run_engine(env["tmp"], "ref-tp2", _spec(env, tp=2))

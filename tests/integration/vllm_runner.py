@@ -8,8 +8,9 @@ here, so each configuration runs once, as its own process)::
 ``spec``: ``{"model": dir, "tp": 1, "prefix_caching": true, "kv_cache_bytes": N,
 "block_size": 32, "max_model_len": 4096, "connector": {extra config} | null,
 "phases": [{"name": .., "prompts": [[ids..], ..], "max_tokens": 8, "one_by_one": false,
-"group": 0, "idle_s": 0}]}`` (``group`` N: one generate call per N prompts; ``one_by_one``:
-N = 1; ``idle_s``: the engine sits idle this long before the phase, nothing called).
+"group": 0, "idle_s": 0}], "async_scheduling": null}`` (``group`` N: one generate call per
+N prompts; ``one_by_one``: N = 1; ``idle_s``: the engine sits idle this long before the
+phase, nothing called; ``async_scheduling``: vLLM's, null for its default).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, and zkv's Prometheus metrics.
 
@@ -124,6 +125,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = {}
+    if spec.get("async_scheduling") is not None:  # vLLM's default: async where it can
+        kw["async_scheduling"] = spec["async_scheduling"]
     port = None
     if spec.get("connector") is not None and spec.get("multiprocess"):
         from tests.servers import free_port
