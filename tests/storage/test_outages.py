@@ -5,6 +5,7 @@ and the client picks the server up again by itself."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,5 +124,50 @@ def test_mooncake_master_killed_and_restarted(tmp_path: Path) -> None:
             assert store.exists(K[:1]) == [False]  # the new master knows nothing
             wait_for(lambda: store.put_many(K[1:2], DATA[1:2]) == [True], "segment remounted")
             round_trip(store, 1)
+        finally:
+            store.close()
+
+
+def _fill_the_pool(store: Store, threads: int = 8) -> None:
+    """Calls from many threads at once: the client's RPC pool keeps a connection each."""
+    keys = [pack_key(i.to_bytes(16, "big"), 1) for i in range(64)]
+    with ThreadPoolExecutor(threads) as pool:
+        assert all(all(ok) for ok in pool.map(
+            lambda i: store.put_many(keys[i::threads], [DATA[0]] * len(keys[i::threads])),
+            range(threads)))
+
+
+def test_mooncake_master_restarted_while_idle_fails_no_call(tmp_path: Path) -> None:
+    """The client saw no outage: its pooled connections to the old master are stale, and
+    each fails once (RPC_FAIL). That must cost the caller nothing."""
+    with MooncakeServer(str(tmp_path)) as mc:
+        store = open_store(mc.url + "?timeout_s=1", "ns")
+        try:
+            _fill_the_pool(store)
+            mc.stop_master()
+            mc.start_master()
+            mc.wait_capacity()
+            for i in range(4):
+                round_trip(store, i)  # no StorageError: stale connections are retried
+            assert store.link.num_down == 0  # type: ignore[attr-defined]
+        finally:
+            store.close()
+
+
+def test_mooncake_first_call_after_a_reconnect_succeeds(tmp_path: Path) -> None:
+    """The client saw the outage (link down). Once the master is back, the reconnect must
+    not count a stale pooled connection as the master still down."""
+    with MooncakeServer(str(tmp_path)) as mc:
+        store = open_store(mc.url + "?timeout_s=1", "ns")
+        try:
+            _fill_the_pool(store)
+            mc.stop_master()
+            fails(store)
+            mc.start_master()
+            mc.wait_capacity()
+            time.sleep(0.5)  # past the breaker's backoff: the next call reconnects
+            for i in range(4):
+                round_trip(store, i)
+            assert (store.link.num_down, store.link.num_reconnects) == (1, 1)  # type: ignore[attr-defined]
         finally:
             store.close()
