@@ -171,3 +171,19 @@ def test_mooncake_first_call_after_a_reconnect_succeeds(tmp_path: Path) -> None:
             assert (store.link.num_down, store.link.num_reconnects) == (1, 1)  # type: ignore[attr-defined]
         finally:
             store.close()
+
+
+def test_redis_restarted_while_idle_fails_no_call(tmp_path: Path) -> None:
+    """The same for redis-py's pool: it replaces a pooled connection the server closed
+    before handing it out (checked here so that a client upgrade cannot change it)."""
+    with RedisServer(str(tmp_path)) as srv:
+        store = open_store(srv.url + "?timeout_s=0.5", "ns")
+        try:
+            _fill_the_pool(store)
+            srv.stop()
+            srv.start()
+            for i in range(4):
+                round_trip(store, i)
+            assert store.link.num_down == 0  # type: ignore[attr-defined]
+        finally:
+            store.close()
