@@ -163,3 +163,26 @@ def test_a_loss_when_the_loads_are_published_reports_them_failed(group: Group) -
     assert meta.load_seq is None and meta.loads == [] and meta.unloaded == blocks[:8]
     assert _worker_errors(meta) == set(blocks[:8])
     assert group.half.snapshot()["cm_pending_ops"] == 0  # the load was rolled back
+
+
+def test_a_promised_load_that_left_in_another_batch_is_reported(group: Group) -> None:
+    """The check behind the promise, with every rank alive: a load that leaves in a batch
+    the step's metadata does not name (the mid-step flush that took the step's loads,
+    fixed in ``_flush(keep=(LOAD,))``, re-created here by flushing everything) is not
+    waited on by the forward, so its blocks are reported unloaded and vLLM recomputes
+    them; the loads of the step's own batch are not."""
+    a, b = group.request(), group.request()
+    ext_a, _ = group.half.get_num_new_matched_tokens(a, 0)
+    group.half.update_state_after_alloc(a, list(range(40, 49)), ext_a)
+    group.half._flush()  # a's load leaves now, in a batch of its own
+    ext_b, _ = group.half.get_num_new_matched_tokens(b, 0)
+    group.half.update_state_after_alloc(b, list(range(50, 59)), ext_b)
+    assert ext_a == ext_b == 8 * BS
+    step = group.step(a, list(range(40, 49)), ext_a)
+    step_b = group.step(b, list(range(50, 59)), ext_b)
+    step.scheduled_new_reqs += step_b.scheduled_new_reqs
+    step.num_scheduled_tokens.update(step_b.num_scheduled_tokens)
+    meta = group.half.build_connector_meta(step)
+    assert group.half.disabled is None
+    assert meta.loads == list(range(50, 58)) and meta.unloaded == list(range(40, 48))
+    assert group.half.wait_idle(10.0)

@@ -58,6 +58,7 @@ from zkv.scheduler.manager import (
 
 CONNECTOR_DISABLED = "connector.disabled"
 STEP_PUBLISHED = "connector.batch_published"
+PROMISE_NOT_LOADED = "connector.promise_not_loaded"
 _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_selective keeps
 
 
@@ -307,12 +308,17 @@ class SchedulerHalf:
         ops = self.cm.take_ops()
         seq = self._publish(ops)
         self._saves_published(seq)
-        loads = [op for op in ops if op.kind == H2D]
-        if loads and seq is not None:  # (its blocks are this step's promised ones)
+        loads = [op for op in ops if op.kind == H2D] if seq is not None else []
+        if loads:
             meta.load_seq, meta.load_op = seq, loads[0].id
             meta.loads = [int(b) for b in loads[0].dst]
-        else:  # nothing promised, or zkv went off since (a rank lost): no batch loads them
-            meta.unloaded = self._promised
+        # Every block vLLM was promised is in this batch's load or reported unloaded (vLLM
+        # recomputes it): zkv went off since (a rank lost: no batch), or - a bug, said
+        # loudly - a load that left in another batch, which this forward would not wait on.
+        loaded = set(meta.loads)
+        meta.unloaded = [b for b in self._promised if b not in loaded]
+        if loads and meta.unloaded:
+            self.log.error(PROMISE_NOT_LOADED, num_blocks=len(meta.unloaded), seq=seq)
         self._promised = []
         meta.release_upto = self.dp.next_seq - 1
         meta.fence, self._fence = self._fence, -1
