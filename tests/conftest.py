@@ -1,5 +1,8 @@
 """Shared fixtures: real L3 servers (see tests/servers.py), started once per session and
-always stopped. A test that kills, pauses or restarts a server starts its own instead."""
+always stopped. A test that kills, pauses or restarts a server starts its own instead.
+
+A failing test's report gets the stderr of the worker processes it ran (WorkerGroup), so a
+failure in CI says what the ranks saw."""
 
 from __future__ import annotations
 
@@ -8,6 +11,18 @@ from collections.abc import Iterator
 import pytest
 
 from tests.servers import MooncakeServer, RedisServer
+from tests.worker.helpers import STDERR_TAILS
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup":
+        STDERR_TAILS.clear()
+    elif report.when == "call" and report.failed:
+        for title, text in STDERR_TAILS:
+            report.sections.append((title, text))
 
 
 @pytest.fixture(scope="session")

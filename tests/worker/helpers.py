@@ -272,7 +272,24 @@ class WorkerGroup:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+            self._keep_stderr()
         return [p.returncode for p in self.procs]
+
+    def _keep_stderr(self) -> None:
+        """Each rank's stderr tail, for the report of a test that fails (the folder is
+        gone by then; tests/conftest.py prints them)."""
+        for rank in range(len(self.procs)):
+            try:
+                tail = self.stderr(rank)[-STDERR_TAIL:]
+            except OSError:
+                continue
+            if tail.strip():
+                STDERR_TAILS.append((f"rank {rank} stderr ({self.folder})", tail))
+
+
+#: Ranks' stderr tails kept by WorkerGroup.close during the current test (see conftest.py).
+STDERR_TAILS: list[tuple[str, str]] = []
+STDERR_TAIL = 4000
 
 
 def reap(procs: list[Any], timeout: float = 10.0) -> list[int | None]:
