@@ -145,9 +145,14 @@ class MooncakeStore(Store):
 
     # ---------------------------------------------------------------- connection
 
-    def _connect(self) -> None:
+    def _probe_master(self) -> None:
+        """OSError unless the master's port accepts a connection: a dead master then
+        costs no RPC (setup would sit in its own retry loop, a call in a ~4 s connect)."""
         with socket.create_connection((self.host, self.port), timeout=min(0.5, self.timeout_s)):
-            pass  # the master listens: setup will not sit in its own retry loop
+            pass
+
+    def _connect(self) -> None:
+        self._probe_master()
         with self._setup_lock:
             if self._client is None:
                 client = self._factory()
@@ -166,13 +171,8 @@ class MooncakeStore(Store):
 
     def _drop_stale(self, client: Any) -> int:
         """Use up pooled connections to a master that restarted (each fails once with
-        RPC_FAIL); the number dropped once a query succeeds, -1 if none does."""
-        try:
-            with socket.create_connection((self.host, self.port),
-                                          timeout=min(0.5, self.timeout_s)):
-                pass
-        except OSError:
-            return -1
+        RPC_FAIL); the number dropped once a query succeeds, -1 if none does. The caller
+        probed the master's port."""
         deadline = time.monotonic() + self.timeout_s
         for dropped in range(MAX_STALE):
             t0 = time.monotonic()
@@ -222,7 +222,11 @@ class MooncakeStore(Store):
         rcs = list(fn(client))
         bad = _transport_error(rcs)
         if bad == RPC_FAIL:
-            dropped = self._drop_stale(client)
+            try:
+                self._probe_master()
+                dropped = self._drop_stale(client)
+            except OSError:
+                dropped = -1
             if dropped >= 0:  # the master answers: a stale connection failed, send again
                 self._log.warning(ev.STORE_RECONNECTED, store=self.url, call=what,
                                   stale_connections=dropped + 1)
