@@ -152,8 +152,8 @@ def test_mooncake_master_restarted_fails_no_call(tmp_path: Path, saw_outage: boo
                 fails(store)
             mc.start_master()
             mc.wait_capacity()
-            if saw_outage:
-                time.sleep(0.5)  # the breaker's backoff itself: the next call reconnects
+            if saw_outage:  # past the breaker's backoff: the next call reconnects
+                wait_for(lambda: store.link.retry_in_s == 0, "the breaker's backoff")  # type: ignore[attr-defined]
             for i in range(4):
                 round_trip(store, i)  # no StorageError
             link = store.link  # type: ignore[attr-defined]

@@ -173,6 +173,11 @@ class Link:
     def up(self) -> bool:
         return self._up
 
+    @property
+    def retry_in_s(self) -> float:
+        """Seconds until the next call may try to reconnect (0 while up or once due)."""
+        return 0.0 if self._up else max(0.0, self._retry_at - time.monotonic())
+
     def before(self) -> None:
         """Gate one call: return when the store may be used, else raise StorageError."""
         if self._up:
