@@ -63,6 +63,7 @@ STORE_OPENED = "storage.store_opened"
 QUERY_FAILED = "storage.query_failed"
 WRITE_FAILED = "storage.write_failed"
 STORE_EVICTED = "storage.blocks_evicted"
+STORE_DISK_FULL = "storage.disk_full"
 # launcher
 RANK_STARTED = "launch.rank_started"
 RANK_EXITED = "launch.rank_exited"

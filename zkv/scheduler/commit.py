@@ -29,6 +29,7 @@ from zkv.scheduler.tiers import drop_subtree, free_node_blocks, maybe_store
 
 
 _log = ev.get_logger("scheduler")
+_IO_KINDS = frozenset((S2H, H2S))  # a store that is down fails them every step: rate-limited
 
 
 def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
@@ -50,8 +51,12 @@ def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
             stats.failed_ops += 1
             stats.failed_blocks += total - done
             req_ids = sorted({q for q in p.req_ids if q is not None})
-            _log.warning(ev.OP_FAILED, op_id=p.op_id, kind=p.kind, num_blocks=total,
-                         done=done, error=r.error, req_ids=req_ids[:16])
+            fields = {"op_id": p.op_id, "kind": p.kind, "num_blocks": total, "done": done,
+                      "error": r.error, "req_ids": req_ids[:16]}
+            if p.kind in _IO_KINDS:
+                core.io_failed_log(**fields)
+            else:
+                _log.warning(ev.OP_FAILED, **fields)
         _COMMIT[p.kind](core, p, done)
     return unknown
 

@@ -20,11 +20,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zkv import log as ev
 from zkv.scheduler.block_pool import BlockPool
 from zkv.scheduler.eviction import EvictionPolicy, make_policy
 from zkv.scheduler.ledger import Ledger
 from zkv.scheduler.radix import Node, RadixTree
 from zkv.scheduler.records import CacheConfig, CacheStats, RequestState, StorageExists
+
+
+#: Failed s2h / h2s warnings per window (the rest counted, ``num_suppressed``).
+IO_LOG_BURST = 3
+IO_LOG_WINDOW_S = 10.0
 
 
 @dataclass(eq=False, slots=True)
@@ -33,7 +39,8 @@ class Core:
     and which are evictable; ``ledger`` the ops built this step and in flight; ``requests``
     the running requests (each holds its path's nodes); ``deleting`` nodes detached while
     an op was in flight (freed when it settles); ``negative`` hashes storage failed to
-    deliver, with expiry; ``clock`` one tick per match."""
+    deliver, with expiry; ``clock`` one tick per match; ``io_failed_log`` the warning for
+    failed s2h / h2s ops, rate-limited (a store that is down fails them every step)."""
 
     config: CacheConfig
     device: BlockPool
@@ -46,6 +53,9 @@ class Core:
     deleting: set[Node] = field(default_factory=set)
     negative: dict[bytes, float] = field(default_factory=dict)
     clock: int = 0
+    io_failed_log: ev.RateLimited = field(default_factory=lambda: ev.RateLimited(
+        ev.get_logger("scheduler"), ev.OP_FAILED, level="warning", burst=IO_LOG_BURST,
+        window_s=IO_LOG_WINDOW_S))
 
     @property
     def block_size(self) -> int:

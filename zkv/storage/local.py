@@ -19,10 +19,21 @@ directory scan. A hit refreshes the file's mtime, so the order survives a restar
 Several processes writing one directory each keep their own index: the bound holds per
 writer, so give each of ``W`` writers ``max_bytes / W`` (:func:`~zkv.storage.open_store`'s
 ``writers``).
+
+A full disk (``ENOSPC`` / ``EDQUOT``: the file system is smaller than the budget, or
+something else filled it) lowers the budget to what this store held then, less one block,
+and makes that room from its own least recently used files; the put is tried once more.
+From then on the store keeps working as an LRU within the space it has (one
+``storage.disk_full`` warning per lowering). With none of its own files to remove, the put
+fails with the system's error (``StorageError``)::
+
+    put ─ENOSPC─► budget := held − block ─► remove LRU files until held ≤ budget ─► put again
+                                                   (nothing to remove) ─► StorageError
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
@@ -47,6 +58,7 @@ from zkv.storage.base import (
 )
 
 _STALE_TMP_S = 600.0
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class LocalDirStore(Store):
@@ -125,27 +137,57 @@ class LocalDirStore(Store):
         path = self.path(key)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         bufs = [pack_header(self.ns_id, key, view), view]
-        try:
-            try:
-                fd = self._create(tmp)
-            except FileNotFoundError:  # the root was removed (and maybe made again)
-                with self._lock:
-                    self._made.clear()
-                fd = self._create(tmp)
-            try:
-                _write_all(fd, bufs)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as e:
-            _unlink_quietly(tmp)
-            self._count(errors=1)
-            raise StorageError(f"put {self.name(key)}: {e}") from e
         size = HEADER_SIZE + view.nbytes
+        for attempt in (0, 1):
+            try:
+                self._write_file(tmp, path, bufs)
+                break
+            except OSError as e:
+                _unlink_quietly(tmp)
+                if attempt == 0 and e.errno in _NO_SPACE and self._make_room(size, e):
+                    continue
+                self._count(errors=1)
+                raise StorageError(f"put {self.name(key)}: {e}") from e
         self._count(puts=1, bytes_written=view.nbytes)
         self._remember(path, size)
+
+    def _write_file(self, tmp: str, path: str, bufs: list[Any]) -> None:
+        try:
+            fd = self._create(tmp)
+        except FileNotFoundError:  # the root was removed (and maybe made again)
+            with self._lock:
+                self._made.clear()
+            fd = self._create(tmp)
+        try:
+            _write_all(fd, bufs)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def _make_room(self, size: int, error: OSError) -> bool:
+        """The disk is full: lower the budget to what the store holds, less one block of
+        ``size`` bytes, and remove its least recently used files down to it. False (nothing
+        done) when it holds no file to remove."""
+        victims: list[tuple[str, int]] = []
+        with self._lock:
+            if not self._lru:
+                return False
+            old = self.max_bytes
+            self.max_bytes = max(size, min(old, self._total - size))
+            while self._lru and self._total > self.max_bytes:
+                victim, vsize = self._lru.popitem(last=False)
+                self._total -= vsize
+                victims.append((victim, vsize))
+            held = self._total
+        for victim, _ in victims:
+            _unlink_quietly(victim)
+        self._count(evicted=len(victims))
+        self._log.warning(ev.STORE_DISK_FULL, store=self.url, error=str(error),
+                          max_bytes_was=old, max_bytes=self.max_bytes, num_bytes=held,
+                          num_evicted=len(victims))
+        return True
 
     def _create(self, tmp: str) -> int:
         folder = os.path.dirname(tmp)

@@ -74,6 +74,9 @@ _BYE_LINGER_MS = 250
 _ACK_HISTORY = 1024
 _new = tuple.__new__  # a NamedTuple built without its Python-level __new__
 _ACK_SEND_TIMEOUT_MS = 10_000
+#: Failed s2h / h2s lines per window (the rest counted, ``num_suppressed``).
+IO_LOG_BURST = 3
+IO_LOG_WINDOW_S = 10.0
 _COPY_KINDS = (P.D2H, P.BACKUP)
 _SIM_KINDS = (P.FILL, P.CHECK)
 
@@ -181,6 +184,9 @@ class WorkerActor:
         self._keys = keys
         self._num_handshakes = 0
         self._refused_log = ev.RateLimited(self._log, ev.BATCH_REFUSED, burst=10)
+        # A store that is down fails every s2h / h2s of every step: a few lines, then counts.
+        self._io_failed_log = ev.RateLimited(self._log, ev.COPY_FAILED, burst=IO_LOG_BURST,
+                                             window_s=IO_LOG_WINDOW_S)
 
     @property
     def last_seq(self) -> int:
@@ -303,6 +309,7 @@ class WorkerActor:
             if own_ctx:
                 ctx.term()
             self._refused_log.flush()
+            self._io_failed_log.flush()
             self._log.info(ev.WORKER_STOPPED, reason=reason, exit_code=code,
                            last_seq=self._last_seq, num_refused=self.num_refused)
         return code
@@ -657,8 +664,7 @@ class WorkerActor:
         for seq, results, left in self._io.take_done():
             for r in results:
                 if not r.ok:
-                    self._log.error(ev.COPY_FAILED, seq=seq, op_id=r.id, done=r.done,
-                                    error=r.error)
+                    self._io_failed_log(seq=seq, op_id=r.id, done=r.done, error=r.error)
             ok = all(r.ok for r in results)
             self._send(P.BlocksCopied(seq, self.rank, ok, tuple(results), 0.0, time.time(), left))
             self._hot_log.debug(ev.IO_DONE, seq=seq, num_ops=len(results), ok=ok,

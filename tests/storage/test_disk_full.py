@@ -1,0 +1,150 @@
+"""The local L3 store on a real full disk (a small tmpfs in a private mount namespace,
+``tests/smallfs.py``): a file system smaller than the byte budget lowers the budget and
+keeps the store working as an LRU, bytes intact; a disk that others filled fails the put
+with the system's error and leaves nothing behind. End to end, ``zkv replay`` with its L3
+on such a disk serves every reused block exactly, with a few log lines, not one a step."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.smallfs import run_on_small_fs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Run in the child, on the small file system at argv[1]. Blocks of 32 KiB (+ the 64-byte
+# header), as the replay's layout makes them; prints one JSON line of what it saw.
+_CHILD = r"""
+import json, os, sys
+import numpy as np
+from structlog.testing import capture_logs
+from zkv.errors import StorageError
+from zkv.storage import LocalDirStore, pack_key
+
+root, case = sys.argv[1], sys.argv[2]
+BLOCK = 32 << 10
+key = lambda i: pack_key(i.to_bytes(16, "big"), 0)
+data = lambda i: np.full(BLOCK, i % 251, np.uint8)
+out = {}
+
+def read(s, i):
+    buf = np.zeros(BLOCK, np.uint8)
+    ok = s.get_into(key(i), buf)
+    assert not ok or buf.tobytes() == data(i).tobytes(), f"block {i} differs"
+    return ok
+
+def tmp_files():
+    return [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
+
+with capture_logs() as logs:
+    if case == "smaller_than_budget":
+        s = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=1 << 30)
+        for i in range(60):  # ~2 MiB into a 512 KiB file system
+            s.put(key(i), data(i))
+        out["errors"] = s.stats.errors
+        out["evicted"] = s.stats.evicted
+        out["max_bytes"] = s.max_bytes
+        out["num_bytes"] = s.num_bytes
+        out["readable"] = [i for i in range(60) if read(s, i)]
+    else:  # full of another file: the store holds nothing it could remove
+        filler = os.path.join(root, "filler")
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (64 << 10))
+                    f.flush()
+            except OSError:
+                pass
+        s = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=1 << 30)
+        try:
+            s.put(key(1), data(1))
+            out["put"] = "ok"
+        except StorageError as e:
+            out["put"] = str(e)
+        out["after"] = (s.num_blocks, s.num_bytes, s.max_bytes, s.stats.errors, tmp_files())
+        os.remove(filler)
+        s.put(key(2), data(2))  # room again: it works
+        out["again"] = read(s, 2)
+out["disk_full"] = [{k: e[k] for k in ("max_bytes_was", "max_bytes", "num_evicted", "error")}
+                    for e in logs if e["event"] == "storage.disk_full"]
+print(json.dumps(out))
+"""
+
+
+def _child(tmp_path: Path, case: str) -> dict:
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    proc = run_on_small_fs(str(fs), "512k", [sys.executable, "-c", _CHILD, str(fs), case],
+                           timeout_s=120, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_disk_smaller_than_the_budget_keeps_the_store_working(tmp_path: Path) -> None:
+    out = _child(tmp_path, "smaller_than_budget")
+    assert out["errors"] == 0  # every put succeeded
+    # the budget came down to what fits, once (one writer), and stays an LRU from there
+    assert len(out["disk_full"]) == 1, out["disk_full"]
+    (ev,) = out["disk_full"]
+    assert ev["max_bytes_was"] == 1 << 30 and ev["max_bytes"] < 512 << 10
+    assert "No space left on device" in ev["error"] and ev["num_evicted"] >= 1
+    assert out["max_bytes"] == ev["max_bytes"] and out["num_bytes"] <= out["max_bytes"]
+    # the newest blocks are there, byte for byte; the oldest went first
+    readable = out["readable"]
+    assert readable and readable == list(range(60 - len(readable), 60))
+    assert out["evicted"] == 60 - len(readable)
+
+
+def test_a_disk_full_of_other_files_fails_the_put_and_leaves_nothing(tmp_path: Path) -> None:
+    out = _child(tmp_path, "full_of_others")
+    assert out["put"].startswith("put ") and "No space left on device" in out["put"]
+    num_blocks, num_bytes, max_bytes, errors, tmp_files = out["after"]
+    assert (num_blocks, num_bytes, max_bytes, errors, tmp_files) == (0, 0, 1 << 30, 1, [])
+    assert out["disk_full"] == []  # nothing of its own to remove: the budget is unchanged
+    assert out["again"] is True
+
+
+def _events(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(log_dir.glob("*.jsonl"))
+            for line in f.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("filled", [False, True], ids=["smaller_than_budget", "full_of_others"])
+def test_replay_with_its_l3_on_a_full_disk_is_exact_and_quiet(tmp_path: Path,
+                                                             filled: bool) -> None:
+    """The main job, two real ranks, its L3 directory on an 8 MiB file system with a 1 GB
+    budget (or one that another file filled). Every reused block verifies; the store either
+    keeps accepting blocks (no write dropped) or drops them all with a few lines."""
+    fs, logs = tmp_path / "fs", tmp_path / "logs"
+    fs.mkdir()
+    replay = [sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests", "200",
+              "--storage", f"file://{fs}/l3?max_bytes=1000000000", "--log-dir", str(logs)]
+    argv = (["sh", "-c", 'head -c 16m /dev/zero > "$0/filler" 2>/dev/null; exec "$@"', str(fs),
+             *replay] if filled else replay)
+    proc = run_on_small_fs(str(fs), "8m", argv, timeout_s=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    verified = re.search(r"verified\s+(\d+) reused blocks .*?, (\d+) mismatched; (\d+) failed",
+                         proc.stdout)
+    stored = re.search(r"stored (\d+) \((\d+) dropped\)", proc.stdout)
+    assert verified and stored, proc.stdout
+    assert int(verified[1]) > 1000 and verified[2] == "0" and verified[3] == "0"
+    events = _events(logs)
+    full = [e for e in events if e["event"] == "storage.disk_full"]
+    io_failed = [e for e in events if e["event"] in ("worker.copy_failed", "scheduler.op_failed")]
+    if filled:
+        assert stored[1] == "0" and int(stored[2]) > 1000  # every write failed
+        assert full == []  # the store held nothing to give back
+        # a few lines per process, the rest counted (the last one says how many)
+        assert 0 < len(io_failed) <= 3 * 3 * 2, len(io_failed)
+        assert all("No space left on device" in e.get("error", "No space left on device")
+                   for e in io_failed)
+        assert sum(e.get("num_suppressed", 0) for e in io_failed) > 0
+    else:
+        assert int(stored[1]) > 1000 and stored[2] == "0"  # no write was dropped
+        assert 0 < len(full) <= 10, len(full)  # two writers settle in a few lowerings
+        assert len(io_failed) <= 6  # (a load can race the LRU's removal: recomputed)
