@@ -110,12 +110,15 @@ class _Server:
 
 
 class RedisServer(_Server):
-    """One redis-server, no persistence, LRU eviction past ``maxmemory``."""
+    """One redis-server, no persistence, LRU eviction past ``maxmemory`` (or ``policy``:
+    ``noeviction`` refuses writes past it, a full store)."""
 
-    def __init__(self, folder: str, maxmemory: str = "256mb", port: int | None = None) -> None:
+    def __init__(self, folder: str, maxmemory: str = "256mb", port: int | None = None,
+                 policy: str = "allkeys-lru") -> None:
         super().__init__(folder)
         self.port = port or free_port()
         self.maxmemory = maxmemory
+        self.policy = policy
         self.proc: subprocess.Popen[bytes] | None = None
         try:
             self.start()
@@ -131,7 +134,7 @@ class RedisServer(_Server):
         self.proc = self._spawn("redis", [
             binary("redis-server"), "--bind", HOST, "--port", str(self.port), "--dir",
             self.folder, "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
-            "--maxmemory-policy", "allkeys-lru", "--protected-mode", "yes"])
+            "--maxmemory-policy", self.policy, "--protected-mode", "yes"])
         wait_for(self._pong, f"redis-server on port {self.port}", self.proc)
 
     def _pong(self) -> bool:

@@ -218,6 +218,11 @@ class Link:
                             retry_in_s=round(self._backoff, 3))
 
 
+#: Lines per window for puts a store declined (the rest counted, ``num_suppressed``).
+WRITE_LOG_BURST = 3
+WRITE_LOG_WINDOW_S = 10.0
+
+
 class Store(abc.ABC):
     """An L3 key/value store of host blocks (see the module docstring).
 
@@ -237,6 +242,9 @@ class Store(abc.ABC):
         self.stats = StoreStats()
         self._stats_lock = threading.Lock()
         self._log = ev.get_logger("storage", namespace=namespace)
+        # A full store declines every put of every step: a few lines, then counts.
+        self._write_failed_log = ev.RateLimited(self._log, ev.WRITE_FAILED, burst=WRITE_LOG_BURST,
+                                                window_s=WRITE_LOG_WINDOW_S)
 
     # ---------------------------------------------------------------- the interface
 
@@ -300,6 +308,11 @@ class Store(abc.ABC):
         except Exception as e:  # the refusal stands; the next reader refuses it again
             self._log.warning(ev.BLOCK_REFUSED, kind=kind, key=self.name(key),
                               error=f"delete failed: {e!r}", store=self.url)
+
+    def _declined(self, num_blocks: int, error: str) -> None:
+        """The store declined ``num_blocks`` of a put (full, leases): say so, rate-limited
+        (``stats.put_failures`` counts every one)."""
+        self._write_failed_log(num_blocks=num_blocks, error=error, store=self.url)
 
     def _unreachable(self, link: Link, what: str, error: object) -> StorageError:
         """A transport failure: count it, take the link down, and give the error to raise."""

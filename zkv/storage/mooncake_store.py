@@ -388,8 +388,7 @@ class MooncakeStore(Store):
         if n < len(ok):
             rc = next(rc for rc in rcs if rc != 0)
             hint = " (no space: mount memory, e.g. mooncake_client)" if rc == -200 else ""
-            self._log.error(ev.WRITE_FAILED, num_blocks=len(ok) - n, error=f"put returned {rc}"
-                            + hint, store=self.url)
+            self._declined(len(ok) - n, f"put returned {rc}{hint}")
         return ok
 
     def remove(self, key: bytes) -> None:

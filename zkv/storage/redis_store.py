@@ -162,8 +162,7 @@ class RedisStore(Store):
                     bytes_written=sum(v.nbytes for v, good in zip(views, ok) if good))
         if stored < len(ok):
             err = next(r for r in out if r is not True)
-            self._log.error(ev.WRITE_FAILED, num_blocks=len(ok) - stored, error=str(err),
-                            store=self.url)
+            self._declined(len(ok) - stored, str(err))
         return ok
 
     def remove(self, key: bytes) -> None:
