@@ -7,12 +7,13 @@ on such a disk serves every reused block exactly, with a few log lines, not one 
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.replay_run import events as replay_events
+from tests.replay_run import summary
 from tests.smallfs import run_on_small_fs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,11 +110,6 @@ def test_a_disk_full_of_other_files_fails_the_put_and_leaves_nothing(tmp_path: P
     assert out["again"] is True
 
 
-def _events(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for f in sorted(log_dir.glob("*.jsonl"))
-            for line in f.read_text().splitlines() if line.strip()]
-
-
 @pytest.mark.parametrize("filled", [False, True], ids=["smaller_than_budget", "full_of_others"])
 def test_replay_with_its_l3_on_a_full_disk_is_exact_and_quiet(tmp_path: Path,
                                                              filled: bool) -> None:
@@ -126,18 +122,13 @@ def test_replay_with_its_l3_on_a_full_disk_is_exact_and_quiet(tmp_path: Path,
               "--storage", f"file://{fs}/l3?max_bytes=1000000000", "--log-dir", str(logs)]
     argv = (["sh", "-c", 'head -c 16m /dev/zero > "$0/filler" 2>/dev/null; exec "$@"', str(fs),
              *replay] if filled else replay)
-    proc = run_on_small_fs(str(fs), "8m", argv, timeout_s=300, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    verified = re.search(r"verified\s+(\d+) reused blocks .*?, (\d+) mismatched; (\d+) failed",
-                         proc.stdout)
-    stored = re.search(r"stored (\d+) \((\d+) dropped\)", proc.stdout)
-    assert verified and stored, proc.stdout
-    assert int(verified[1]) > 1000 and verified[2] == "0" and verified[3] == "0"
-    events = _events(logs)
+    s = summary(run_on_small_fs(str(fs), "8m", argv, timeout_s=300, cwd=str(ROOT)))
+    assert s.verified > 1000 and (s.mismatched, s.failed_ops) == (0, 0)
+    events = replay_events(logs)
     full = [e for e in events if e["event"] == "storage.disk_full"]
     io_failed = [e for e in events if e["event"] in ("worker.copy_failed", "scheduler.op_failed")]
     if filled:
-        assert stored[1] == "0" and int(stored[2]) > 1000  # every write failed
+        assert s.stored == 0 and s.store_dropped > 1000  # every write failed
         assert full == []  # the store held nothing to give back
         # a few lines per process, the rest counted (the last one says how many)
         assert 0 < len(io_failed) <= 3 * 3 * 2, len(io_failed)
@@ -145,6 +136,6 @@ def test_replay_with_its_l3_on_a_full_disk_is_exact_and_quiet(tmp_path: Path,
                    for e in io_failed)
         assert sum(e.get("num_suppressed", 0) for e in io_failed) > 0
     else:
-        assert int(stored[1]) > 1000 and stored[2] == "0"  # no write was dropped
+        assert s.stored > 1000 and s.store_dropped == 0  # no write was dropped
         assert 0 < len(full) <= 10, len(full)  # two writers settle in a few lowerings
         assert len(io_failed) <= 6  # (a load can race the LRU's removal: recomputed)

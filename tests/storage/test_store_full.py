@@ -7,8 +7,6 @@ block and logs a few lines per process."""
 
 from __future__ import annotations
 
-import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +16,8 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
+from tests.replay_run import events as replay_events
+from tests.replay_run import summary
 from tests.servers import MooncakeServer, RedisServer
 from zkv.storage import open_store, pack_key
 
@@ -69,15 +69,10 @@ def test_replay_against_a_full_store_is_exact_and_quiet(tmp_path: Path, kind: st
             [sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests", "200",
              "--storage", srv.url, "--log-dir", str(logs)],
             capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    verified = re.search(r"verified\s+(\d+) reused blocks .*?, (\d+) mismatched; (\d+) failed",
-                         proc.stdout)
-    stored = re.search(r"stored (\d+) \((\d+) dropped\)", proc.stdout)
-    assert verified and stored, proc.stdout
-    assert int(verified[1]) > 1000 and verified[2] == "0" and verified[3] == "0"
-    assert int(stored[1]) > 0 and int(stored[2]) > 100  # some stored, the rest declined
-    events = [json.loads(line) for f in sorted(logs.glob("*.jsonl"))
-              for line in f.read_text().splitlines() if line.strip()]
+    s = summary(proc)
+    assert s.verified > 1000 and (s.mismatched, s.failed_ops) == (0, 0)
+    assert s.stored > 0 and s.store_dropped > 100  # some stored, the rest declined
+    events = replay_events(logs)
     loud = [e for e in events if e["event"] in ("storage.write_failed", "worker.copy_failed",
                                                 "scheduler.op_failed")]
     # the scheduler and two ranks, at most 3 lines each per event (+ the ranks' summaries)
