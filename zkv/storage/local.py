@@ -24,8 +24,9 @@ A full disk (``ENOSPC`` / ``EDQUOT``: the file system is smaller than the budget
 something else filled it) lowers the budget to what this store held then, less one block,
 and makes that room from its own least recently used files; the put is tried once more.
 From then on the store keeps working as an LRU within the space it has (one
-``storage.disk_full`` warning per lowering). With none of its own files to remove, the put
-fails with the system's error (``StorageError``)::
+``storage.disk_full`` warning per lowering; the lower budget holds until the store is
+opened again). With none of its own files to remove, the put fails with the system's error
+(``StorageError``)::
 
     put ─ENOSPC─► budget := held − block ─► remove LRU files until held ≤ budget ─► put again
                                                    (nothing to remove) ─► StorageError
