@@ -32,3 +32,13 @@ def events(log_dir: Path) -> list[dict[str, Any]]:
     """Every JSON line of every log file of the run."""
     return [json.loads(line) for f in sorted(log_dir.glob("*.jsonl"))
             for line in f.read_text().splitlines() if line.strip()]
+
+
+def metrics(path: Path) -> dict[str, float]:
+    """The samples of a ``--metrics-file`` (Prometheus text), by name with labels."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

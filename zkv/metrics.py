@@ -5,6 +5,7 @@
     zkv:hit_blocks_total{tier="device|host|storage"}     prefix-cache hits (replay / engine)
     zkv:moved_blocks_total{direction="d2h|h2d|backup|s2h|h2s"}
     zkv:moved_bytes_total{direction=...}
+    zkv:failed_blocks_total{direction=...}               blocks of ops that failed on a rank
     zkv:batches_total                                    batches published
     zkv:inflight_batches                                 published, not yet acked by all
     zkv:free_blocks{pool="device|host"}
@@ -38,6 +39,9 @@ BYTES_MOVED = Counter("zkv:moved_bytes", "Bytes copied between tiers over all ra
 INFLIGHT_BATCHES = Gauge("zkv:inflight_batches", "Batches published and not yet acked by "
                          "every rank.", registry=REGISTRY)
 FREE_BLOCKS = Gauge("zkv:free_blocks", "Free blocks per pool.", ("pool",), registry=REGISTRY)
+FAILED_BLOCKS = Counter("zkv:failed_blocks", "Blocks of copies that failed on some rank (rolled "
+                        "back; an L3 write dropped, a load recomputed), by direction.",
+                        ("direction",), registry=REGISTRY)
 LOST_RANKS = Counter("zkv:lost_ranks", "Ranks declared lost.", registry=REGISTRY)
 BATCHES = Counter("zkv:batches", "Batches published.", registry=REGISTRY)
 for _t in TIERS:
@@ -45,6 +49,7 @@ for _t in TIERS:
 for _d in DIRECTIONS:
     BLOCKS_MOVED.labels(direction=_d)
     BYTES_MOVED.labels(direction=_d)
+    FAILED_BLOCKS.labels(direction=_d)
 for _p in POOLS:
     FREE_BLOCKS.labels(pool=_p)
 

@@ -233,9 +233,13 @@ class Replayer:
         per_block = self.layout.block_bytes * self.layout.world_size
         for o in ops:
             r = results.get(o.id)
-            if r is not None and r.done:
+            if r is None:
+                continue
+            if r.done:
                 self.moved[o.kind] += r.done
                 M.record_move(o.kind, r.done, r.done * per_block)
+            if not r.ok and o.kind in M.DIRECTIONS:
+                M.FAILED_BLOCKS.labels(direction=o.kind).inc(max(0, o.num_blocks - r.done))
         M.INFLIGHT_BATCHES.set(self.dp.in_flight)  # type: ignore[attr-defined]
         M.FREE_BLOCKS.labels(pool="device").set(self.cm.device.num_free)
         M.FREE_BLOCKS.labels(pool="host").set(self.cm.host.num_free)

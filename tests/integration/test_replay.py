@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.replay_run import metrics as read_metrics
+
 # The first 150 requests of ../shared/traces/mooncake_synthetic_trace.jsonl (tests/data).
 TRACE = os.path.join(os.path.dirname(__file__), "..", "data", "mooncake_trace_head150.jsonl")
 
@@ -22,12 +24,7 @@ def _replay(tmp_path, *args: str) -> tuple[str, dict[str, float]]:
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    samples = {}
-    for line in metrics.read_text().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return proc.stdout, samples
+    return proc.stdout, read_metrics(metrics)
 
 
 def _field(out: str, pattern: str) -> int:
@@ -50,6 +47,7 @@ def test_chat_replay_moves_real_bytes_through_every_tier(tmp_path) -> None:
         moved = _field(out, rf"{direction} (\d+)")
         assert moved > 0
         assert metrics[f'zkv:moved_blocks_total{{direction="{direction}"}}'] == moved
+        assert metrics[f'zkv:failed_blocks_total{{direction="{direction}"}}'] == 0
     assert metrics['zkv:hit_blocks_total{tier="storage"}'] == _field(out, r"storage (\d+) \(")
     assert os.listdir(tmp_path / "l3")  # blocks reached the local-directory store
     logs = os.listdir(tmp_path / "logs")

@@ -148,6 +148,7 @@ def test_unwritable_store_and_injected_load_failures(env, ref_tp1) -> None:  # n
     assert z["failed_load_blocks"] > 0, "the injected failures must reach vLLM"
     assert z["zkv_host_tokens"] > 0 and z["zkv_store_tokens"] == 0
     assert z["cm_failed_ops"] > 0  # store writes that failed, and the injected loads
+    assert z["failed_store_write_blocks"] > 0  # and the metrics say so
     assert z["disabled"] is None
 
 

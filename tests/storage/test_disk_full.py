@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.replay_run import events as replay_events
+from tests.replay_run import metrics as replay_metrics
 from tests.replay_run import summary
 from tests.smallfs import run_on_small_fs
 
 ROOT = Path(__file__).resolve().parents[2]
+H2S_FAILED = 'zkv:failed_blocks_total{direction="h2s"}'
 
 # Run in the child, on the small file system at argv[1]. Blocks of 32 KiB (+ the 64-byte
 # header), as the replay's layout makes them; prints one JSON line of what it saw.
@@ -119,7 +121,8 @@ def test_replay_with_its_l3_on_a_full_disk_is_exact_and_quiet(tmp_path: Path,
     fs, logs = tmp_path / "fs", tmp_path / "logs"
     fs.mkdir()
     replay = [sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests", "200",
-              "--storage", f"file://{fs}/l3?max_bytes=1000000000", "--log-dir", str(logs)]
+              "--storage", f"file://{fs}/l3?max_bytes=1000000000", "--log-dir", str(logs),
+              "--metrics-file", str(tmp_path / "metrics.txt")]
     argv = (["sh", "-c", 'head -c 16m /dev/zero > "$0/filler" 2>/dev/null; exec "$@"', str(fs),
              *replay] if filled else replay)
     s = summary(run_on_small_fs(str(fs), "8m", argv, timeout_s=300, cwd=str(ROOT)))
@@ -128,7 +131,8 @@ def test_replay_with_its_l3_on_a_full_disk_is_exact_and_quiet(tmp_path: Path,
     full = [e for e in events if e["event"] == "storage.disk_full"]
     io_failed = [e for e in events if e["event"] in ("worker.copy_failed", "scheduler.op_failed")]
     if filled:
-        assert s.stored == 0 and s.store_dropped > 1000  # every write failed
+        assert s.stored == 0 and s.store_dropped > 1000  # every write failed, counted
+        assert replay_metrics(tmp_path / "metrics.txt")[H2S_FAILED] == s.store_dropped
         assert full == []  # the store held nothing to give back
         # a few lines per process, the rest counted (the last one says how many)
         assert 0 < len(io_failed) <= 3 * 3 * 2, len(io_failed)
@@ -137,5 +141,6 @@ def test_replay_with_its_l3_on_a_full_disk_is_exact_and_quiet(tmp_path: Path,
         assert sum(e.get("num_suppressed", 0) for e in io_failed) > 0
     else:
         assert s.stored > 1000 and s.store_dropped == 0  # no write was dropped
+        assert replay_metrics(tmp_path / "metrics.txt")[H2S_FAILED] == 0
         assert 0 < len(full) <= 10, len(full)  # two writers settle in a few lowerings
         assert len(io_failed) <= 6  # (a load can race the LRU's removal: recomputed)

@@ -17,6 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.replay_run import events as replay_events
+from tests.replay_run import metrics as replay_metrics
 from tests.replay_run import summary
 from tests.servers import MooncakeServer, RedisServer
 from zkv.storage import open_store, pack_key
@@ -67,11 +68,14 @@ def test_replay_against_a_full_store_is_exact_and_quiet(tmp_path: Path, kind: st
     with _full_server(kind, str(tmp_path / "srv")) as srv:
         proc = subprocess.run(
             [sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests", "200",
-             "--storage", srv.url, "--log-dir", str(logs)],
+             "--storage", srv.url, "--log-dir", str(logs), "--metrics-file",
+             str(tmp_path / "metrics.txt")],
             capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     s = summary(proc)
     assert s.verified > 1000 and (s.mismatched, s.failed_ops) == (0, 0)
     assert s.stored > 0 and s.store_dropped > 100  # some stored, the rest declined
+    failed = replay_metrics(tmp_path / "metrics.txt")['zkv:failed_blocks_total{direction="h2s"}']
+    assert failed == s.store_dropped  # every declined block counted where alerts look
     events = replay_events(logs)
     loud = [e for e in events if e["event"] in ("storage.write_failed", "worker.copy_failed",
                                                 "scheduler.op_failed")]

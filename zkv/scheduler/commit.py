@@ -50,6 +50,7 @@ def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
             done = max(0, done)
             stats.failed_ops += 1
             stats.failed_blocks += total - done
+            stats.failed_by_kind[p.kind] = stats.failed_by_kind.get(p.kind, 0) + total - done
             req_ids = sorted({q for q in p.req_ids if q is not None})
             fields = {"op_id": p.op_id, "kind": p.kind, "num_blocks": total, "done": done,
                       "error": r.error, "req_ids": req_ids[:16]}

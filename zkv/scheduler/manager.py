@@ -329,7 +329,7 @@ class CacheManager:
             "match_blocks": s.match_blocks, "evicted_device": s.evicted_device,
             "evicted_host": s.evicted_host, "dropped": s.dropped, "swapped_in": s.swapped_in,
             "swapped_out": s.swapped_out, "backed_up": s.backed_up, "loaded": s.loaded,
-            "stored": s.stored, "failed_ops": s.failed_ops,
+            "stored": s.stored, "failed_ops": s.failed_ops, "failed_blocks": dict(s.failed_by_kind),
             "loaded_external": s.loaded_external, "saved_external": s.saved_external,
             "free_device": self.core.device.num_free, "free_host": self.core.host.num_free,
             "nodes": self.status_counts(), "pending_ops": len(self.core.ledger.pending),

@@ -133,6 +133,7 @@ class CacheStats:
     stored: int = 0              # h2s blocks committed
     failed_ops: int = 0
     failed_blocks: int = 0
+    failed_by_kind: dict[str, int] = field(default_factory=dict)  # op kind -> failed blocks
     loaded_external: int = 0     # load blocks committed (host -> engine blocks)
     saved_external: int = 0      # save blocks committed (engine blocks -> host)
     hit_requests: int = 0        # requests whose hits were counted (once each)

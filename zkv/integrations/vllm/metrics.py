@@ -26,6 +26,8 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from zkv.metrics import REGISTRY, render, serve
+from zkv.protocol import H2S, S2H
+from zkv.scheduler.records import SAVE
 
 __all__ = ["BATCH_SECONDS", "REGISTRY", "register_half", "render", "serve"]
 
@@ -60,7 +62,10 @@ class _HalfCollector:
                                   labels=["model", "rank", "op"])
         for op, v in (("load", s.loaded_external), ("save", s.saved_external),
                       ("store_write", s.stored), ("store_read", s.loaded),
-                      ("failed_load", c.failed_load_blocks)):
+                      ("failed_load", c.failed_load_blocks),
+                      ("failed_store_write", s.failed_by_kind.get(H2S, 0)),
+                      ("failed_store_read", s.failed_by_kind.get(S2H, 0)),
+                      ("failed_save", s.failed_by_kind.get(SAVE, 0))):
             blk.add_metric([*labels, op], v)
         yield blk
         per_block = h.layout.block_bytes * h.layout.world_size
