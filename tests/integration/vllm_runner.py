@@ -116,7 +116,6 @@ def scrape(port: int) -> dict[str, Any]:
             "saved_blocks": int(v.get(("zkv:blocks_total", "save"), 0)),
             "loaded_blocks": int(v.get(("zkv:blocks_total", "load"), 0)),
             "failed_load_blocks": int(v.get(("zkv:blocks_total", "failed_load"), 0)),
-            "failed_store_write_blocks": int(v.get(("zkv:blocks_total", "failed_store_write"), 0)),
             "sched_us_per_request": 1e6 * v.get(("zkv:scheduler_seconds_total", ""), 0)
             / max(1, reqs)}
 
