@@ -105,3 +105,26 @@ class CacheLayout:
         if not text:
             raise ConfigError("ZKV_CONFIG is not set (zkvrun sets it for every rank)")
         return cls.from_json(text)
+
+
+#: Pools may take at most this share of the memory available when they are sized.
+POOL_MEMORY_SHARE = 0.8
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def pools_fit(need_bytes: int) -> tuple[bool, int | None]:
+    """Whether pools of ``need_bytes`` in all fit in ``POOL_MEMORY_SHARE`` of the memory
+    available now (True where that is unknown), and the bytes available."""
+    free = available_memory()
+    return free is None or need_bytes <= POOL_MEMORY_SHARE * free, free

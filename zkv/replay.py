@@ -34,7 +34,7 @@ import numpy as np
 import orjson
 
 from zkv import metrics as M
-from zkv.config import CacheLayout
+from zkv.config import CacheLayout, pools_fit
 from zkv.errors import ConfigError, RankLost
 from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
 from zkv.scheduler.dispatcher import BatchDone
@@ -523,24 +523,14 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
         raise ConfigError(f"--ranks {args.ranks} is more than 4 per core ({max_local_ranks()} "
                           "here); pass --force if you mean it")
     need = args.ranks * (args.device_blocks + args.host_blocks) * layout.block_bytes
-    free = _available_memory()
-    if free is not None and need > 0.8 * free:
+    fits, free = pools_fit(need)
+    if not fits:
+        assert free is not None
         raise ConfigError(f"the pools need {need / 2**30:.1f} GiB ({args.ranks} ranks x "
                           f"{args.device_blocks}+{args.host_blocks} blocks x "
                           f"{layout.block_bytes >> 10} KiB), {free / 2**30:.1f} GiB is "
                           "available; lower them or pass --force")
     return layout
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _without_storage(argv: Sequence[str]) -> list[str]:

@@ -192,9 +192,14 @@ def test_tp2_identical_and_sharded(env, ref_tp2, zkv_tp1) -> None:  # noqa: ANN0
     assert rank0 == rank1 and len(rank0) > 100  # each rank stored its own shard
 
 
-def test_bad_extra_config_refused_at_engine_start(env) -> None:  # noqa: ANN001
-    with pytest.raises(AssertionError, match=r"zkv: unknown kv_connector_extra_config key"):
-        run_engine(env["tmp"], "bad", _spec(env, connector={"host_blockz": 4}, phases=[]))
+@pytest.mark.parametrize("extra, msg", [
+    ({"host_blockz": 4}, r"zkv: unknown kv_connector_extra_config key"),
+    ({"host_bytes": "64TiB"}, r"zkv: the host pools need 65536\.0 GiB \(1 ranks x .*; lower "
+                              r"host_bytes or host_blocks"),
+], ids=["unknown_key", "host_pool_past_the_memory"])
+def test_bad_extra_config_refused_at_engine_start(env, extra, msg) -> None:  # noqa: ANN001
+    with pytest.raises(AssertionError, match=msg):
+        run_engine(env["tmp"], "bad", _spec(env, connector=extra, phases=[]))
 
 
 # ================================================================ a real small model

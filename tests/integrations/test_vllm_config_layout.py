@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from zkv.errors import ConfigError
-from zkv.integrations.vllm.config import DEFAULT_HOST_BYTES, parse_extra_config, parse_size
+from zkv.config import CacheLayout, available_memory
+from zkv.integrations.vllm.config import (
+    DEFAULT_HOST_BYTES,
+    check_host_memory,
+    parse_extra_config,
+    parse_size,
+)
 from zkv.integrations.vllm.layout import Geometry, kv_views, split_kv
 
 
@@ -63,6 +69,25 @@ GEO = Geometry(num_layers=2, kv_heads=3, block_size=4, head_dim=8, dtype="float3
 
 def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_host_pools_that_do_not_fit_the_machine_are_refused_at_start() -> None:
+    """Every rank's pool (they share the machine) against this machine's MemAvailable."""
+    free = available_memory()
+    assert free is not None  # Linux: /proc/meminfo
+
+    def layout(world_size: int, pool_bytes: int) -> CacheLayout:
+        # 32 KiB blocks (4 layers x K/V x 2 heads x 16 tokens x 64 dims x fp16)
+        return CacheLayout(4, 2, 16, 64, "float16", num_host_blocks=pool_bytes >> 15,
+                           world_size=world_size)
+
+    check_host_memory(layout(2, 64 << 20))  # 128 MiB: fits
+    share = int(0.5 * free)  # half the memory for each rank: fits alone, not twice
+    check_host_memory(layout(1, share))
+    with pytest.raises(ConfigError, match=r"^zkv: the host pools need .* \(2 ranks x \d+ "
+                                          r"blocks x 32 KiB\) and .* GiB is available; lower "
+                                          r"host_bytes or host_blocks$"):
+        check_host_memory(layout(2, share))
 
 
 def test_cpu_attention_layout_views_alias_vllms_tensor() -> None:

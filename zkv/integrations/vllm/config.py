@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from zkv.config import CacheLayout, pools_fit
 from zkv.errors import ConfigError
 from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy
 from zkv.scheduler.records import WRITE_POLICIES, WRITE_THROUGH
@@ -200,3 +201,18 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
     if kw["storage"] is None:
         kw.setdefault("storage_write", False)
     return ZkvVllmConfig(**kw)
+
+
+def check_host_memory(layout: CacheLayout) -> None:
+    """Refuse host pools that do not fit this machine: every rank's pool (the ranks share
+    the machine: zkv's sockets are ipc://) within ``POOL_MEMORY_SHARE`` of the memory
+    available. A pool past that would be allocated lazily and run the machine out of
+    memory while serving, not at start."""
+    need = layout.world_size * layout.num_host_blocks * layout.block_bytes
+    fits, free = pools_fit(need)
+    if not fits:
+        assert free is not None
+        raise ConfigError(
+            f"zkv: the host pools need {need / 2**30:.1f} GiB ({layout.world_size} ranks x "
+            f"{layout.num_host_blocks} blocks x {layout.block_bytes >> 10} KiB) and "
+            f"{free / 2**30:.1f} GiB is available; lower host_bytes or host_blocks")

@@ -35,7 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from zkv import log as zlog
 from zkv.errors import ConfigError
-from zkv.integrations.vllm.config import ZkvVllmConfig, parse_extra_config
+from zkv.integrations.vllm.config import ZkvVllmConfig, check_host_memory, parse_extra_config
 from zkv.integrations.vllm.layout import Geometry, cache_layout, dtype_name, kv_views
 from zkv.integrations.vllm.scheduler import SchedulerHalf, ZkvMetadata
 from zkv.integrations.vllm.worker import WorkerHalf
@@ -182,6 +182,7 @@ class ZkvConnector(KVConnectorBase_V1):
 
         zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level)
         layout = self._layout("HND" if current_platform.is_cpu() else "NHD")
+        check_host_memory(layout)
         pub, pull, self._ipc_dir = ipc_endpoints(self.engine_id, create=True)
         store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
         exists = None
@@ -207,6 +208,7 @@ class ZkvConnector(KVConnectorBase_V1):
         assert self.worker is not None
         names, views, kind = kv_views(kv_caches, self.geo)
         layout = self._layout(kind)
+        check_host_memory(layout)  # (vLLM registers the caches before it starts a scheduler)
         pub, pull, _ = ipc_endpoints(self.engine_id, create=True)
         store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
         gate = self.cfg.gate
