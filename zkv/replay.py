@@ -384,6 +384,7 @@ def _serve(args: argparse.Namespace) -> int:
         s = rp.run(workload)
     finally:
         _check_pools(cm, rp)
+        cm.flush_logs()
         dp.close()
         if store is not None:
             store.close()

@@ -138,6 +138,9 @@ def test_replay_with_its_l3_on_a_full_disk_is_exact_and_quiet(tmp_path: Path,
         assert 0 < len(io_failed) <= 3 * 3 * 2, len(io_failed)
         assert all("No space left on device" in e.get("error", "No space left on device")
                    for e in io_failed)
+        # the rest counted: the ranks and the scheduler each end with what they held back
+        summaries = {e["component"] for e in io_failed if e.get("summary")}
+        assert summaries == {"worker", "scheduler"}
         assert sum(e.get("num_suppressed", 0) for e in io_failed) > 0
     else:
         assert s.stored > 1000 and s.store_dropped == 0  # no write was dropped

@@ -335,6 +335,11 @@ class CacheManager:
             "nodes": self.status_counts(), "pending_ops": len(self.core.ledger.pending),
         }
 
+    def flush_logs(self) -> None:
+        """Write what the rate-limited warnings still hold back (how many failed s2h / h2s
+        were only counted). Call it when the manager's work ends."""
+        self.core.io_failed_log.flush()
+
     def check_invariants(self) -> None:
         """Assert every invariant of the design; O(everything), for tests."""
         invariants.check(self.core)

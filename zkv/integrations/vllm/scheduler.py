@@ -512,4 +512,5 @@ class SchedulerHalf:
                                               if isinstance(v, int)}}
 
     def close(self) -> None:
+        self.cm.flush_logs()
         self.dp.close()
