@@ -496,15 +496,22 @@ def make_run_dir(base: str, prefix: str = "run-") -> str:
     root = user_root(base)
     path = os.path.join(root, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(path, 0o700)
-    with open(os.path.join(path, _OWNER_FILE), "w", encoding="ascii") as f:
-        f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    claim_dir(path)
     return path
 
 
-def clean_stale_runs(base: str) -> list[str]:
-    """Remove the run directories under ``{base}/zkv-{uid}`` whose owner process is gone
-    (a launcher killed with SIGKILL); return what was removed. Only names that
-    :func:`make_run_dir` makes, with an owner file; never follows symlinks."""
+def claim_dir(path: str) -> None:
+    """Name this process the owner of the directory ``path`` (its owner file): once the
+    process is gone, :func:`clean_stale_runs` may remove it."""
+    with open(os.path.join(path, _OWNER_FILE), "w", encoding="ascii") as f:
+        f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+
+
+def clean_stale_runs(base: str, names: re.Pattern[str] | None = _RUN_NAME) -> list[str]:
+    """Remove the directories under ``{base}/zkv-{uid}`` whose owner process is gone
+    (killed with SIGKILL); return what was removed. Only directories with an owner file
+    (:func:`claim_dir`) and, unless ``names`` is None, a name it matches (what
+    :func:`make_run_dir` makes); never follows symlinks."""
     root = os.path.join(base, f"zkv-{os.geteuid()}")
     if not os.path.isdir(root):
         return []
@@ -512,8 +519,8 @@ def clean_stale_runs(base: str) -> list[str]:
     removed = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if (not _RUN_NAME.match(name) or os.path.islink(path) or not os.path.isdir(path)
-                or _owner_alive(path)):
+        if ((names is not None and not names.match(name)) or os.path.islink(path)
+                or not os.path.isdir(path) or _owner_alive(path)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

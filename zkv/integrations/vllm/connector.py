@@ -20,8 +20,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import stat
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +34,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from zkv import log as zlog
 from zkv.errors import ConfigError
 from zkv.integrations.vllm.config import ZkvVllmConfig, check_host_memory, parse_extra_config
+from zkv.integrations.vllm.ipc import claim_engine_dir, ipc_endpoints
 from zkv.integrations.vllm.layout import Geometry, cache_layout, dtype_name, kv_views
 from zkv.integrations.vllm.scheduler import SchedulerHalf, ZkvMetadata
 from zkv.integrations.vllm.worker import WorkerHalf
@@ -111,21 +110,6 @@ def world_size(vllm_config: VllmConfig) -> int:
     return int(pc.tensor_parallel_size)
 
 
-def ipc_endpoints(engine_id: str, create: bool) -> tuple[str, str, str]:
-    """(pub, pull, directory) of an engine: ``{tmp}/zkv-{uid}/{engine_id}``, mode 0700."""
-    base = os.path.join(tempfile.gettempdir(), f"zkv-{os.getuid()}")
-    d = os.path.join(base, engine_id.replace("/", "_")[:40])
-    if create:
-        for path in (base, d):
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            st = os.stat(path)
-            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                raise ConfigError(f"zkv: {path} must be owned by uid {os.getuid()} with mode "
-                                  f"0700 (it is uid {st.st_uid}, mode "
-                                  f"{oct(stat.S_IMODE(st.st_mode))})")
-    return f"ipc://{d}/pub", f"ipc://{d}/pull", d
-
-
 def open_l3(url: str | None, namespace: str, world_size: int) -> Any:
     """The L3 store (None without one). A server that is down is no error here: the store
     fails fast (misses) and reconnects when it is back."""
@@ -184,6 +168,7 @@ class ZkvConnector(KVConnectorBase_V1):
         layout = self._layout("HND" if current_platform.is_cpu() else "NHD")
         check_host_memory(layout)
         pub, pull, self._ipc_dir = ipc_endpoints(self.engine_id, create=True)
+        claim_engine_dir(self._ipc_dir)
         store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
         exists = None
         if store is not None:
