@@ -383,6 +383,17 @@ def open_logger(component: str, log_dir: str | None = None, name: str | None = N
     return FileLogger(path, component, level=level, **binds)
 
 
+#: Failures that repeat every step while their cause lasts (a store down or full): lines
+#: per window, the rest counted (:func:`repeating`).
+REPEAT_BURST = 3
+REPEAT_WINDOW_S = 10.0
+
+
+def repeating(log: Any, event: str, level: str = "error") -> RateLimited:
+    """The logger for a failure that repeats every step while its cause lasts."""
+    return RateLimited(log, event, level=level, burst=REPEAT_BURST, window_s=REPEAT_WINDOW_S)
+
+
 class RateLimited:
     """Logs a repeating event at most ``burst`` times per ``window_s``; the rest are only
     counted. The next line that gets through carries ``num_suppressed``; :meth:`flush`

@@ -28,11 +28,6 @@ from zkv.scheduler.radix import Node, RadixTree
 from zkv.scheduler.records import CacheConfig, CacheStats, RequestState, StorageExists
 
 
-#: Failed s2h / h2s warnings per window (the rest counted, ``num_suppressed``).
-IO_LOG_BURST = 3
-IO_LOG_WINDOW_S = 10.0
-
-
 @dataclass(eq=False, slots=True)
 class Core:
     """Shared state (no behaviour). ``device`` / ``host`` own block ids; ``tree`` the nodes
@@ -53,9 +48,8 @@ class Core:
     deleting: set[Node] = field(default_factory=set)
     negative: dict[bytes, float] = field(default_factory=dict)
     clock: int = 0
-    io_failed_log: ev.RateLimited = field(default_factory=lambda: ev.RateLimited(
-        ev.get_logger("scheduler"), ev.OP_FAILED, level="warning", burst=IO_LOG_BURST,
-        window_s=IO_LOG_WINDOW_S))
+    io_failed_log: ev.RateLimited = field(default_factory=lambda: ev.repeating(
+        ev.get_logger("scheduler"), ev.OP_FAILED, level="warning"))
 
     @property
     def block_size(self) -> int:

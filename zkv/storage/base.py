@@ -218,11 +218,6 @@ class Link:
                             retry_in_s=round(self._backoff, 3))
 
 
-#: Lines per window for puts a store declined (the rest counted, ``num_suppressed``).
-WRITE_LOG_BURST = 3
-WRITE_LOG_WINDOW_S = 10.0
-
-
 class Store(abc.ABC):
     """An L3 key/value store of host blocks (see the module docstring).
 
@@ -243,8 +238,7 @@ class Store(abc.ABC):
         self._stats_lock = threading.Lock()
         self._log = ev.get_logger("storage", namespace=namespace)
         # A full store declines every put of every step: a few lines, then counts.
-        self._write_failed_log = ev.RateLimited(self._log, ev.WRITE_FAILED, burst=WRITE_LOG_BURST,
-                                                window_s=WRITE_LOG_WINDOW_S)
+        self._write_failed_log = ev.repeating(self._log, ev.WRITE_FAILED)
 
     # ---------------------------------------------------------------- the interface
 

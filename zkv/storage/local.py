@@ -171,20 +171,14 @@ class LocalDirStore(Store):
         """The disk is full: lower the budget to what the store holds, less one block of
         ``size`` bytes, and remove its least recently used files down to it. False (nothing
         done) when it holds no file to remove."""
-        victims: list[tuple[str, int]] = []
         with self._lock:
             if not self._lru:
                 return False
             old = self.max_bytes
             self.max_bytes = max(size, min(old, self._total - size))
-            while self._lru and self._total > self.max_bytes:
-                victim, vsize = self._lru.popitem(last=False)
-                self._total -= vsize
-                victims.append((victim, vsize))
+            victims = self._pop_lru_over(self.max_bytes, keep=0)
             held = self._total
-        for victim, _ in victims:
-            _unlink_quietly(victim)
-        self._count(evicted=len(victims))
+        self._remove_files(victims)
         self._log.warning(ev.STORE_DISK_FULL, store=self.url, error=str(error),
                           max_bytes_was=old, max_bytes=self.max_bytes, num_bytes=held,
                           num_evicted=len(victims))
@@ -247,23 +241,33 @@ class LocalDirStore(Store):
     # ---------------------------------------------------------------- index
 
     def _remember(self, path: str, size: int) -> None:
-        victims: list[tuple[str, int]] = []
         with self._lock:
             old = self._lru.pop(path, None)
             if old is not None:
                 self._total -= old
             self._lru[path] = size
             self._total += size
-            while self._total > self.max_bytes and len(self._lru) > 1:
-                victim, vsize = self._lru.popitem(last=False)
-                self._total -= vsize
-                victims.append((victim, vsize))
-        if victims:
-            for victim, _ in victims:
-                _unlink_quietly(victim)
-            self._count(evicted=len(victims))
-            self._log.debug(ev.STORE_EVICTED, num_blocks=len(victims),
-                            num_bytes=sum(s for _, s in victims), store=self.url)
+            victims = self._pop_lru_over(self.max_bytes, keep=1)
+        self._remove_files(victims)
+
+    def _pop_lru_over(self, limit: int, keep: int) -> list[tuple[str, int]]:
+        """(Under the lock.) Take least recently used files out of the index until it holds
+        at most ``limit`` bytes or ``keep`` files; their (path, size)."""
+        victims = []
+        while self._total > limit and len(self._lru) > keep:
+            victim, vsize = self._lru.popitem(last=False)
+            self._total -= vsize
+            victims.append((victim, vsize))
+        return victims
+
+    def _remove_files(self, victims: list[tuple[str, int]]) -> None:
+        if not victims:
+            return
+        for victim, _ in victims:
+            _unlink_quietly(victim)
+        self._count(evicted=len(victims))
+        self._log.debug(ev.STORE_EVICTED, num_blocks=len(victims),
+                        num_bytes=sum(s for _, s in victims), store=self.url)
 
     def _touch(self, path: str, size: int) -> None:
         with self._lock:

@@ -74,9 +74,6 @@ _BYE_LINGER_MS = 250
 _ACK_HISTORY = 1024
 _new = tuple.__new__  # a NamedTuple built without its Python-level __new__
 _ACK_SEND_TIMEOUT_MS = 10_000
-#: Failed s2h / h2s lines per window (the rest counted, ``num_suppressed``).
-IO_LOG_BURST = 3
-IO_LOG_WINDOW_S = 10.0
 _COPY_KINDS = (P.D2H, P.BACKUP)
 _SIM_KINDS = (P.FILL, P.CHECK)
 
@@ -185,8 +182,7 @@ class WorkerActor:
         self._num_handshakes = 0
         self._refused_log = ev.RateLimited(self._log, ev.BATCH_REFUSED, burst=10)
         # A store that is down fails every s2h / h2s of every step: a few lines, then counts.
-        self._io_failed_log = ev.RateLimited(self._log, ev.COPY_FAILED, burst=IO_LOG_BURST,
-                                             window_s=IO_LOG_WINDOW_S)
+        self._io_failed_log = ev.repeating(self._log, ev.COPY_FAILED)
 
     @property
     def last_seq(self) -> int:
