@@ -175,12 +175,12 @@ class LocalDirStore(Store):
             if not self._lru:
                 return False
             old = self.max_bytes
-            self.max_bytes = max(size, min(old, self._total - size))
-            victims = self._pop_lru_over(self.max_bytes, keep=0)
+            new = self.max_bytes = max(size, min(old, self._total - size))
+            victims = self._pop_lru_over(new, keep=0)
             held = self._total
         self._remove_files(victims)
         self._log.warning(ev.STORE_DISK_FULL, store=self.url, error=str(error),
-                          max_bytes_was=old, max_bytes=self.max_bytes, num_bytes=held,
+                          max_bytes_was=old, max_bytes=new, num_bytes=held,
                           num_evicted=len(victims))
         return True
 
