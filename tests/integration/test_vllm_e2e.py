@@ -103,6 +103,16 @@ def _last(out: dict[str, Any]) -> dict[str, Any]:
     return out["phases"][-1]["zkv"]
 
 
+def _nothing_left(out: dict[str, Any]) -> None:
+    """Once the engine is idle: vLLM holds no request and every block is free again (zkv
+    reported every save it held blocks for as done), zkv holds no request, no op, no batch,
+    and its invariants hold."""
+    s = out["state"]
+    assert s["vllm_requests"] == 0 and s["vllm_free_blocks"] == s["vllm_blocks"], s
+    assert s["zkv_requests"] == s["zkv_running"] == s["zkv_finishing"] == 0, s
+    assert s["zkv_pending_ops"] == s["zkv_in_flight"] == 0 and s["invariants"] == "ok", s
+
+
 def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
     _same_tokens(zkv_tp1, ref_tp1)
     z = _last(zkv_tp1)
@@ -114,6 +124,7 @@ def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa
     assert z["requests"] == 30 and z["cm_failed_ops"] == 0
     assert 'zkv:prompt_tokens_total{model=' in zkv_tp1["metrics"]
     assert 'tier="zkv_store"' in zkv_tp1["metrics"]
+    _nothing_left(zkv_tp1)
 
 
 def test_restart_serves_the_previous_runs_prefixes_from_l3(env, ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
@@ -168,6 +179,7 @@ def test_sync_scheduling_runs_ungated_and_identical(env, ref_tp1) -> None:  # no
     z = _last(out)
     assert z["disabled"] is None and z["failed_load_blocks"] == 0
     assert z["zkv_host_tokens"] > 2_000 and z["zkv_store_tokens"] > 5_000
+    _nothing_left(out)
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +284,30 @@ def test_preempted_requests_resume_identical(env) -> None:  # noqa: ANN001
     z = _last(out)
     assert z["preempted"] > 0, "the workload should make vLLM preempt"
     assert z["disabled"] is None and z["cm_failed_ops"] == 0
+    _nothing_left(out)
+
+
+def test_aborted_requests_leave_nothing_behind(env, ref_tp1) -> None:  # noqa: ANN001
+    """Clients that disconnect: six of the second phase's requests are aborted, in turn
+    while waiting on a prefetch from L3, while running (prefill or decode) and while
+    matched but not yet given vLLM blocks; the rest run on. The others' tokens, and every token of the next phase (the same documents
+    again, served by zkv), equal vLLM's without a cache; once the engine is idle, vLLM
+    holds no request and every block is free again (zkv reported every held save done),
+    and zkv holds no request, no op, and its invariants hold."""
+    phases = [dict(p) for p in env["phases"]]
+    # the tiny vLLM cache and the host pool leave documents 0-8 partly in L3 only: they
+    # wait on their prefetch first, then may find no vLLM blocks for some steps (matched)
+    phases[1]["aborts"] = ["waiting", "running", "matched", "waiting", "running", "matched"]
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-aborts'}", namespace_salt="aborts")
+    out = run_engine(env["tmp"], "zkv-tp1-aborts", _spec(env, connector=cfg, phases=phases))
+    where = out["phases"][1]["aborted_where"]
+    _same_tokens(out, ref_tp1, phases=1)
+    got, want = out["phases"][1]["tokens"], ref_tp1["phases"][1]["tokens"]
+    aborted = [i for i, t in enumerate(got) if t is None]
+    assert where == phases[1]["aborts"] and len(aborted) == len(where)
+    assert all(g == w for g, w in zip(got, want) if g is not None)
+    assert out["phases"][2]["tokens"] == ref_tp1["phases"][2]["tokens"]
+    _nothing_left(out)
+    z = _last(out)
+    assert z["disabled"] is None and z["cm_failed_ops"] == 0
+    assert z["zkv_host_tokens"] + z["zkv_store_tokens"] > 5_000

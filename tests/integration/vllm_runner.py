@@ -8,11 +8,16 @@ here, so each configuration runs once, as its own process)::
 ``spec``: ``{"model": dir, "tp": 1, "prefix_caching": true, "kv_cache_bytes": N,
 "block_size": 32, "max_model_len": 4096, "connector": {extra config} | null,
 "phases": [{"name": .., "prompts": [[ids..], ..], "max_tokens": 8, "one_by_one": false,
-"group": 0, "idle_s": 0}], "async_scheduling": null}`` (``group`` N: one generate call per
-N prompts; ``one_by_one``: N = 1; ``idle_s``: the engine sits idle this long before the
-phase, nothing called; ``async_scheduling``: vLLM's, null for its default).
+"group": 0, "idle_s": 0, "aborts": []}], "async_scheduling": null}`` (``group`` N: one
+generate call per N prompts; ``one_by_one``: N = 1; ``idle_s``: the engine sits idle this
+long before the phase, nothing called; ``aborts``: connector states (``_where``), the phase
+runs on the engine's ``add_request`` / ``step`` and aborts one request in each state in
+turn, as a client that disconnects does (their tokens come back as null);
+``async_scheduling``: vLLM's, null for its default).
 Output: per phase the generated token ids of every prompt and the wall time, the
-connector's scheduler-side snapshot after each phase, and zkv's Prometheus metrics.
+connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
+the EngineCore in this process, ``state``: what is left once the engine has nothing to do
+(vLLM's requests and free blocks, zkv's requests, held saves, pending ops, invariants).
 
 The EngineCore runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
 connector's snapshot can be read (at TP=1 the model worker then shares the process, and
@@ -95,6 +100,72 @@ def _connector_half(llm: Any) -> Any:
     return None if conn is None else conn.sched
 
 
+def _with_aborts(llm: Any, prompts: list[Any], sp: Any, wanted: list[str], half: Any,
+                 name: str) -> tuple[list[Any], list[str]]:
+    """Run the prompts on the engine step by step and abort one request per step, as a
+    client that disconnects does: the first request found in the connector state
+    ``wanted[0]`` (``_where``), then one in ``wanted[1]``, ... The aborted ones come back
+    as None, with the states they were aborted in."""
+    eng = llm.llm_engine
+    ext = [f"{name}-{i}" for i in range(len(prompts))]
+    internal = [eng.add_request(rid, p, sp) for rid, p in zip(ext, prompts)]
+    done: dict[str, Any] = {}
+    where: list[str] = []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        if len(where) < len(wanted):
+            for i, rid in enumerate(ext):
+                if rid not in done and _where(half, internal[i]) == wanted[len(where)]:
+                    where.append(wanted[len(where)])
+                    done[rid] = None
+                    eng.abort_request([rid])
+                    break
+    return [done.get(rid) for rid in ext], where
+
+
+def _where(half: Any, rid: str) -> str:
+    """The connector's state of a request: unseen (never matched), waiting (a prefetch
+    from L3 in flight), matched (not allocated), loading (a load promised, the forward not
+    confirmed yet), allocated, running (KV confirmed past the load)."""
+    if half is None:
+        return "unknown"
+    r = half._reqs.get(rid)
+    if r is None:
+        return "unseen"
+    if not r.allocated:
+        return "waiting" if half.prefetch.waiting(rid) else "matched"
+    if r.confirmed > r.local + r.ext:
+        return "running"
+    return "loading" if r.ext else "allocated"
+
+
+def _state(llm: Any, half: Any) -> dict[str, Any]:
+    """What is left once every request ended: vLLM's requests (a request the connector
+    holds stays there, its blocks not free, until the worker halves report its saves
+    done) and free blocks, zkv's requests, held saves, pending ops, and its invariants."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    eng = llm.llm_engine
+    for _ in range(200):  # held requests end when a step reports their saves done
+        if not sched.requests:
+            break
+        half.wait_idle(1.0)
+        eng.step()
+    pool = sched.kv_cache_manager.block_pool
+    half.wait_idle(10.0)
+    try:
+        half.cm.check_invariants()
+        invariants = "ok"
+    except AssertionError as e:
+        invariants = f"broken: {e}"
+    return {"vllm_requests": len(sched.requests), "vllm_free_blocks": pool.get_num_free_blocks(),
+            "vllm_blocks": pool.num_gpu_blocks - 1,  # the null block is never free
+            "zkv_requests": len(half._reqs), "zkv_running": half.cm.num_running(),
+            "zkv_finishing": len(half._finishing), "zkv_pending_ops": half.cm.num_pending_ops,
+            "zkv_in_flight": half.dp.in_flight, "invariants": invariants}
+
+
 def scrape(port: int) -> dict[str, Any]:
     """The connector's counters from its Prometheus endpoint (EngineCore in another process)."""
     import urllib.request
@@ -156,8 +227,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if ph.get("idle_s"):
             time.sleep(ph["idle_s"])  # an idle server: no request, so no step, no poll
         t = time.perf_counter()
+        where: list[str] = []
         group = 1 if ph.get("one_by_one") else ph.get("group", 0)
-        if group:  # generate calls of `group` prompts each, timed one by one
+        if ph.get("aborts"):
+            (res, where), lat = _with_aborts(llm, prompts, sp, ph["aborts"], half,
+                                             ph.get("name", "")), []
+        elif group:  # generate calls of `group` prompts each, timed one by one
             res, lat = [], []
             for i in range(0, len(prompts), group):
                 t1 = time.perf_counter()
@@ -170,7 +245,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             half._poll()
         out["phases"].append({
             "name": ph.get("name", ""), "wall_s": wall, "latencies_s": lat,
-            "tokens": [list(r.outputs[0].token_ids) for r in res],
+            "aborted_where": where,
+            "tokens": [None if r is None else list(r.outputs[0].token_ids) for r in res],
             "zkv": half.snapshot() if half is not None else (
                 scrape(port) if port is not None else None),
         })
@@ -178,6 +254,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         from zkv.integrations.vllm import metrics
 
         out["metrics"] = metrics.render()
+        out["state"] = _state(llm, half)
     elif port is not None:
         import urllib.request
 

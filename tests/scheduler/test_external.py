@@ -188,6 +188,21 @@ def test_storage_prefetch_then_load_counts_storage_hits() -> None:
     cm.finish("r1")
 
 
+def test_a_request_gone_while_its_prefetch_runs_leaves_the_blocks_cached() -> None:
+    """vLLM aborts a request still waiting on its prefetch (a client gone): its match is
+    released at once; the s2h in flight lands, and what arrived is matchable host blocks."""
+    cm = make(8, storage=set(H(1, 2, 3)))
+    cm.match_prefix("r1", H(1, 2, 3))
+    assert cm.prefetch("r1") == 3
+    ops = cm.take_ops()
+    cm.finish("r1")  # aborted before the ack
+    assert cm.num_running() == 0
+    ack(cm, ops, done={0: 2})
+    assert cm.match_prefix("r2", H(1, 2, 3)).num_host == 2
+    cm.finish("r2")
+    cm.check_invariants()
+
+
 def test_storage_write_after_save() -> None:
     cm = make(8, storage_write=True)
     save(cm, "r1", H(1, 2), [0, 1])

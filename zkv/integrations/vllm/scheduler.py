@@ -376,10 +376,16 @@ class SchedulerHalf:
 
     def _finished(self, request: Any) -> bool:
         rid = request.request_id
-        r = self._reqs.pop(rid, None)
         self.prefetch.forget(rid)
-        if r is None:
+        if rid not in self._reqs:
             return False
+        try:
+            return self._finish(self._reqs[rid], request)
+        finally:  # after the save's batch was published: it records its seq on the request
+            del self._reqs[rid]
+
+    def _finish(self, r: _Req, request: Any) -> bool:
+        rid = request.request_id
         self._poll()
         if not r.allocated or self.disabled:
             if self.cm.has_request(rid):

@@ -1,0 +1,82 @@
+"""A finishing request's last save reads vLLM's blocks after vLLM is done with the request:
+``request_finished`` must hold them (True) until the batch with that save ran on every rank,
+or vLLM hands them to another request whose forward may overwrite them first (an ungated
+worker runs the save while the next forward runs). Against a real worker process, with the
+calls made the way vLLM's scheduler makes them (``test_vllm_rank_loss.Group``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.integrations.test_vllm_rank_loss import BS, Group
+from tests.worker.helpers import short_ipc_dir
+
+
+@pytest.fixture
+def group() -> Iterator[Group]:
+    with short_ipc_dir() as folder:
+        g = Group(folder)
+        try:
+            yield g
+        finally:
+            g.close()
+
+
+def _request(rid: str, first: int, num_blocks: int) -> Any:
+    tokens = [(first + 11 * i) % 1000 for i in range(num_blocks * BS)] + [first]
+    return SimpleNamespace(
+        request_id=rid, prompt_token_ids=tokens, all_token_ids=tokens, num_tokens=len(tokens),
+        num_prompt_tokens=len(tokens), num_computed_tokens=0,
+        status=SimpleNamespace(name="RUNNING"), lora_request=None, cache_salt=None,
+        mm_features=[])
+
+
+def _empty_step() -> Any:
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                             num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={}, preempted_req_ids=set())
+
+
+@pytest.mark.parametrize("status", ["FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED"])
+def test_the_last_save_holds_the_blocks_until_its_batch_ran(group: Group, status: str) -> None:
+    half = group.half
+    req = _request("fin", 5, 6)
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = list(range(20, 27))
+    half.update_state_after_alloc(req, blocks, 0)
+    half.build_connector_meta(Group.step(req, blocks, 0))
+    half.update_connector_output(())  # the forward ran: its 6 full blocks are confirmed
+    req.num_computed_tokens = req.num_tokens
+    req.status = SimpleNamespace(name=status)
+    seq_before = half.dp.next_seq
+    assert half.request_finished(req) is True, "vLLM would free blocks a save still reads"
+    seq = half.dp.next_seq - 1
+    assert seq == seq_before, "the last save goes out at once, in its own batch"
+    meta = half.build_connector_meta(_empty_step())
+    assert meta.finishing == {"fin": seq}  # the worker halves report it once seq ran
+    assert half.wait_idle(10.0)
+    assert half.snapshot()["saved_blocks"] == 6
+    assert half.cm.num_running() == 0 and not half._reqs
+    half.cm.check_invariants()
+
+
+def test_nothing_to_save_holds_nothing(group: Group) -> None:
+    half = group.half
+    group.compute_and_save()  # DOC's 8 blocks are in zkv's host pool now
+    req = group.request()     # the same document: every full block is there already
+    ext, _ = half.get_num_new_matched_tokens(req, 0)
+    assert ext == 8 * BS
+    blocks = list(range(30, 39))
+    half.update_state_after_alloc(req, blocks, ext)
+    half.build_connector_meta(Group.step(req, blocks, ext))
+    half.update_connector_output(())
+    req.num_computed_tokens = req.num_tokens
+    req.status = SimpleNamespace(name="FINISHED_STOPPED")
+    seq_before = half.dp.next_seq
+    assert half.request_finished(req) is False
+    assert half.dp.next_seq == seq_before and half.build_connector_meta(_empty_step()).finishing == {}
