@@ -142,12 +142,12 @@ def _where(half: Any, rid: str) -> str:
 
 
 def _state(llm: Any, half: Any) -> dict[str, Any]:
-    """What is left once every request ended: vLLM's requests (a request the connector
-    holds stays there, its blocks not free, until the worker halves report its saves
-    done) and free blocks, zkv's requests, held saves, pending ops, and its invariants."""
+    """What is left once every request ended: vLLM's requests and free blocks (a request
+    a connector holds stays, its blocks not free), zkv's requests, pending ops and batches,
+    and its invariants."""
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     eng = llm.llm_engine
-    for _ in range(200):  # held requests end when a step reports their saves done
+    for _ in range(200):  # requests a connector held end when a step reports them
         if not sched.requests:
             break
         half.wait_idle(1.0)
@@ -162,7 +162,7 @@ def _state(llm: Any, half: Any) -> dict[str, Any]:
     return {"vllm_requests": len(sched.requests), "vllm_free_blocks": pool.get_num_free_blocks(),
             "vllm_blocks": pool.num_gpu_blocks - 1,  # the null block is never free
             "zkv_requests": len(half._reqs), "zkv_running": half.cm.num_running(),
-            "zkv_finishing": len(half._finishing), "zkv_pending_ops": half.cm.num_pending_ops,
+"zkv_pending_ops": half.cm.num_pending_ops,
             "zkv_in_flight": half.dp.in_flight, "invariants": invariants}
 
 

@@ -223,9 +223,7 @@ class ZkvConnector(KVConnectorBase_V1):
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self.worker is None:
-            return None, None
-        return self.worker.finished_saving() or None, None
+        return None, None  # request_finished never holds blocks (a fence orders the save)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self.worker.load_errors()) if self.worker is not None else set()

@@ -19,15 +19,16 @@ Per request::
         │                          policy, sent with the next step's batch; HOST when
         │                          every rank acked
         ▼
-    request_finished ──────────── save what is left; hold vLLM's blocks (True) until
-                                   the batch with the last save ran on every rank
+    request_finished ──────────── save what is left (published at once); vLLM frees the
+                                   blocks (False), and the next forward, which may reuse
+                                   them, does not start before the save ran (fence)
 
 Saves confirmed at the end of a step travel in the next step's batch, together with its
 loads (one batch per step). vLLM may free a preempted request's blocks in that very
 ``schedule()``: its planned save is cancelled before the batch is published. A finishing
-request's saves are published at once and its blocks held until they ran on every rank;
-the worker half runs every batch published before a step's metadata to completion before
-that step's forward, and a batch's saves (d2h) before its loads (h2d).
+request's saves are published at once and fence the next forward like a preempted one's;
+a gated worker half runs every batch published before a step's metadata to completion
+before that step's forward anyway, and a batch's saves (d2h) before its loads (h2d).
 """
 
 from __future__ import annotations
@@ -68,10 +69,9 @@ class ZkvMetadata:
 
     ``release_upto``: every batch up to this seq may run (a gated worker finishes all earlier
     ones before this step's forward); ``fence``: the forward must not start before batch
-    ``fence`` ran (it saves blocks of a request vLLM just preempted; -1: none); ``load_seq`` / ``load_op`` / ``loads``: this step's
-    batch with loads, the load op, and its destination blocks in op order; ``finishing``:
-    req_id -> seq of the batch holding its last save (report it finished once that ran);
-    ``unloaded``: blocks vLLM was told zkv would load but no batch will (zkv turned off
+    ``fence`` ran (it saves blocks of a request vLLM just preempted or finished, which this
+    forward may reuse; -1: none); ``load_seq`` / ``load_op`` / ``loads``: this step's batch
+    with loads, the load op, and its destination blocks in op order; ``unloaded``: blocks vLLM was told zkv would load but no batch will (zkv turned off
     after the promise, a rank lost): load errors at once, so vLLM recomputes them.
     """
 
@@ -80,7 +80,6 @@ class ZkvMetadata:
     load_seq: int | None = None
     load_op: int | None = None
     loads: list[int] = field(default_factory=list)
-    finishing: dict[str, int] = field(default_factory=dict)
     unloaded: list[int] = field(default_factory=list)
 
 
@@ -168,7 +167,6 @@ class SchedulerHalf:
         self._reqs: dict[str, _Req] = {}
         self._steps: collections.deque[dict[str, tuple[int, int]]] = collections.deque()
         self._dirty: set[str] = set()
-        self._finishing: dict[str, int] = {}
         self._fence = -1
         self._promised: list[int] = []  # blocks whose loads vLLM was promised this step
         self._done_upto = -1         # every seq <= this completed on all ranks
@@ -322,7 +320,6 @@ class SchedulerHalf:
         self._promised = []
         meta.release_upto = self.dp.next_seq - 1
         meta.fence, self._fence = self._fence, -1
-        meta.finishing, self._finishing = self._finishing, {}
         return meta
 
     def _preempted(self, rid: str) -> None:
@@ -367,7 +364,7 @@ class SchedulerHalf:
             self._plan_save(r, final=False)
 
     def request_finished(self, request: Any) -> bool:
-        """True: hold vLLM's blocks until the workers report the last save done."""
+        """Always False: vLLM frees the blocks; the last save fences the next forward."""
         t0 = time.perf_counter()
         try:
             return self._finished(request)
@@ -401,8 +398,13 @@ class SchedulerHalf:
         self.cm.finish(rid)
         seq = r.last_save_seq
         if seq is not None and not self._seq_done(seq):
-            self._finishing[rid] = seq
-            return True
+            # vLLM frees the blocks now and may give them to another request at its next
+            # schedule(): that step's forward must not start before the save read them.
+            # Gated workers run every earlier batch first anyway; ungated ones wait on the
+            # fence. (Holding the blocks instead, returning True until get_finished said
+            # the batch ran, left a tight vLLM cache without blocks: it spun ~100k empty
+            # steps while the save ran, and a 6-document warm-up took 31 s instead of 15.)
+            self._fence = max(self._fence, seq)
         return False
 
     # ------------------------------------------------------------ saves and batches

@@ -11,7 +11,8 @@ A gated :class:`~zkv.worker.sidecar.Sidecar` runs over vLLM's own KV tensors. On
     get_block_ids_with_load_errors  this rank's ack of the load batch: the blocks past
                                     ``done`` failed -> vLLM recomputes them; and
                                     meta.unloaded (promised, then no batch: zkv went off)
-    get_finished                    requests whose last save batch ran here
+    get_finished                    nothing: no save holds vLLM's blocks (a finished or
+                                    preempted request's last save fences the next forward)
 
 ``inject_load_failures`` (a test hook) wraps the copy backend so that the n-th load batch
 on ``inject_rank`` scribbles random bytes over its destination blocks and fails: vLLM must
@@ -75,7 +76,6 @@ class WorkerHalf:
         self.layer_index: dict[str, int] = {}
         self.meta: ZkvMetadata | None = None
         self.gated = True
-        self._finishing: dict[str, int] = {}
         self._errors: set[int] = set()
         self._checked: int | None = None
         self.wait_s = {"bind": 0.0, "layers": 0.0, "acks": 0.0}  # the forward blocked on zkv
@@ -104,7 +104,6 @@ class WorkerHalf:
         self.meta = meta
         self._errors = set(meta.unloaded)  # promised, never loaded: vLLM recomputes them
         self._checked = None
-        self._finishing.update(meta.finishing)
         if meta.release_upto < 0 or self.sidecar is None:
             return
         self.num_steps += 1
@@ -154,16 +153,6 @@ class WorkerHalf:
             self.log.error(LOAD_FAILED, seq=meta.load_seq, num_blocks=len(meta.loads) - done,
                            error=None if res is None else res.error)
         return self._errors
-
-    def finished_saving(self) -> set[str]:
-        if not self._finishing:
-            return set()
-        dead = self.sidecar is None or not self.sidecar.alive
-        last = -1 if dead else self.sidecar.last_seq
-        done = {rid for rid, seq in self._finishing.items() if dead or last >= seq}
-        for rid in done:
-            del self._finishing[rid]
-        return done
 
     def close(self) -> None:
         self.log.info("connector.worker_stats", num_steps=self.num_steps,

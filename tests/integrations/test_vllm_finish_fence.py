@@ -1,8 +1,10 @@
-"""A finishing request's last save reads vLLM's blocks after vLLM is done with the request:
-``request_finished`` must hold them (True) until the batch with that save ran on every rank,
-or vLLM hands them to another request whose forward may overwrite them first (an ungated
-worker runs the save while the next forward runs). Against a real worker process, with the
-calls made the way vLLM's scheduler makes them (``test_vllm_rank_loss.Group``)."""
+"""A finishing request's last save reads vLLM's blocks after vLLM is done with the request,
+and vLLM may give them to another request at its next ``schedule()``. The save must run
+before the forward that could write them: the next step's metadata fences on its batch
+(ungated workers wait on the fence; gated ones run every earlier batch first anyway).
+``request_finished`` holds nothing (False): held blocks starve a tight vLLM cache. Against
+a real worker process, with the calls made the way vLLM's scheduler makes them
+(``test_vllm_rank_loss.Group``)."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def _empty_step() -> Any:
 
 
 @pytest.mark.parametrize("status", ["FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED"])
-def test_the_last_save_holds_the_blocks_until_its_batch_ran(group: Group, status: str) -> None:
+def test_the_last_save_fences_the_next_forward(group: Group, status: str) -> None:
     half = group.half
     req = _request("fin", 5, 6)
     assert half.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -54,18 +56,20 @@ def test_the_last_save_holds_the_blocks_until_its_batch_ran(group: Group, status
     req.num_computed_tokens = req.num_tokens
     req.status = SimpleNamespace(name=status)
     seq_before = half.dp.next_seq
-    assert half.request_finished(req) is True, "vLLM would free blocks a save still reads"
+    assert half.request_finished(req) is False  # vLLM frees the blocks now
     seq = half.dp.next_seq - 1
     assert seq == seq_before, "the last save goes out at once, in its own batch"
     meta = half.build_connector_meta(_empty_step())
-    assert meta.finishing == {"fin": seq}  # the worker halves report it once seq ran
+    assert meta.fence == seq and meta.release_upto >= seq, \
+        "the next forward could write the blocks before the save read them"
+    assert half.build_connector_meta(_empty_step()).fence == -1  # one step only
     assert half.wait_idle(10.0)
     assert half.snapshot()["saved_blocks"] == 6
     assert half.cm.num_running() == 0 and not half._reqs
     half.cm.check_invariants()
 
 
-def test_nothing_to_save_holds_nothing(group: Group) -> None:
+def test_nothing_to_save_fences_nothing(group: Group) -> None:
     half = group.half
     group.compute_and_save()  # DOC's 8 blocks are in zkv's host pool now
     req = group.request()     # the same document: every full block is there already
@@ -79,4 +83,4 @@ def test_nothing_to_save_holds_nothing(group: Group) -> None:
     req.status = SimpleNamespace(name="FINISHED_STOPPED")
     seq_before = half.dp.next_seq
     assert half.request_finished(req) is False
-    assert half.dp.next_seq == seq_before and half.build_connector_meta(_empty_step()).finishing == {}
+    assert half.dp.next_seq == seq_before and half.build_connector_meta(_empty_step()).fence == -1
