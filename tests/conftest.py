@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import structlog
+
+from zkv import log as zlog
 
 from tests.servers import MooncakeServer, RedisServer
 from tests.worker.helpers import STDERR_TAILS
@@ -23,6 +26,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     elif report.when == "call" and report.failed:
         for title, text in STDERR_TAILS:
             report.sections.append((title, text))
+
+
+@pytest.fixture(autouse=True)
+def _zkv_logging() -> None:
+    """Unless a test configured it, zkv's logging is structlog's default (every level, so
+    ``capture_logs`` sees debug events) but written as an entry point writes it: JSON
+    lines to the current stderr, which pytest captures per test. structlog's own default
+    prints to the stdout pytest had at startup, past its capture: after a test reset
+    structlog, in-process workers printed debug lines into the test report."""
+    if not structlog.is_configured():
+        zlog.configure("tests", level="debug")
 
 
 @pytest.fixture(scope="session")
