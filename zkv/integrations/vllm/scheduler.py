@@ -71,8 +71,9 @@ class ZkvMetadata:
     ones before this step's forward); ``fence``: the forward must not start before batch
     ``fence`` ran (it saves blocks of a request vLLM just preempted or finished, which this
     forward may reuse; -1: none); ``load_seq`` / ``load_op`` / ``loads``: this step's batch
-    with loads, the load op, and its destination blocks in op order; ``unloaded``: blocks vLLM was told zkv would load but no batch will (zkv turned off
-    after the promise, a rank lost): load errors at once, so vLLM recomputes them.
+    with loads, the load op, and its destination blocks in op order; ``unloaded``: blocks
+    vLLM was told zkv would load but no batch will (zkv turned off after the promise, a
+    rank lost): load errors at once, so vLLM recomputes them.
     """
 
     release_upto: int = -1
@@ -374,20 +375,20 @@ class SchedulerHalf:
     def _finished(self, request: Any) -> bool:
         rid = request.request_id
         self.prefetch.forget(rid)
-        if rid not in self._reqs:
-            return False
-        try:
-            return self._finish(self._reqs[rid], request)
-        finally:  # after the save's batch was published: it records its seq on the request
-            del self._reqs[rid]
+        if rid in self._reqs:
+            try:
+                self._finish(self._reqs[rid], request)
+            finally:  # after the save's batch was published: it noted its seq on the request
+                del self._reqs[rid]
+        return False
 
-    def _finish(self, r: _Req, request: Any) -> bool:
+    def _finish(self, r: _Req, request: Any) -> None:
         rid = request.request_id
         self._poll()
         if not r.allocated or self.disabled:
             if self.cm.has_request(rid):
                 self.cm.finish(rid)
-            return False
+            return
         if request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
             # the last step's forward is done and was not hit by a failed load (vLLM would
             # not have finished it): every token but the last sampled one has its KV
@@ -405,7 +406,6 @@ class SchedulerHalf:
             # the batch ran, left a tight vLLM cache without blocks: it spun ~100k empty
             # steps while the save ran, and a 6-document warm-up took 31 s instead of 15.)
             self._fence = max(self._fence, seq)
-        return False
 
     # ------------------------------------------------------------ saves and batches
 
