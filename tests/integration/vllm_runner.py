@@ -17,7 +17,7 @@ turn, as a client that disconnects does (their tokens come back as null);
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
 the EngineCore in this process, ``state``: what is left once the engine has nothing to do
-(vLLM's requests and free blocks, zkv's requests, held saves, pending ops, invariants).
+(vLLM's requests and free blocks, zkv's requests, pending ops and batches, invariants).
 
 The EngineCore runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
 connector's snapshot can be read (at TP=1 the model worker then shares the process, and
@@ -142,16 +142,10 @@ def _where(half: Any, rid: str) -> str:
 
 
 def _state(llm: Any, half: Any) -> dict[str, Any]:
-    """What is left once every request ended: vLLM's requests and free blocks (a request
-    a connector holds stays, its blocks not free), zkv's requests, pending ops and batches,
-    and its invariants."""
+    """What is left once every request ended: vLLM's requests and free blocks (zkv holds
+    none: a request still there, or a block not free, is a leak), zkv's requests, pending
+    ops and batches, and its invariants."""
     sched = llm.llm_engine.engine_core.engine_core.scheduler
-    eng = llm.llm_engine
-    for _ in range(200):  # requests a connector held end when a step reports them
-        if not sched.requests:
-            break
-        half.wait_idle(1.0)
-        eng.step()
     pool = sched.kv_cache_manager.block_pool
     half.wait_idle(10.0)
     try:
@@ -162,8 +156,8 @@ def _state(llm: Any, half: Any) -> dict[str, Any]:
     return {"vllm_requests": len(sched.requests), "vllm_free_blocks": pool.get_num_free_blocks(),
             "vllm_blocks": pool.num_gpu_blocks - 1,  # the null block is never free
             "zkv_requests": len(half._reqs), "zkv_running": half.cm.num_running(),
-"zkv_pending_ops": half.cm.num_pending_ops,
-            "zkv_in_flight": half.dp.in_flight, "invariants": invariants}
+            "zkv_pending_ops": half.cm.num_pending_ops, "zkv_in_flight": half.dp.in_flight,
+            "invariants": invariants}
 
 
 def scrape(port: int) -> dict[str, Any]:
