@@ -10,14 +10,19 @@ here, so each configuration runs once, as its own process)::
 "phases": [{"name": .., "prompts": [[ids..], ..], "max_tokens": 8, "one_by_one": false,
 "group": 0, "idle_s": 0, "aborts": []}], "async_scheduling": null}`` (``group`` N: one
 generate call per N prompts; ``one_by_one``: N = 1; ``idle_s``: the engine sits idle this
-long before the phase, nothing called; ``aborts``: connector states (``_where``), the phase
-runs on the engine's ``add_request`` / ``step`` and aborts one request in each state in
-turn, as a client that disconnects does (their tokens come back as null);
+long before the phase, nothing called; ``aborts``: connector states (``_where``, the
+EngineCore in this process) or token counts (an int n: a request that has n tokens so far;
+0: one that has none yet: queued, prefetching or in its prefill; n > 0: one with n or
+more), the phase runs on the engine's ``add_request`` / ``step`` and aborts the first such
+request in turn (one per step for states, as many as match for counts), as a client that
+disconnects does (their tokens come back as null);
 ``async_scheduling``: vLLM's, null for its default).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
 the EngineCore in this process, ``state``: what is left once the engine has nothing to do
-(vLLM's requests and free blocks, zkv's requests, pending ops and batches, invariants).
+(vLLM's requests and free blocks, zkv's requests, pending ops and batches, invariants); as
+deployed, zkv's part of it from the ``zkv:in_flight`` gauges once tiny probe requests (no
+full block: nothing to load or save) made the idle engine step and commit the last acks.
 
 The EngineCore runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
 connector's snapshot can be read (at TP=1 the model worker then shares the process, and
@@ -110,18 +115,25 @@ def _with_aborts(llm: Any, prompts: list[Any], sp: Any, wanted: list[str], half:
     ext = [f"{name}-{i}" for i in range(len(prompts))]
     internal = [eng.add_request(rid, p, sp) for rid, p in zip(ext, prompts)]
     done: dict[str, Any] = {}
-    where: list[str] = []
+    tokens = dict.fromkeys(ext, 0)
+    where: list[Any] = []
     while eng.has_unfinished_requests():
         for o in eng.step():
+            tokens[o.request_id] = len(o.outputs[0].token_ids)
             if o.finished:
                 done[o.request_id] = o
-        if len(where) < len(wanted):
-            for i, rid in enumerate(ext):
-                if rid not in done and _where(half, internal[i]) == wanted[len(where)]:
-                    where.append(wanted[len(where)])
-                    done[rid] = None
-                    eng.abort_request([rid])
-                    break
+        while len(where) < len(wanted):
+            want = wanted[len(where)]
+            hit = next((rid for i, rid in enumerate(ext) if rid not in done and (
+                (tokens[rid] == 0 if want == 0 else tokens[rid] >= want) if isinstance(want, int)
+                else _where(half, internal[i]) == want)), None)
+            if hit is None:
+                break
+            where.append(want)
+            done[hit] = None
+            eng.abort_request([hit])
+            if not isinstance(want, int):
+                break  # one per step: the connector's states change from step to step
     return [done.get(rid) for rid in ext], where
 
 
@@ -160,6 +172,26 @@ def _state(llm: Any, half: Any) -> dict[str, Any]:
             "invariants": invariants}
 
 
+def _deployed_state(llm: Any, port: int, max_probes: int = 20) -> dict[str, Any]:
+    """zkv's end state with the EngineCore in another process: nothing polls an idle
+    engine, so the last batches' acks wait for a step; one-token probe requests (no full
+    block: nothing to match, load or save) make it step until ``zkv:in_flight`` reads 0
+    (or ``max_probes`` ran)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
+    probes = 0
+    while True:
+        fly = scrape(port)["in_flight"]
+        if probes >= max_probes or not any(fly.values()):
+            break
+        llm.generate([{"prompt_token_ids": [1]}], sp, use_tqdm=False)
+        probes += 1
+    return {"zkv_requests": fly.get("requests"), "zkv_running": fly.get("cache_requests"),
+            "zkv_pending_ops": fly.get("ops"), "zkv_in_flight": fly.get("batches"),
+            "probes": probes}
+
+
 def scrape(port: int) -> dict[str, Any]:
     """The connector's counters from its Prometheus endpoint (EngineCore in another process)."""
     import urllib.request
@@ -173,6 +205,8 @@ def scrape(port: int) -> dict[str, Any]:
         for smp in fam.samples:
             v[(smp.name, smp.labels.get("tier") or smp.labels.get("op") or "")] = smp.value
     reqs = int(v.get(("zkv:requests_total", ""), 0))
+    fly = {smp.labels["what"]: int(smp.value) for fam in text_string_to_metric_families(text)
+           for smp in fam.samples if smp.name == "zkv:in_flight"}
     return {"requests": reqs,
             "vllm_local_tokens": int(v.get(("zkv:prompt_tokens_total", "vllm_local"), 0)),
             "zkv_host_tokens": int(v.get(("zkv:prompt_tokens_total", "zkv_host"), 0)),
@@ -182,7 +216,8 @@ def scrape(port: int) -> dict[str, Any]:
             "loaded_blocks": int(v.get(("zkv:blocks_total", "load"), 0)),
             "failed_load_blocks": int(v.get(("zkv:blocks_total", "failed_load"), 0)),
             "sched_us_per_request": 1e6 * v.get(("zkv:scheduler_seconds_total", ""), 0)
-            / max(1, reqs)}
+            / max(1, reqs), "in_flight": fly,
+            "disabled": None if v.get(("zkv:enabled", ""), 0) == 1 else "zkv:enabled is 0"}
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +287,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     elif port is not None:
         import urllib.request
 
+        out["state"] = _deployed_state(llm, port)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             out["metrics"] = r.read().decode()
     del llm

@@ -8,24 +8,12 @@ a real worker process, with the calls made the way vLLM's scheduler makes them
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from tests.integrations.test_vllm_rank_loss import BS, Group
-from tests.worker.helpers import short_ipc_dir
-
-
-@pytest.fixture
-def group() -> Iterator[Group]:
-    with short_ipc_dir() as folder:
-        g = Group(folder)
-        try:
-            yield g
-        finally:
-            g.close()
 
 
 def _request(rid: str, first: int, num_blocks: int) -> Any:

@@ -58,6 +58,8 @@ from zkv.scheduler.manager import (
 )
 
 CONNECTOR_DISABLED = "connector.disabled"
+CONNECTOR_CLOSED = "connector.closed"
+INVARIANTS_BROKEN = "connector.invariants_broken"
 STEP_PUBLISHED = "connector.batch_published"
 PROMISE_NOT_LOADED = "connector.promise_not_loaded"
 _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_selective keeps
@@ -519,6 +521,24 @@ class SchedulerHalf:
                 "disabled": self.disabled, **{f"cm_{k}": v for k, v in self.cm.snapshot().items()
                                               if isinstance(v, int)}}
 
+    def in_flight(self) -> dict[str, int]:
+        """What is not over yet: requests the connector tracks, requests holding zkv blocks,
+        ops and batches every rank has not acked (an idle engine's settle at 0 once a step
+        committed the last acks; nothing polls an idle engine)."""
+        return {"requests": len(self._reqs), "cache_requests": self.cm.num_running(),
+                "ops": self.cm.num_pending_ops, "batches": self.dp.in_flight}
+
     def close(self) -> None:
+        """Report what is left (``connector.closed``; ``connector.invariants_broken`` if the
+        pools and the tree disagree), then close. vLLM stops the workers first, so batches
+        still in flight are reported, not waited for."""
+        try:
+            self.cm.check_invariants()
+            broken = None
+        except AssertionError as e:
+            broken = str(e) or "assertion failed"
+            self.log.error(INVARIANTS_BROKEN, error=broken[:500])
+        self.log.info(CONNECTOR_CLOSED, invariants="ok" if broken is None else "broken",
+                      steps=self._step, disabled=self.disabled, **self.in_flight())
         self.cm.flush_logs()
         self.dp.close()

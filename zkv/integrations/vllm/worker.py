@@ -97,6 +97,8 @@ class WorkerHalf:
         self.sidecar = Sidecar(views, layout=layout, rank=self.rank, pub_endpoint=pub_endpoint,
                                pull_endpoint=pull_endpoint, backend=backend, store=store,
                                gated=gated)
+        self.log.info("connector.worker_started", gated=gated, backend=type(backend).__name__,
+                      num_host_blocks=layout.num_host_blocks)
 
     # ------------------------------------------------------------ per step
 

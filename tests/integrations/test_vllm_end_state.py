@@ -1,0 +1,67 @@
+"""What the connector's scheduler half says is left: the ``zkv:in_flight`` gauges while
+requests run and once they ended, and the ``connector.closed`` report at shutdown, which
+checks the pools and the tree (``connector.invariants_broken`` when they disagree). Against
+a real worker process, with the calls made the way vLLM's scheduler makes them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.integrations.test_vllm_rank_loss import Group
+from zkv.integrations.vllm import metrics
+
+
+def _gauges() -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.labels["what"]: s.value for fam in text_string_to_metric_families(metrics.render())
+            for s in fam.samples if s.name == "zkv:in_flight"}
+
+
+def test_in_flight_gauges_follow_a_request_and_settle_at_zero(group: Group) -> None:
+    half = group.half
+    metrics.register_half(half)
+    assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0}
+    req = group.request()
+    half.get_num_new_matched_tokens(req, 0)
+    blocks = list(range(10, 19))
+    half.update_state_after_alloc(req, blocks, 0)
+    half.build_connector_meta(Group.step(req, blocks, 0))
+    half.update_connector_output(())  # the forward ran: 8 full blocks confirmed
+    req.num_computed_tokens = req.num_tokens
+    req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    g = _gauges()
+    assert g["requests"] == 1 and g["cache_requests"] == 1, g
+    half.request_finished(req)  # the last save goes out at once
+    g = _gauges()
+    assert g["requests"] == g["cache_requests"] == 0 and g["batches"] >= 1, g
+    assert half.wait_idle(10.0)
+    assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0}
+
+
+def test_close_reports_what_is_left_and_broken_invariants(group: Group) -> None:
+    half = group.half
+    group.compute_and_save()
+    req = group.request()
+    half.get_num_new_matched_tokens(req, 0)  # matched, never allocated: still tracked
+    with capture_logs() as logs:
+        half.close()
+    (closed,) = [e for e in logs if e["event"] == "connector.closed"]
+    assert closed["invariants"] == "ok" and closed["requests"] == 1, closed
+    assert closed["cache_requests"] == 1 and closed["ops"] == closed["batches"] == 0, closed
+    assert not [e for e in logs if e["event"] == "connector.invariants_broken"]
+
+
+def test_close_reports_a_leaked_host_block(group: Group) -> None:
+    half = group.half
+    group.compute_and_save()
+    assert half.cm.host.allocate(1) is not None  # taken behind the tree's back
+    with capture_logs() as logs:
+        half.close()
+    (broken,) = [e for e in logs if e["event"] == "connector.invariants_broken"]
+    assert broken["log_level"] == "error" and broken["error"]
+    (closed,) = [e for e in logs if e["event"] == "connector.closed"]
+    assert closed["invariants"] == "broken"
