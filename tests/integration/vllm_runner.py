@@ -203,7 +203,8 @@ def scrape(port: int) -> dict[str, Any]:
     v: dict[tuple[str, str], float] = {}
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
-            v[(smp.name, smp.labels.get("tier") or smp.labels.get("op") or "")] = smp.value
+            v[(smp.name, smp.labels.get("tier") or smp.labels.get("op")
+               or smp.labels.get("event") or "")] = smp.value
     reqs = int(v.get(("zkv:requests_total", ""), 0))
     fly = {smp.labels["what"]: int(smp.value) for fam in text_string_to_metric_families(text)
            for smp in fam.samples if smp.name == "zkv:in_flight"}
@@ -215,6 +216,8 @@ def scrape(port: int) -> dict[str, Any]:
             "saved_blocks": int(v.get(("zkv:blocks_total", "save"), 0)),
             "loaded_blocks": int(v.get(("zkv:blocks_total", "load"), 0)),
             "failed_load_blocks": int(v.get(("zkv:blocks_total", "failed_load"), 0)),
+            "preempted": int(v.get(("zkv:request_events_total", "preempted"), 0)),
+            "aborted": int(v.get(("zkv:request_events_total", "aborted"), 0)),
             "sched_us_per_request": 1e6 * v.get(("zkv:scheduler_seconds_total", ""), 0)
             / max(1, reqs), "in_flight": fly,
             "disabled": None if v.get(("zkv:enabled", ""), 0) == 1 else "zkv:enabled is 0"}

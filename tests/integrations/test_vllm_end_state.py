@@ -51,6 +51,7 @@ def test_close_reports_what_is_left_and_broken_invariants(group: Group) -> None:
         half.close()
     (closed,) = [e for e in logs if e["event"] == "connector.closed"]
     assert closed["invariants"] == "ok" and closed["requests"] == 1, closed
+    assert closed["log_level"] == "warning"  # something was left
     assert closed["cache_requests"] == 1 and closed["ops"] == closed["batches"] == 0, closed
     assert not [e for e in logs if e["event"] == "connector.invariants_broken"]
 

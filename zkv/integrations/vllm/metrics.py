@@ -7,6 +7,7 @@ every number is the minimum-over-ranks outcome zkv commits on)::
 
     zkv:prompt_tokens_total{tier="vllm_local|zkv_host|zkv_store|computed"}
     zkv:requests_total
+    zkv:request_events_total{event="preempted|aborted"}
     zkv:scheduler_seconds_total                          time in the scheduler-side calls
     zkv:blocks_total{op="load|save|store_write|store_read|failed_load"}
     zkv:bytes_total{op="load|save"}
@@ -59,6 +60,12 @@ class _HalfCollector:
                                   labels=["model", "rank"])
         req.add_metric(labels, c.requests)
         yield req
+        evt = CounterMetricFamily("zkv:request_events", "Requests vLLM preempted (their "
+                                  "planned saves cancelled) or aborted (a client gone).",
+                                  labels=["model", "rank", "event"])
+        evt.add_metric([*labels, "preempted"], c.preempted)
+        evt.add_metric([*labels, "aborted"], c.aborted)
+        yield evt
         sec = CounterMetricFamily("zkv:scheduler_seconds", "Wall time spent in the "
                                   "connector's scheduler-side calls.", labels=["model", "rank"])
         sec.add_metric(labels, c.sched_s)

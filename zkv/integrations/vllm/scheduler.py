@@ -116,6 +116,7 @@ class TokenCounts:
     computed: int = 0
     failed_load_blocks: int = 0
     preempted: int = 0
+    aborted: int = 0
     sched_s: float = 0.0
 
 
@@ -377,6 +378,8 @@ class SchedulerHalf:
     def _finished(self, request: Any) -> bool:
         rid = request.request_id
         self.prefetch.forget(rid)
+        if request.status.name == "FINISHED_ABORTED":
+            self.counts.aborted += 1
         if rid in self._reqs:
             try:
                 self._finish(self._reqs[rid], request)
@@ -514,7 +517,7 @@ class SchedulerHalf:
         return {"requests": c.requests, "vllm_local_tokens": c.vllm_local,
                 "zkv_host_tokens": c.zkv_host, "zkv_store_tokens": c.zkv_store,
                 "computed_tokens": c.computed, "failed_load_blocks": c.failed_load_blocks,
-                "preempted": c.preempted,
+                "preempted": c.preempted, "aborted": c.aborted,
                 "saved_blocks": self.cm.stats.saved_external,
                 "loaded_blocks": self.cm.stats.loaded_external,
                 "sched_us_per_request": 1e6 * c.sched_s / max(1, c.requests),
@@ -529,8 +532,9 @@ class SchedulerHalf:
                 "ops": self.cm.num_pending_ops, "batches": self.dp.in_flight}
 
     def close(self) -> None:
-        """Report what is left (``connector.closed``; ``connector.invariants_broken`` if the
-        pools and the tree disagree), then close. vLLM stops the workers first, so batches
+        """Report what is left (``connector.closed``: info, a warning when something was
+        left; ``connector.invariants_broken``, an error, if the pools and the tree disagree),
+        then close. vLLM stops the workers first, so batches
         still in flight are reported, not waited for."""
         try:
             self.cm.check_invariants()
@@ -538,7 +542,9 @@ class SchedulerHalf:
         except AssertionError as e:
             broken = str(e) or "assertion failed"
             self.log.error(INVARIANTS_BROKEN, error=broken[:500])
-        self.log.info(CONNECTOR_CLOSED, invariants="ok" if broken is None else "broken",
-                      steps=self._step, disabled=self.disabled, **self.in_flight())
+        left = self.in_flight()
+        report = self.log.info if broken is None and not any(left.values()) else self.log.warning
+        report(CONNECTOR_CLOSED, invariants="ok" if broken is None else "broken",
+               steps=self._step, disabled=self.disabled, **left)
         self.cm.flush_logs()
         self.dp.close()
