@@ -105,12 +105,13 @@ def _connector_half(llm: Any) -> Any:
     return None if conn is None else conn.sched
 
 
-def _with_aborts(llm: Any, prompts: list[Any], sp: Any, wanted: list[str], half: Any,
-                 name: str) -> tuple[list[Any], list[str]]:
-    """Run the prompts on the engine step by step and abort one request per step, as a
-    client that disconnects does: the first request found in the connector state
-    ``wanted[0]`` (``_where``), then one in ``wanted[1]``, ... The aborted ones come back
-    as None, with the states they were aborted in."""
+def _with_aborts(llm: Any, prompts: list[Any], sp: Any, wanted: list[Any], half: Any,
+                 name: str) -> tuple[list[Any], list[Any]]:
+    """Run the prompts on the engine step by step and abort requests as clients that
+    disconnect do: the first request found in the connector state ``wanted[0]`` (``_where``)
+    or with that many tokens (an int), then one for ``wanted[1]``, ... (one per step for
+    states). The aborted ones come back as None, with the states or counts they were
+    aborted at."""
     eng = llm.llm_engine
     ext = [f"{name}-{i}" for i in range(len(prompts))]
     internal = [eng.add_request(rid, p, sp) for rid, p in zip(ext, prompts)]

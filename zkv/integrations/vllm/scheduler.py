@@ -533,9 +533,9 @@ class SchedulerHalf:
 
     def close(self) -> None:
         """Report what is left (``connector.closed``: info, a warning when something was
-        left; ``connector.invariants_broken``, an error, if the pools and the tree disagree),
-        then close. vLLM stops the workers first, so batches
-        still in flight are reported, not waited for."""
+        left; ``connector.invariants_broken``, an error, if the pools and the tree disagree;
+        one O(tree) check), then close. vLLM stops the workers first, so batches still in
+        flight are reported, not waited for."""
         try:
             self.cm.check_invariants()
             broken = None
