@@ -100,6 +100,14 @@ def _same_tokens(a: dict[str, Any], b: dict[str, Any], phases: int | None = None
         assert pa["tokens"] == pb["tokens"], f"phase {pa['name']}: tokens differ"
 
 
+def _events(log_dir: Path, name: str) -> list[dict[str, Any]]:
+    """The events ``name`` in the zkv logs of a run (every process's file)."""
+    from tests.replay_run import events
+    from tests.worker.helpers import events_named
+
+    return events_named(events(log_dir), name)
+
+
 def _last(out: dict[str, Any]) -> dict[str, Any]:
     return out["phases"][-1]["zkv"]
 
@@ -311,12 +319,6 @@ def test_aborted_requests_leave_nothing_behind(env, ref_tp1) -> None:  # noqa: A
     assert z["zkv_host_tokens"] + z["zkv_store_tokens"] > 5_000
 
 
-def _events(path: Path, event: str) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("event") == event]
-
-
 def test_deployed_engine_identical_and_clean_after_aborts(env, ref_tp1) -> None:  # noqa: ANN001
     """vLLM as deployed (`vllm serve`'s shape): EngineCore and model worker in their own
     processes, vLLM applies aborts between a step's forward and its output, and the worker
@@ -347,9 +349,9 @@ def test_deployed_engine_identical_and_clean_after_aborts(env, ref_tp1) -> None:
     s = out["state"]
     assert s["zkv_requests"] == s["zkv_running"] == s["zkv_pending_ops"] == 0, s
     assert s["zkv_in_flight"] == 0, s
-    (started,) = _events(logs / "connector-0.jsonl", "connector.worker_started")
+    (started,) = _events(logs, "connector.worker_started")
     assert started["gated"] is True
-    (closed,) = _events(logs / "scheduler.jsonl", "connector.closed")
+    (closed,) = _events(logs, "connector.closed")
     assert closed["invariants"] == "ok" and closed["requests"] == closed["cache_requests"] == 0
     assert closed["ops"] == closed["batches"] == 0, closed
 
@@ -487,8 +489,8 @@ def test_vllm_serve_with_the_readme_config(env, smollm2, smol_ref) -> None:  # n
         # once in twelve runs, idle, nothing logged) and vLLM killed it: no shutdown ran,
         # zkv's included. That must be vLLM's doing, and be all that happened.
         assert "force killing remaining process EngineCore" in out, srv.tail()
-        assert not _events(logs / "scheduler.jsonl", "connector.closed")
+        assert not _events(logs, "connector.closed")
         return
-    (closed,) = _events(logs / "scheduler.jsonl", "connector.closed") or [None]
+    (closed,) = _events(logs, "connector.closed") or [None]
     assert closed is not None, f"no connector.closed at shutdown (exit {code}):\n{srv.tail()}"
     assert closed["invariants"] == "ok" and closed["requests"] == 0, closed
