@@ -168,9 +168,13 @@ def _state(llm: Any, half: Any) -> dict[str, Any]:
         invariants = f"broken: {e}"
     return {"vllm_requests": len(sched.requests), "vllm_free_blocks": pool.get_num_free_blocks(),
             "vllm_blocks": pool.num_gpu_blocks - 1,  # the null block is never free
-            "zkv_requests": len(half._reqs), "zkv_running": half.cm.num_running(),
-            "zkv_pending_ops": half.cm.num_pending_ops, "zkv_in_flight": half.dp.in_flight,
-            "invariants": invariants}
+            **_zkv_left(half.in_flight()), "invariants": invariants}
+
+
+def _zkv_left(fly: dict[str, int]) -> dict[str, Any]:
+    """``SchedulerHalf.in_flight()`` (or the ``zkv:in_flight`` gauges) as the state's keys."""
+    return {"zkv_requests": fly.get("requests"), "zkv_running": fly.get("cache_requests"),
+            "zkv_pending_ops": fly.get("ops"), "zkv_in_flight": fly.get("batches")}
 
 
 def _deployed_state(llm: Any, port: int, max_probes: int = 20) -> dict[str, Any]:
@@ -188,9 +192,7 @@ def _deployed_state(llm: Any, port: int, max_probes: int = 20) -> dict[str, Any]
             break
         llm.generate([{"prompt_token_ids": [1]}], sp, use_tqdm=False)
         probes += 1
-    return {"zkv_requests": fly.get("requests"), "zkv_running": fly.get("cache_requests"),
-            "zkv_pending_ops": fly.get("ops"), "zkv_in_flight": fly.get("batches"),
-            "probes": probes}
+    return {**_zkv_left(fly), "probes": probes}
 
 
 def scrape(port: int) -> dict[str, Any]:

@@ -371,11 +371,12 @@ class SchedulerHalf:
         """Always False: vLLM frees the blocks; the last save fences the next forward."""
         t0 = time.perf_counter()
         try:
-            return self._finished(request)
+            self._finished(request)
         finally:
             self.counts.sched_s += time.perf_counter() - t0
+        return False
 
-    def _finished(self, request: Any) -> bool:
+    def _finished(self, request: Any) -> None:
         rid = request.request_id
         self.prefetch.forget(rid)
         if request.status.name == "FINISHED_ABORTED":
@@ -385,7 +386,6 @@ class SchedulerHalf:
                 self._finish(self._reqs[rid], request)
             finally:  # after the save's batch was published: it noted its seq on the request
                 del self._reqs[rid]
-        return False
 
     def _finish(self, r: _Req, request: Any) -> None:
         rid = request.request_id
