@@ -135,6 +135,24 @@ def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa
     _nothing_left(zkv_tp1)
 
 
+def test_prefix_caching_off_every_reused_token_from_zkv(env, ref_tp1) -> None:  # noqa: ANN001
+    """vLLM with its own prefix cache off (``--no-enable-prefix-caching``, as some deploy an
+    external cache): zkv is the only cache, so nothing is served from vLLM's blocks and the
+    reused documents come from zkv's host pool and store (the second phase scans ten
+    documents through a host pool of about eight: LRU leaves them all to the store; the
+    reversed third phase finds the last eight in the host pool)."""
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-no-prefix-caching'}",
+               log_dir=str(env["tmp"] / "logs-no-prefix-caching"))
+    spec = dict(_spec(env, connector=cfg), prefix_caching=False)
+    out = run_engine(env["tmp"], "zkv-tp1-no-prefix-caching", spec)
+    _same_tokens(out, ref_tp1)
+    assert all(p["zkv"]["vllm_local_tokens"] == 0 for p in out["phases"])
+    z = _last(out)
+    assert z["zkv_host_tokens"] > 5_000 and z["zkv_store_tokens"] > 5_000
+    assert z["disabled"] is None and z["failed_load_blocks"] == 0 and z["cm_failed_ops"] == 0
+    _nothing_left(out)
+
+
 def test_restart_serves_the_previous_runs_prefixes_from_l3(env, ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
     out = run_engine(env["tmp"], "zkv-tp1-restart",
                      _spec(env, connector=_zkv(env), phases=env["phases"][:1]))
