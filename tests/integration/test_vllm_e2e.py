@@ -85,9 +85,16 @@ def _zkv(env: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return cfg
 
 
+def _with_scored(env: dict[str, Any]) -> list[dict[str, Any]]:
+    """The three phases, then ``scored``: the second phase's prompts again with prompt
+    logprobs (vLLM reads no cache for those requests)."""
+    return [*env["phases"], dict(env["phases"][1], name="scored", prompt_logprobs=0)]
+
+
 @pytest.fixture(scope="module")
 def ref_tp1(env: dict[str, Any]) -> dict[str, Any]:
-    return run_engine(env["tmp"], "ref-tp1", _spec(env))
+    """vLLM without a cache; a fourth phase (``scored``) for the run that has it."""
+    return run_engine(env["tmp"], "ref-tp1", _spec(env, phases=_with_scored(env)))
 
 
 @pytest.fixture(scope="module")
@@ -135,21 +142,51 @@ def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa
     _nothing_left(zkv_tp1)
 
 
-def test_prefix_caching_off_every_reused_token_from_zkv(env, ref_tp1) -> None:  # noqa: ANN001
+@pytest.fixture(scope="module")
+def zkv_no_prefix_caching(env: dict[str, Any]) -> dict[str, Any]:
+    """vLLM with its own prefix cache off, the three phases and then ``scored``."""
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-no-prefix-caching'}",
+               log_dir=str(env["tmp"] / "logs-no-prefix-caching"))
+    spec = dict(_spec(env, connector=cfg, phases=_with_scored(env)), prefix_caching=False)
+    return run_engine(env["tmp"], "zkv-tp1-no-prefix-caching", spec)
+
+
+def test_prefix_caching_off_every_reused_token_from_zkv(ref_tp1, zkv_no_prefix_caching) -> None:  # noqa: ANN001
     """vLLM with its own prefix cache off (``--no-enable-prefix-caching``, as some deploy an
     external cache): zkv is the only cache, so nothing is served from vLLM's blocks and the
     reused documents come from zkv's host pool and store (the second phase scans ten
     documents through a host pool of about eight: LRU leaves them all to the store; the
     reversed third phase finds the last eight in the host pool)."""
-    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-no-prefix-caching'}",
-               log_dir=str(env["tmp"] / "logs-no-prefix-caching"))
-    spec = dict(_spec(env, connector=cfg), prefix_caching=False)
-    out = run_engine(env["tmp"], "zkv-tp1-no-prefix-caching", spec)
+    out = zkv_no_prefix_caching
     _same_tokens(out, ref_tp1)
     assert all(p["zkv"]["vllm_local_tokens"] == 0 for p in out["phases"])
-    z = _last(out)
+    z = out["phases"][2]["zkv"]
     assert z["zkv_host_tokens"] > 5_000 and z["zkv_store_tokens"] > 5_000
     assert z["disabled"] is None and z["failed_load_blocks"] == 0 and z["cm_failed_ops"] == 0
+    _nothing_left(out)
+
+
+def test_requests_that_read_no_cache_load_nothing(env, ref_tp1, zkv_no_prefix_caching) -> None:  # noqa: ANN001
+    """Prompt logprobs make vLLM drop every cache hit of a request
+    (``skip_reading_prefix_cache``) and compute its whole prompt. zkv matches nothing for
+    it: no load from L3 (two of the ``scored`` documents are in L3 only), no hit, no host
+    block held, and what it computes is saved as any request's; its prompt logprobs and
+    tokens equal vLLM's without a cache. (zkv prefetched those documents before, and
+    counted host hits that nothing used.)"""
+    out = zkv_no_prefix_caching
+    before, after = out["phases"][2]["zkv"], out["phases"][3]["zkv"]
+    for key in ("cm_loaded", "cm_hit_host", "cm_hit_storage", "zkv_host_tokens",
+                "zkv_store_tokens", "loaded_blocks"):
+        assert after[key] == before[key], key
+    assert after["computed_tokens"] - before["computed_tokens"] == sum(
+        len(p) for p in _with_scored(env)[3]["prompts"])
+    assert after["saved_blocks"] > before["saved_blocks"]  # what they computed is saved
+    got, want = out["phases"][3]["prompt_logprobs"], ref_tp1["phases"][3]["prompt_logprobs"]
+    assert len(got) == len(want) == 10
+    for g, w in zip(got, want):
+        assert len(g) == len(w) and g[0] is None and w[0] is None
+        assert max(abs(a - b) for a, b in zip(g[1:], w[1:])) < 1e-4
+    assert after["disabled"] is None and after["cm_failed_ops"] == 0
     _nothing_left(out)
 
 

@@ -8,15 +8,16 @@ here, so each configuration runs once, as its own process)::
 ``spec``: ``{"model": dir, "tp": 1, "prefix_caching": true, "kv_cache_bytes": N,
 "block_size": 32, "max_model_len": 4096, "connector": {extra config} | null,
 "phases": [{"name": .., "prompts": [[ids..], ..], "max_tokens": 8, "one_by_one": false,
-"group": 0, "idle_s": 0, "aborts": []}], "async_scheduling": null}`` (``group`` N: one
-generate call per N prompts; ``one_by_one``: N = 1; ``idle_s``: the engine sits idle this
-long before the phase, nothing called; ``aborts``: connector states (``_where``, the
-EngineCore in this process) or token counts (an int n: a request that has n tokens so far;
-0: one that has none yet: queued, prefetching or in its prefill; n > 0: one with n or
-more), the phase runs on the engine's ``add_request`` / ``step`` and aborts the first such
-request in turn (one per step for states, as many as match for counts), as a client that
-disconnects does (their tokens come back as null);
-``async_scheduling``: vLLM's, null for its default).
+"group": 0, "idle_s": 0, "aborts": [], "prompt_logprobs": null}], "async_scheduling": null}``
+(``group`` N: one generate call per N prompts; ``one_by_one``: N = 1; ``idle_s``: the
+engine sits idle this long before the phase, nothing called; ``aborts``: connector states
+(``_where``, the EngineCore in this process) or token counts (an int n: a request that has
+n tokens so far; 0: one that has none yet: queued, prefetching or in its prefill; n > 0:
+one with n or more), the phase runs on the engine's ``add_request`` / ``step`` and aborts
+the first such request in turn (one per step for states, as many as match for counts), as
+a client that disconnects does (their tokens come back as null); ``prompt_logprobs``:
+vLLM's sampling parameter (vLLM then reads no cache for the request), the logprob of each
+prompt token comes back; ``async_scheduling``: vLLM's, null for its default).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
 the EngineCore in this process, ``state``: what is left once the engine has nothing to do
@@ -226,6 +227,12 @@ def scrape(port: int) -> dict[str, Any]:
             "disabled": None if v.get(("zkv:enabled", ""), 0) == 1 else "zkv:enabled is 0"}
 
 
+def _prompt_logprobs(r: Any) -> list[float | None]:
+    """The logprob vLLM gave each prompt token (None for the first, which has none)."""
+    return [None if lp is None else lp[tok].logprob
+            for tok, lp in zip(r.prompt_token_ids, r.prompt_logprobs)]
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -257,7 +264,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     half = _connector_half(llm)
     for ph in spec["phases"]:
         sp = SamplingParams(temperature=0, max_tokens=ph.get("max_tokens", 8), detokenize=False,
-                            ignore_eos=True)
+                            ignore_eos=True, prompt_logprobs=ph.get("prompt_logprobs"))
         prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
         if ph.get("idle_s"):
             time.sleep(ph["idle_s"])  # an idle server: no request, so no step, no poll
@@ -282,6 +289,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "name": ph.get("name", ""), "wall_s": wall, "latencies_s": lat,
             "aborted_where": where,
             "tokens": [None if r is None else list(r.outputs[0].token_ids) for r in res],
+            "prompt_logprobs": None if ph.get("prompt_logprobs") is None else [
+                None if r is None else _prompt_logprobs(r) for r in res],
             "zkv": half.snapshot() if half is not None else (
                 scrape(port) if port is not None else None),
         })

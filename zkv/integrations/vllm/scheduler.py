@@ -202,6 +202,14 @@ class SchedulerHalf:
         r = self._reqs.get(rid)
         if r is None:
             r = self._reqs[rid] = self._new_req(request)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # vLLM drops every cache hit of this request (prompt logprobs, or asked by the
+            # client) and computes its whole prompt: no match to hold, no prefetch, no
+            # hit; what it computes is saved like any request's.
+            self.cm.match_prefix(rid, ())
+            r.host_blocks_at_match = r.ext = 0
+            r.local = local
+            return 0, False
         if self.prefetch.waiting(rid):
             if not self.prefetch.ready(rid, self.cm.prefetch_done(rid), time.monotonic()):
                 return None, False  # vLLM asks again next step
