@@ -85,16 +85,18 @@ def _zkv(env: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return cfg
 
 
-def _with_scored(env: dict[str, Any]) -> list[dict[str, Any]]:
+def _with_more(env: dict[str, Any]) -> list[dict[str, Any]]:
     """The three phases, then ``scored``: the second phase's prompts again with prompt
-    logprobs (vLLM reads no cache for those requests)."""
-    return [*env["phases"], dict(env["phases"][1], name="scored", prompt_logprobs=0)]
+    logprobs (vLLM reads no cache for those requests), and ``parallel``: the third's with
+    three samples each (vLLM runs them as three requests with one prompt), seeded."""
+    return [*env["phases"], dict(env["phases"][1], name="scored", prompt_logprobs=0),
+            dict(env["phases"][2], name="parallel", n=3, temperature=1.0, seed=7)]
 
 
 @pytest.fixture(scope="module")
 def ref_tp1(env: dict[str, Any]) -> dict[str, Any]:
-    """vLLM without a cache; a fourth phase (``scored``) for the run that has it."""
-    return run_engine(env["tmp"], "ref-tp1", _spec(env, phases=_with_scored(env)))
+    """vLLM without a cache; the phases after the third for the run that has them."""
+    return run_engine(env["tmp"], "ref-tp1", _spec(env, phases=_with_more(env)))
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +146,11 @@ def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa
 
 @pytest.fixture(scope="module")
 def zkv_no_prefix_caching(env: dict[str, Any]) -> dict[str, Any]:
-    """vLLM with its own prefix cache off, the three phases and then ``scored``."""
+    """vLLM with its own prefix cache off, the three phases and then ``scored`` and
+    ``parallel``."""
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-no-prefix-caching'}",
                log_dir=str(env["tmp"] / "logs-no-prefix-caching"))
-    spec = dict(_spec(env, connector=cfg, phases=_with_scored(env)), prefix_caching=False)
+    spec = dict(_spec(env, connector=cfg, phases=_with_more(env)), prefix_caching=False)
     return run_engine(env["tmp"], "zkv-tp1-no-prefix-caching", spec)
 
 
@@ -158,7 +161,7 @@ def test_prefix_caching_off_every_reused_token_from_zkv(ref_tp1, zkv_no_prefix_c
     documents through a host pool of about eight: LRU leaves them all to the store; the
     reversed third phase finds the last eight in the host pool)."""
     out = zkv_no_prefix_caching
-    _same_tokens(out, ref_tp1)
+    _same_tokens(out, ref_tp1, phases=3)
     assert all(p["zkv"]["vllm_local_tokens"] == 0 for p in out["phases"])
     z = out["phases"][2]["zkv"]
     assert z["zkv_host_tokens"] > 5_000 and z["zkv_store_tokens"] > 5_000
@@ -179,14 +182,35 @@ def test_requests_that_read_no_cache_load_nothing(env, ref_tp1, zkv_no_prefix_ca
                 "zkv_store_tokens", "loaded_blocks"):
         assert after[key] == before[key], key
     assert after["computed_tokens"] - before["computed_tokens"] == sum(
-        len(p) for p in _with_scored(env)[3]["prompts"])
+        len(p) for p in _with_more(env)[3]["prompts"])
     assert after["saved_blocks"] > before["saved_blocks"]  # what they computed is saved
     got, want = out["phases"][3]["prompt_logprobs"], ref_tp1["phases"][3]["prompt_logprobs"]
     assert len(got) == len(want) == 10
     for g, w in zip(got, want):
         assert len(g) == len(w) and g[0] is None and w[0] is None
         assert max(abs(a - b) for a, b in zip(g[1:], w[1:])) < 1e-4
+    assert out["phases"][3]["tokens"] == ref_tp1["phases"][3]["tokens"]
     assert after["disabled"] is None and after["cm_failed_ops"] == 0
+    _nothing_left(out)
+
+
+def test_parallel_samples_served_from_zkv(ref_tp1, zkv_no_prefix_caching) -> None:  # noqa: ANN001
+    """``n=3``: vLLM runs three requests with one prompt, scheduled together, and with its
+    prefix cache off each finds the document in zkv: the three load the same host blocks
+    into blocks of their own, and their saves of the same new blocks meet. Every sample
+    equals vLLM's without a cache (seeded sampling), zkv served the documents, and nothing
+    is left once idle."""
+    out = zkv_no_prefix_caching
+    got, want = out["phases"][4]["samples"], ref_tp1["phases"][4]["samples"]
+    assert len(got) == 10 and all(len(s) == 3 for s in got)
+    assert got == want
+    before, after = out["phases"][3]["zkv"], out["phases"][4]["zkv"]
+    assert after["requests"] - before["requests"] == 30
+    served = (after["zkv_host_tokens"] + after["zkv_store_tokens"]
+              - before["zkv_host_tokens"] - before["zkv_store_tokens"])
+    assert served > 3 * 8_000, served  # most of the ten documents, for each of the samples
+    assert after["disabled"] is None and after["failed_load_blocks"] == 0
+    assert after["cm_failed_ops"] == 0
     _nothing_left(out)
 
 

@@ -17,7 +17,9 @@ one with n or more), the phase runs on the engine's ``add_request`` / ``step`` a
 the first such request in turn (one per step for states, as many as match for counts), as
 a client that disconnects does (their tokens come back as null); ``prompt_logprobs``:
 vLLM's sampling parameter (vLLM then reads no cache for the request), the logprob of each
-prompt token comes back; ``async_scheduling``: vLLM's, null for its default).
+prompt token comes back; ``n``, ``temperature`` (0: greedy), ``seed``: vLLM's (with n > 1
+every sample's tokens come back as ``samples``); ``async_scheduling``: vLLM's, null for
+its default).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
 the EngineCore in this process, ``state``: what is left once the engine has nothing to do
@@ -185,7 +187,7 @@ def _deployed_state(llm: Any, port: int, max_probes: int = 20) -> dict[str, Any]
     (or ``max_probes`` ran)."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
+    sp = SamplingParams(temperature=0 if ph.get("n", 1) == 1 else 1.0, seed=7, max_tokens=1, detokenize=False)
     probes = 0
     while True:
         fly = scrape(port)["in_flight"]
@@ -263,8 +265,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
     half = _connector_half(llm)
     for ph in spec["phases"]:
-        sp = SamplingParams(temperature=0, max_tokens=ph.get("max_tokens", 8), detokenize=False,
-                            ignore_eos=True, prompt_logprobs=ph.get("prompt_logprobs"))
+        sp = SamplingParams(temperature=ph.get("temperature", 0.0), seed=ph.get("seed"),
+                            n=ph.get("n", 1), max_tokens=ph.get("max_tokens", 8),
+                            detokenize=False, ignore_eos=True,
+                            prompt_logprobs=ph.get("prompt_logprobs"))
         prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
         if ph.get("idle_s"):
             time.sleep(ph["idle_s"])  # an idle server: no request, so no step, no poll
@@ -289,6 +293,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "name": ph.get("name", ""), "wall_s": wall, "latencies_s": lat,
             "aborted_where": where,
             "tokens": [None if r is None else list(r.outputs[0].token_ids) for r in res],
+            "samples": None if ph.get("n", 1) == 1 else [
+                None if r is None else [list(o.token_ids) for o in r.outputs] for r in res],
             "prompt_logprobs": None if ph.get("prompt_logprobs") is None else [
                 None if r is None else _prompt_logprobs(r) for r in res],
             "zkv": half.snapshot() if half is not None else (
