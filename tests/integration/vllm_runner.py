@@ -6,9 +6,10 @@ here, so each configuration runs once, as its own process)::
     python -m tests.integration.vllm_runner --spec spec.json --out out.json
 
 ``spec``: ``{"model": dir, "tp": 1, "prefix_caching": true, "kv_cache_bytes": N,
-"block_size": 32, "max_model_len": 4096, "connector": {extra config} | null,
-"phases": [{"name": .., "prompts": [[ids..], ..], "max_tokens": 8, "one_by_one": false,
-"group": 0, "idle_s": 0, "aborts": [], "prompt_logprobs": null}], "async_scheduling": null}``
+"kv_cache_dtype": "auto", "block_size": 32, "max_model_len": 4096,
+"connector": {extra config} | null, "phases": [{"name": .., "prompts": [[ids..], ..],
+"max_tokens": 8, "one_by_one": false, "group": 0, "idle_s": 0, "aborts": [],
+"prompt_logprobs": null}], "async_scheduling": null}``
 (``group`` N: one generate call per N prompts; ``one_by_one``: N = 1; ``idle_s``: the
 engine sits idle this long before the phase, nothing called; ``aborts``: connector states
 (``_where``, the EngineCore in this process) or token counts (an int n: a request that has
@@ -261,7 +262,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               enable_prefix_caching=spec.get("prefix_caching", True),
               tensor_parallel_size=spec.get("tp", 1), max_num_seqs=spec.get("max_num_seqs", 8),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
-              enforce_eager=True, **kw)
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enforce_eager=True, **kw)
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
     half = _connector_half(llm)
     for ph in spec["phases"]:

@@ -11,8 +11,9 @@ The scheduler half (:mod:`.scheduler`) lives in the EngineCore process and binds
 Dispatcher on ``ipc://`` sockets in a per-engine 0700 directory named after vLLM's
 ``engine_id``; each worker half (:mod:`.worker`) starts a Sidecar that connects to them.
 Both halves derive the same :class:`~zkv.config.CacheLayout` (and so the same L3
-namespace: model path/name, revision, config digest, dtype, block geometry, per-rank
-heads, world size, byte layout) from vLLM's config and KV cache spec.
+namespace: model path/name, revision, config digest, KV cache dtype (vLLM's name for it
+and the tensors' dtype), block geometry, per-rank heads, world size, byte layout) from
+vLLM's config and KV cache spec.
 """
 
 from __future__ import annotations
@@ -93,13 +94,19 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Geometr
 
 
 def model_identity(vllm_config: VllmConfig) -> str:
-    """Name or path, revision, and for a local directory a digest of its config.json."""
+    """Name or path, revision, for a local directory a digest of its config.json, and the
+    KV cache dtype vLLM was given when it is not ``auto``: vLLM keeps every fp8 / quantized
+    format (``fp8_e4m3``, ``fp8_e5m2``, ``nvfp4``, ...) in uint8 tensors, so the geometry's
+    dtype cannot tell them apart and one format's blocks would be read as another's."""
     mc = vllm_config.model_config
     ident = f"{mc.model}@{mc.revision or 'main'}"
     cfg_path = os.path.join(str(mc.model), "config.json")
     if os.path.isfile(cfg_path):
         with open(cfg_path, "rb") as f:
             ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype != "auto":
+        ident += f"|kv={cache_dtype}"
     return ident
 
 
