@@ -277,28 +277,38 @@ def test_tp2_identical_and_sharded(env, ref_tp2, zkv_tp1) -> None:  # noqa: ANN0
     assert rank0 == rank1 and len(rank0) > 100  # each rank stored its own shard
 
 
-def test_fp8_formats_never_read_each_others_blocks(env) -> None:  # noqa: ANN001
-    """vLLM keeps every fp8 / quantized KV format in uint8 tensors, so the L3 namespace
-    carries vLLM's name for the format: an ``fp8_e5m2`` engine that shares a store with an
-    ``fp8_e4m3`` one reads none of its blocks, serves its own, and its tokens equal vLLM's
-    without a cache. (Before, it read 9,600 tokens of e4m3 KV as e5m2: wrong tokens.)"""
-    l3 = env["tmp"] / "l3-fp8"
+@pytest.mark.parametrize("writer, reader", [
+    ({"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e5m2"}),
+    ({}, {"hf_overrides": {"rope_parameters": {  # YaRN: a longer context, as deployed
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 2048}}}),
+], ids=["fp8_e4m3_then_fp8_e5m2", "yarn_rope_by_hf_overrides"])
+def test_engines_whose_kv_differs_never_read_each_others_blocks(env, writer, reader, request  # noqa: ANN001
+                                                                ) -> None:
+    """Two engines of one model that compute different KV share a store: the second reads
+    none of the first's blocks, serves its own, and its tokens equal vLLM's without a
+    cache. vLLM keeps every fp8 / quantized KV format in uint8 tensors, so the namespace
+    carries vLLM's name for the format; ``hf_overrides`` change the model (here its RoPE,
+    to YaRN) where config.json does not show it. (Before, each reader took the writer's
+    KV from L3 and generated other tokens.)"""
+    l3 = env["tmp"] / f"l3-{request.node.callspec.id}"
 
-    def spec(dtype: str, connector: dict[str, Any] | None, n: int) -> dict[str, Any]:
-        # one byte a value: vLLM's L1 holds the same ~3 documents as the float32 runs
-        return dict(_spec(env, connector=connector, phases=env["phases"][:n]),
-                    kv_cache_dtype=dtype, kv_cache_bytes=KV_BYTES // 4)
+    def spec(over: dict[str, Any], connector: dict[str, Any] | None, n: int) -> dict[str, Any]:
+        out = dict(_spec(env, connector=connector, phases=env["phases"][:n]), **over)
+        if "fp8" in over.get("kv_cache_dtype", ""):  # one byte a value: the same ~3
+            out["kv_cache_bytes"] = KV_BYTES // 4   # documents in vLLM's L1 as float32
+        return out
 
-    cfg = _zkv(env, storage=f"file://{l3}", namespace_salt="fp8")
-    e4m3 = run_engine(env["tmp"], "zkv-fp8-e4m3", spec("fp8_e4m3", cfg, 1))
-    assert _last(e4m3)["cm_stored"] > 300
-    ref = run_engine(env["tmp"], "ref-fp8-e5m2", dict(spec("fp8_e5m2", None, 2),
-                                                      prefix_caching=False))
-    e5m2 = run_engine(env["tmp"], "zkv-fp8-e5m2", spec("fp8_e5m2", cfg, 2))
-    _same_tokens(e5m2, ref)
-    assert e5m2["phases"][0]["zkv"]["zkv_store_tokens"] == 0, "read the e4m3 engine's blocks"
-    assert _last(e5m2)["zkv_store_tokens"] > 2_000  # its own blocks come back from L3
-    _nothing_left(e5m2)
+    cfg = _zkv(env, storage=f"file://{l3}")
+    first = run_engine(env["tmp"], "zkv-kv-writer", spec(writer, cfg, 1))
+    assert _last(first)["cm_stored"] > 300
+    ref = run_engine(env["tmp"], "ref-kv-reader", dict(spec(reader, None, 2),
+                                                       prefix_caching=False))
+    second = run_engine(env["tmp"], "zkv-kv-reader", spec(reader, cfg, 2))
+    _same_tokens(second, ref)
+    assert second["phases"][0]["zkv"]["zkv_store_tokens"] == 0, "read the writer's blocks"
+    assert _last(second)["zkv_store_tokens"] > 2_000  # its own blocks come back from L3
+    _nothing_left(second)
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -6,7 +6,7 @@ here, so each configuration runs once, as its own process)::
     python -m tests.integration.vllm_runner --spec spec.json --out out.json
 
 ``spec``: ``{"model": dir, "tp": 1, "prefix_caching": true, "kv_cache_bytes": N,
-"kv_cache_dtype": "auto", "block_size": 32, "max_model_len": 4096,
+"kv_cache_dtype": "auto", "hf_overrides": null, "block_size": 32, "max_model_len": 4096,
 "connector": {extra config} | null, "phases": [{"name": .., "prompts": [[ids..], ..],
 "max_tokens": 8, "one_by_one": false, "group": 0, "idle_s": 0, "aborts": [],
 "prompt_logprobs": null}], "async_scheduling": null}``
@@ -262,7 +262,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               enable_prefix_caching=spec.get("prefix_caching", True),
               tensor_parallel_size=spec.get("tp", 1), max_num_seqs=spec.get("max_num_seqs", 8),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
-              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enforce_eager=True, **kw)
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+              hf_overrides=spec.get("hf_overrides"), enforce_eager=True, **kw)
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
     half = _connector_half(llm)
     for ph in spec["phases"]:

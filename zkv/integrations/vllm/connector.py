@@ -23,6 +23,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -94,19 +95,29 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Geometr
 
 
 def model_identity(vllm_config: VllmConfig) -> str:
-    """Name or path, revision, for a local directory a digest of its config.json, and the
-    KV cache dtype vLLM was given when it is not ``auto``: vLLM keeps every fp8 / quantized
-    format (``fp8_e4m3``, ``fp8_e5m2``, ``nvfp4``, ...) in uint8 tensors, so the geometry's
-    dtype cannot tell them apart and one format's blocks would be read as another's."""
+    """What the KV of a token chain depends on besides the geometry (which the layout
+    carries): name or path, revision, for a local directory a digest of its config.json,
+    and where they are set, vLLM's ``hf_overrides`` (a RoPE or other config change the
+    file does not show), weight quantization, and the KV cache dtype with the model dtype
+    it was computed in (vLLM keeps every fp8 / quantized KV format in uint8 tensors, so
+    the geometry's dtype cannot tell ``fp8_e4m3`` from ``fp8_e5m2``). Unset ones add
+    nothing, so the namespaces of plain engines stay what they were."""
     mc = vllm_config.model_config
     ident = f"{mc.model}@{mc.revision or 'main'}"
     cfg_path = os.path.join(str(mc.model), "config.json")
     if os.path.isfile(cfg_path):
         with open(cfg_path, "rb") as f:
             ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
+    overrides = getattr(mc, "hf_overrides", None)
+    if overrides:
+        text = (f"{overrides.__module__}.{overrides.__qualname__}" if callable(overrides)
+                else orjson.dumps(overrides, option=orjson.OPT_SORT_KEYS, default=str).decode())
+        ident += "|hf=" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    if getattr(mc, "quantization", None):
+        ident += f"|q={mc.quantization}"
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     if cache_dtype != "auto":
-        ident += f"|kv={cache_dtype}"
+        ident += f"|kv={cache_dtype}/{mc.dtype}"
     return ident
 
 
