@@ -311,6 +311,42 @@ def test_engines_whose_kv_differs_never_read_each_others_blocks(env, writer, rea
     _nothing_left(second)
 
 
+def test_prompts_with_embeddings_share_only_equal_blocks(env) -> None:  # noqa: ANN001
+    """Prompts given as embeddings, with vLLM's ``enable_prompt_embeds``: four mixed
+    prompts (a chat completion with ``prompt_embeds`` parts makes them) with the same token
+    ids, placeholders included: 480 positions of other embeddings each, then 520 tokens;
+    and one embeddings-only prompt; then all five again. zkv names each block's embedding
+    rows in its hash, so no block of one mixed prompt serves another, every prompt's tokens
+    equal vLLM's without a cache, and the second round is served from zkv's host pool.
+    (Before, zkv hashed the placeholder ids alone: the last three prompts got the first
+    one's KV and its tokens.)"""
+    rng = random.Random(3)
+    shared = [rng.randrange(2000) for _ in range(1000)]
+    mask = [False] * 480 + [True] * 520
+    prompts, embeds = [], []
+    for _ in range(4):
+        rows = [rng.randrange(2000) for _ in range(480)]
+        prompts.append(shared)
+        embeds.append({"embed_ids": rows + shared[480:], "mask": mask})
+    prompts.append(shared)  # (ids unused: embeddings only)
+    embeds.append({"embed_ids": [rng.randrange(2000) for _ in range(1000)], "mask": None})
+    phases = [{"name": n, "prompts": prompts, "embeds": embeds, "one_by_one": True}
+              for n in ("embeds", "embeds again")]
+    # half the usual vLLM cache: it holds ~2 of the 5 prompts, zkv's host pool all
+    small = {"prompt_embeds": True, "kv_cache_bytes": KV_BYTES // 2, "max_model_len": 1024}
+    ref = run_engine(env["tmp"], "ref-embeds", dict(_spec(env, phases=phases), **small))
+    assert len({tuple(t) for t in ref["phases"][0]["tokens"][:4]}) > 1, "embeddings matter"
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-embeds'}")
+    out = run_engine(env["tmp"], "zkv-embeds", dict(_spec(env, connector=cfg, phases=phases),
+                                                   **small))
+    _same_tokens(out, ref)
+    first, second = out["phases"][0]["zkv"], out["phases"][1]["zkv"]
+    assert first["zkv_host_tokens"] == first["zkv_store_tokens"] == 0, "shared a block"
+    assert second["zkv_host_tokens"] > 1_000
+    assert second["disabled"] is None and second["failed_load_blocks"] == 0
+    _nothing_left(out)
+
+
 @pytest.mark.parametrize("extra, msg", [
     ({"host_blockz": 4}, r"zkv: unknown kv_connector_extra_config key"),
     ({"host_bytes": "64TiB"}, r"zkv: the host pools need 65536\.0 GiB \(1 ranks x .*; lower "

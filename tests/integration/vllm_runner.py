@@ -19,8 +19,9 @@ the first such request in turn (one per step for states, as many as match for co
 a client that disconnects does (their tokens come back as null); ``prompt_logprobs``:
 vLLM's sampling parameter (vLLM then reads no cache for the request), the logprob of each
 prompt token comes back; ``n``, ``temperature`` (0: greedy), ``seed``: vLLM's (with n > 1
-every sample's tokens come back as ``samples``); ``async_scheduling``: vLLM's, null for
-its default).
+every sample's tokens come back as ``samples``); ``embeds``: per prompt null or
+``{"embed_ids": [..], "mask": [bool..] | null}`` (``_with_embeds``; the spec then needs
+``"prompt_embeds": true``); ``async_scheduling``: vLLM's, null for its default).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
 the EngineCore in this process, ``state``: what is left once the engine has nothing to do
@@ -188,7 +189,7 @@ def _deployed_state(llm: Any, port: int, max_probes: int = 20) -> dict[str, Any]
     (or ``max_probes`` ran)."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0 if ph.get("n", 1) == 1 else 1.0, seed=7, max_tokens=1, detokenize=False)
+    sp = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
     probes = 0
     while True:
         fly = scrape(port)["in_flight"]
@@ -236,6 +237,27 @@ def _prompt_logprobs(r: Any) -> list[float | None]:
             for tok, lp in zip(r.prompt_token_ids, r.prompt_logprobs)]
 
 
+def _with_embeds(model: str, prompts: list[list[int]],
+                 embeds: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Prompts with embeddings: mixed (token ids and embeddings, as a chat completion with
+    ``prompt_embeds`` parts makes them), where ``mask`` is false the model reads the row of
+    the embedding table for ``embed_ids`` instead of the token id's; without a ``mask``,
+    embeddings only (the rows of ``embed_ids``)."""
+    from safetensors.torch import load_file
+
+    table = load_file(os.path.join(model, "model.safetensors"))["model.embed_tokens.weight"]
+    out: list[dict[str, Any]] = []
+    for p, e in zip(prompts, embeds):
+        if e is None:
+            out.append({"prompt_token_ids": p})
+        elif e.get("mask") is None:  # embeddings only
+            out.append({"prompt_embeds": table[e["embed_ids"]].clone()})
+        else:
+            out.append({"prompt_embeds": table[e["embed_ids"]].clone(), "prompt_token_ids": p,
+                        "prompt_is_token_ids": e["mask"]})
+    return out
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -263,7 +285,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               tensor_parallel_size=spec.get("tp", 1), max_num_seqs=spec.get("max_num_seqs", 8),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
-              hf_overrides=spec.get("hf_overrides"), enforce_eager=True, **kw)
+              hf_overrides=spec.get("hf_overrides"),
+              enable_prompt_embeds=bool(spec.get("prompt_embeds")), enforce_eager=True, **kw)
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
     half = _connector_half(llm)
     for ph in spec["phases"]:
@@ -272,6 +295,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                             detokenize=False, ignore_eos=True,
                             prompt_logprobs=ph.get("prompt_logprobs"))
         prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
+        if ph.get("embeds"):
+            prompts = _with_embeds(spec["model"], ph["prompts"], ph["embeds"])
         if ph.get("idle_s"):
             time.sleep(ph["idle_s"])  # an idle server: no request, so no step, no poll
         t = time.perf_counter()

@@ -140,6 +140,42 @@ def request_mm_items(request: Any) -> tuple[MultiModalItem, ...]:
     return tuple(items)
 
 
+def request_embeds_items(request: Any, block_size: int) -> tuple[MultiModalItem, ...]:
+    """Blocks whose model input comes from ``prompt_embeds`` (every block of an embeddings
+    prompt; of a mixed one, a chat completion with ``prompt_embeds`` parts, those with a
+    position where ``prompt_is_token_ids`` is false): one item per such block, its digest
+    naming the embedding rows and the positions that read them. The token ids there are
+    placeholders, so without it prompts with other embeddings share blocks."""
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is None:
+        return ()
+    mask = getattr(request, "prompt_is_token_ids", None)
+    n = int(embeds.shape[0])
+    items = []
+    for start in range(0, n, block_size):
+        end = min(start + block_size, n)
+        if mask is None:
+            rows, which = embeds[start:end], b""
+        else:
+            which = bytes(not t for t in mask[start:end])
+            if not any(which):
+                continue
+            rows = embeds[[start + i for i, e in enumerate(which) if e]]
+        # float32 holds every bf16 / fp16 value exactly: the bytes name the rows
+        data = rows.detach().float().cpu().contiguous().numpy().tobytes()
+        items.append(MultiModalItem(start, end, xxhash.xxh3_128_digest(
+            b"prompt_embeds" + start.to_bytes(8, "little") + which + data)))
+    return tuple(items)
+
+
+def request_tokens(request: Any) -> list[int]:
+    """The prompt's token ids as vLLM feeds the model: an embeddings prompt's positions
+    hold zeros (``all_token_ids``; the items above name what they read)."""
+    if getattr(request, "prompt_embeds", None) is None:
+        return request.prompt_token_ids  # type: ignore[no-any-return]
+    return list(request.all_token_ids[: request.num_prompt_tokens])
+
+
 class SchedulerHalf:
     """CacheManager + Dispatcher behind vLLM's scheduler; see the module docstring."""
 
@@ -193,7 +229,8 @@ class SchedulerHalf:
             self.counts.sched_s += time.perf_counter() - t0
 
     def _num_matched(self, request: Any, local: int) -> tuple[int | None, bool]:
-        if self.disabled or getattr(request, "prompt_token_ids", None) is None:
+        if self.disabled or (getattr(request, "prompt_token_ids", None) is None
+                             and getattr(request, "prompt_embeds", None) is None):
             return 0, False
         self._poll()
         if self.disabled:  # a rank was lost just now: promise nothing
@@ -516,8 +553,8 @@ class SchedulerHalf:
 
     def _new_req(self, request: Any) -> _Req:
         root = request_root(request)
-        mm = request_mm_items(request)
-        hashes = hash_tokens(request.prompt_token_ids, self.bs, parent=root, mm_items=mm)
+        mm = request_mm_items(request) + request_embeds_items(request, self.bs)
+        hashes = hash_tokens(request_tokens(request), self.bs, parent=root, mm_items=mm)
         return _Req(request, root, mm, hashes, len(hashes))
 
     def snapshot(self) -> dict[str, Any]:

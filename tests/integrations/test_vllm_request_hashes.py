@@ -1,0 +1,72 @@
+"""What the connector hashes of a vLLM request besides its token ids (no engine needed):
+adapters and salts change every block, embeddings the blocks that read them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from zkv.integrations.vllm.scheduler import request_embeds_items, request_root, request_tokens
+from zkv.scheduler.hashing import ROOT_HASH, hash_tokens
+
+BS = 4
+
+
+def _req(embeds: torch.Tensor | None = None, mask: list[bool] | None = None,
+         ids: list[int] | None = None, **kw: object) -> SimpleNamespace:
+    n = len(ids) if ids is not None else int(embeds.shape[0])  # type: ignore[union-attr]
+    all_ids = list(ids) if ids is not None else [0] * n
+    if mask is not None:  # vLLM zeroes the placeholders in all_token_ids
+        all_ids = [t if m else 0 for t, m in zip(all_ids, mask)]
+    return SimpleNamespace(prompt_token_ids=ids, prompt_embeds=embeds, prompt_is_token_ids=mask,
+                           all_token_ids=all_ids, num_prompt_tokens=n, **kw)
+
+
+def _hashes(r: SimpleNamespace) -> list[bytes]:
+    return hash_tokens(request_tokens(r), BS, parent=request_root(r),
+                       mm_items=request_embeds_items(r, BS))
+
+
+def test_plain_prompts_hash_their_ids_alone() -> None:
+    r = _req(ids=list(range(10)), lora_request=None, cache_salt=None)
+    assert request_root(r) == ROOT_HASH and request_embeds_items(r, BS) == ()
+    assert _hashes(r) == hash_tokens(list(range(10)), BS)
+
+
+def test_adapter_and_salt_change_every_block() -> None:
+    ids = list(range(8))
+    plain = _hashes(_req(ids=ids, lora_request=None, cache_salt=None))
+    lora = _hashes(_req(ids=ids, lora_request=SimpleNamespace(lora_name="a"), cache_salt=None))
+    salted = _hashes(_req(ids=ids, lora_request=None, cache_salt="s"))
+    assert len({*plain, *lora, *salted}) == 6
+
+
+def test_mixed_prompts_share_the_blocks_before_their_embeddings_only() -> None:
+    """Blocks 0-1 are token ids, block 2 reads one embedding row, block 3 none: only 0-1
+    are shared between prompts whose rows differ; equal rows give equal hashes."""
+    ids = list(range(100, 116))
+    mask = [True] * 9 + [False] + [True] * 6
+    rows = torch.randn(16, 8, dtype=torch.bfloat16)
+    other = rows.clone()
+    other[9, 0] += 1  # one value of the one embedding row
+    a = _hashes(_req(rows, mask, ids, lora_request=None, cache_salt=None))
+    b = _hashes(_req(other, mask, ids, lora_request=None, cache_salt=None))
+    same = _hashes(_req(rows.clone(), mask, ids, lora_request=None, cache_salt=None))
+    assert a == same and len(a) == 4
+    assert a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3]
+    other_rows_unread = rows.clone()
+    other_rows_unread[3] += 1  # a token position: vLLM does not read that row
+    assert _hashes(_req(other_rows_unread, mask, ids, lora_request=None, cache_salt=None)) == a
+    moved = [True] * 10 + [False] + [True] * 5  # the same row read one position later
+    assert _hashes(_req(rows, moved, ids, lora_request=None, cache_salt=None))[2] != a[2]
+
+
+def test_embeddings_only_prompts_differ_by_every_row() -> None:
+    rows = torch.randn(8, 4)
+    other = rows.clone()
+    other[7, 3] += 1
+    a = _hashes(_req(rows, lora_request=None, cache_salt=None))
+    b = _hashes(_req(other, lora_request=None, cache_salt=None))
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+    assert a != hash_tokens([0] * 8, BS)  # not the placeholder zeros' hashes
