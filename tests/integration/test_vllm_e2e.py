@@ -347,6 +347,39 @@ def test_prompts_with_embeddings_share_only_equal_blocks(env) -> None:  # noqa: 
     _nothing_left(out)
 
 
+def test_chat_turns_reuse_answers_under_speculative_decoding(env) -> None:  # noqa: ANN001
+    """Two turns of eight chats, vLLM proposing tokens by n-gram speculative decoding (4 a
+    step; the prompts repeat a pattern, so proposals are made and some rejected): the
+    second turn's prompt is the first's with its 312-token answer and a new message, and
+    the answers' blocks, saved step by step and as the requests finished, come back from
+    zkv's host pool. Tokens of both turns equal vLLM's without a cache or speculation.
+    (Before, a step that rejected drafts confirmed their positions too: a block whose last
+    position held the token sampled there, with the rejected draft's KV, was saved, and
+    one chat's second turn generated other tokens.)"""
+    rng = random.Random(9)
+    chats = []
+    for _ in range(8):
+        pattern = [rng.randrange(2000) for _ in range(40)]
+        chats.append((pattern * 26)[:1000])
+    phases = [{"name": "turn 1", "prompts": chats, "max_tokens": 312},
+              {"name": "turn 2", "follow_up": 50, "prompts": [], "max_tokens": 50}]
+    ref = run_engine(env["tmp"], "ref-chat", _spec(env, phases=phases))
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-chat'}")
+    out = run_engine(env["tmp"], "zkv-chat-ngram", dict(
+        _spec(env, connector=cfg, phases=phases),
+        speculative={"method": "ngram", "num_speculative_tokens": 4,
+                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
+    _same_tokens(out, ref)
+    first, second = out["phases"][0]["zkv"], out["phases"][1]["zkv"]
+    served = sum(second[k] - first[k] for k in
+                 ("vllm_local_tokens", "zkv_host_tokens", "zkv_store_tokens"))
+    # the first turns' prompts hold 8 x 992 tokens in full blocks, with the answers
+    # 8 x 1,312: more than the prompts means answer blocks were served
+    assert served > 8 * 1_000 and second["zkv_host_tokens"] - first["zkv_host_tokens"] > 3_000
+    assert second["disabled"] is None and second["cm_failed_ops"] == 0
+    _nothing_left(out)
+
+
 @pytest.mark.parametrize("extra, msg", [
     ({"host_blockz": 4}, r"zkv: unknown kv_connector_extra_config key"),
     ({"host_bytes": "64TiB"}, r"zkv: the host pools need 65536\.0 GiB \(1 ranks x .*; lower "

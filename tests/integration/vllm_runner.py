@@ -21,7 +21,9 @@ vLLM's sampling parameter (vLLM then reads no cache for the request), the logpro
 prompt token comes back; ``n``, ``temperature`` (0: greedy), ``seed``: vLLM's (with n > 1
 every sample's tokens come back as ``samples``); ``embeds``: per prompt null or
 ``{"embed_ids": [..], "mask": [bool..] | null}`` (``_with_embeds``; the spec then needs
-``"prompt_embeds": true``); ``async_scheduling``: vLLM's, null for its default).
+``"prompt_embeds": true``); ``follow_up`` N: the phase's prompts are the last phase's
+with their answers and N more tokens (a chat's next turn); ``async_scheduling``: vLLM's,
+null for its default; ``speculative``: vLLM's ``speculative_config``).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
 the EngineCore in this process, ``state``: what is left once the engine has nothing to do
@@ -258,6 +260,17 @@ def _with_embeds(model: str, prompts: list[list[int]],
     return out
 
 
+def _follow_up(prompts: list[list[int]], answers: list[list[int]],
+               new_tokens: int) -> list[list[int]]:
+    """Each prompt of the last phase, its answer, and ``new_tokens`` more (a user's next
+    message, the same in every run): a chat's next turn."""
+    import random
+
+    rng = random.Random(new_tokens)
+    return [p + a + [rng.randrange(1000) for _ in range(new_tokens)]
+            for p, a in zip(prompts, answers)]
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -265,6 +278,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     if spec.get("async_scheduling") is not None:  # vLLM's default: async where it can
         kw["async_scheduling"] = spec["async_scheduling"]
+    if spec.get("speculative") is not None:
+        kw["speculative_config"] = spec["speculative"]
     port = None
     if spec.get("connector") is not None and spec.get("multiprocess"):
         from tests.servers import free_port
@@ -290,6 +305,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
     half = _connector_half(llm)
     for ph in spec["phases"]:
+        if ph.get("follow_up"):  # the next turn of each conversation of the last phase
+            ph = dict(ph, prompts=_follow_up(last_prompts, out["phases"][-1]["tokens"],
+                                             ph["follow_up"]))
+        last_prompts = ph["prompts"]
         sp = SamplingParams(temperature=ph.get("temperature", 0.0), seed=ph.get("seed"),
                             n=ph.get("n", 1), max_tokens=ph.get("max_tokens", 8),
                             detokenize=False, ignore_eos=True,

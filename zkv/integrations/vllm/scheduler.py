@@ -409,7 +409,10 @@ class SchedulerHalf:
                 continue
             if invalid and not invalid.isdisjoint(r.block_ids):
                 continue  # vLLM recomputes from the failed block; its KV is not trusted yet
-            r.confirmed = max(r.confirmed, upto)
+            # Speculative decoding: the step computed KV for its draft tokens too, and vLLM
+            # rolled the rejected ones back; the last token (sampled, at the first rejected
+            # draft's position) has no KV of its own yet.
+            r.confirmed = max(r.confirmed, min(upto, r.request.num_tokens - 1))
             self._plan_save(r, final=False)
 
     def request_finished(self, request: Any) -> bool:
