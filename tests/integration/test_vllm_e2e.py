@@ -380,6 +380,28 @@ def test_chat_turns_reuse_answers_under_speculative_decoding(env) -> None:  # no
     _nothing_left(out)
 
 
+def test_kv_role_producer_only_saves_consumer_only_loads(env, ref_tp1) -> None:  # noqa: ANN001
+    """vLLM's ``kv_role``: a ``kv_producer`` engine (say, a prefill node) saves what it
+    computes and loads nothing, even the documents it saved itself; a ``kv_consumer``
+    engine sharing its store loads those documents and saves nothing. (Before, zkv
+    ignored the role: both loaded and saved.)"""
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-roles'}")
+    prod = run_engine(env["tmp"], "zkv-producer", dict(
+        _spec(env, connector=cfg, phases=env["phases"][:2]), kv_role="kv_producer"))
+    _same_tokens(prod, ref_tp1, phases=2)
+    p = _last(prod)
+    assert p["zkv_host_tokens"] == p["zkv_store_tokens"] == p["loaded_blocks"] == 0
+    assert p["saved_blocks"] > 300 and p["cm_stored"] > 300
+    _nothing_left(prod)
+    cons = run_engine(env["tmp"], "zkv-consumer", dict(
+        _spec(env, connector=cfg, phases=env["phases"][:1]), kv_role="kv_consumer"))
+    _same_tokens(cons, ref_tp1, phases=1)
+    c = _last(cons)
+    assert c["zkv_store_tokens"] > 8_000, "the producer's documents should come from L3"
+    assert c["saved_blocks"] == c["cm_stored"] == 0
+    _nothing_left(cons)
+
+
 @pytest.mark.parametrize("extra, msg", [
     ({"host_blockz": 4}, r"zkv: unknown kv_connector_extra_config key"),
     ({"host_bytes": "64TiB"}, r"zkv: the host pools need 65536\.0 GiB \(1 ranks x .*; lower "

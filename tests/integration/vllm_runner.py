@@ -23,7 +23,8 @@ every sample's tokens come back as ``samples``); ``embeds``: per prompt null or
 ``{"embed_ids": [..], "mask": [bool..] | null}`` (``_with_embeds``; the spec then needs
 ``"prompt_embeds": true``); ``follow_up`` N: the phase's prompts are the last phase's
 with their answers and N more tokens (a chat's next turn); ``async_scheduling``: vLLM's,
-null for its default; ``speculative``: vLLM's ``speculative_config``).
+null for its default; ``speculative``: vLLM's ``speculative_config``; ``kv_role``: vLLM's,
+``kv_both`` by default).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
 the EngineCore in this process, ``state``: what is left once the engine has nothing to do
@@ -290,7 +291,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ZkvConnector",
             kv_connector_module_path="zkv.integrations.vllm_connector",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_role=spec.get("kv_role", "kv_both"), kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["connector"])
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32",

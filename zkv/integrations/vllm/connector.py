@@ -193,11 +193,12 @@ class ZkvConnector(KVConnectorBase_V1):
             from zkv.storage import StorageQuery
 
             exists = StorageQuery(store, self.world_size)
+        tc = vllm_config.kv_transfer_config
         self.sched = SchedulerHalf(self.cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
-                                   store=store, storage_exists=exists)
-        if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
-            self.sched.log.warning("connector.failure_policy", policy=vllm_config
-                                   .kv_transfer_config.kv_load_failure_policy,
+                                   store=store, storage_exists=exists,
+                                   loads=tc.is_kv_consumer, saves=tc.is_kv_producer)
+        if tc.kv_load_failure_policy != "recompute":
+            self.sched.log.warning("connector.failure_policy", policy=tc.kv_load_failure_policy,
                                    hint="set kv_load_failure_policy=recompute: a failed load "
                                         "then costs a recompute, not the request")
         if self.cfg.metrics_port is not None:

@@ -181,8 +181,12 @@ class SchedulerHalf:
 
     def __init__(self, cfg: ZkvVllmConfig, layout: CacheLayout, *, pub_endpoint: str,
                  pull_endpoint: str, store: Any = None, storage_exists: Any = None,
-                 join_timeout_s: float = 120.0) -> None:
+                 join_timeout_s: float = 120.0, loads: bool = True, saves: bool = True
+                 ) -> None:
+        """``loads`` / ``saves``: vLLM's ``kv_role`` (``kv_consumer`` only loads,
+        ``kv_producer`` only saves, ``kv_both`` both)."""
         self.cfg = cfg
+        self.loads, self.saves = loads, saves
         self.layout = layout
         self.bs = layout.block_size
         self.store = store
@@ -239,10 +243,10 @@ class SchedulerHalf:
         r = self._reqs.get(rid)
         if r is None:
             r = self._reqs[rid] = self._new_req(request)
-        if getattr(request, "skip_reading_prefix_cache", False):
-            # vLLM drops every cache hit of this request (prompt logprobs, or asked by the
-            # client) and computes its whole prompt: no match to hold, no prefetch, no
-            # hit; what it computes is saved like any request's.
+        if not self.loads or getattr(request, "skip_reading_prefix_cache", False):
+            # A producer loads nothing; vLLM drops every cache hit of this request (prompt
+            # logprobs, or asked by the client) and computes its whole prompt: no match to
+            # hold, no prefetch, no hit; what it computes is saved like any request's.
             self.cm.match_prefix(rid, ())
             r.host_blocks_at_match = r.ext = 0
             r.local = local
@@ -463,8 +467,8 @@ class SchedulerHalf:
     # ------------------------------------------------------------ saves and batches
 
     def _plan_save(self, r: _Req, final: bool) -> None:
-        if self.cfg.policy == WRITE_BACK and not final:
-            return
+        if not self.saves or (self.cfg.policy == WRITE_BACK and not final):
+            return  # a consumer saves nothing
         upto = r.confirmed
         self._extend_hashes(r, upto)
         if self.cfg.policy == WRITE_THROUGH_SELECTIVE and not final:
