@@ -402,6 +402,28 @@ def test_kv_role_producer_only_saves_consumer_only_loads(env, ref_tp1) -> None: 
     _nothing_left(cons)
 
 
+def test_cache_reset_after_a_weight_update(env) -> None:  # noqa: ANN001
+    """An RL loop's weight sync: after the first phase the weights change in place and the
+    loop calls ``reset_prefix_cache(reset_connector=True)``. zkv then serves nothing cached
+    before (the second phase recomputes every document), serves what was computed after
+    (the third phase), and every token equals vLLM's without a cache under the same
+    updates. (Before, the reset did not reach zkv: the second phase took 9,600 tokens of
+    the old weights' KV from L3, and 9 of its 10 answers changed.)"""
+    update = {"scale": 4.0, "reset": True}
+    phases = [env["phases"][0], dict(env["phases"][1], update_weights=update),
+              env["phases"][2]]
+    ref = run_engine(env["tmp"], "ref-weights", _spec(env, phases=phases))
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-weights'}")
+    out = run_engine(env["tmp"], "zkv-weights", _spec(env, connector=cfg, phases=phases))
+    _same_tokens(out, ref)
+    first, second, third = (p["zkv"] for p in out["phases"])
+    assert first["saved_blocks"] > 300
+    assert second["zkv_host_tokens"] == second["zkv_store_tokens"] == 0
+    assert third["zkv_host_tokens"] + third["zkv_store_tokens"] > 5_000
+    assert third["disabled"] is None and third["failed_load_blocks"] == 0
+    _nothing_left(out)
+
+
 @pytest.mark.parametrize("extra, msg", [
     ({"host_blockz": 4}, r"zkv: unknown kv_connector_extra_config key"),
     ({"host_bytes": "64TiB"}, r"zkv: the host pools need 65536\.0 GiB \(1 ranks x .*; lower "

@@ -24,7 +24,8 @@ every sample's tokens come back as ``samples``); ``embeds``: per prompt null or
 ``"prompt_embeds": true``); ``follow_up`` N: the phase's prompts are the last phase's
 with their answers and N more tokens (a chat's next turn); ``async_scheduling``: vLLM's,
 null for its default; ``speculative``: vLLM's ``speculative_config``; ``kv_role``: vLLM's,
-``kv_both`` by default).
+``kv_both`` by default; ``update_weights``: ``{"scale": x, "reset": bool}`` before the
+phase (``_update_weights``, the EngineCore in this process).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
 the EngineCore in this process, ``state``: what is left once the engine has nothing to do
@@ -261,6 +262,28 @@ def _with_embeds(model: str, prompts: list[list[int]],
     return out
 
 
+def _scale_attention_inputs(factor: float) -> Any:
+    def scale(model: Any) -> None:
+        import torch
+
+        with torch.no_grad():  # (vLLM's CPU build repacks the linear layers' weights:
+            for name, p in model.named_parameters():  # the norms' are what it reads)
+                if "input_layernorm" in name:
+                    p.mul_(factor)
+    return scale
+
+
+def _update_weights(llm: Any, how: dict[str, Any]) -> None:
+    """New weights in place (the norm before every attention scaled by ``scale``: every
+    K and V changes), then, with ``reset``, vLLM's cache reset with the connector's
+    (``reset_prefix_cache(reset_connector=True)``), as an RL loop does after a weight
+    sync."""
+    llm.apply_model(_scale_attention_inputs(how["scale"]))
+    if how.get("reset"):
+        if not llm.reset_prefix_cache(reset_connector=True):
+            raise RuntimeError("vLLM's cache reset failed")
+
+
 def _follow_up(prompts: list[list[int]], answers: list[list[int]],
                new_tokens: int) -> list[list[int]]:
     """Each prompt of the last phase, its answer, and ``new_tokens`` more (a user's next
@@ -306,6 +329,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
     half = _connector_half(llm)
     for ph in spec["phases"]:
+        if ph.get("update_weights"):  # as an RL loop does between rollouts
+            _update_weights(llm, ph["update_weights"])
         if ph.get("follow_up"):  # the next turn of each conversation of the last phase
             ph = dict(ph, prompts=_follow_up(last_prompts, out["phases"][-1]["tokens"],
                                              ph["follow_up"]))

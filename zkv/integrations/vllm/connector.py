@@ -276,6 +276,10 @@ class ZkvConnector(KVConnectorBase_V1):
         assert self.sched is not None
         return self.sched.request_finished(request), None
 
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: see ``SchedulerHalf.reset``."""
+        return True if self.sched is None else self.sched.reset()
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.sched is None:
             return None

@@ -34,6 +34,7 @@ before that step's forward anyway, and a batch's saves (d2h) before its loads (h
 from __future__ import annotations
 
 import collections
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ class _Req:
     prefetched: bool = False
     counted: bool = False
     last_save_seq: int | None = None
+    generation: bytes = b""     # the cache generation its hashes were made in (reset())
 
 
 @dataclass(slots=True)
@@ -120,14 +122,15 @@ class TokenCounts:
     sched_s: float = 0.0
 
 
-def request_root(request: Any) -> bytes:
-    """The chain's parent for a request: LoRA adapter and cache salt change every hash."""
+def request_root(request: Any, generation: bytes = b"") -> bytes:
+    """The chain's parent for a request: LoRA adapter, cache salt and the connector's cache
+    generation (new at each reset) change every hash."""
     lora = getattr(request, "lora_request", None)
     salt = getattr(request, "cache_salt", None)
-    if lora is None and not salt:
+    if lora is None and not salt and not generation:
         return ROOT_HASH
     tag = f"lora={getattr(lora, 'lora_name', '') if lora else ''}|salt={salt or ''}"
-    return xxhash.xxh3_128_digest(ROOT_HASH + tag.encode())
+    return xxhash.xxh3_128_digest(ROOT_HASH + tag.encode() + generation)
 
 
 def request_mm_items(request: Any) -> tuple[MultiModalItem, ...]:
@@ -187,6 +190,7 @@ class SchedulerHalf:
         ``kv_producer`` only saves, ``kv_both`` both)."""
         self.cfg = cfg
         self.loads, self.saves = loads, saves
+        self._generation = b""  # see reset()
         self.layout = layout
         self.bs = layout.block_size
         self.store = store
@@ -243,6 +247,10 @@ class SchedulerHalf:
         r = self._reqs.get(rid)
         if r is None:
             r = self._reqs[rid] = self._new_req(request)
+        elif r.generation != self._generation:  # waiting across a reset: hash it anew
+            self.prefetch.forget(rid)
+            r.root, r.hashes, r.num_prompt_blocks = self._hash_prompt(request, r.mm_items)
+            r.generation, r.prefetched = self._generation, False
         if not self.loads or getattr(request, "skip_reading_prefix_cache", False):
             # A producer loads nothing; vLLM drops every cache hit of this request (prompt
             # logprobs, or asked by the client) and computes its whole prompt: no match to
@@ -469,6 +477,8 @@ class SchedulerHalf:
     def _plan_save(self, r: _Req, final: bool) -> None:
         if not self.saves or (self.cfg.policy == WRITE_BACK and not final):
             return  # a consumer saves nothing
+        if r.generation != self._generation:
+            return  # running across a reset: its KV may be of both weights
         upto = r.confirmed
         self._extend_hashes(r, upto)
         if self.cfg.policy == WRITE_THROUGH_SELECTIVE and not final:
@@ -559,10 +569,26 @@ class SchedulerHalf:
     # ------------------------------------------------------------ helpers
 
     def _new_req(self, request: Any) -> _Req:
-        root = request_root(request)
         mm = request_mm_items(request) + request_embeds_items(request, self.bs)
+        root, hashes, n = self._hash_prompt(request, mm)
+        return _Req(request, root, mm, hashes, n, generation=self._generation)
+
+    def _hash_prompt(self, request: Any, mm: tuple[MultiModalItem, ...]
+                     ) -> tuple[bytes, list[bytes], int]:
+        root = request_root(request, self._generation)
         hashes = hash_tokens(request_tokens(request), self.bs, parent=root, mm_items=mm)
-        return _Req(request, root, mm, hashes, len(hashes))
+        return root, hashes, len(hashes)
+
+    def reset(self) -> bool:
+        """vLLM's cache reset (``reset_prefix_cache(reset_connector=True)``, what an RL loop
+        calls after it synced new weights): from now on every block is named apart from
+        all before it (a random generation in every chain's root), so nothing cached
+        before, in the host pool or in L3, by this engine or another, is matched again; it
+        ages out. A waiting request is hashed anew when next matched; a running one saves
+        nothing more (its KV may be of both weights). O(1)."""
+        self._generation = os.urandom(16)
+        self.log.info("connector.cache_reset", num_requests=len(self._reqs))
+        return True
 
     def snapshot(self) -> dict[str, Any]:
         c = self.counts
