@@ -35,11 +35,20 @@ def test_plain_prompts_hash_their_ids_alone() -> None:
 
 
 def test_adapter_and_salt_change_every_block() -> None:
+    """An adapter by name and path (one name pointed at another adapter is another
+    adapter, as in vLLM's own hashes), a salt."""
     ids = list(range(8))
+
+    def lora(name: str, path: str) -> SimpleNamespace:
+        return SimpleNamespace(lora_name=name, lora_path=path)
+
     plain = _hashes(_req(ids=ids, lora_request=None, cache_salt=None))
-    lora = _hashes(_req(ids=ids, lora_request=SimpleNamespace(lora_name="a"), cache_salt=None))
+    a = _hashes(_req(ids=ids, lora_request=lora("a", "/adapters/a"), cache_salt=None))
+    again = _hashes(_req(ids=ids, lora_request=lora("a", "/adapters/a"), cache_salt=None))
+    moved = _hashes(_req(ids=ids, lora_request=lora("a", "/adapters/a-v2"), cache_salt=None))
     salted = _hashes(_req(ids=ids, lora_request=None, cache_salt="s"))
-    assert len({*plain, *lora, *salted}) == 6
+    assert a == again
+    assert len({*plain, *a, *moved, *salted}) == 8
 
 
 def test_mixed_prompts_share_the_blocks_before_their_embeddings_only() -> None:

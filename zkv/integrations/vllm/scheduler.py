@@ -123,13 +123,16 @@ class TokenCounts:
 
 
 def request_root(request: Any, generation: bytes = b"") -> bytes:
-    """The chain's parent for a request: LoRA adapter, cache salt and the connector's cache
-    generation (new at each reset) change every hash."""
+    """The chain's parent for a request: LoRA adapter (its name and path, as vLLM's own
+    hashes: a name pointed at another adapter does not reuse KV), cache salt and the
+    connector's cache generation (new at each reset) change every hash."""
     lora = getattr(request, "lora_request", None)
     salt = getattr(request, "cache_salt", None)
     if lora is None and not salt and not generation:
         return ROOT_HASH
     tag = f"lora={getattr(lora, 'lora_name', '') if lora else ''}|salt={salt or ''}"
+    if lora is not None and getattr(lora, "lora_path", None):
+        tag += f"|lora_path={lora.lora_path}"
     return xxhash.xxh3_128_digest(ROOT_HASH + tag.encode() + generation)
 
 
