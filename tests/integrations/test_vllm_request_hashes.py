@@ -7,7 +7,12 @@ from types import SimpleNamespace
 
 import torch
 
-from zkv.integrations.vllm.scheduler import request_embeds_items, request_root, request_tokens
+from zkv.integrations.vllm.scheduler import (
+    request_embeds_items,
+    request_mm_items,
+    request_root,
+    request_tokens,
+)
 from zkv.scheduler.hashing import ROOT_HASH, hash_tokens
 
 BS = 4
@@ -79,3 +84,21 @@ def test_embeddings_only_prompts_differ_by_every_row() -> None:
     b = _hashes(_req(other, lora_request=None, cache_salt=None))
     assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
     assert a != hash_tokens([0] * 8, BS)  # not the placeholder zeros' hashes
+
+
+def test_one_image_at_other_positions_of_equal_placeholder_blocks_is_other_kv() -> None:
+    """Placeholder tokens are all alike: an image (content ``img``) at positions 2-9, in a
+    run of placeholders, is not the same KV as at 1-8 (both start in block 0), nor is
+    another image at 2-9."""
+    ids = [9] * 16
+
+    def hashes(ident: str, offset: int) -> list[bytes]:
+        feature = SimpleNamespace(identifier=ident,
+                                  mm_position=SimpleNamespace(offset=offset, length=8))
+        r = SimpleNamespace(mm_features=[feature])
+        return hash_tokens(ids, BS, mm_items=request_mm_items(r))
+
+    a = hashes("img", 2)
+    assert a == hashes("img", 2)
+    assert a[0] != hashes("img", 1)[0] and a[0] != hashes("other", 2)[0]
+    assert a[3] != hash_tokens(ids, BS)[3]  # a later block: the chain carries it

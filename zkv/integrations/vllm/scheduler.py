@@ -137,12 +137,15 @@ def request_root(request: Any, generation: bytes = b"") -> bytes:
 
 
 def request_mm_items(request: Any) -> tuple[MultiModalItem, ...]:
+    """Multimodal inputs: their content's identifier and where it starts (as vLLM's own
+    hashes: one image at other positions of otherwise equal placeholder blocks is other
+    KV)."""
     items = []
     for f in getattr(request, "mm_features", None) or ():
         pos = f.mm_position
         ident = str(getattr(f, "identifier", "") or getattr(f, "mm_hash", ""))
         items.append(MultiModalItem(pos.offset, pos.offset + pos.length,
-                                    xxhash.xxh3_128_digest(ident.encode())))
+                                    xxhash.xxh3_128_digest(f"{ident}@{pos.offset}".encode())))
     return tuple(items)
 
 
