@@ -11,9 +11,9 @@ The scheduler half (:mod:`.scheduler`) lives in the EngineCore process and binds
 Dispatcher on ``ipc://`` sockets in a per-engine 0700 directory named after vLLM's
 ``engine_id``; each worker half (:mod:`.worker`) starts a Sidecar that connects to them.
 Both halves derive the same :class:`~zkv.config.CacheLayout` (and so the same L3
-namespace: model path/name, revision, config digest, KV cache dtype (vLLM's name for it
-and the tensors' dtype), block geometry, per-rank heads, world size, byte layout) from
-vLLM's config and KV cache spec.
+namespace: the model's identity (``model_identity``: path/name, revision, config digest,
+``hf_overrides``, quantization, vLLM's KV cache dtype), block geometry and dtype, per-rank
+heads, world size, byte layout) from vLLM's config and KV cache spec.
 """
 
 from __future__ import annotations
