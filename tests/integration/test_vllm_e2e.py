@@ -434,6 +434,18 @@ def test_bad_extra_config_refused_at_engine_start(env, extra, msg) -> None:  # n
         run_engine(env["tmp"], "bad", _spec(env, connector=extra, phases=[]))
 
 
+def test_sliding_window_model_refused_at_engine_start(env) -> None:  # noqa: ANN001
+    """Every layer sliding-window (one SlidingWindowSpec group): vLLM frees a request's
+    blocks outside the window as it runs, so they hold no KV to save. The engine stops at
+    start with one line. (Before, zkv took it as full attention, saved those blocks and
+    served them: 9 of the second phase's 10 answers changed.)"""
+    spec = dict(_spec(env, connector=_zkv(env, storage="none"), phases=[]),
+                hf_overrides={"sliding_window": 128})
+    with pytest.raises(AssertionError, match=r"zkv: SlidingWindowSpec KV caches are not "
+                                             r"supported \(sliding-window"):
+        run_engine(env["tmp"], "sliding-window", spec)
+
+
 # ================================================================ a real small model
 
 

@@ -85,6 +85,17 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Geometr
                           "sliding-window attention) are not supported; one full-attention "
                           "group is")
     spec = groups[0].kv_cache_spec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if type(spec) is not FullAttentionSpec:
+        # SlidingWindowSpec, ChunkedLocalAttentionSpec, RSWASpec, ...: vLLM frees a
+        # request's blocks outside the window as it runs, so they hold no KV to save;
+        # MLAAttentionSpec: one latent tensor, not K and V
+        raise ConfigError(f"zkv: {type(spec).__name__} KV caches are not supported (sliding-"
+                          "window, chunked-local or MLA attention); full attention is")
+    if getattr(spec, "non_causal", False):
+        raise ConfigError("zkv: non-causal attention is not supported: a block's KV depends "
+                          "on the tokens after it, not on its prefix alone")
     for attr in ("num_kv_heads", "head_size", "block_size", "dtype"):
         if not hasattr(spec, attr):
             raise ConfigError(f"zkv: KV cache spec {type(spec).__name__} is not attention KV")
