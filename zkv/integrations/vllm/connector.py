@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from zkv import log as zlog
@@ -85,8 +86,6 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Geometr
                           "sliding-window attention) are not supported; one full-attention "
                           "group is")
     spec = groups[0].kv_cache_spec
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
     if type(spec) is not FullAttentionSpec:
         # SlidingWindowSpec, ChunkedLocalAttentionSpec, RSWASpec, ...: vLLM frees a
         # request's blocks outside the window as it runs, so they hold no KV to save;
@@ -96,9 +95,6 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Geometr
     if getattr(spec, "non_causal", False):
         raise ConfigError("zkv: non-causal attention is not supported: a block's KV depends "
                           "on the tokens after it, not on its prefix alone")
-    for attr in ("num_kv_heads", "head_size", "block_size", "dtype"):
-        if not hasattr(spec, attr):
-            raise ConfigError(f"zkv: KV cache spec {type(spec).__name__} is not attention KV")
     if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         raise ConfigError("zkv: K and V of different head sizes are not supported")
     return Geometry(len(groups[0].layer_names), spec.num_kv_heads, spec.block_size,
