@@ -22,14 +22,17 @@ writer, so give each of ``W`` writers ``max_bytes / W`` (:func:`~zkv.storage.ope
 
 A full disk (``ENOSPC`` / ``EDQUOT``: the file system is smaller than the budget, or
 something else filled it) lowers the budget to what this store held then, less one block,
-and makes that room from its own least recently used files; the put is tried once more.
-From then on the store keeps working as an LRU within the space it has (one
+and makes that room from its own least recently used files; the put is tried again, up to
+``_PUT_TRIES`` times in all, the budget lowered anew to what it holds less a block before
+each: other writers on the disk (another rank, this one's other I/O threads) may take the
+room first. From then on the store keeps working as an LRU within the space it has (one
 ``storage.disk_full`` warning per lowering; the lower budget holds until the store is
 opened again). With none of its own files to remove, the put fails with the system's error
 (``StorageError``)::
 
     put ─ENOSPC─► budget := held − block ─► remove LRU files until held ≤ budget ─► put again
-                                                   (nothing to remove) ─► StorageError
+                   ▲                               (nothing to remove) ─► StorageError   │
+                   └──────────── ENOSPC, fewer than _PUT_TRIES puts ◄────────────────────┘
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from zkv.storage.base import (
 
 _STALE_TMP_S = 600.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_PUT_TRIES = 4  # a put on a full disk: the first try and up to 3 after making room
 
 
 class LocalDirStore(Store):
@@ -139,13 +143,14 @@ class LocalDirStore(Store):
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         bufs = [pack_header(self.ns_id, key, view), view]
         size = HEADER_SIZE + view.nbytes
-        for attempt in (0, 1):
+        for attempt in range(_PUT_TRIES):
             try:
                 self._write_file(tmp, path, bufs)
                 break
             except OSError as e:
                 _unlink_quietly(tmp)
-                if attempt == 0 and e.errno in _NO_SPACE and self._make_room(size, e):
+                if (attempt + 1 < _PUT_TRIES and e.errno in _NO_SPACE
+                        and self._make_room(size, e)):
                     continue
                 self._count(errors=1)
                 raise StorageError(f"put {self.name(key)}: {e}") from e
