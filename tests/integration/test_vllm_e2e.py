@@ -557,6 +557,17 @@ def test_aborted_requests_leave_nothing_behind(env, ref_tp1) -> None:  # noqa: A
     assert z["zkv_host_tokens"] + z["zkv_store_tokens"] > 5_000
 
 
+def _same_tokens_but_aborted(out: dict[str, Any], ref: dict[str, Any], aborts: list[Any]) -> None:
+    """The three phases, the second's with ``aborts``: tokens equal ``ref``'s but the
+    aborted requests' (null), as many as asked for."""
+    _same_tokens(out, ref, phases=1)
+    got, want = out["phases"][1]["tokens"], ref["phases"][1]["tokens"]
+    assert out["phases"][1]["aborted_where"] == aborts
+    assert sum(t is None for t in got) == len(aborts)
+    assert all(g == w for g, w in zip(got, want) if g is not None)
+    assert out["phases"][2]["tokens"] == ref["phases"][2]["tokens"]
+
+
 def test_deployed_engine_identical_and_clean_after_aborts(env, ref_tp1) -> None:  # noqa: ANN001
     """vLLM as deployed (`vllm serve`'s shape): EngineCore and model worker in their own
     processes, vLLM applies aborts between a step's forward and its output, and the worker
@@ -575,12 +586,7 @@ def test_deployed_engine_identical_and_clean_after_aborts(env, ref_tp1) -> None:
     spec = _spec(env, connector=cfg, phases=phases)
     spec["multiprocess"] = True
     out = run_engine(env["tmp"], "zkv-tp1-deployed", spec)
-    _same_tokens(out, ref_tp1, phases=1)
-    got, want = out["phases"][1]["tokens"], ref_tp1["phases"][1]["tokens"]
-    assert out["phases"][1]["aborted_where"] == phases[1]["aborts"]
-    assert sum(t is None for t in got) == len(phases[1]["aborts"])
-    assert all(g == w for g, w in zip(got, want) if g is not None)
-    assert out["phases"][2]["tokens"] == ref_tp1["phases"][2]["tokens"]
+    _same_tokens_but_aborted(out, ref_tp1, phases[1]["aborts"])
     z = _last(out)
     assert z["disabled"] is None and z["failed_load_blocks"] == 0 and z["aborted"] == 6
     assert z["zkv_host_tokens"] + z["zkv_store_tokens"] > 5_000
@@ -592,6 +598,35 @@ def test_deployed_engine_identical_and_clean_after_aborts(env, ref_tp1) -> None:
     (closed,) = _events(logs, "connector.closed")
     assert closed["invariants"] == "ok" and closed["requests"] == closed["cache_requests"] == 0
     assert closed["ops"] == closed["batches"] == 0, closed
+
+
+def test_async_scheduling_identical_and_every_save_lands(env, ref_tp1) -> None:  # noqa: ANN001
+    """vLLM's default on a GPU: async scheduling (``AsyncScheduler``: step N+1 is scheduled
+    before step N's tokens are in; vLLM's CPU platform turns it off, the runner keeps it
+    on, and the CPU model runner runs it). The worker half is then gated (``gate: auto``).
+    The three phases, six clients of the second aborting (three before their first
+    token, then after one, three and one): tokens equal vLLM's without a cache, except
+    the aborted requests'. The last finished requests' saves run although no step comes
+    after them: once the engine is idle nothing is in flight, and at shutdown nothing was
+    left. (Before, a save-only batch waited for the next step's release like a load: the
+    engine's last saves never ran, and shutdown dropped them.)"""
+    phases = [dict(p) for p in env["phases"]]
+    phases[1]["aborts"] = [0, 0, 0, 1, 3, 1]
+    logs = env["tmp"] / "logs-async"
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-async'}", namespace_salt="async",
+               log_dir=str(logs))
+    out = run_engine(env["tmp"], "zkv-tp1-async", dict(
+        _spec(env, connector=cfg, phases=phases), async_scheduling=True))
+    (started,) = _events(logs, "connector.worker_started")
+    assert started["gated"] is True, "async scheduling was not on"
+    _same_tokens_but_aborted(out, ref_tp1, phases[1]["aborts"])
+    z = _last(out)
+    assert z["disabled"] is None and z["cm_failed_ops"] == 0 and z["aborted"] == 6
+    assert z["zkv_host_tokens"] + z["zkv_store_tokens"] > 5_000
+    _nothing_left(out)
+    (closed,) = _events(logs, "connector.closed")
+    assert closed["level"] == "info" and closed["ops"] == closed["batches"] == 0, closed
+    assert not _events(logs, "worker.copy_failed")
 
 
 # ================================================================ `vllm serve`, as the README says

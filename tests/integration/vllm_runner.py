@@ -284,7 +284,7 @@ def _update_weights(llm: Any, how: dict[str, Any]) -> None:
             raise RuntimeError("vLLM's cache reset failed")
 
 
-def _follow_up(prompts: list[list[int]], answers: list[list[int]],
+def follow_up(prompts: list[list[int]], answers: list[list[int]],
                new_tokens: int) -> list[list[int]]:
     """Each prompt of the last phase, its answer, and ``new_tokens`` more (a user's next
     message, the same in every run): a chat's next turn."""
@@ -295,6 +295,23 @@ def _follow_up(prompts: list[list[int]], answers: list[list[int]],
             for p, a in zip(prompts, answers)]
 
 
+def _keep_async_scheduling_on_cpu() -> None:
+    """vLLM's CPU platform turns async scheduling off ("not required on CPU"), where on a
+    GPU it is vLLM's default. Keep it when asked: the CPU model runner runs it (the same
+    tokens as without), and vLLM then schedules step N+1 before step N's tokens are in
+    (``AsyncScheduler``), which is what the connector sees on every GPU deployment."""
+    from vllm.platforms import cpu
+
+    update = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def keep(cls: Any, vllm_config: Any) -> None:
+        wanted = vllm_config.scheduler_config.async_scheduling
+        update(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = wanted
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(keep)
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -302,6 +319,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     if spec.get("async_scheduling") is not None:  # vLLM's default: async where it can
         kw["async_scheduling"] = spec["async_scheduling"]
+    if spec.get("async_scheduling"):
+        _keep_async_scheduling_on_cpu()
     if spec.get("speculative") is not None:
         kw["speculative_config"] = spec["speculative"]
     port = None
@@ -332,7 +351,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if ph.get("update_weights"):  # as an RL loop does between rollouts
             _update_weights(llm, ph["update_weights"])
         if ph.get("follow_up"):  # the next turn of each conversation of the last phase
-            ph = dict(ph, prompts=_follow_up(last_prompts, out["phases"][-1]["tokens"],
+            ph = dict(ph, prompts=follow_up(last_prompts, out["phases"][-1]["tokens"],
                                              ph["follow_up"]))
         last_prompts = ph["prompts"]
         sp = SamplingParams(temperature=ph.get("temperature", 0.0), seed=ph.get("seed"),

@@ -1,6 +1,7 @@
-"""The gated Sidecar (an engine that schedules ahead): a batch that touches the KV cache
-runs only after the engine released its seq; storage-only batches are not held; a batch
-never released fails (its layers fail, the scheduler gets a failed ack), nothing hangs."""
+"""The gated Sidecar (an engine that schedules ahead): a batch that writes the KV cache
+runs only after the engine released its seq; saves (d2h: they read blocks whose forward
+ended) and storage-only batches are not held; a batch never released fails (its layers
+fail, the scheduler gets a failed ack), nothing hangs."""
 
 from __future__ import annotations
 
@@ -70,6 +71,26 @@ def test_a_batch_never_released_fails_its_layers_and_its_ack(
     assert not done.ok and "did not release" in str(done.results[0].error)
     later = d.publish([], 1)  # the actor is alive and in order afterwards
     assert poll_until_done(d, later)[later].ok
+
+
+def test_saves_are_not_held_and_a_batch_with_a_load_is(rig: tuple[Dispatcher, Sidecar]) -> None:
+    """The last request to finish has its save published after the last step's release:
+    nothing would ever release it. A save in a batch with a load waits with the load."""
+    d, sc = rig
+    keys = tuple(digest(i) for i in range(2))
+    fill = d.publish([P.Op(0, P.FILL, dst=P.as_ids([3, 5]), keys=keys)], 0)
+    sc.release(fill)
+    assert poll_until_done(d, fill)[fill].ok
+    save = d.publish([P.Op(1, P.D2H, P.as_ids([3, 5]), P.as_ids([0, 1]))], 1)
+    ack = sc.wait_acked(save, 5)  # never released, run at once
+    assert ack is not None and ack.ok and poll_until_done(d, save)[save].ok
+    both = d.publish([P.Op(2, P.D2H, P.as_ids([3]), P.as_ids([2])),
+                      P.Op(3, P.H2D, P.as_ids([0]), P.as_ids([6]), layerwise=True)], 2)
+    assert sc.wait_acked(both, 0.3) is None  # held: it writes block 6
+    assert reference.check_pattern(sc.actor.kv_caches, P.as_ids([6]), keys[:1], 0) == 0
+    sc.release(both)
+    assert poll_until_done(d, both)[both].ok  # block 6 now holds what the save took from 3
+    assert reference.check_pattern(sc.actor.kv_caches, P.as_ids([6]), keys[:1], 0) == 1
 
 
 def test_storage_only_batches_are_not_held(tmp_path) -> None:  # noqa: ANN001

@@ -76,6 +76,10 @@ _new = tuple.__new__  # a NamedTuple built without its Python-level __new__
 _ACK_SEND_TIMEOUT_MS = 10_000
 _COPY_KINDS = (P.D2H, P.BACKUP)
 _SIM_KINDS = (P.FILL, P.CHECK)
+# Gated actors hold a batch until release only if it writes the engine's KV cache (h2d,
+# fill) or stands for a forward (check). d2h / backup read blocks whose forward ended
+# (an engine confirms a block before saving it); s2h / h2s touch no engine block.
+_GATED_KINDS = frozenset((P.H2D, P.FILL, P.CHECK))
 
 
 def _logger(rank: int) -> Any:
@@ -169,8 +173,8 @@ class WorkerActor:
         self._send_lock = threading.Lock()  # the actor and the heartbeat thread share PUSH
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        # Gate (engine sidecar): a batch's copies run only once the engine released its seq,
-        # i.e. the forward passes that came before it are done (see :meth:`release`).
+        # Gate (engine sidecar): a batch that writes engine blocks runs only once the engine
+        # released its seq, i.e. the forward passes before it are done (see :meth:`release`).
         self.gated = gated
         self.gate_timeout_s = gate_timeout_s
         self._gate_lock = threading.RLock()
@@ -190,11 +194,13 @@ class WorkerActor:
         return self._last_seq
 
     def release(self, seq: int) -> None:
-        """The engine allows batches up to ``seq`` to touch its KV cache (thread-safe).
+        """The engine allows batches up to ``seq`` to write its KV cache (thread-safe).
 
         CPU twin of the start event on the compute stream: the engine calls it before the
         forward that reads batch ``seq``'s loads, after the forwards before it finished, so
-        a copy never races a forward on the same blocks. Only gated actors wait for it.
+        a load never writes a block a forward still uses. Only gated actors wait for it,
+        and only batches that write engine blocks (``_GATED_KINDS``); saves read blocks
+        the engine confirmed (their forward ended) and run as they come.
         """
         with self._gate:
             if seq > self._released:
@@ -499,8 +505,9 @@ class WorkerActor:
         results: dict[int, P.OpResult] = {}
         pending: tuple[int, ...] = ()
         self.counter.begin(seq)
-        # Storage-only batches (s2h / h2s) touch no engine block: nothing to wait for.
-        gate = self.gated and any(op.kind not in (P.S2H, P.H2S) for op in batch.ops)
+        # Only a batch that writes engine blocks waits (_GATED_KINDS): a save of the last
+        # request to finish runs although no step comes after it to release it.
+        gate = self.gated and any(op.kind in _GATED_KINDS for op in batch.ops)
         why = self._wait_released(seq) if gate else None
         if why is not None:
             self._log.error(ev.COPY_FAILED, seq=seq, error=why)

@@ -119,7 +119,8 @@ class Sidecar:
     keyring directory), ``ZKV_INSECURE=1`` (plain tcp allowed). The host
     pool is allocated here (page-first, pinned on GPU). ``compute_stream``: the model's
     CUDA stream as a raw handle (default: the default stream); see :class:`WorkerActor`.
-    ``gated``: run a batch only after :meth:`release` (an engine that schedules ahead).
+    ``gated``: run a batch that writes the KV cache (a load) only after :meth:`release`
+    (an engine that schedules ahead); saves and storage I/O run as they come.
     """
 
     def __init__(
@@ -185,7 +186,7 @@ class Sidecar:
         self.actor.counter.wait_layer(seq, layer, timeout)
 
     def release(self, seq: int) -> None:
-        """``gated=True``: batches up to ``seq`` may now touch the KV cache (call it before
+        """``gated=True``: batches up to ``seq`` may now write the KV cache (call it before
         the forward that reads batch ``seq``, once earlier forwards are done)."""
         self.actor.release(seq)
 
