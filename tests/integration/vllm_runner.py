@@ -23,7 +23,9 @@ every sample's tokens come back as ``samples``); ``embeds``: per prompt null or
 ``{"embed_ids": [..], "mask": [bool..] | null}`` (``_with_embeds``; the spec then needs
 ``"prompt_embeds": true``); ``follow_up`` N: the phase's prompts are the last phase's
 with their answers and N more tokens (a chat's next turn); ``async_scheduling``: vLLM's,
-null for its default; ``speculative``: vLLM's ``speculative_config``; ``kv_role``: vLLM's,
+null for its default (true is kept on vLLM's CPU platform, which turns it off:
+``_keep_async_scheduling_on_cpu``); ``kv_load_failure_policy``: vLLM's, ``recompute`` by
+default; ``speculative``: vLLM's ``speculative_config``; ``kv_role``: vLLM's,
 ``kv_both`` by default; ``update_weights``: ``{"scale": x, "reset": bool}`` before the
 phase (``_update_weights``, the EngineCore in this process).
 Output: per phase the generated token ids of every prompt and the wall time, the
@@ -333,7 +335,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ZkvConnector",
             kv_connector_module_path="zkv.integrations.vllm_connector",
-            kv_role=spec.get("kv_role", "kv_both"), kv_load_failure_policy="recompute",
+            kv_role=spec.get("kv_role", "kv_both"),
+            kv_load_failure_policy=spec.get("kv_load_failure_policy", "recompute"),
             kv_connector_extra_config=spec["connector"])
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32",

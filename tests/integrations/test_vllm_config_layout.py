@@ -10,10 +10,24 @@ from zkv.config import CacheLayout, available_memory
 from zkv.integrations.vllm.config import (
     DEFAULT_HOST_BYTES,
     check_host_memory,
+    failure_policy_advice,
     parse_extra_config,
     parse_size,
 )
 from zkv.integrations.vllm.layout import Geometry, kv_views, split_kv
+
+
+@pytest.mark.parametrize(("policy", "asynchronous", "says"), [
+    ("recompute", False, None),
+    ("fail", False, "set kv_load_failure_policy=recompute"),
+    ("fail", True, None),
+    ("recompute", True, "set kv_load_failure_policy=fail"),
+])
+def test_failure_policy_advice(policy: str, asynchronous: bool, says: str | None) -> None:
+    """Synchronous scheduling recovers a failed load by recompute; under async scheduling
+    vLLM 0.32 does not (test_vllm_e2e.py: the engine dies), so ``fail`` is the advice."""
+    hint = failure_policy_advice(policy, asynchronous)
+    assert hint is None if says is None else says in hint
 
 
 def test_defaults() -> None:

@@ -203,6 +203,25 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
     return ZkvVllmConfig(**kw)
 
 
+def failure_policy_advice(policy: str, async_scheduling: bool) -> str | None:
+    """What to say at start about vLLM's ``kv_load_failure_policy`` (None: nothing).
+
+    Synchronous scheduling: ``recompute`` (a failed load costs a recompute, not the
+    request). Async scheduling (vLLM's default on a GPU): vLLM 0.32 does not recover from a
+    failed load by recompute (it leaves the request's output placeholders in place: vLLM
+    issues #45138, #49250; on this machine the engine died with an IndexError in the
+    embedding at the first injected failure), so ``fail`` (the request fails, the engine
+    goes on) or scheduling synchronously."""
+    if async_scheduling and policy == "recompute":
+        return ("vLLM under async scheduling does not recover from a failed load by "
+                "recompute (vLLM #45138, #49250: the engine can die at the first one): set "
+                "kv_load_failure_policy=fail (only that request fails) or --no-async-scheduling")
+    if not async_scheduling and policy != "recompute":
+        return ("set kv_load_failure_policy=recompute: a failed load then costs a recompute, "
+                "not the request")
+    return None
+
+
 def check_host_memory(layout: CacheLayout) -> None:
     """Refuse host pools that do not fit this machine: every rank's pool (the ranks share
     the machine: zkv's sockets are ipc://) within ``POOL_MEMORY_SHARE`` of the memory

@@ -36,7 +36,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from zkv import log as zlog
 from zkv.errors import ConfigError
-from zkv.integrations.vllm.config import ZkvVllmConfig, check_host_memory, parse_extra_config
+from zkv.integrations.vllm.config import (
+    ZkvVllmConfig,
+    check_host_memory,
+    failure_policy_advice,
+    parse_extra_config,
+)
 from zkv.integrations.vllm.ipc import claim_engine_dir, ipc_endpoints
 from zkv.integrations.vllm.layout import Geometry, cache_layout, dtype_name, kv_views
 from zkv.integrations.vllm.scheduler import SchedulerHalf, ZkvMetadata
@@ -204,10 +209,11 @@ class ZkvConnector(KVConnectorBase_V1):
         self.sched = SchedulerHalf(self.cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
                                    store=store, storage_exists=exists,
                                    loads=tc.is_kv_consumer, saves=tc.is_kv_producer)
-        if tc.kv_load_failure_policy != "recompute":
+        asynchronous = bool(vllm_config.scheduler_config.async_scheduling)
+        hint = failure_policy_advice(tc.kv_load_failure_policy, asynchronous)
+        if hint is not None:
             self.sched.log.warning("connector.failure_policy", policy=tc.kv_load_failure_policy,
-                                   hint="set kv_load_failure_policy=recompute: a failed load "
-                                        "then costs a recompute, not the request")
+                                   async_scheduling=asynchronous, hint=hint)
         if self.cfg.metrics_port is not None:
             from zkv.integrations.vllm import metrics
 
