@@ -208,10 +208,11 @@ def failure_policy_advice(policy: str, async_scheduling: bool) -> str | None:
 
     Synchronous scheduling: ``recompute`` (a failed load costs a recompute, not the
     request). Async scheduling (vLLM's default on a GPU): vLLM 0.32 does not recover from a
-    failed load by recompute (it leaves the request's output placeholders in place: vLLM
-    issues #45138, #49250; on this machine the engine died with an IndexError in the
-    embedding at the first injected failure), so ``fail`` (the request fails, the engine
-    goes on) or scheduling synchronously."""
+    failed load by recompute (it leaves the request's output placeholders in place: the
+    request is stranded or recomputed wrong, vLLM issues #45138, #49250; vLLM's CPU runner
+    with async scheduling kept on died with an IndexError in the embedding at the first
+    injected failure), so ``fail`` (the request fails, the engine goes on) or scheduling
+    synchronously."""
     if async_scheduling and policy == "recompute":
         return ("vLLM under async scheduling does not recover from a failed load by "
                 "recompute (vLLM #45138, #49250: the engine can die at the first one): set "
