@@ -255,6 +255,25 @@ def test_unwritable_store_and_injected_load_failures(env, ref_tp1) -> None:  # n
     assert z["disabled"] is None
 
 
+def test_cache_salt_keeps_tenants_apart(env, ref_tp1) -> None:  # noqa: ANN001
+    """vLLM's per-request ``cache_salt`` (tenant isolation): the second phase's requests,
+    the first's documents under another tenant's salt, reuse nothing, from vLLM or zkv;
+    the third phase, the first tenant again, is served by zkv. Tokens equal vLLM's
+    without a cache."""
+    ph = env["phases"]
+    phases = [dict(ph[0], cache_salt="tenant-a"), dict(ph[1], cache_salt="tenant-b"),
+              dict(ph[2], cache_salt="tenant-a")]
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-salt'}", namespace_salt="salt")
+    out = run_engine(env["tmp"], "zkv-tp1-salt", _spec(env, connector=cfg, phases=phases))
+    _same_tokens(out, ref_tp1, phases=3)
+    keys = ("vllm_local_tokens", "zkv_host_tokens", "zkv_store_tokens")
+    first, other, again = (p["zkv"] for p in out["phases"])
+    assert sum(other[k] - first[k] for k in keys) == 0, "another tenant's KV was reused"
+    assert again["zkv_host_tokens"] + again["zkv_store_tokens"] \
+        - other["zkv_host_tokens"] - other["zkv_store_tokens"] > 5_000
+    _nothing_left(out)
+
+
 @pytest.fixture(scope="module")
 def ref_tp2(env: dict[str, Any]) -> dict[str, Any]:
     return run_engine(env["tmp"], "ref-tp2", _spec(env, tp=2))

@@ -21,7 +21,8 @@ vLLM's sampling parameter (vLLM then reads no cache for the request), the logpro
 prompt token comes back; ``n``, ``temperature`` (0: greedy), ``seed``: vLLM's (with n > 1
 every sample's tokens come back as ``samples``); ``embeds``: per prompt null or
 ``{"embed_ids": [..], "mask": [bool..] | null}`` (``_with_embeds``; the spec then needs
-``"prompt_embeds": true``); ``follow_up`` N: the phase's prompts are the last phase's
+``"prompt_embeds": true``); ``cache_salt``: vLLM's, on every prompt of the phase;
+``follow_up`` N: the phase's prompts are the last phase's
 with their answers and N more tokens (a chat's next turn); ``async_scheduling``: vLLM's,
 null for its default (true is kept on vLLM's CPU platform, which turns it off:
 ``_keep_async_scheduling_on_cpu``); ``kv_load_failure_policy``: vLLM's, ``recompute`` by
@@ -362,6 +363,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                             detokenize=False, ignore_eos=True,
                             prompt_logprobs=ph.get("prompt_logprobs"))
         prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
+        if ph.get("cache_salt"):  # vLLM's per-request cache isolation (tenants)
+            prompts = [dict(p, cache_salt=ph["cache_salt"]) for p in prompts]
         if ph.get("embeds"):
             prompts = _with_embeds(spec["model"], ph["prompts"], ph["embeds"])
         if ph.get("idle_s"):
