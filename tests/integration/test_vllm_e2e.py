@@ -123,11 +123,13 @@ def _last(out: dict[str, Any]) -> dict[str, Any]:
 
 def _nothing_left(out: dict[str, Any]) -> None:
     """Once the engine is idle: vLLM holds no request and every block is free again, zkv
-    holds no request, no op, no batch, and its invariants hold."""
+    holds no request, no op, no batch, no step whose output vLLM took, and its
+    invariants hold."""
     s = out["state"]
     assert s["vllm_requests"] == 0 and s["vllm_free_blocks"] == s["vllm_blocks"], s
     assert s["zkv_requests"] == s["zkv_running"] == 0, s
     assert s["zkv_pending_ops"] == s["zkv_in_flight"] == 0 and s["invariants"] == "ok", s
+    assert s["zkv_open_steps"] == s["vllm_queued_steps"] <= 1, s
 
 
 def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
@@ -611,7 +613,7 @@ def test_deployed_engine_identical_and_clean_after_aborts(env, ref_tp1) -> None:
     assert z["zkv_host_tokens"] + z["zkv_store_tokens"] > 5_000
     s = out["state"]
     assert s["zkv_requests"] == s["zkv_running"] == s["zkv_pending_ops"] == 0, s
-    assert s["zkv_in_flight"] == 0, s
+    assert s["zkv_in_flight"] == s["zkv_open_steps"] == 0, s
     (started,) = _events(logs, "connector.worker_started")
     assert started["gated"] is True
     (closed,) = _events(logs, "connector.closed")

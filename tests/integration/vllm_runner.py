@@ -168,9 +168,11 @@ def _where(half: Any, rid: str) -> str:
 
 def _state(llm: Any, half: Any) -> dict[str, Any]:
     """What is left once every request ended: vLLM's requests and free blocks (zkv holds
-    none: a request still there, or a block not free, is a leak), zkv's requests, pending
-    ops and batches, and its invariants."""
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    none: a request still there, or a block not free, is a leak) and the steps it has not
+    taken the output of, zkv's requests, pending ops and batches, the steps whose output
+    it has not had, and its invariants."""
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool
     half.wait_idle(10.0)
     try:
@@ -180,13 +182,17 @@ def _state(llm: Any, half: Any) -> dict[str, Any]:
         invariants = f"broken: {e}"
     return {"vllm_requests": len(sched.requests), "vllm_free_blocks": pool.get_num_free_blocks(),
             "vllm_blocks": pool.num_gpu_blocks - 1,  # the null block is never free
+            # async scheduling: steps scheduled whose output vLLM has not taken yet (the
+            # one scheduled before the last request finished waits for the next step)
+            "vllm_queued_steps": len(getattr(core, "batch_queue", None) or ()),
             **_zkv_left(half.in_flight()), "invariants": invariants}
 
 
 def _zkv_left(fly: dict[str, int]) -> dict[str, Any]:
     """``SchedulerHalf.in_flight()`` (or the ``zkv:in_flight`` gauges) as the state's keys."""
     return {"zkv_requests": fly.get("requests"), "zkv_running": fly.get("cache_requests"),
-            "zkv_pending_ops": fly.get("ops"), "zkv_in_flight": fly.get("batches")}
+            "zkv_pending_ops": fly.get("ops"), "zkv_in_flight": fly.get("batches"),
+            "zkv_open_steps": fly.get("steps")}
 
 
 def _deployed_state(llm: Any, port: int, max_probes: int = 20) -> dict[str, Any]:

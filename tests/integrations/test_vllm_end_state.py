@@ -24,22 +24,49 @@ def _gauges() -> dict[str, float]:
 def test_in_flight_gauges_follow_a_request_and_settle_at_zero(group: Group) -> None:
     half = group.half
     metrics.register_half(half)
-    assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0}
+    assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
+                         "steps": 0}
     req = group.request()
     half.get_num_new_matched_tokens(req, 0)
     blocks = list(range(10, 19))
     half.update_state_after_alloc(req, blocks, 0)
-    half.build_connector_meta(Group.step(req, blocks, 0))
-    half.update_connector_output(())  # the forward ran: 8 full blocks confirmed
+    step = half.build_connector_meta(Group.step(req, blocks, 0)).step
+    assert _gauges()["steps"] == 1  # its output has not come back
+    half.update_connector_output((), step=step)  # the forward ran: 8 full blocks confirmed
     req.num_computed_tokens = req.num_tokens
     req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     g = _gauges()
-    assert g["requests"] == 1 and g["cache_requests"] == 1, g
+    assert g["requests"] == 1 and g["cache_requests"] == 1 and g["steps"] == 0, g
     half.request_finished(req)  # the last save goes out at once
     g = _gauges()
     assert g["requests"] == g["cache_requests"] == 0 and g["batches"] >= 1, g
     assert half.wait_idle(10.0)
-    assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0}
+    assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
+                         "steps": 0}
+
+
+def test_a_step_without_output_does_not_shift_later_outputs(group: Group) -> None:
+    """vLLM reports no output for a step that scheduled no token (requests waiting on a
+    prefetch): its connector output is empty, and vLLM drops it. The next step's output,
+    which the worker halves number, confirms that step's blocks: under write_through they
+    are saved while the request still runs. (Before, outputs were paired with the oldest
+    step not reported yet: the empty step's, so every later step's saves lagged one step
+    more, and the records piled up: 13 left after a three-phase engine run.)"""
+    half = group.half
+    empty = Group.step(group.request(), [], 0)
+    empty.scheduled_new_reqs = []
+    empty.num_scheduled_tokens = {}
+    half.build_connector_meta(empty)  # no token scheduled: vLLM never reports it
+    req = group.request()
+    half.get_num_new_matched_tokens(req, 0)
+    blocks = list(range(10, 19))
+    half.update_state_after_alloc(req, blocks, 0)
+    step = half.build_connector_meta(Group.step(req, blocks, 0)).step
+    half.update_connector_output((), step=step)  # its forward ran everywhere
+    half.build_connector_meta(Group.step(req, [], req.num_tokens))  # the batch goes out
+    assert half.wait_idle(10.0)
+    assert half.snapshot()["saved_blocks"] == 8, "the running request's blocks are saved"
+    assert half.in_flight()["steps"] == 1  # the last one, its output not in yet
 
 
 def test_close_reports_what_is_left_and_broken_invariants(group: Group) -> None:

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -59,6 +60,19 @@ if TYPE_CHECKING:
 
 class ZkvConnectorMetadata(KVConnectorMetadata, ZkvMetadata):
     """:class:`ZkvMetadata` as vLLM's metadata type."""
+
+
+class ZkvWorkerMetadata(KVConnectorWorkerMetadata):
+    """What every worker half sends back with a step's output: the step's number, so the
+    scheduler half pairs the output with its step. It also makes the connector output of a
+    step without tokens non-empty, so that vLLM reports that step too."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, ZkvWorkerMetadata)
+        return self if self.step <= other.step else other  # ranks run steps in lockstep
 
 
 #: Counters reported to vLLM's own stats logging ("KV Transfer metrics: ..."), as deltas.
@@ -260,6 +274,10 @@ class ZkvConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self.worker.load_errors()) if self.worker is not None else set()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta = None if self.worker is None else self.worker.meta
+        return None if meta is None or meta.step < 0 else ZkvWorkerMetadata(meta.step)
+
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -282,7 +300,10 @@ class ZkvConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.sched is not None:
-            self.sched.update_connector_output(connector_output.invalid_block_ids or ())
+            meta = connector_output.kv_connector_worker_meta
+            self.sched.update_connector_output(
+                connector_output.invalid_block_ids or (),
+                step=meta.step if isinstance(meta, ZkvWorkerMetadata) else None)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -15,11 +15,13 @@ every number is the minimum-over-ranks outcome zkv commits on)::
     zkv:host_blocks{state="free|used"}
     zkv:enabled                                           1; 0 once a lost rank turned zkv
                                                           off for the engine (alert on it)
-    zkv:in_flight{what="requests|cache_requests|ops|batches"}
+    zkv:in_flight{what="requests|cache_requests|ops|batches|steps"}
                                                           requests the connector tracks,
                                                           requests holding tree nodes, ops
-                                                          and batches not acked yet: an idle
-                                                          engine's settle at 0 (a leak grows)
+                                                          and batches not acked yet, steps
+                                                          whose output has not come: an idle
+                                                          engine's settle at 0 (a leak grows;
+                                                          steps: 1 under async scheduling)
 
 They live in :data:`zkv.metrics.REGISTRY` (``serve(port)``: 127.0.0.1, ``render()``).
 """
@@ -98,7 +100,8 @@ class _HalfCollector:
         yield on
         fly = GaugeMetricFamily("zkv:in_flight", "Requests the connector tracks (requests), "
                                 "requests holding zkv blocks (cache_requests), ops and batches "
-                                "not acked by every rank yet.", labels=["model", "rank", "what"])
+                                "not acked by every rank yet, steps whose output has not come "
+                                "back (steps).", labels=["model", "rank", "what"])
         for what, v in h.in_flight().items():
             fly.add_metric([*labels, what], v)
         yield fly

@@ -70,8 +70,10 @@ _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_select
 class ZkvMetadata:
     """What the scheduler half tells every worker half for one step (pickled by vLLM).
 
-    ``release_upto``: every batch up to this seq may run (a gated worker finishes all earlier
-    ones before this step's forward); ``fence``: the forward must not start before batch
+    ``step``: the step's number, which the worker halves report back with the step's
+    output (``update_connector_output(step=)``); ``release_upto``: every batch up to this
+    seq may run (a gated worker finishes all earlier ones before this step's forward);
+    ``fence``: the forward must not start before batch
     ``fence`` ran (it saves blocks of a request vLLM just preempted or finished, which this
     forward may reuse; -1: none); ``load_seq`` / ``load_op`` / ``loads``: this step's batch
     with loads, the load op, and its destination blocks in op order; ``unloaded``: blocks
@@ -79,6 +81,7 @@ class ZkvMetadata:
     rank lost): load errors at once, so vLLM recomputes them.
     """
 
+    step: int = -1
     release_upto: int = -1
     fence: int = -1
     load_seq: int | None = None
@@ -219,7 +222,10 @@ class SchedulerHalf:
         self.counts = TokenCounts()
         self.disabled: str | None = None
         self._reqs: dict[str, _Req] = {}
-        self._steps: collections.deque[dict[str, tuple[int, int]]] = collections.deque()
+        # (step, {req_id: (epoch, tokens computed once the step ran)}) per step whose
+        # output has not come back yet
+        self._steps: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = \
+            collections.deque()
         self._dirty: set[str] = set()
         self._fence = -1
         self._promised: list[int] = []  # blocks whose loads vLLM was promised this step
@@ -368,8 +374,8 @@ class SchedulerHalf:
             rec[rid] = (r.epoch, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
         for rid in getattr(so, "preempted_req_ids", None) or ():
             self._preempted(rid)
-        self._steps.append(rec)
-        meta = ZkvMetadata()
+        self._steps.append((self._step, rec))
+        meta = ZkvMetadata(step=self._step)
         ops = self.cm.take_ops()
         seq = self._publish(ops)
         self._saves_published(seq)
@@ -407,18 +413,21 @@ class SchedulerHalf:
         r.prefetched, r.local, r.ext = False, 0, 0
         self.prefetch.forget(rid)
 
-    def update_connector_output(self, invalid_block_ids: Iterable[int]) -> None:
+    def update_connector_output(self, invalid_block_ids: Iterable[int],
+                                step: int | None = None) -> None:
+        """A step's output: ``step``, its number as the worker halves reported it (None: the
+        oldest step whose output has not come)."""
         t0 = time.perf_counter()
         try:
-            self._confirm(set(invalid_block_ids or ()))
+            self._confirm(set(invalid_block_ids or ()), step)
         finally:
             self.counts.sched_s += time.perf_counter() - t0
 
-    def _confirm(self, invalid: set[int]) -> None:
+    def _confirm(self, invalid: set[int], step: int | None) -> None:
         self._poll()
-        if not self._steps:
+        rec = self._take_step(step)
+        if rec is None:
             return
-        rec = self._steps.popleft()
         if invalid:
             self.counts.failed_load_blocks += len(invalid)
         for rid, (epoch, upto) in rec.items():
@@ -432,6 +441,22 @@ class SchedulerHalf:
             # draft's position) has no KV of its own yet.
             r.confirmed = max(r.confirmed, min(upto, r.request.num_tokens - 1))
             self._plan_save(r, final=False)
+
+    def _take_step(self, step: int | None) -> dict[str, tuple[int, int]] | None:
+        """The record of the step whose output came. Outputs come in step order, but vLLM
+        reports none for a step that produced nothing (no token scheduled, an empty
+        connector output): matched by number, such a step's record is dropped here, where
+        taking the oldest record paired every later output with an earlier step's (after
+        each request waiting on a prefetch, saves lagged one more step, and the records
+        piled up)."""
+        steps = self._steps
+        if step is None:
+            return steps.popleft()[1] if steps else None
+        while steps and steps[0][0] < step:
+            steps.popleft()
+        if steps and steps[0][0] == step:
+            return steps.popleft()[1]
+        return None
 
     def request_finished(self, request: Any) -> bool:
         """Always False: vLLM frees the blocks; the last save fences the next forward."""
@@ -611,9 +636,12 @@ class SchedulerHalf:
     def in_flight(self) -> dict[str, int]:
         """What is not over yet: requests the connector tracks, requests holding zkv blocks,
         ops and batches every rank has not acked (an idle engine's settle at 0 once a step
-        committed the last acks; nothing polls an idle engine)."""
+        committed the last acks; nothing polls an idle engine), steps whose output has not
+        come back (under async scheduling vLLM keeps the last one it scheduled until its
+        next step)."""
         return {"requests": len(self._reqs), "cache_requests": self.cm.num_running(),
-                "ops": self.cm.num_pending_ops, "batches": self.dp.in_flight}
+                "ops": self.cm.num_pending_ops, "batches": self.dp.in_flight,
+                "steps": len(self._steps)}
 
     def close(self) -> None:
         """Report what is left (``connector.closed``: info, a warning when something was
@@ -627,8 +655,11 @@ class SchedulerHalf:
             broken = str(e) or "assertion failed"
             self.log.error(INVARIANTS_BROKEN, error=broken[:500])
         left = self.in_flight()
-        report = self.log.info if broken is None and not any(left.values()) else self.log.warning
+        # an open step is no leak: under async scheduling vLLM keeps the step it scheduled
+        # before the last request finished, and a later output drops older records
+        leak = any(v for k, v in left.items() if k != "steps")
+        report = self.log.info if broken is None and not leak else self.log.warning
         report(CONNECTOR_CLOSED, invariants="ok" if broken is None else "broken",
-               steps=self._step, disabled=self.disabled, **left)
+               num_steps=self._step, disabled=self.disabled, **left)
         self.cm.flush_logs()
         self.dp.close()
