@@ -336,9 +336,12 @@ class CacheManager:
         }
 
     def flush_logs(self) -> None:
-        """Write what the rate-limited warnings still hold back (how many failed s2h / h2s
-        were only counted). Call it when the manager's work ends."""
+        """Write what the rate-limited warnings still hold back (how many failed s2h / h2s,
+        and storage queries, were only counted). Call it when the manager's work ends."""
         self.core.io_failed_log.flush()
+        flush = getattr(self.core.storage_exists, "flush_logs", None)
+        if flush is not None:
+            flush()
 
     def check_invariants(self) -> None:
         """Assert every invariant of the design; O(everything), for tests."""

@@ -4,6 +4,9 @@
 one batched ``exists`` (one round trip on Redis and Mooncake) and returns the length of
 the prefix present on every rank. A store error is no exception for the scheduling loop:
 it returns 0 (a miss), logs ``storage.query_failed`` and counts ``stats.query_failures``.
+An outage fails every request's query (vLLM asks again each step for a waiting request):
+the event is rate-limited (``zkv.log.repeating``: a few lines per window, then one with
+``num_suppressed``), the count is not.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ from zkv import log as ev
 from zkv.storage.base import Store, pack_key
 
 _log = ev.get_logger("storage")
+_failed = ev.repeating(_log, ev.QUERY_FAILED)
 
 
-def leading_present(store: Store, hashes: Sequence[bytes], world_size: int) -> int:
-    """Leading blocks of ``hashes`` present for every rank ``0..world_size-1``."""
+def leading_present(store: Store, hashes: Sequence[bytes], world_size: int,
+                    failed: ev.RateLimited | None = None) -> int:
+    """Leading blocks of ``hashes`` present for every rank ``0..world_size-1``. ``failed``:
+    where a failed query is logged (default: this module's rate-limited logger)."""
     if not hashes:
         return 0
     w = world_size
@@ -26,7 +32,7 @@ def leading_present(store: Store, hashes: Sequence[bytes], world_size: int) -> i
         found = store.exists(keys)
     except Exception as e:  # never into the scheduling loop
         store._count(query_failures=1)
-        _log.error(ev.QUERY_FAILED, store=store.url, num_blocks=len(hashes), error=str(e))
+        (failed or _failed)(store=store.url, num_blocks=len(hashes), error=str(e))
         return 0
     n = 0
     for i in range(len(hashes)):
@@ -45,6 +51,11 @@ class StorageQuery:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.store = store
         self.world_size = world_size
+        self.failed = ev.repeating(_log, ev.QUERY_FAILED)
 
     def __call__(self, hashes: Sequence[bytes]) -> int:
-        return leading_present(self.store, hashes, self.world_size)
+        return leading_present(self.store, hashes, self.world_size, self.failed)
+
+    def flush_logs(self) -> None:
+        """Write how many failed queries were only counted (``CacheManager.flush_logs``)."""
+        self.failed.flush()
