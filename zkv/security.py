@@ -532,6 +532,19 @@ def remove_run_dir(path: str) -> None:
         shutil.rmtree(path)
 
 
+def live_owner(path: str) -> int | None:
+    """The pid of the live process other than this one that claimed ``path``
+    (:func:`claim_dir`), or None (unclaimed, claimed by this process, or its owner gone)."""
+    try:
+        with open(os.path.join(path, _OWNER_FILE), encoding="ascii") as f:
+            pid = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if pid == os.getpid() or not _owner_alive(path):
+        return None
+    return pid
+
+
 def _owner_alive(path: str) -> bool:
     """True unless the run's owner file names a process that is gone (or was replaced by
     another with the same pid). Without a readable owner file: left alone (True)."""

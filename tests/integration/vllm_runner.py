@@ -26,7 +26,8 @@ every sample's tokens come back as ``samples``); ``embeds``: per prompt null or
 with their answers and N more tokens (a chat's next turn); ``async_scheduling``: vLLM's,
 null for its default (true is kept on vLLM's CPU platform, which turns it off:
 ``_keep_async_scheduling_on_cpu``); ``kv_load_failure_policy``: vLLM's, ``recompute`` by
-default; ``speculative``: vLLM's ``speculative_config``; ``kv_role``: vLLM's,
+default; ``engine_id``: vLLM's ``kv_transfer_config.engine_id`` (null: vLLM's own);
+``speculative``: vLLM's ``speculative_config``; ``kv_role``: vLLM's,
 ``kv_both`` by default; ``update_weights``: ``{"scale": x, "reset": bool}`` before the
 phase (``_update_weights``, the EngineCore in this process).
 Output: per phase the generated token ids of every prompt and the wall time, the
@@ -344,6 +345,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             kv_connector_module_path="zkv.integrations.vllm_connector",
             kv_role=spec.get("kv_role", "kv_both"),
             kv_load_failure_policy=spec.get("kv_load_failure_policy", "recompute"),
+            engine_id=spec.get("engine_id"),
             kv_connector_extra_config=spec["connector"])
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32",

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 
-from zkv.integrations.vllm.ipc import claim_engine_dir, ipc_endpoints
+from zkv.errors import ConfigError
+from zkv.integrations.vllm.ipc import claim_engine_dir, engine_dir_name, ipc_endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 CLAIM = "import sys; from zkv import security; security.claim_dir(sys.argv[1]); " \
@@ -44,3 +45,34 @@ def test_a_killed_engines_directory_goes_at_the_next_start(tmp_path: Path,
         assert claim_engine_dir(ours) == []  # ours is claimed by this (live) process
         assert running.stdin is not None
         running.stdin.close()  # (leaving the block waits for it)
+
+
+def test_an_engine_id_a_live_engine_owns_stops_the_engine_at_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engines on one machine with the same ``kv_transfer_config.engine_id`` (a fixed
+    id copied into both configs) would share one socket directory: the second's ranks
+    joined the first's sockets (refused there), and it died two minutes later on a join
+    timeout. Now its start stops with one line naming the other engine."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    d = ipc_endpoints("fixed-id", create=True)[2]
+    with _owner(d) as first:
+        with pytest.raises(ConfigError, match=rf"another engine \(pid {first.pid}\) on this "
+                                              r"machine uses engine_id 'fixed-id'"):
+            claim_engine_dir(d)
+        assert os.path.isdir(d)  # the first engine's sockets stay
+        assert first.stdin is not None
+        first.stdin.close()
+    assert claim_engine_dir(d) == []  # its owner gone: the next engine takes it
+    assert claim_engine_dir(d) == []  # and claims again in its own process
+
+
+def test_engine_ids_that_differ_past_forty_characters_get_their_own_directories() -> None:
+    """vLLM names data-parallel engines ``<uuid>_dp<rank>``: 36 + 4 characters up to rank
+    9, 41 from rank 10, where the old 40-character cut gave ``_dp10`` rank 1's sockets."""
+    uid = "0f8fad5b-d9cb-469f-a165-70867728950e"
+    names = [engine_dir_name(f"{uid}_dp{r}") for r in range(16)]
+    assert len(set(names)) == 16 and all(len(n) <= 40 for n in names)
+    assert names[1] == f"{uid}_dp1"  # ids that fit keep their name
+    long = [engine_dir_name(f"prefill-node-{i}-" + "x" * 40) for i in range(3)]
+    assert len(set(long)) == 3 and all(len(n) == 40 for n in long)
+    assert engine_dir_name("a/b") == "a_b"

@@ -4,14 +4,21 @@ it) and its worker halves (which connect)::
 
     worker halves: ipc_endpoints(create=True)      (vLLM registers caches first)
     scheduler half: ipc_endpoints(create=True) ─► claim_engine_dir: owner file = its pid,
-                    and the directories of engines whose scheduler was killed are removed
+                    and the directories of engines whose scheduler was killed are removed;
+                    a directory a live engine owns stops this one (the same engine_id)
     shutdown: the scheduler half removes its directory
+
+The directory's name is the engine_id when it fits (40 characters: a socket path has a
+length limit), else its first 27 characters and a digest of the whole, so engine_ids that
+differ only past the 40th character (vLLM's ``<uuid>_dp1`` and ``<uuid>_dp10``) do not
+share sockets.
 
 No vLLM import here (tests use it without an engine).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import tempfile
@@ -20,11 +27,13 @@ from zkv import log as zlog
 from zkv import security
 from zkv.errors import ConfigError
 
+_NAME_CHARS = 40  # {tmp}/zkv-{uid}/{name}/pull stays well inside a socket path's limit
+
 
 def ipc_endpoints(engine_id: str, create: bool) -> tuple[str, str, str]:
     """(pub, pull, directory) of an engine: ``{tmp}/zkv-{uid}/{engine_id}``, mode 0700."""
     base = os.path.join(tempfile.gettempdir(), f"zkv-{os.getuid()}")
-    d = os.path.join(base, engine_id.replace("/", "_")[:40])
+    d = os.path.join(base, engine_dir_name(engine_id))
     if create:
         for path in (base, d):
             os.makedirs(path, mode=0o700, exist_ok=True)
@@ -36,10 +45,28 @@ def ipc_endpoints(engine_id: str, create: bool) -> tuple[str, str, str]:
     return f"ipc://{d}/pub", f"ipc://{d}/pull", d
 
 
+def engine_dir_name(engine_id: str) -> str:
+    """The socket directory's name for ``engine_id`` (unique per engine_id, <= 40 chars)."""
+    name = engine_id.replace("/", "_")
+    if len(name) <= _NAME_CHARS:
+        return name
+    digest = hashlib.blake2b(engine_id.encode(), digest_size=6).hexdigest()
+    return f"{name[:_NAME_CHARS - len(digest) - 1]}-{digest}"
+
+
 def claim_engine_dir(path: str) -> list[str]:
     """The scheduler half owns its engine's socket directory (it removes it at shutdown);
     the directories of engines whose scheduler process was killed are removed here, at the
-    next engine's start. Returns what was removed."""
+    next engine's start. Returns what was removed. A directory a live engine owns is the
+    same ``engine_id`` on this machine twice: :class:`ConfigError` (the engine stops at
+    start), where before the second engine's ranks never joined and it died two minutes
+    later on a timeout."""
+    pid = security.live_owner(path)
+    if pid is not None:
+        raise ConfigError(
+            f"zkv: another engine (pid {pid}) on this machine uses engine_id "
+            f"{os.path.basename(path)!r}: give each engine its own "
+            f"kv_transfer_config.engine_id, or leave it unset")
     security.claim_dir(path)
     removed = security.clean_stale_runs(tempfile.gettempdir(), names=None)
     if removed:
