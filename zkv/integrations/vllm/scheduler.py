@@ -73,12 +73,12 @@ class ZkvMetadata:
     ``step``: the step's number, which the worker halves report back with the step's
     output (``update_connector_output(step=)``); ``release_upto``: every batch up to this
     seq may run (a gated worker finishes all earlier ones before this step's forward);
-    ``fence``: the forward must not start before batch
-    ``fence`` ran (it saves blocks of a request vLLM just preempted or finished, which this
-    forward may reuse; -1: none); ``load_seq`` / ``load_op`` / ``loads``: this step's batch
-    with loads, the load op, and its destination blocks in op order; ``unloaded``: blocks
-    vLLM was told zkv would load but no batch will (zkv turned off after the promise, a
-    rank lost): load errors at once, so vLLM recomputes them.
+    ``fence``: the forward must not start before batch ``fence`` ran (it saves blocks of a
+    request vLLM just preempted or finished, which this forward may reuse; -1: none);
+    ``load_seq`` / ``load_op`` / ``loads``: this step's batch with loads, the load op, and
+    its destination blocks in op order; ``unloaded``: blocks vLLM was told zkv would load
+    but no batch will (zkv turned off after the promise, a rank lost): load errors at once,
+    so vLLM recomputes them.
     """
 
     step: int = -1
