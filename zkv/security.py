@@ -535,27 +535,32 @@ def remove_run_dir(path: str) -> None:
 def live_owner(path: str) -> int | None:
     """The pid of the live process other than this one that claimed ``path``
     (:func:`claim_dir`), or None (unclaimed, claimed by this process, or its owner gone)."""
-    try:
-        with open(os.path.join(path, _OWNER_FILE), encoding="ascii") as f:
-            pid = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+    owner = _read_owner(path)
+    if owner is None or owner[0] == os.getpid() or not _running(*owner):
         return None
-    if pid == os.getpid() or not _owner_alive(path):
-        return None
-    return pid
+    return owner[0]
 
 
 def _owner_alive(path: str) -> bool:
     """True unless the run's owner file names a process that is gone (or was replaced by
     another with the same pid). Without a readable owner file: left alone (True)."""
+    owner = _read_owner(path)
+    return owner is None or owner[0] == os.getpid() or _running(*owner)
+
+
+def _read_owner(path: str) -> tuple[int, str] | None:
+    """(pid, start time) from ``path``'s owner file, None when it is missing or unreadable."""
     try:
         with open(os.path.join(path, _OWNER_FILE), encoding="ascii") as f:
             pid_text, start = f.read().split()
-        pid = int(pid_text)
+        return int(pid_text), start
     except (OSError, ValueError):
-        return True
-    if pid == os.getpid():
-        return True
+        return None
+
+
+def _running(pid: int, start: str) -> bool:
+    """Whether process ``pid`` is the one that started at ``start`` and still runs (another
+    user's process: assumed so)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
