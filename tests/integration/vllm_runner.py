@@ -33,7 +33,8 @@ phase (``_update_weights``, the EngineCore in this process).
 Output: per phase the generated token ids of every prompt and the wall time, the
 connector's scheduler-side snapshot after each phase, zkv's Prometheus metrics and, with
 the EngineCore in this process, ``state``: what is left once the engine has nothing to do
-(vLLM's requests and free blocks, zkv's requests, pending ops and batches, invariants); as
+(vLLM's requests, free blocks and queued steps, zkv's requests, pending ops, batches and
+open steps, invariants); as
 deployed, zkv's part of it from the ``zkv:in_flight`` gauges once tiny probe requests (no
 full block: nothing to load or save) made the idle engine step and commit the last acks.
 
