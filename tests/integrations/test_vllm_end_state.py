@@ -53,10 +53,7 @@ def test_a_step_without_output_does_not_shift_later_outputs(group: Group) -> Non
     step not reported yet: the empty step's, so every later step's saves lagged one step
     more, and the records piled up: 13 left after a three-phase engine run.)"""
     half = group.half
-    empty = Group.step(group.request(), [], 0)
-    empty.scheduled_new_reqs = []
-    empty.num_scheduled_tokens = {}
-    half.build_connector_meta(empty)  # no token scheduled: vLLM never reports it
+    half.build_connector_meta(Group.empty_step())  # no token scheduled: vLLM never reports it
     req = group.request()
     half.get_num_new_matched_tokens(req, 0)
     blocks = list(range(10, 19))

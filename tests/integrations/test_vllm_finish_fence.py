@@ -25,13 +25,6 @@ def _request(rid: str, first: int, num_blocks: int) -> Any:
         mm_features=[])
 
 
-def _empty_step() -> Any:
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
-                             num_computed_tokens=[])
-    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={}, preempted_req_ids=set())
-
-
 @pytest.mark.parametrize("status", ["FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED"])
 def test_the_last_save_fences_the_next_forward(group: Group, status: str) -> None:
     half = group.half
@@ -47,10 +40,10 @@ def test_the_last_save_fences_the_next_forward(group: Group, status: str) -> Non
     assert half.request_finished(req) is False  # vLLM frees the blocks now
     seq = half.dp.next_seq - 1
     assert seq == seq_before, "the last save goes out at once, in its own batch"
-    meta = half.build_connector_meta(_empty_step())
+    meta = half.build_connector_meta(Group.empty_step())
     assert meta.fence == seq and meta.release_upto >= seq, \
         "the next forward could write the blocks before the save read them"
-    assert half.build_connector_meta(_empty_step()).fence == -1  # one step only
+    assert half.build_connector_meta(Group.empty_step()).fence == -1  # one step only
     assert half.wait_idle(10.0)
     assert half.snapshot()["saved_blocks"] == 6
     assert half.cm.num_running() == 0 and not half._reqs
@@ -71,4 +64,5 @@ def test_nothing_to_save_fences_nothing(group: Group) -> None:
     req.status = SimpleNamespace(name="FINISHED_STOPPED")
     seq_before = half.dp.next_seq
     assert half.request_finished(req) is False
-    assert half.dp.next_seq == seq_before and half.build_connector_meta(_empty_step()).fence == -1
+    assert half.dp.next_seq == seq_before
+    assert half.build_connector_meta(Group.empty_step()).fence == -1

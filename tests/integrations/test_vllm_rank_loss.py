@@ -66,6 +66,14 @@ class Group:
                                num_scheduled_tokens={req.request_id: req.num_tokens - computed},
                                preempted_req_ids=set())
 
+    @staticmethod
+    def empty_step() -> Any:
+        """A step that scheduled no token (every request waiting, e.g. on a prefetch)."""
+        cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                 num_computed_tokens=[])
+        return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                               num_scheduled_tokens={}, preempted_req_ids=set())
+
     def compute_and_save(self) -> None:
         """One request computes DOC (nothing cached yet) and zkv saves its blocks."""
         saved = self.half.snapshot()["saved_blocks"]
