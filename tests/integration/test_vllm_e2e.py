@@ -276,6 +276,33 @@ def test_cache_salt_keeps_tenants_apart(env, ref_tp1) -> None:  # noqa: ANN001
     _nothing_left(out)
 
 
+def test_lora_adapters_never_share_kv(env) -> None:  # noqa: ANN001
+    """vLLM's LoRA adapters on the k/v projections make the KV itself differ: five
+    documents under adapter a, then adapter b, then the base model reuse nothing from zkv
+    (each is another chain), and adapter a again is served by zkv. Tokens equal vLLM's
+    without a cache, LoRA on, in every phase."""
+    from tests.integration.vllm_runner import build_lora
+
+    adapters = [{"name": n, "id": i + 1,
+                 "path": build_lora(str(env["tmp"] / f"lora-{n}"), env["model"], seed=i + 1)}
+                for i, n in enumerate("ab")]
+    docs = env["phases"][0]["prompts"][:5]
+    phases = [{"name": "a", "prompts": docs, "lora": adapters[0]},
+              {"name": "b", "prompts": docs, "lora": adapters[1]},
+              {"name": "base", "prompts": docs},
+              {"name": "a-again", "prompts": docs[::-1], "lora": adapters[0]}]
+    ref = run_engine(env["tmp"], "ref-tp1-lora", dict(_spec(env, phases=phases), lora_rank=8))
+    assert len({str(p["tokens"]) for p in ref["phases"][:3]}) == 3  # three KVs, three answers
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-lora'}")
+    out = run_engine(env["tmp"], "zkv-tp1-lora",
+                     dict(_spec(env, connector=cfg, phases=phases), lora_rank=8))
+    _same_tokens(out, ref)
+    loaded = [p["zkv"]["loaded_blocks"] for p in out["phases"]]
+    assert loaded[:3] == [0, 0, 0], f"another adapter's KV was reused: {loaded}"
+    assert loaded[3] > 150, loaded  # ~39 blocks a document, five documents
+    _nothing_left(out)
+
+
 @pytest.fixture(scope="module")
 def ref_tp2(env: dict[str, Any]) -> dict[str, Any]:
     return run_engine(env["tmp"], "ref-tp2", _spec(env, tp=2))

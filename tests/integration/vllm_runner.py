@@ -27,7 +27,9 @@ with their answers and N more tokens (a chat's next turn); ``async_scheduling``:
 null for its default (true is kept on vLLM's CPU platform, which turns it off:
 ``_keep_async_scheduling_on_cpu``); ``kv_load_failure_policy``: vLLM's, ``recompute`` by
 default; ``engine_id``: vLLM's ``kv_transfer_config.engine_id`` (null: vLLM's own);
-``speculative``: vLLM's ``speculative_config``; ``kv_role``: vLLM's,
+``speculative``: vLLM's ``speculative_config``; ``lora_rank``: vLLM's ``max_lora_rank``
+(LoRA on; null: off) and per phase ``lora``: ``{"name", "id", "path"}``, vLLM's
+``LoRARequest`` for every prompt of the phase (``build_lora`` makes one); ``kv_role``: vLLM's,
 ``kv_both`` by default; ``update_weights``: ``{"scale": x, "reset": bool}`` before the
 phase (``_update_weights``, the EngineCore in this process).
 Output: per phase the generated token ids of every prompt and the wall time, the
@@ -70,6 +72,38 @@ def build_tiny_llama(path: str, *, layers: int = 4, hidden: int = 256, heads: in
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(path)
+    return path
+
+
+def build_lora(path: str, model: str, *, seed: int, rank: int = 8,
+               targets: tuple[str, ...] = ("k_proj", "v_proj")) -> str:
+    """A random LoRA adapter (PEFT's layout, as vLLM loads it) for ``model``'s attention
+    projections: on k/v the adapter changes the KV itself. PEFT starts lora_B at zero (a
+    no-op adapter); here both factors are random, so each adapter gives other tokens."""
+    if os.path.exists(os.path.join(path, "adapter_config.json")):
+        return path
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    hidden = cfg["hidden_size"]
+    head = hidden // cfg["num_attention_heads"]
+    width = {"q_proj": hidden, "o_proj": hidden, "k_proj": cfg["num_key_value_heads"] * head,
+             "v_proj": cfg["num_key_value_heads"] * head}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for m in targets:
+            key = f"base_model.model.model.layers.{i}.self_attn.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) / 2
+            tensors[f"{key}.lora_B.weight"] = torch.randn(width[m], rank, generator=gen) / 2
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+                   "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none",
+                   "target_modules": list(targets), "base_model_name_or_path": model}, f)
     return path
 
 
@@ -295,6 +329,14 @@ def _update_weights(llm: Any, how: dict[str, Any]) -> None:
             raise RuntimeError("vLLM's cache reset failed")
 
 
+def _lora_request(lora: dict[str, Any] | None) -> Any:
+    if not lora:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora["name"], lora["id"], lora["path"])
+
+
 def follow_up(prompts: list[list[int]], answers: list[list[int]],
                new_tokens: int) -> list[list[int]]:
     """Each prompt of the last phase, its answer, and ``new_tokens`` more (a user's next
@@ -334,6 +376,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         _keep_async_scheduling_on_cpu()
     if spec.get("speculative") is not None:
         kw["speculative_config"] = spec["speculative"]
+    if spec.get("lora_rank"):
+        kw.update(enable_lora=True, max_lora_rank=spec["lora_rank"], max_loras=2)
     port = None
     if spec.get("connector") is not None and spec.get("multiprocess"):
         from tests.servers import free_port
@@ -376,6 +420,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             prompts = [dict(p, cache_salt=ph["cache_salt"]) for p in prompts]
         if ph.get("embeds"):
             prompts = _with_embeds(spec["model"], ph["prompts"], ph["embeds"])
+        lora = _lora_request(ph.get("lora"))
         if ph.get("idle_s"):
             time.sleep(ph["idle_s"])  # an idle server: no request, so no step, no poll
         t = time.perf_counter()
@@ -388,10 +433,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             res, lat = [], []
             for i in range(0, len(prompts), group):
                 t1 = time.perf_counter()
-                res += llm.generate(prompts[i : i + group], sp, use_tqdm=False)
+                res += llm.generate(prompts[i : i + group], sp, use_tqdm=False,
+                                    lora_request=lora)
                 lat.append(time.perf_counter() - t1)
         else:
-            res, lat = llm.generate(prompts, sp, use_tqdm=False), []
+            res, lat = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora), []
         wall = time.perf_counter() - t
         if half is not None:
             half._poll()
