@@ -359,6 +359,46 @@ def test_engines_whose_kv_differs_never_read_each_others_blocks(env, writer, rea
     _nothing_left(second)
 
 
+def test_hub_models_share_by_commit_and_a_new_revision_reads_nothing(env, ref_tp1  # noqa: ANN001
+                                                                   ) -> None:
+    """A hub model (``org/name``) from two machines' Hugging Face caches in other places:
+    the second engine reads the first's blocks (the namespace names the commit, not the
+    cache's path), and once ``main`` moves to a new revision (new weights, the same
+    config.json) an engine reads none of them. Tokens equal vLLM's without a cache at
+    each revision. (Before, offline vLLM's snapshot path named the namespace, so caches
+    in other places never shared; online, ``org/name@main`` stayed one namespace across
+    revisions.)"""
+    from tests.integration.vllm_runner import build_tiny_llama
+
+    old, new = "a" * 40, "b" * 40
+    caches = [env["tmp"] / f"hub-{m}" for m in ("one", "two")]
+    for cache in caches:
+        repo = cache / "models--zkv-test--tiny"
+        shutil.copytree(env["model"], repo / "snapshots" / old)  # ref_tp1's model
+        build_tiny_llama(str(repo / "snapshots" / new), seed=1)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(old)
+    cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-hub'}")
+    phases = env["phases"][:1]
+
+    def run(name: str, cache: Path, connector: dict[str, Any] | None) -> dict[str, Any]:
+        spec = dict(_spec(env, connector=connector, phases=phases), model="zkv-test/tiny",
+                    hf_hub_cache=str(cache))
+        return run_engine(env["tmp"], name, spec)
+
+    run("zkv-hub-writer", caches[0], cfg)
+    reader = run("zkv-hub-reader", caches[1], cfg)
+    _same_tokens(reader, ref_tp1, phases=1)
+    assert _last(reader)["zkv_store_tokens"] > 5_000, "the other cache's engine shared nothing"
+    (caches[1] / "models--zkv-test--tiny" / "refs" / "main").write_text(new)
+    ref = run("ref-hub-new", caches[1], None)
+    assert ref["phases"][0]["tokens"] != ref_tp1["phases"][0]["tokens"]  # other weights
+    fresh = run("zkv-hub-new", caches[1], cfg)
+    _same_tokens(fresh, ref)
+    assert _last(fresh)["zkv_store_tokens"] == 0, "read the old revision's blocks"
+    _nothing_left(fresh)
+
+
 def test_prompts_with_embeddings_share_only_equal_blocks(env) -> None:  # noqa: ANN001
     """Prompts given as embeddings, with vLLM's ``enable_prompt_embeds``: four mixed
     prompts (a chat completion with ``prompt_embeds`` parts makes them) with the same token

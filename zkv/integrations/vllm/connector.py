@@ -11,19 +11,16 @@ The scheduler half (:mod:`.scheduler`) lives in the EngineCore process and binds
 Dispatcher on ``ipc://`` sockets in a per-engine 0700 directory named after vLLM's
 ``engine_id``; each worker half (:mod:`.worker`) starts a Sidecar that connects to them.
 Both halves derive the same :class:`~zkv.config.CacheLayout` (and so the same L3
-namespace: the model's identity (``model_identity``: path/name, revision, config digest,
+namespace: the model's identity (:mod:`.identity`: path or hub commit, config digest,
 ``hf_overrides``, quantization, vLLM's KV cache dtype), block geometry and dtype, per-rank
 heads, world size, byte layout) from vLLM's config and KV cache spec.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
-import orjson
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -43,6 +40,7 @@ from zkv.integrations.vllm.config import (
     failure_policy_advice,
     parse_extra_config,
 )
+from zkv.integrations.vllm.identity import model_identity
 from zkv.integrations.vllm.ipc import claim_engine_dir, ipc_endpoints
 from zkv.integrations.vllm.layout import Geometry, cache_layout, dtype_name, kv_views
 from zkv.integrations.vllm.scheduler import SchedulerHalf, ZkvMetadata
@@ -120,33 +118,6 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Geometr
                     spec.head_size, dtype_name(spec.dtype), kv_cache_config.num_blocks)
 
 
-def model_identity(vllm_config: VllmConfig) -> str:
-    """What the KV of a token chain depends on besides the geometry (which the layout
-    carries): name or path, revision, for a local directory a digest of its config.json,
-    and where they are set, vLLM's ``hf_overrides`` (a RoPE or other config change the
-    file does not show), weight quantization, and the KV cache dtype with the model dtype
-    it was computed in (vLLM keeps every fp8 / quantized KV format in uint8 tensors, so
-    the geometry's dtype cannot tell ``fp8_e4m3`` from ``fp8_e5m2``). Unset ones add
-    nothing, so the namespaces of plain engines stay what they were."""
-    mc = vllm_config.model_config
-    ident = f"{mc.model}@{mc.revision or 'main'}"
-    cfg_path = os.path.join(str(mc.model), "config.json")
-    if os.path.isfile(cfg_path):
-        with open(cfg_path, "rb") as f:
-            ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
-    overrides = getattr(mc, "hf_overrides", None)
-    if overrides:
-        text = (f"{overrides.__module__}.{overrides.__qualname__}" if callable(overrides)
-                else orjson.dumps(overrides, option=orjson.OPT_SORT_KEYS, default=str).decode())
-        ident += "|hf=" + hashlib.sha256(text.encode()).hexdigest()[:16]
-    if getattr(mc, "quantization", None):
-        ident += f"|q={mc.quantization}"
-    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-    if cache_dtype != "auto":
-        ident += f"|kv={cache_dtype}/{mc.dtype}"
-    return ident
-
-
 def world_size(vllm_config: VllmConfig) -> int:
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size != 1:
@@ -183,7 +154,7 @@ class ZkvConnector(KVConnectorBase_V1):
         self.geo = geometry(vllm_config, kv_cache_config)
         self.world_size = world_size(vllm_config)
         self.engine_id = str(tc.engine_id)
-        self.model = model_identity(vllm_config) + (f"|{self.cfg.namespace_salt}"
+        self.model = model_identity(vllm_config.model_config, vllm_config.cache_config) + (f"|{self.cfg.namespace_salt}"
                                                      if self.cfg.namespace_salt else "")
         self.sched: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None

@@ -1,0 +1,94 @@
+"""The model's identity in the L3 namespace (zkv.integrations.vllm.identity), on
+Hugging Face caches laid out as huggingface_hub lays them out (refs/, snapshots/)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+from huggingface_hub.hf_api import ResolvedRevision
+
+from zkv.integrations.vllm.identity import model_identity, model_source
+
+A, B = "a" * 40, "b" * 40
+REPO = "zkv-test/tiny"
+
+
+def hub_cache(root: Path, main: str, config: dict[str, dict[str, int]] | None = None) -> Path:
+    """A cache holding snapshots A and B of REPO (``config``: per commit; the same
+    config.json by default), with refs/main at ``main``."""
+    repo = root / "models--zkv-test--tiny"
+    for commit in (A, B):
+        snap = repo / "snapshots" / commit
+        snap.mkdir(parents=True, exist_ok=True)
+        (snap / "config.json").write_text(json.dumps((config or {}).get(commit, {"layers": 4})))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(main)
+    return root
+
+
+def ident(model: str, revision: object = None, cache: Path | None = None, **kw: object) -> str:
+    mc = NS(model=model, revision=revision, hf_overrides=None, quantization=None,
+            dtype="float32", **kw)
+    return model_identity(mc, NS(cache_dtype="auto"), str(cache) if cache else None)
+
+
+def test_a_snapshot_is_named_by_its_commit_not_by_the_machines_cache(tmp_path: Path) -> None:
+    """vLLM offline gives the snapshot's path: two machines' caches in other places
+    (another user, HF_HOME) name the same commit alike, and the online hub id too."""
+    one, two = hub_cache(tmp_path / "one", A), hub_cache(tmp_path / "two", A)
+    snap = "models--zkv-test--tiny/snapshots/" + A
+    first, second = ident(str(one / snap)), ident(str(two / snap) + "/")
+    assert first == second
+    assert first.startswith(f"hub:models--zkv-test--tiny@{A}#")
+    assert ident(REPO, ResolvedRevision(initial=None, resolved=A), cache=one) == first
+
+
+def test_a_new_revision_under_the_same_name_is_another_model(tmp_path: Path) -> None:
+    """A revision pushed to main (new weights, the same config.json) is another
+    namespace, whether vLLM resolved the commit or only the local cache's ref knows it."""
+    cache = hub_cache(tmp_path, A)
+    old = ident(REPO, None, cache=cache)
+    (cache / "models--zkv-test--tiny" / "refs" / "main").write_text(B)
+    new = ident(REPO, None, cache=cache)
+    assert old.startswith(f"hub:models--zkv-test--tiny@{A}#")
+    assert new.startswith(f"hub:models--zkv-test--tiny@{B}#") and new != old
+    assert ident(REPO, ResolvedRevision(initial=None, resolved=A), cache=cache) == old
+    assert ident(REPO, B, cache=cache) == new  # a commit asked for by hash
+
+
+def test_the_config_digest_tells_snapshots_of_one_commit_name_apart(tmp_path: Path) -> None:
+    cache = hub_cache(tmp_path, A, config={A: {"layers": 4}, B: {"layers": 8}})
+    snap = cache / "models--zkv-test--tiny" / "snapshots"
+    assert ident(str(snap / A)).split("#")[1] != ident(str(snap / B)).split("#")[1]
+
+
+def test_a_hub_id_nothing_knows_keeps_its_name(tmp_path: Path) -> None:
+    """Online, before the download, with no commit resolved: the name and revision, as
+    before (nothing is asked of the network here)."""
+    assert ident("org/unknown", None, cache=tmp_path) == "org/unknown@main"
+    assert ident("org/unknown", "v2", cache=tmp_path) == "org/unknown@v2"
+
+
+def test_a_local_directory_keeps_the_identity_it_had(tmp_path: Path) -> None:
+    """Unchanged for local models, so their stores keep their namespaces."""
+    (tmp_path / "config.json").write_text("{}")
+    out = ident(str(tmp_path))
+    assert out.startswith(f"{tmp_path}@main#") and len(out.split("#")[1]) == 16
+    assert ident(str(tmp_path / "gone")) == f"{tmp_path / 'gone'}@main"
+
+
+@pytest.mark.parametrize("extra, part", [
+    ({"hf_overrides": {"rope_parameters": {"rope_type": "yarn"}}}, "|hf="),
+    ({"quantization": "awq"}, "|q=awq"),
+])
+def test_settings_that_change_the_kv_are_in_it(tmp_path: Path, extra: dict[str, object],
+                                               part: str) -> None:
+    mc = NS(model=str(tmp_path), revision=None, hf_overrides=None, quantization=None,
+            dtype="float32")
+    plain = model_identity(mc, NS(cache_dtype="auto"))
+    changed = model_identity(NS(**{**vars(mc), **extra}), NS(cache_dtype="auto"))
+    assert part in changed and part not in plain
+    assert "|kv=fp8_e5m2/float32" in model_identity(mc, NS(cache_dtype="fp8_e5m2"))

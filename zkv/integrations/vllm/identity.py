@@ -1,0 +1,104 @@
+"""The model's identity in the L3 namespace: what a token chain's KV depends on besides
+the geometry (which the layout carries).
+
+::
+
+    model vLLM was given          identity
+    local directory               <path>@<revision or main>#<config.json digest>
+    Hugging Face cache snapshot   hub:models--<org>--<name>@<commit>#<digest>
+      (.../models--org--name/snapshots/<commit>: vLLM swaps a hub id for it offline)
+    hub id (org/name)             hub:models--<org>--<name>@<commit>#<digest>
+                                  (the commit vLLM resolved, else the local cache's ref)
+    hub id, commit unknown        <org/name>@<revision or main>
+
+A hub model is named by its commit, not by where a machine keeps its cache, so engines
+on machines with other cache directories (another user, ``HF_HOME``), online or offline,
+share a store, and a new revision pushed under the same name (new weights, same config)
+never reads the old one's KV. Then, where set: ``hf_overrides`` (a RoPE or other config
+change the file does not show), weight quantization, and the KV cache dtype with the
+model dtype it was computed in (vLLM keeps every fp8 / quantized KV format in uint8
+tensors, so the geometry's dtype cannot tell ``fp8_e4m3`` from ``fp8_e5m2``). Unset ones
+add nothing, so the namespaces of plain engines stay what they were.
+
+Weights rewritten in place in a local directory under an unchanged config.json are not
+seen (reading them all would cost a load's worth of I/O at every start): the caller
+announces them, with ``namespace_salt`` across restarts or vLLM's
+``reset_prefix_cache(reset_connector=True)`` in a running engine.
+
+Free of vLLM (it reads the configs' attributes), so it is testable without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Any
+
+import orjson
+
+_SNAPSHOT = re.compile(r"(?:^|/)(?P<repo>models--[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})$")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def hub_folder(repo_id: str) -> str:
+    """The Hugging Face cache's folder name for a model repo (``org/name``)."""
+    return "models--" + repo_id.replace("/", "--")
+
+
+def _cached_config(repo_id: str, revision: str | None, hub_cache: str | None) -> str | None:
+    """config.json of ``repo_id`` at ``revision`` (a branch, tag or commit; None: main) in
+    the local Hugging Face cache, or None: no network is asked."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - vLLM depends on it
+        return None
+    try:
+        path = try_to_load_from_cache(repo_id, "config.json", cache_dir=hub_cache,
+                                      revision=revision)
+    except Exception:  # noqa: BLE001 - not a repo id (a missing local path): unknown
+        return None
+    return path if isinstance(path, str) else None
+
+
+def model_source(model: str, revision: Any, hub_cache: str | None = None
+                 ) -> tuple[str, str | None]:
+    """(name with revision, its config.json's path or None) for the model vLLM loads;
+    see the module docstring. ``revision``: vLLM's, a str or huggingface_hub's
+    ``ResolvedRevision`` (a str equal to the branch asked for, ``.resolved`` the commit)."""
+    path = os.path.normpath(model) if os.path.isabs(model) or os.path.isdir(model) else model
+    snap = _SNAPSHOT.search(path)
+    if snap is not None and os.path.isdir(path):
+        return f"hub:{snap['repo']}@{snap['commit']}", os.path.join(path, "config.json")
+    if os.path.isdir(path) or os.path.isabs(path):
+        return f"{model}@{revision or 'main'}", os.path.join(path, "config.json")
+    commit = getattr(revision, "resolved", None)
+    commit = commit if isinstance(commit, str) and _COMMIT.fullmatch(commit) else None
+    cfg = _cached_config(model, commit or (str(revision) if revision else None), hub_cache)
+    if commit is None and cfg is not None:
+        snap = _SNAPSHOT.search(os.path.dirname(os.path.normpath(cfg)))
+        commit = snap["commit"] if snap is not None else None
+    if commit is None:
+        return f"{model}@{revision or 'main'}", cfg
+    return f"hub:{hub_folder(model)}@{commit}", cfg
+
+
+def model_identity(model_config: Any, cache_config: Any, hub_cache: str | None = None) -> str:
+    """The identity of vLLM's ``model_config`` / ``cache_config``; see the module
+    docstring. ``hub_cache``: the Hugging Face cache (None: huggingface_hub's default)."""
+    mc = model_config
+    ident, cfg_path = model_source(str(mc.model), getattr(mc, "revision", None), hub_cache)
+    if cfg_path is not None and os.path.isfile(cfg_path):
+        with open(cfg_path, "rb") as f:
+            ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
+    overrides = getattr(mc, "hf_overrides", None)
+    if overrides:
+        text = (f"{overrides.__module__}.{overrides.__qualname__}" if callable(overrides)
+                else orjson.dumps(overrides, option=orjson.OPT_SORT_KEYS, default=str).decode())
+        ident += "|hf=" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    if getattr(mc, "quantization", None):
+        ident += f"|q={mc.quantization}"
+    cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
+    if cache_dtype != "auto":
+        ident += f"|kv={cache_dtype}/{mc.dtype}"
+    return ident
