@@ -28,6 +28,7 @@ from zkv.integrations.vllm import metrics
 from zkv.integrations.vllm.config import parse_extra_config
 from zkv.integrations.vllm.scheduler import SchedulerHalf
 from zkv.integrations.vllm.worker import WorkerHalf
+from zkv.storage import StorageQuery, open_store
 
 BS = 16
 DOC = [(7 * i + 3) % 1000 for i in range(8 * BS)]  # 8 full blocks
@@ -37,15 +38,21 @@ TIMEOUT_S = 1.0  # the heartbeat timeout the half runs with
 
 
 class Group:
-    def __init__(self, folder: str) -> None:
+    """``store_url``: an L3 store, opened by the worker process and the half alike."""
+
+    def __init__(self, folder: str, store_url: str | None = None) -> None:
         pub, pull = endpoints(folder)
+        extra = {"ZKV_STORE_URL": store_url} if store_url else {}
         self.proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"],
-                                     env=worker_env(0, LAYOUT.to_json(), pub, pull),
+                                     env=worker_env(0, LAYOUT.to_json(), pub, pull, **extra),
                                      stdin=subprocess.DEVNULL)
-        cfg = parse_extra_config({"host_blocks": 64, "storage": "none",
+        cfg = parse_extra_config({"host_blocks": 64, "storage": store_url or "none",
                                   "heartbeat_timeout_s": TIMEOUT_S})
+        self.store = open_store(store_url, LAYOUT.fingerprint()) if store_url else None
         self.half = SchedulerHalf(cfg, LAYOUT, pub_endpoint=pub, pull_endpoint=pull,
-                                  join_timeout_s=60)
+                                  store=self.store, join_timeout_s=60,
+                                  storage_exists=StorageQuery(self.store, 1)
+                                  if self.store else None)
         self.n = 0
 
     def request(self) -> Any:
@@ -74,8 +81,10 @@ class Group:
         return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
                                num_scheduled_tokens={}, preempted_req_ids=set())
 
-    def compute_and_save(self) -> None:
-        """One request computes DOC (nothing cached yet) and zkv saves its blocks."""
+    def compute_and_save(self, wait: bool = True) -> Any:
+        """One request computes DOC (nothing cached yet) and zkv saves its blocks
+        (``wait``: the half commits the saves' acks before this returns, as the next
+        call would). The finished request."""
         saved = self.half.snapshot()["saved_blocks"]
         req = self.request()
         ext, _ = self.half.get_num_new_matched_tokens(req, 0)
@@ -87,8 +96,10 @@ class Group:
         req.num_computed_tokens = req.num_tokens
         req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
         self.half.request_finished(req)
-        assert self.half.wait_idle(10.0)
-        assert self.half.snapshot()["saved_blocks"] == saved + 8
+        if wait:
+            assert self.half.wait_idle(10.0)
+            assert self.half.snapshot()["saved_blocks"] == saved + 8
+        return req
 
     def freeze_worker(self) -> None:
         """SIGSTOP the worker, read what it sent before, and let the timeout pass with

@@ -29,12 +29,19 @@ loads (one batch per step). vLLM may free a preempted request's blocks in that v
 request's saves are published at once and fence the next forward like a preempted one's;
 a gated worker half runs every batch published before a step's metadata to completion
 before that step's forward anyway, and a batch's saves (d2h) before its loads (h2d).
+
+vLLM calls nothing while its engine is idle, so a thread of the half's own, the pump,
+commits acks once vLLM has been quiet for ``PUMP_IDLE_S`` and publishes the L3 ops that
+follow them (h2s of saved blocks, s2h): a finished request's blocks reach the store
+without a next request. Ops on vLLM's blocks (loads, saves) still travel only from
+vLLM's calls. One lock orders the pump, vLLM's calls and the metrics scrapes.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -46,12 +53,13 @@ from zkv import log as zlog
 from zkv.config import CacheLayout
 from zkv.errors import RankLost
 from zkv.integrations.vllm.config import ZkvVllmConfig
-from zkv.protocol import H2D
+from zkv.protocol import BACKUP, D2H, H2D
 from zkv.scheduler.dispatcher import Dispatcher
 from zkv.scheduler.hashing import ROOT_HASH, MultiModalItem, hash_tokens
 from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 from zkv.scheduler.manager import (
     LOAD,
+    SAVE,
     WRITE_BACK,
     WRITE_THROUGH_SELECTIVE,
     CacheConfig,
@@ -63,6 +71,13 @@ CONNECTOR_CLOSED = "connector.closed"
 INVARIANTS_BROKEN = "connector.invariants_broken"
 STEP_PUBLISHED = "connector.batch_published"
 PROMISE_NOT_LOADED = "connector.promise_not_loaded"
+PUMP_FAILED = "connector.pump_failed"
+# The pump (SchedulerHalf._pump): how often it looks while batches are in flight, and how
+# long vLLM must have called nothing before it steps in.
+PUMP_INTERVAL_S = 0.002
+PUMP_IDLE_S = 0.005
+# ops that read or write vLLM's blocks: they travel with a step's batch, never the pump's
+_STEP_KINDS = (LOAD, SAVE, H2D, D2H, BACKUP)
 _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_selective keeps
 
 
@@ -235,18 +250,61 @@ class SchedulerHalf:
         self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         from zkv.integrations.vllm import metrics
 
-        metrics.register_half(self)
         self._batch_seconds = metrics.BATCH_SECONDS.labels(layout.model, "all")
+        # vLLM's calls (EngineCore's thread), the pump and the metrics scrapes take turns
+        self._lock = threading.RLock()
+        self._last_call = time.perf_counter()
+        self._stop = threading.Event()
+        self._kick = threading.Event()  # set at each publish: the pump wakes
+        self._pump_thread = threading.Thread(target=self._pump, name="zkv-pump", daemon=True)
+        self._pump_thread.start()
+        metrics.register_half(self)
+
+    def _called(self, t0: float) -> None:
+        """The end of one of vLLM's calls that began at ``t0`` (perf_counter)."""
+        self._last_call = t1 = time.perf_counter()
+        self.counts.sched_s += t1 - t0
+
+    def _pump(self) -> None:
+        """vLLM calls nothing while its engine is idle, and commits and publishes nothing of
+        zkv's then: acks would wait for the next request, and with them what follows an ack
+        (a saved block's L3 write, the next prefetch read), so a finished request's blocks
+        would reach the store only when another request came, too late for an engine that
+        shares it (P/D, a router sending the next turn elsewhere). While batches are in
+        flight and vLLM has called nothing for ``PUMP_IDLE_S``, this thread commits the
+        acks and publishes the L3 ops that follow (s2h, h2s: host pool and store only);
+        ops on vLLM's blocks wait for a step's batch. It takes the same lock as vLLM's
+        calls, so the two never interleave."""
+        while not self._stop.is_set():
+            if not self.dp.in_flight:  # a hint, read without the lock
+                self._kick.wait(1.0)
+                self._kick.clear()
+                continue
+            if self._stop.wait(PUMP_INTERVAL_S) or self.disabled:
+                return
+            if time.perf_counter() - self._last_call < PUMP_IDLE_S:
+                continue
+            with self._lock:
+                if self._stop.is_set() or self.disabled:
+                    return
+                if time.perf_counter() - self._last_call < PUMP_IDLE_S:
+                    continue
+                try:
+                    self._poll()
+                    self._flush(keep=_STEP_KINDS)
+                except Exception as e:  # noqa: BLE001 - never silently: vLLM's calls go on
+                    self.log.error(PUMP_FAILED, error=f"{type(e).__name__}: {e}")
 
     # ------------------------------------------------------------ vLLM calls
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        t0 = time.perf_counter()
-        try:
-            return self._num_matched(request, num_computed_tokens)
-        finally:
-            self.counts.sched_s += time.perf_counter() - t0
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                return self._num_matched(request, num_computed_tokens)
+            finally:
+                self._called(t0)
 
     def _num_matched(self, request: Any, local: int) -> tuple[int | None, bool]:
         if self.disabled or (getattr(request, "prompt_token_ids", None) is None
@@ -295,11 +353,12 @@ class SchedulerHalf:
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._after_alloc(request, block_ids, num_external_tokens)
-        finally:
-            self.counts.sched_s += time.perf_counter() - t0
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                self._after_alloc(request, block_ids, num_external_tokens)
+            finally:
+                self._called(t0)
 
     def _after_alloc(self, request: Any, block_ids: list[int], ext: int) -> None:
         r = self._reqs.get(request.request_id)
@@ -344,11 +403,12 @@ class SchedulerHalf:
         c.computed += max(0, r.request.num_prompt_tokens - r.local - ext)
 
     def build_connector_meta(self, so: Any) -> ZkvMetadata:
-        t0 = time.perf_counter()
-        try:
-            return self._build_meta(so)
-        finally:
-            self.counts.sched_s += time.perf_counter() - t0
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                return self._build_meta(so)
+            finally:
+                self._called(t0)
 
     def _build_meta(self, so: Any) -> ZkvMetadata:
         self._step += 1
@@ -417,11 +477,12 @@ class SchedulerHalf:
                                 step: int | None = None) -> None:
         """A step's output: ``step``, its number as the worker halves reported it (None: the
         oldest step whose output has not come)."""
-        t0 = time.perf_counter()
-        try:
-            self._confirm(set(invalid_block_ids or ()), step)
-        finally:
-            self.counts.sched_s += time.perf_counter() - t0
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                self._confirm(set(invalid_block_ids or ()), step)
+            finally:
+                self._called(t0)
 
     def _confirm(self, invalid: set[int], step: int | None) -> None:
         self._poll()
@@ -460,11 +521,12 @@ class SchedulerHalf:
 
     def request_finished(self, request: Any) -> bool:
         """Always False: vLLM frees the blocks; the last save fences the next forward."""
-        t0 = time.perf_counter()
-        try:
-            self._finished(request)
-        finally:
-            self.counts.sched_s += time.perf_counter() - t0
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                self._finished(request)
+            finally:
+                self._called(t0)
         return False
 
     def _finished(self, request: Any) -> None:
@@ -556,6 +618,7 @@ class SchedulerHalf:
             return None
         try:
             seq = self.dp.publish(ops, self._step)
+            self._kick.set()
         except RankLost as e:
             self._disable(f"rank {e.rank} lost: {e.reason}")
             self.cm.fail_pending()
@@ -567,7 +630,8 @@ class SchedulerHalf:
         """Commit acks until no batch is in flight (shutdown, tests, benchmarks)."""
         deadline = time.monotonic() + timeout_s
         while self.dp.in_flight and time.monotonic() < deadline:
-            self._poll(min(0.1, max(0.0, deadline - time.monotonic())))
+            with self._lock:
+                self._poll(min(0.1, max(0.0, deadline - time.monotonic())))
         return not self.dp.in_flight
 
     def _poll(self, timeout_s: float = 0.0) -> None:
@@ -617,11 +681,16 @@ class SchedulerHalf:
         before, in the host pool or in L3, by this engine or another, is matched again; it
         ages out. A waiting request is hashed anew when next matched; a running one saves
         nothing more (its KV may be of both weights). O(1)."""
-        self._generation = os.urandom(16)
-        self.log.info("connector.cache_reset", num_requests=len(self._reqs))
+        with self._lock:
+            self._generation = os.urandom(16)
+            self.log.info("connector.cache_reset", num_requests=len(self._reqs))
         return True
 
     def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
         c = self.counts
         return {"requests": c.requests, "vllm_local_tokens": c.vllm_local,
                 "zkv_host_tokens": c.zkv_host, "zkv_store_tokens": c.zkv_store,
@@ -635,19 +704,27 @@ class SchedulerHalf:
 
     def in_flight(self) -> dict[str, int]:
         """What is not over yet: requests the connector tracks, requests holding zkv blocks,
-        ops and batches every rank has not acked (an idle engine's settle at 0 once a step
-        committed the last acks; nothing polls an idle engine), steps whose output has not
+        ops and batches every rank has not acked (an idle engine's settle at 0 once the pump
+        committed the last acks, within milliseconds), steps whose output has not
         come back (under async scheduling vLLM keeps the last one it scheduled until its
         next step)."""
-        return {"requests": len(self._reqs), "cache_requests": self.cm.num_running(),
-                "ops": self.cm.num_pending_ops, "batches": self.dp.in_flight,
-                "steps": len(self._steps)}
+        with self._lock:
+            return {"requests": len(self._reqs), "cache_requests": self.cm.num_running(),
+                    "ops": self.cm.num_pending_ops, "batches": self.dp.in_flight,
+                    "steps": len(self._steps)}
 
     def close(self) -> None:
         """Report what is left (``connector.closed``: info, a warning when something was
         left; ``connector.invariants_broken``, an error, if the pools and the tree disagree;
         one O(tree) check), then close. vLLM stops the workers first, so batches still in
         flight are reported, not waited for."""
+        self._stop.set()
+        self._kick.set()
+        self._pump_thread.join(timeout=5.0)
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         try:
             self.cm.check_invariants()
             broken = None

@@ -1,0 +1,89 @@
+"""An idle engine's last saves reach L3 without another call from vLLM (the scheduler
+half's pump), against a real worker process and a real ``file://`` store.
+
+vLLM calls nothing while its engine is idle. Before the pump, the acks of a finished
+request's saves waited for the next request, and the L3 writes that follow them with
+them: another engine sharing the store (a P/D decode instance, the next turn routed
+elsewhere) found none of the blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+
+from tests.integrations.test_vllm_rank_loss import BS, DOC, Group
+from tests.worker.helpers import short_ipc_dir
+from zkv.scheduler.hashing import ROOT_HASH, hash_tokens
+from zkv.storage import leading_present
+
+DEADLINE_S = 10.0
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[Group]:
+    with short_ipc_dir() as folder:
+        g = Group(folder, store_url=f"file://{tmp_path / 'l3'}")
+        try:
+            yield g
+        finally:
+            g.close()
+
+
+def _until(what: object, deadline_s: float = DEADLINE_S) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if what():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)  # the pump's own pace is milliseconds
+    return False
+
+
+def test_a_finished_requests_blocks_reach_l3_with_no_further_call(group: Group) -> None:
+    hashes = hash_tokens(DOC, BS, parent=ROOT_HASH)
+    assert len(hashes) == 8
+    group.compute_and_save(wait=False)  # then vLLM calls nothing: the engine is idle
+    assert group.store is not None
+    assert _until(lambda: leading_present(group.store, hashes, 1) == 8), \
+        f"{leading_present(group.store, hashes, 1)} of 8 blocks in L3 while idle"
+    # and nothing is left in flight: the gauges an operator reads settle too
+    assert _until(lambda: group.half.in_flight()["batches"] == 0)
+    assert group.half.in_flight()["ops"] == 0
+    snap = group.half.snapshot()
+    assert snap["saved_blocks"] == 8 and snap["cm_stored"] == 8, snap
+
+
+def test_the_pump_leaves_loads_to_the_step(group: Group) -> None:
+    """A load travels in its step's batch (the forward waits on that batch's seq), never
+    in the pump's: while a save is in flight (the worker frozen) and vLLM has called
+    nothing for a while, the load planned for the next step stays for it."""
+    group.compute_and_save()  # DOC's blocks in the host pool
+    other = group.request()  # another document, computed, its save in flight
+    other.prompt_token_ids = other.all_token_ids = [t + 1 for t in DOC] + [0]
+    ext, _ = group.half.get_num_new_matched_tokens(other, 0)
+    assert ext == 0
+    group.half.update_state_after_alloc(other, list(range(40, 49)), 0)
+    group.half.build_connector_meta(group.step(other, list(range(40, 49)), 0))
+    group.half.update_connector_output(())
+    os.kill(group.proc.pid, signal.SIGSTOP)
+    try:
+        other.num_computed_tokens, other.status = other.num_tokens, NS(name="FINISHED_STOPPED")
+        group.half.request_finished(other)
+        assert group.half.in_flight()["batches"] >= 1
+        req = group.request()
+        ext, _ = group.half.get_num_new_matched_tokens(req, 0)
+        assert ext == 8 * BS
+        blocks = list(range(20, 29))
+        group.half.update_state_after_alloc(req, blocks, ext)
+        time.sleep(0.1)  # idle, a batch in flight: the pump's turn, many times over
+    finally:
+        os.kill(group.proc.pid, signal.SIGCONT)
+    meta = group.half.build_connector_meta(group.step(req, blocks, ext))
+    assert meta.loads == blocks[:8] and not meta.unloaded
+    assert group.half.wait_idle(10.0)
