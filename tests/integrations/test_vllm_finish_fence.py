@@ -37,7 +37,7 @@ def test_the_last_save_fences_the_next_forward(group: Group, status: str) -> Non
     req.num_computed_tokens = req.num_tokens
     req.status = SimpleNamespace(name=status)
     seq_before = half.dp.next_seq
-    assert half.request_finished(req) is False  # vLLM frees the blocks now
+    assert half.request_finished(req) == (False, None)  # vLLM frees the blocks now
     seq = half.dp.next_seq - 1
     assert seq == seq_before, "the last save goes out at once, in its own batch"
     meta = half.build_connector_meta(Group.empty_step())
@@ -63,6 +63,6 @@ def test_nothing_to_save_fences_nothing(group: Group) -> None:
     req.num_computed_tokens = req.num_tokens
     req.status = SimpleNamespace(name="FINISHED_STOPPED")
     seq_before = half.dp.next_seq
-    assert half.request_finished(req) is False
+    assert half.request_finished(req) == (False, None)
     assert half.dp.next_seq == seq_before
     assert half.build_connector_meta(Group.empty_step()).fence == -1

@@ -87,3 +87,19 @@ def test_the_pump_leaves_loads_to_the_step(group: Group) -> None:
     meta = group.half.build_connector_meta(group.step(req, blocks, ext))
     assert meta.loads == blocks[:8] and not meta.unloaded
     assert group.half.wait_idle(10.0)
+
+
+def test_l3_writes_opened_by_an_engine_call_are_published_once_it_is_idle(group: Group
+                                                                          ) -> None:
+    """The save's ack committed by one of vLLM's calls, not by the pump: the L3 writes it
+    opens wait for no step (vLLM's last call of a request publishes nothing more)."""
+    hashes = hash_tokens(DOC, BS, parent=ROOT_HASH)
+    group.compute_and_save(wait=False)
+    end = time.monotonic() + DEADLINE_S
+    while group.half.snapshot()["cm_saved_external"] < 8:  # vLLM calls, ~every ms
+        assert time.monotonic() < end, "the save was never acked"
+        group.half.update_connector_output(())
+        time.sleep(0.001)
+    assert group.half.in_flight()["batches"] == 0  # committed by that call: the pump idle
+    assert _until(lambda: leading_present(group.store, hashes, 1) == 8), \
+        f"{leading_present(group.store, hashes, 1)} of 8 blocks in L3 while idle"

@@ -38,16 +38,18 @@ TIMEOUT_S = 1.0  # the heartbeat timeout the half runs with
 
 
 class Group:
-    """``store_url``: an L3 store, opened by the worker process and the half alike."""
+    """``store_url``: an L3 store, opened by the worker process and the half alike;
+    ``extra``: more of the connector's configuration."""
 
-    def __init__(self, folder: str, store_url: str | None = None) -> None:
+    def __init__(self, folder: str, store_url: str | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         pub, pull = endpoints(folder)
-        extra = {"ZKV_STORE_URL": store_url} if store_url else {}
-        self.proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"],
-                                     env=worker_env(0, LAYOUT.to_json(), pub, pull, **extra),
-                                     stdin=subprocess.DEVNULL)
         cfg = parse_extra_config({"host_blocks": 64, "storage": store_url or "none",
-                                  "heartbeat_timeout_s": TIMEOUT_S})
+                                  "heartbeat_timeout_s": TIMEOUT_S, **(extra or {})})
+        env = {"ZKV_STORE_URL": store_url} if store_url else {}
+        self.proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"],
+                                     env=worker_env(0, LAYOUT.to_json(), pub, pull, **env),
+                                     stdin=subprocess.DEVNULL)
         self.store = open_store(store_url, LAYOUT.fingerprint()) if store_url else None
         self.half = SchedulerHalf(cfg, LAYOUT, pub_endpoint=pub, pull_endpoint=pull,
                                   store=self.store, join_timeout_s=60,
@@ -81,12 +83,15 @@ class Group:
         return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
                                num_scheduled_tokens={}, preempted_req_ids=set())
 
-    def compute_and_save(self, wait: bool = True) -> Any:
+    def compute_and_save(self, wait: bool = True, params: dict[str, Any] | None = None
+                         ) -> dict[str, Any] | None:
         """One request computes DOC (nothing cached yet) and zkv saves its blocks
         (``wait``: the half commits the saves' acks before this returns, as the next
-        call would). The finished request."""
+        call would). ``params``: the request's kv_transfer_params. The kv_transfer_params
+        the half answers with."""
         saved = self.half.snapshot()["saved_blocks"]
         req = self.request()
+        req.kv_transfer_params = params
         ext, _ = self.half.get_num_new_matched_tokens(req, 0)
         assert ext == 0
         blocks = list(range(9))
@@ -95,11 +100,11 @@ class Group:
         self.half.update_connector_output(())
         req.num_computed_tokens = req.num_tokens
         req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-        self.half.request_finished(req)
+        _, answer = self.half.request_finished(req)
         if wait:
             assert self.half.wait_idle(10.0)
             assert self.half.snapshot()["saved_blocks"] == saved + 8
-        return req
+        return answer
 
     def freeze_worker(self) -> None:
         """SIGSTOP the worker, read what it sent before, and let the timeout pass with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -458,3 +459,47 @@ def test_sidecar_without_environment_is_a_config_error(monkeypatch: pytest.Monke
         Sidecar(kv, layout=LAYOUT, backend="cpu")
     with pytest.raises(ConfigError, match="ZKV_PUB_ENDPOINT"):
         Sidecar(kv, layout=LAYOUT, rank=0, backend="cpu")
+
+
+# ---------------------------------------------------------------- inside a host process
+
+
+def _affinity(tid: str) -> str:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return next(ln.split()[1] for ln in f if ln.startswith("Cpus_allowed_list"))
+
+
+def test_zkv_threads_run_on_every_cpu_when_the_host_pinned_its_thread(
+        stack: ExitStack, folder: str, tmp_path: Path) -> None:
+    """vLLM's CPU worker pins the thread that builds the connector (its OpenMP thread) to
+    one core; threads inherit that. The Sidecar's threads (the actor's, its heartbeats,
+    zmq's, the store's I/O pool) run on every CPU instead."""
+    every = os.sched_getaffinity(0)
+    assert len(every) >= 2, "needs two CPUs (CI has them): nothing to pin away from"
+    ctx: zmq.Context[Any] = zmq.Context()
+    stack.callback(ctx.term)
+    pub, pull = endpoints(folder)
+    fake = FakeScheduler(ctx, pub, pull)
+    stack.callback(fake.close)
+    before = set(os.listdir("/proc/self/task"))
+    built: list[Sidecar] = []
+
+    def host_worker() -> None:  # what vLLM's CPU worker does before it builds the connector
+        os.sched_setaffinity(0, {min(every)})
+        kv = kernels.get_backend("cpu").allocate_device_cache(LAYOUT)
+        built.append(Sidecar(kv, layout=LAYOUT, rank=1, pub_endpoint=pub, pull_endpoint=pull,
+                             backend="cpu", heartbeat_interval_s=0.05,
+                             store=LocalDirStore(tmp_path / "l3", "ns")))
+
+    t = threading.Thread(target=host_worker)
+    t.start()
+    t.join()
+    (sc,) = built
+    stack.callback(sc.close)
+    fake.wait_ready({1})
+    fake.send(_batch_frames(0, (P.Op(1, P.H2S, _ids(0, 1), _ids(), _keys(2)),)))
+    assert _ack(fake).ok  # the store's I/O threads exist now
+    new = set(os.listdir("/proc/self/task")) - before
+    assert len(new) >= 3, new
+    want = _affinity(str(threading.get_native_id()))  # this thread's: every CPU
+    assert {tid: _affinity(tid) for tid in new} == dict.fromkeys(new, want)

@@ -66,8 +66,11 @@ class PrefetchTracker:
         self.num_timed_out = 0      # requests scheduled before their loads were acked
         self.num_completed = 0      # requests whose loads were all acked first
 
-    def start(self, req_id: str, num_tokens: int, now: float) -> None:
-        self._deadline[req_id] = now + self.policy.budget_s(num_tokens)
+    def start(self, req_id: str, num_tokens: int, now: float,
+              budget_s: float | None = None) -> None:
+        """``budget_s``: this request's own (default: the policy's for ``num_tokens``)."""
+        self._deadline[req_id] = now + (self.policy.budget_s(num_tokens) if budget_s is None
+                                        else budget_s)
 
     def waiting(self, req_id: str) -> bool:
         return req_id in self._deadline

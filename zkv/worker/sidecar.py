@@ -30,6 +30,23 @@ from zkv.worker.actor import WorkerActor
 _JOIN_TIMEOUT_S = 2.0
 
 
+def run_on_every_cpu() -> None:
+    """Let the calling thread run on every CPU the process may use. A thread inherits its
+    creator's CPU affinity, and the host process may have pinned that one to its compute
+    cores (vLLM's CPU worker binds the thread that runs its OpenMP kernels, and so the
+    thread that starts the Sidecar, to one core per rank): zkv's copy and I/O threads then
+    queue behind the model on that core while the others idle. (Seen with two engines on
+    two cores: a producer's L3 writes waited 20 s behind the other engine's worker.) The
+    kernel keeps the set within the process's cpuset. Where affinity cannot be set, the
+    inherited one stays."""
+    try:
+        every = set(range(os.cpu_count() or 1))
+        if os.sched_getaffinity(0) != every:
+            os.sched_setaffinity(0, every)
+    except (AttributeError, OSError):  # not Linux, or a cpuset that refuses the set
+        pass
+
+
 def resolve_backend(backend: Any, device: int | None = None) -> Any:
     """A backend object from a name (``"auto"``, ``"cpu"``, ``"cupy"``) on ``device``
     (None: the rank's device from the environment, see :func:`device_from_env`), or the
@@ -159,9 +176,13 @@ class Sidecar:
             heartbeat_interval_s=heartbeat_interval_s, compute_stream=compute_stream,
             gated=gated, keys=client_keys, insecure=insecure,
         )
-        self._thread = threading.Thread(target=self.actor.run, name=f"zkv-worker-{rank}",
+        self._thread = threading.Thread(target=self._run, name=f"zkv-worker-{rank}",
                                         daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        run_on_every_cpu()  # before the actor starts its own threads: they inherit it
+        self.actor.run()
 
     @property
     def rank(self) -> int:

@@ -18,7 +18,9 @@ Keys (all optional)::
                                           wait_complete | best_effort
     prefetch_base_ms         float >= 0   timeout policy: budget = base + per_ki_token x
     prefetch_per_ki_token_ms float >= 0   prompt tokens / 1024, at most max (defaults 50,
-    prefetch_max_ms          float >= 0   50 and 2000 ms; zkv.scheduler.prefetch)
+    prefetch_max_ms          float >= 0   50 and 2000 ms; zkv.scheduler.prefetch); max
+                                          also bounds a P/D consumer's wait for the
+                                          blocks its producer promised
     gate                     "auto"|bool  run a batch only once the worker half released it
                                           (auto: when vLLM schedules asynchronously)
     layer_timeout_s          float > 0    a forward waits this long for a layer's load

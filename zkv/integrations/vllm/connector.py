@@ -279,7 +279,7 @@ class ZkvConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self.sched is not None
-        return self.sched.request_finished(request), None
+        return self.sched.request_finished(request)
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: see ``SchedulerHalf.reset``."""

@@ -7,7 +7,11 @@ every number is the minimum-over-ranks outcome zkv commits on)::
 
     zkv:prompt_tokens_total{tier="vllm_local|zkv_host|zkv_store|computed"}
     zkv:requests_total
-    zkv:request_events_total{event="preempted|aborted"}
+    zkv:request_events_total{event="preempted|aborted|awaited|await_expired"}
+                                                          awaited: P/D consumer requests
+                                                          that waited for the blocks their
+                                                          producer promised; await_expired:
+                                                          ... and computed some after all
     zkv:scheduler_seconds_total                          time in the scheduler-side calls
     zkv:blocks_total{op="load|save|store_write|store_read|failed_load"}
     zkv:bytes_total{op="load|save"}
@@ -63,10 +67,13 @@ class _HalfCollector:
         req.add_metric(labels, c.requests)
         yield req
         evt = CounterMetricFamily("zkv:request_events", "Requests vLLM preempted (their "
-                                  "planned saves cancelled) or aborted (a client gone).",
+                                  "planned saves cancelled) or aborted (a client gone); P/D "
+                                  "consumer requests that waited for their producer's blocks "
+                                  "(awaited) and gave up on some (await_expired).",
                                   labels=["model", "rank", "event"])
-        evt.add_metric([*labels, "preempted"], c.preempted)
-        evt.add_metric([*labels, "aborted"], c.aborted)
+        for event, v in (("preempted", c.preempted), ("aborted", c.aborted),
+                         ("awaited", c.awaited), ("await_expired", c.await_expired)):
+            evt.add_metric([*labels, event], v)
         yield evt
         sec = CounterMetricFamily("zkv:scheduler_seconds", "Wall time spent in the "
                                   "connector's scheduler-side calls.", labels=["model", "rank"])

@@ -40,6 +40,7 @@ vLLM's calls. One lock orders the pump, vLLM's calls and the metrics scrapes.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import time
@@ -72,10 +73,17 @@ INVARIANTS_BROKEN = "connector.invariants_broken"
 STEP_PUBLISHED = "connector.batch_published"
 PROMISE_NOT_LOADED = "connector.promise_not_loaded"
 PUMP_FAILED = "connector.pump_failed"
+AWAIT_EXPIRED = "connector.producer_blocks_missing"
+BAD_TRANSFER_PARAMS = "connector.bad_transfer_params"
+# P/D over the store: vLLM's kv_transfer_params that a producer returns and its consumer
+# request carries (see SchedulerHalf.transfer_params / _awaits_producer)
+PARAM_BLOCKS = "zkv_blocks"
+PARAM_NAMESPACE = "zkv_namespace"
 # The pump (SchedulerHalf._pump): how often it looks while batches are in flight, and how
 # long vLLM must have called nothing before it steps in.
 PUMP_INTERVAL_S = 0.002
 PUMP_IDLE_S = 0.005
+EMPTY_STEP_WAIT_S = 0.005  # a step that scheduled nothing waits this long for an ack
 # ops that read or write vLLM's blocks: they travel with a step's batch, never the pump's
 _STEP_KINDS = (LOAD, SAVE, H2D, D2H, BACKUP)
 _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_selective keeps
@@ -123,6 +131,8 @@ class _Req:
     counted: bool = False
     last_save_seq: int | None = None
     generation: bytes = b""     # the cache generation its hashes were made in (reset())
+    promised: int = 0           # P/D: leading blocks its producer promised (in L3 soon)
+    awaits_until: float | None = None  # ... when it stops waiting for them
 
 
 @dataclass(slots=True)
@@ -137,6 +147,8 @@ class TokenCounts:
     failed_load_blocks: int = 0
     preempted: int = 0
     aborted: int = 0
+    awaited: int = 0            # P/D requests that waited for their producer's blocks
+    await_expired: int = 0      # ... and gave up on some (computed them)
     sched_s: float = 0.0
 
 
@@ -236,6 +248,11 @@ class SchedulerHalf:
             raise
         self.counts = TokenCounts()
         self.disabled: str | None = None
+        self._namespace = xxhash.xxh3_64_hexdigest(layout.fingerprint().encode())
+        policy = cfg.prefetch_policy()
+        # how long a consumer request waits for blocks its producer promised (a write that
+        # failed never lands): the prefetch policy's longest wait, none for best_effort
+        self._await_s = 0.0 if policy.kind == BEST_EFFORT else policy.max_s
         self._reqs: dict[str, _Req] = {}
         # (step, {req_id: (epoch, tokens computed once the step ran)}) per step whose
         # output has not come back yet
@@ -256,12 +273,17 @@ class SchedulerHalf:
         self._last_call = time.perf_counter()
         self._stop = threading.Event()
         self._kick = threading.Event()  # set at each publish: the pump wakes
+        self._io_open = False  # L3 ops wait to be published (set by vLLM's calls)
         self._pump_thread = threading.Thread(target=self._pump, name="zkv-pump", daemon=True)
         self._pump_thread.start()
         metrics.register_half(self)
 
     def _called(self, t0: float) -> None:
-        """The end of one of vLLM's calls that began at ``t0`` (perf_counter)."""
+        """The end of one of vLLM's calls that began at ``t0`` (perf_counter). An ack it
+        committed may have opened L3 ops that no call of this step publishes: the pump's."""
+        if self.cm.has_open_ops(but=_STEP_KINDS):
+            self._io_open = True
+            self._kick.set()
         self._last_call = t1 = time.perf_counter()
         self.counts.sched_s += t1 - t0
 
@@ -271,12 +293,13 @@ class SchedulerHalf:
         (a saved block's L3 write, the next prefetch read), so a finished request's blocks
         would reach the store only when another request came, too late for an engine that
         shares it (P/D, a router sending the next turn elsewhere). While batches are in
-        flight and vLLM has called nothing for ``PUMP_IDLE_S``, this thread commits the
-        acks and publishes the L3 ops that follow (s2h, h2s: host pool and store only);
+        flight, or L3 ops that a call's ack opened wait, and vLLM has called nothing for
+        ``PUMP_IDLE_S``, this thread commits the acks and publishes the L3 ops that follow
+        them (s2h, h2s: host pool and store only);
         ops on vLLM's blocks wait for a step's batch. It takes the same lock as vLLM's
         calls, so the two never interleave."""
         while not self._stop.is_set():
-            if not self.dp.in_flight:  # a hint, read without the lock
+            if not self.dp.in_flight and not self._io_open:  # hints, read without the lock
                 self._kick.wait(1.0)
                 self._kick.clear()
                 continue
@@ -291,6 +314,7 @@ class SchedulerHalf:
                     continue
                 try:
                     self._poll()
+                    self._io_open = False
                     self._flush(keep=_STEP_KINDS)
                 except Exception as e:  # noqa: BLE001 - never silently: vLLM's calls go on
                     self.log.error(PUMP_FAILED, error=f"{type(e).__name__}: {e}")
@@ -333,6 +357,8 @@ class SchedulerHalf:
             if not self.prefetch.ready(rid, self.cm.prefetch_done(rid), time.monotonic()):
                 return None, False  # vLLM asks again next step
         m = self.cm.match_prefix(rid, r.hashes[: r.num_prompt_blocks])
+        if not r.prefetched and self._awaits_producer(r, m.num_host + m.num_storage):
+            return None, False  # its producer's blocks are on their way to L3
         if m.num_storage and not r.prefetched:
             r.prefetched = True
             if self.cm.prefetch(rid):
@@ -342,7 +368,11 @@ class SchedulerHalf:
                 # seq the worker halves wait on.
                 self._flush(keep=(LOAD,))
                 if self.cfg.prefetch != BEST_EFFORT:
-                    self.prefetch.start(rid, request.num_prompt_tokens, time.monotonic())
+                    # a P/D consumer's blocks are known to be there: its read may take
+                    # as long as the wait for its producer could have
+                    budget = self._await_s if r.promised else None
+                    self.prefetch.start(rid, request.num_prompt_tokens, time.monotonic(),
+                                        budget)
                     return None, False
         if not r.prefetched:
             r.host_blocks_at_match = m.num_host
@@ -412,7 +442,18 @@ class SchedulerHalf:
 
     def _build_meta(self, so: Any) -> ZkvMetadata:
         self._step += 1
-        self._poll()
+        if getattr(so, "total_num_scheduled_tokens", 1) == 0 and self._reqs:
+            # Nothing runs: every request waits, on zkv (a prefetch, a producer's blocks)
+            # or on vLLM's memory. vLLM asks again at once, so the engine and its workers
+            # would spin, taking the CPU (and a worker's GIL) the awaited reads need: wait
+            # for an ack a little instead (with none to come, for the store or vLLM).
+            if self.dp.in_flight:
+                self._poll(EMPTY_STEP_WAIT_S)
+            else:
+                self._poll()
+                time.sleep(EMPTY_STEP_WAIT_S)
+        else:
+            self._poll()
         rec: dict[str, tuple[int, int]] = {}
         for new in so.scheduled_new_reqs:
             r = self._reqs.get(new.req_id)
@@ -519,26 +560,79 @@ class SchedulerHalf:
             return steps.popleft()[1]
         return None
 
-    def request_finished(self, request: Any) -> bool:
-        """Always False: vLLM frees the blocks; the last save fences the next forward."""
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: (False: vLLM frees the blocks, the last save fences
+        the next forward; the kv_transfer_params of a P/D producer, see
+        :meth:`transfer_params`)."""
         with self._lock:
             t0 = time.perf_counter()
             try:
-                self._finished(request)
+                return False, self._finished(request)
             finally:
                 self._called(t0)
-        return False
 
-    def _finished(self, request: Any) -> None:
+    def _finished(self, request: Any) -> dict[str, Any] | None:
         rid = request.request_id
         self.prefetch.forget(rid)
         if request.status.name == "FINISHED_ABORTED":
             self.counts.aborted += 1
-        if rid in self._reqs:
-            try:
-                self._finish(self._reqs[rid], request)
-            finally:  # after the save's batch was published: it noted its seq on the request
-                del self._reqs[rid]
+        r = self._reqs.get(rid)
+        if r is None:
+            return None
+        try:
+            self._finish(r, request)
+            return self.transfer_params(r, request)
+        finally:  # after the save's batch was published: it noted its seq on the request
+            del self._reqs[rid]
+
+    # ------------------------------------------------------------ P/D over the store
+
+    def transfer_params(self, r: _Req, request: Any) -> dict[str, Any] | None:
+        """A P/D producer's answer: a finished request that asked for it (vLLM's P/D
+        proxies send ``kv_transfer_params: {"do_remote_decode": true}`` to the prefill
+        instance) gets ``{"zkv_blocks": n, "zkv_namespace": ns}``: the first n prompt
+        blocks are in, or on their way to, the store of namespace ns. The proxy hands them
+        to the decode instance with the request, whose half waits for them
+        (:meth:`_awaits_producer`) rather than computing what is still being written."""
+        asked = getattr(request, "kv_transfer_params", None)
+        if not isinstance(asked, dict) or not asked.get("do_remote_decode"):
+            return None
+        if (self.disabled or not self.saves or self.store is None or not self.cfg.storage_write
+                or r.generation != self._generation or not r.allocated):
+            return None
+        n = min(r.num_prompt_blocks, r.confirmed // self.bs)
+        return {PARAM_BLOCKS: n, PARAM_NAMESPACE: self._namespace} if n else None
+
+    def _awaits_producer(self, r: _Req, found: int) -> bool:
+        """True while the request's producer promised more leading blocks than host and
+        store hold (kv_transfer_params from :meth:`transfer_params`), for at most
+        ``_await_s`` from the first ask; vLLM asks again next step. A promise of another
+        namespace (another model or layout) is no promise here."""
+        params = getattr(r.request, "kv_transfer_params", None)
+        if not isinstance(params, dict) or PARAM_BLOCKS not in params:
+            return False
+        if r.awaits_until == -math.inf or params.get(PARAM_NAMESPACE) != self._namespace:
+            return False
+        want = params[PARAM_BLOCKS]
+        if type(want) is not int or want < 0:
+            self.log.warning(BAD_TRANSFER_PARAMS, req_id=r.request.request_id,
+                             error=f"{PARAM_BLOCKS} must be an int >= 0, got {want!r}")
+            r.awaits_until = -math.inf
+            return False
+        want = r.promised = min(want, r.num_prompt_blocks)
+        if found >= want:
+            return False
+        now = time.monotonic()
+        if r.awaits_until is None:
+            r.awaits_until = now + self._await_s
+            self.counts.awaited += 1
+        if now < r.awaits_until:
+            return True
+        r.awaits_until = -math.inf  # given up: it computes the rest
+        self.counts.await_expired += 1
+        self.log.warning(AWAIT_EXPIRED, req_id=r.request.request_id, num_promised=want,
+                         num_found=found, waited_s=self._await_s)
+        return False
 
     def _finish(self, r: _Req, request: Any) -> None:
         rid = request.request_id
@@ -696,6 +790,7 @@ class SchedulerHalf:
                 "zkv_host_tokens": c.zkv_host, "zkv_store_tokens": c.zkv_store,
                 "computed_tokens": c.computed, "failed_load_blocks": c.failed_load_blocks,
                 "preempted": c.preempted, "aborted": c.aborted,
+                "awaited": c.awaited, "await_expired": c.await_expired,
                 "saved_blocks": self.cm.stats.saved_external,
                 "loaded_blocks": self.cm.stats.loaded_external,
                 "sched_us_per_request": 1e6 * c.sched_s / max(1, c.requests),

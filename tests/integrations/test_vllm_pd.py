@@ -1,0 +1,112 @@
+"""P/D over the store: a producer's scheduler half promises its prompt blocks in vLLM's
+kv_transfer_params, and the consumer's half waits for them rather than computing what is
+still being written. Two halves, two real worker processes, one real ``file://`` store.
+
+vLLM's P/D proxies send ``kv_transfer_params: {"do_remote_decode": true}`` with the
+prefill request and hand what the prefill instance answered to the decode instance.
+Without a promise the decode instance asked the store the moment the request came, while
+the producer's writes were still in flight, found nothing and computed the whole prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.test_vllm_rank_loss import BS, Group
+from tests.worker.helpers import short_ipc_dir
+from zkv.integrations.vllm.scheduler import AWAIT_EXPIRED, PARAM_BLOCKS, PARAM_NAMESPACE
+
+AWAIT_MS = 300  # the consumer's longest wait (prefetch_max_ms)
+ASK = {"do_remote_decode": True}  # what a P/D proxy sends the prefill instance
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Group, Group]]:
+    url = f"file://{tmp_path / 'l3'}"
+    with short_ipc_dir() as one, short_ipc_dir() as two:
+        producer = Group(one, store_url=url)
+        try:
+            consumer = Group(two, store_url=url, extra={"prefetch_max_ms": AWAIT_MS})
+            try:
+                yield producer, consumer
+            finally:
+                consumer.close()
+        finally:
+            producer.close()
+
+
+def _ask_until_matched(g: Group, req: Any, deadline_s: float = 10.0) -> tuple[int, int]:
+    """vLLM's scheduler asking again each step: (tokens matched, times asked)."""
+    end, n = time.monotonic() + deadline_s, 0
+    while time.monotonic() < end:
+        n += 1
+        ext, _ = g.half.get_num_new_matched_tokens(req, 0)
+        if ext is not None:
+            return ext, n
+        time.sleep(0.005)
+    raise AssertionError(f"still asked to ask again after {deadline_s} s")
+
+
+def test_a_producer_promises_its_prompt_blocks_when_asked(pair: tuple[Group, Group]) -> None:
+    producer, other = pair
+    assert other.compute_and_save() is None  # a plain request: no kv_transfer_params
+    answer = producer.compute_and_save(params=ASK)
+    assert answer is not None and answer[PARAM_BLOCKS] == 8, answer
+    assert answer[PARAM_NAMESPACE] == producer.half._namespace
+
+
+def test_the_consumer_waits_for_the_promised_blocks_and_loads_them(
+        pair: tuple[Group, Group]) -> None:
+    producer, consumer = pair
+    os.kill(producer.proc.pid, signal.SIGSTOP)  # its saves cannot land yet
+    try:
+        answer = producer.compute_and_save(wait=False, params=ASK)
+        req = consumer.request()
+        req.kv_transfer_params = answer
+        ext, _ = consumer.half.get_num_new_matched_tokens(req, 0)
+        assert ext is None, "computed blocks its producer was still writing"
+    finally:
+        os.kill(producer.proc.pid, signal.SIGCONT)
+    ext, _ = _ask_until_matched(consumer, req)
+    assert ext == 8 * BS  # every promised block, through the store and the host pool
+    snap = consumer.half.snapshot()
+    assert snap["awaited"] == 1 and snap["await_expired"] == 0, snap
+
+
+def test_a_promise_not_kept_expires_and_the_request_computes(
+        pair: tuple[Group, Group], capfd: pytest.CaptureFixture[str]) -> None:
+    _, consumer = pair  # a promise the producer never kept (its write failed)
+    req = consumer.request()
+    req.kv_transfer_params = {PARAM_BLOCKS: 8, PARAM_NAMESPACE: consumer.half._namespace}
+    t0 = time.monotonic()
+    ext, asked = _ask_until_matched(consumer, req)
+    waited = time.monotonic() - t0
+    assert ext == 0 and asked > 1
+    assert AWAIT_MS / 1000 <= waited < AWAIT_MS / 1000 + 5.0
+    snap = consumer.half.snapshot()
+    assert snap["awaited"] == 1 and snap["await_expired"] == 1, snap
+    assert AWAIT_EXPIRED in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("params", [
+    {PARAM_BLOCKS: 8, PARAM_NAMESPACE: "another-model"},  # no promise for this namespace
+    {PARAM_BLOCKS: "8", PARAM_NAMESPACE: None},           # forged or garbled: refused
+    {"do_remote_prefill": True},                           # another connector's params
+])
+def test_other_or_bad_params_wait_for_nothing(pair: tuple[Group, Group],
+                                              params: dict[str, Any]) -> None:
+    _, consumer = pair
+    req = consumer.request()
+    if params.get(PARAM_NAMESPACE, "") is None:
+        params = dict(params, **{PARAM_NAMESPACE: consumer.half._namespace})
+    req.kv_transfer_params = params
+    ext, _ = consumer.half.get_num_new_matched_tokens(req, 0)
+    assert ext == 0
+    assert consumer.half.snapshot()["awaited"] == 0
