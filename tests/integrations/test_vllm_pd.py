@@ -21,7 +21,12 @@ import pytest
 
 from tests.integrations.test_vllm_rank_loss import BS, Group
 from tests.worker.helpers import short_ipc_dir
-from zkv.integrations.vllm.scheduler import AWAIT_EXPIRED, PARAM_BLOCKS, PARAM_NAMESPACE
+from zkv.integrations.vllm.scheduler import (
+    AWAIT_EXPIRED,
+    EMPTY_STEP_WAIT_S,
+    PARAM_BLOCKS,
+    PARAM_NAMESPACE,
+)
 
 AWAIT_MS = 300  # the consumer's longest wait (prefetch_max_ms)
 ASK = {"do_remote_decode": True}  # what a P/D proxy sends the prefill instance
@@ -110,3 +115,18 @@ def test_other_or_bad_params_wait_for_nothing(pair: tuple[Group, Group],
     ext, _ = consumer.half.get_num_new_matched_tokens(req, 0)
     assert ext == 0
     assert consumer.half.snapshot()["awaited"] == 0
+
+
+def test_a_step_that_runs_nothing_waits_instead_of_spinning(pair: tuple[Group, Group]
+                                                            ) -> None:
+    """While every request waits (here on its producer), vLLM schedules empty steps back
+    to back; each waits EMPTY_STEP_WAIT_S in build_connector_meta, so the engine and its
+    workers do not spin on the CPU the awaited reads and writes need."""
+    _, consumer = pair
+    req = consumer.request()
+    req.kv_transfer_params = {PARAM_BLOCKS: 8, PARAM_NAMESPACE: consumer.half._namespace}
+    assert consumer.half.get_num_new_matched_tokens(req, 0)[0] is None
+    t0 = time.perf_counter()
+    for _ in range(10):
+        consumer.half.build_connector_meta(consumer.empty_step())
+    assert time.perf_counter() - t0 >= 10 * EMPTY_STEP_WAIT_S

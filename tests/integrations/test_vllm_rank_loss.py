@@ -73,6 +73,7 @@ class Group:
                                  num_computed_tokens=[])
         return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
                                num_scheduled_tokens={req.request_id: req.num_tokens - computed},
+                               total_num_scheduled_tokens=req.num_tokens - computed,
                                preempted_req_ids=set())
 
     @staticmethod
@@ -81,7 +82,8 @@ class Group:
         cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
                                  num_computed_tokens=[])
         return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
-                               num_scheduled_tokens={}, preempted_req_ids=set())
+                               num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                               preempted_req_ids=set())
 
     def compute_and_save(self, wait: bool = True, params: dict[str, Any] | None = None
                          ) -> dict[str, Any] | None:
