@@ -247,10 +247,6 @@ class CacheManager:
     def num_pending_ops(self) -> int:
         return len(self.core.ledger.pending)
 
-    def has_open_ops(self, but: tuple[str, ...] = ()) -> bool:
-        """Whether ops wait to be taken (``but``: not counting these kinds)."""
-        return any(p.kind not in but for p in self.core.ledger.open.values())
-
     def on_ops_done(self, results: Iterable[OpResult]) -> list[int]:
         """Commit (or roll back) acked ops; ``done`` is the number of leading blocks that
         succeeded on every rank. Returns op ids that were not pending (ignored)."""

@@ -76,7 +76,7 @@ PUMP_FAILED = "connector.pump_failed"
 AWAIT_EXPIRED = "connector.producer_blocks_missing"
 BAD_TRANSFER_PARAMS = "connector.bad_transfer_params"
 # P/D over the store: vLLM's kv_transfer_params that a producer returns and its consumer
-# request carries (see SchedulerHalf.transfer_params / _awaits_producer)
+# request carries (see SchedulerHalf._transfer_params / _awaits_producer)
 PARAM_BLOCKS = "zkv_blocks"
 PARAM_NAMESPACE = "zkv_namespace"
 # The pump (SchedulerHalf._pump): how often it looks while batches are in flight, and how
@@ -273,17 +273,13 @@ class SchedulerHalf:
         self._last_call = time.perf_counter()
         self._stop = threading.Event()
         self._kick = threading.Event()  # set at each publish: the pump wakes
-        self._io_open = False  # L3 ops wait to be published (set by vLLM's calls)
+        self._io_open = False  # acks were committed: L3 ops may wait to be published
         self._pump_thread = threading.Thread(target=self._pump, name="zkv-pump", daemon=True)
         self._pump_thread.start()
         metrics.register_half(self)
 
     def _called(self, t0: float) -> None:
-        """The end of one of vLLM's calls that began at ``t0`` (perf_counter). An ack it
-        committed may have opened L3 ops that no call of this step publishes: the pump's."""
-        if self.cm.has_open_ops(but=_STEP_KINDS):
-            self._io_open = True
-            self._kick.set()
+        """The end of one of vLLM's calls that began at ``t0`` (perf_counter)."""
         self._last_call = t1 = time.perf_counter()
         self.counts.sched_s += t1 - t0
 
@@ -293,11 +289,11 @@ class SchedulerHalf:
         (a saved block's L3 write, the next prefetch read), so a finished request's blocks
         would reach the store only when another request came, too late for an engine that
         shares it (P/D, a router sending the next turn elsewhere). While batches are in
-        flight, or L3 ops that a call's ack opened wait, and vLLM has called nothing for
-        ``PUMP_IDLE_S``, this thread commits the acks and publishes the L3 ops that follow
-        them (s2h, h2s: host pool and store only);
-        ops on vLLM's blocks wait for a step's batch. It takes the same lock as vLLM's
-        calls, so the two never interleave."""
+        flight, or acks were committed (by any call: the L3 ops they open wait for no
+        step), and vLLM has called nothing for ``PUMP_IDLE_S``, this thread commits the
+        acks and publishes the L3 ops that follow them (s2h, h2s: host pool and store
+        only); ops on vLLM's blocks wait for a step's batch. It takes the same lock as
+        vLLM's calls, so the two never interleave."""
         while not self._stop.is_set():
             if not self.dp.in_flight and not self._io_open:  # hints, read without the lock
                 self._kick.wait(1.0)
@@ -563,7 +559,7 @@ class SchedulerHalf:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: (False: vLLM frees the blocks, the last save fences
         the next forward; the kv_transfer_params of a P/D producer, see
-        :meth:`transfer_params`)."""
+        :meth:`_transfer_params`)."""
         with self._lock:
             t0 = time.perf_counter()
             try:
@@ -581,13 +577,13 @@ class SchedulerHalf:
             return None
         try:
             self._finish(r, request)
-            return self.transfer_params(r, request)
+            return self._transfer_params(r, request)
         finally:  # after the save's batch was published: it noted its seq on the request
             del self._reqs[rid]
 
     # ------------------------------------------------------------ P/D over the store
 
-    def transfer_params(self, r: _Req, request: Any) -> dict[str, Any] | None:
+    def _transfer_params(self, r: _Req, request: Any) -> dict[str, Any] | None:
         """A P/D producer's answer: a finished request that asked for it (vLLM's P/D
         proxies send ``kv_transfer_params: {"do_remote_decode": true}`` to the prefill
         instance) gets ``{"zkv_blocks": n, "zkv_namespace": ns}``: the first n prompt
@@ -605,7 +601,7 @@ class SchedulerHalf:
 
     def _awaits_producer(self, r: _Req, found: int) -> bool:
         """True while the request's producer promised more leading blocks than host and
-        store hold (kv_transfer_params from :meth:`transfer_params`), for at most
+        store hold (kv_transfer_params from :meth:`_transfer_params`), for at most
         ``_await_s`` from the first ask; vLLM asks again next step. A promise of another
         namespace (another model or layout) is no promise here."""
         params = getattr(r.request, "kv_transfer_params", None)
@@ -733,6 +729,8 @@ class SchedulerHalf:
             self._batch_seconds.observe(done.latency_s)
             self.cm.on_ops_done(done.results.values())
             self._mark_done(done.seq)
+            self._io_open = True  # the pump publishes what the commit opened
+            self._kick.set()
         # A rank lost with nothing in flight completes no batch: ask the dispatcher, so
         # that no later call promises vLLM a load that no batch would run.
         if not self.disabled and self.dp.num_lost:
