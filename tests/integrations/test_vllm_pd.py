@@ -21,12 +21,8 @@ import pytest
 
 from tests.integrations.test_vllm_rank_loss import BS, Group
 from tests.worker.helpers import short_ipc_dir
-from zkv.integrations.vllm.scheduler import (
-    AWAIT_EXPIRED,
-    EMPTY_STEP_WAIT_S,
-    PARAM_BLOCKS,
-    PARAM_NAMESPACE,
-)
+from zkv.integrations.vllm.pd import AWAIT_EXPIRED, PARAM_BLOCKS, PARAM_NAMESPACE
+from zkv.integrations.vllm.scheduler import EMPTY_STEP_WAIT_S
 
 AWAIT_MS = 300  # the consumer's longest wait (prefetch_max_ms)
 ASK = {"do_remote_decode": True}  # what a P/D proxy sends the prefill instance

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from zkv.integrations.vllm.scheduler import (
+from zkv.integrations.vllm.request_hashes import (
     request_embeds_items,
     request_mm_items,
     request_root,

@@ -53,10 +53,17 @@ import xxhash
 from zkv import log as zlog
 from zkv.config import CacheLayout
 from zkv.errors import RankLost
+from zkv.integrations.vllm import pd
 from zkv.integrations.vllm.config import ZkvVllmConfig
+from zkv.integrations.vllm.request_hashes import (
+    request_embeds_items,
+    request_mm_items,
+    request_root,
+    request_tokens,
+)
 from zkv.protocol import BACKUP, D2H, H2D
 from zkv.scheduler.dispatcher import Dispatcher
-from zkv.scheduler.hashing import ROOT_HASH, MultiModalItem, hash_tokens
+from zkv.scheduler.hashing import MultiModalItem, hash_tokens
 from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 from zkv.scheduler.manager import (
     LOAD,
@@ -73,12 +80,6 @@ INVARIANTS_BROKEN = "connector.invariants_broken"
 STEP_PUBLISHED = "connector.batch_published"
 PROMISE_NOT_LOADED = "connector.promise_not_loaded"
 PUMP_FAILED = "connector.pump_failed"
-AWAIT_EXPIRED = "connector.producer_blocks_missing"
-BAD_TRANSFER_PARAMS = "connector.bad_transfer_params"
-# P/D over the store: vLLM's kv_transfer_params that a producer returns and its consumer
-# request carries (see SchedulerHalf._transfer_params / _awaits_producer)
-PARAM_BLOCKS = "zkv_blocks"
-PARAM_NAMESPACE = "zkv_namespace"
 # The pump (SchedulerHalf._pump): how often it looks while batches are in flight, and how
 # long vLLM must have called nothing before it steps in.
 PUMP_INTERVAL_S = 0.002
@@ -131,8 +132,7 @@ class _Req:
     counted: bool = False
     last_save_seq: int | None = None
     generation: bytes = b""     # the cache generation its hashes were made in (reset())
-    promised: int = 0           # P/D: leading blocks its producer promised (in L3 soon)
-    awaits_until: float | None = None  # ... when it stops waiting for them
+    wait: pd.ProducerWait | None = None  # P/D: for its producer's blocks (first match)
 
 
 @dataclass(slots=True)
@@ -150,69 +150,6 @@ class TokenCounts:
     awaited: int = 0            # P/D requests that waited for their producer's blocks
     await_expired: int = 0      # ... and gave up on some (computed them)
     sched_s: float = 0.0
-
-
-def request_root(request: Any, generation: bytes = b"") -> bytes:
-    """The chain's parent for a request: LoRA adapter (its name and path, as vLLM's own
-    hashes: a name pointed at another adapter does not reuse KV), cache salt and the
-    connector's cache generation (new at each reset) change every hash."""
-    lora = getattr(request, "lora_request", None)
-    salt = getattr(request, "cache_salt", None)
-    if lora is None and not salt and not generation:
-        return ROOT_HASH
-    tag = f"lora={getattr(lora, 'lora_name', '') if lora else ''}|salt={salt or ''}"
-    if lora is not None and getattr(lora, "lora_path", None):
-        tag += f"|lora_path={lora.lora_path}"
-    return xxhash.xxh3_128_digest(ROOT_HASH + tag.encode() + generation)
-
-
-def request_mm_items(request: Any) -> tuple[MultiModalItem, ...]:
-    """Multimodal inputs: their content's identifier and where it starts (as vLLM's own
-    hashes: one image at other positions of otherwise equal placeholder blocks is other
-    KV)."""
-    items = []
-    for f in getattr(request, "mm_features", None) or ():
-        pos = f.mm_position
-        ident = str(getattr(f, "identifier", "") or getattr(f, "mm_hash", ""))
-        items.append(MultiModalItem(pos.offset, pos.offset + pos.length,
-                                    xxhash.xxh3_128_digest(f"{ident}@{pos.offset}".encode())))
-    return tuple(items)
-
-
-def request_embeds_items(request: Any, block_size: int) -> tuple[MultiModalItem, ...]:
-    """Blocks whose model input comes from ``prompt_embeds`` (every block of an embeddings
-    prompt; of a mixed one, a chat completion with ``prompt_embeds`` parts, those with a
-    position where ``prompt_is_token_ids`` is false): one item per such block, its digest
-    naming the embedding rows and the positions that read them. The token ids there are
-    placeholders, so without it prompts with other embeddings share blocks."""
-    embeds = getattr(request, "prompt_embeds", None)
-    if embeds is None:
-        return ()
-    mask = getattr(request, "prompt_is_token_ids", None)
-    n = int(embeds.shape[0])
-    items = []
-    for start in range(0, n, block_size):
-        end = min(start + block_size, n)
-        if mask is None:
-            rows, which = embeds[start:end], b""
-        else:
-            which = bytes(not t for t in mask[start:end])
-            if not any(which):
-                continue
-            rows = embeds[[start + i for i, e in enumerate(which) if e]]
-        # float32 holds every bf16 / fp16 value exactly: the bytes name the rows
-        data = rows.detach().float().cpu().contiguous().numpy().tobytes()
-        items.append(MultiModalItem(start, end, xxhash.xxh3_128_digest(
-            b"prompt_embeds" + start.to_bytes(8, "little") + which + data)))
-    return tuple(items)
-
-
-def request_tokens(request: Any) -> list[int]:
-    """The prompt's token ids as vLLM feeds the model: an embeddings prompt's positions
-    hold zeros (``all_token_ids``; the items above name what they read)."""
-    if getattr(request, "prompt_embeds", None) is None:
-        return request.prompt_token_ids  # type: ignore[no-any-return]
-    return list(request.all_token_ids[: request.num_prompt_tokens])
 
 
 class SchedulerHalf:
@@ -366,7 +303,7 @@ class SchedulerHalf:
                 if self.cfg.prefetch != BEST_EFFORT:
                     # a P/D consumer's blocks are known to be there: its read may take
                     # as long as the wait for its producer could have
-                    budget = self._await_s if r.promised else None
+                    budget = self._await_s if r.wait is not None and r.wait.blocks else None
                     self.prefetch.start(rid, request.num_prompt_tokens, time.monotonic(),
                                         budget)
                     return None, False
@@ -584,50 +521,37 @@ class SchedulerHalf:
     # ------------------------------------------------------------ P/D over the store
 
     def _transfer_params(self, r: _Req, request: Any) -> dict[str, Any] | None:
-        """A P/D producer's answer: a finished request that asked for it (vLLM's P/D
-        proxies send ``kv_transfer_params: {"do_remote_decode": true}`` to the prefill
-        instance) gets ``{"zkv_blocks": n, "zkv_namespace": ns}``: the first n prompt
-        blocks are in, or on their way to, the store of namespace ns. The proxy hands them
-        to the decode instance with the request, whose half waits for them
-        (:meth:`_awaits_producer`) rather than computing what is still being written."""
-        asked = getattr(request, "kv_transfer_params", None)
-        if not isinstance(asked, dict) or not asked.get("do_remote_decode"):
-            return None
+        """A P/D producer's answer (:mod:`.pd`): the leading prompt blocks this request
+        saved, when it asked (``do_remote_decode``) and its blocks reach the store."""
         if (self.disabled or not self.saves or self.store is None or not self.cfg.storage_write
                 or r.generation != self._generation or not r.allocated):
             return None
-        n = min(r.num_prompt_blocks, r.confirmed // self.bs)
-        return {PARAM_BLOCKS: n, PARAM_NAMESPACE: self._namespace} if n else None
+        return pd.answer(getattr(request, "kv_transfer_params", None),
+                         min(r.num_prompt_blocks, r.confirmed // self.bs), self._namespace)
 
     def _awaits_producer(self, r: _Req, found: int) -> bool:
         """True while the request's producer promised more leading blocks than host and
-        store hold (kv_transfer_params from :meth:`_transfer_params`), for at most
-        ``_await_s`` from the first ask; vLLM asks again next step. A promise of another
-        namespace (another model or layout) is no promise here."""
-        params = getattr(r.request, "kv_transfer_params", None)
-        if not isinstance(params, dict) or PARAM_BLOCKS not in params:
-            return False
-        if r.awaits_until == -math.inf or params.get(PARAM_NAMESPACE) != self._namespace:
-            return False
-        want = params[PARAM_BLOCKS]
-        if type(want) is not int or want < 0:
-            self.log.warning(BAD_TRANSFER_PARAMS, req_id=r.request.request_id,
-                             error=f"{PARAM_BLOCKS} must be an int >= 0, got {want!r}")
-            r.awaits_until = -math.inf
-            return False
-        want = r.promised = min(want, r.num_prompt_blocks)
-        if found >= want:
-            return False
-        now = time.monotonic()
-        if r.awaits_until is None:
-            r.awaits_until = now + self._await_s
-            self.counts.awaited += 1
-        if now < r.awaits_until:
+        store hold (``found``), for at most ``_await_s`` from the first ask (:mod:`.pd`);
+        vLLM asks again next step."""
+        w = r.wait
+        if w is None:
+            try:
+                n = pd.promised(getattr(r.request, "kv_transfer_params", None), self._namespace)
+            except ValueError as e:  # forged or garbled: no wait on it
+                self.log.warning(pd.BAD_TRANSFER_PARAMS, req_id=r.request.request_id,
+                                 error=str(e))
+                n = None
+            w = r.wait = (pd.ProducerWait(min(n, r.num_prompt_blocks)) if n
+                          else pd.ProducerWait(over=True))
+        first = w.until is None
+        state = w.step(found, time.monotonic(), self._await_s)
+        if state == pd.WAIT:
+            self.counts.awaited += first
             return True
-        r.awaits_until = -math.inf  # given up: it computes the rest
-        self.counts.await_expired += 1
-        self.log.warning(AWAIT_EXPIRED, req_id=r.request.request_id, num_promised=want,
-                         num_found=found, waited_s=self._await_s)
+        if state == pd.EXPIRED:
+            self.counts.await_expired += 1
+            self.log.warning(pd.AWAIT_EXPIRED, req_id=r.request.request_id,
+                             num_promised=w.blocks, num_found=found, waited_s=self._await_s)
         return False
 
     def _finish(self, r: _Req, request: Any) -> None:

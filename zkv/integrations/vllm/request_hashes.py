@@ -1,0 +1,76 @@
+"""What zkv hashes of a vLLM request (no engine needed): its tokens, and
+what changes every block's KV without changing the tokens: the chain's root (LoRA
+adapter, cache salt, the connector's cache generation) and the items whose content stands
+behind placeholder tokens (multimodal inputs, prompt embeddings), each with where it
+starts, as vLLM's own block hashes do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xxhash
+
+from zkv.scheduler.hashing import ROOT_HASH, MultiModalItem
+
+
+def request_root(request: Any, generation: bytes = b"") -> bytes:
+    """The chain's parent for a request: LoRA adapter (its name and path, as vLLM's own
+    hashes: a name pointed at another adapter does not reuse KV), cache salt and the
+    connector's cache generation (new at each reset) change every hash."""
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None)
+    if lora is None and not salt and not generation:
+        return ROOT_HASH
+    tag = f"lora={getattr(lora, 'lora_name', '') if lora else ''}|salt={salt or ''}"
+    if lora is not None and getattr(lora, "lora_path", None):
+        tag += f"|lora_path={lora.lora_path}"
+    return xxhash.xxh3_128_digest(ROOT_HASH + tag.encode() + generation)
+
+
+def request_mm_items(request: Any) -> tuple[MultiModalItem, ...]:
+    """Multimodal inputs: their content's identifier and where it starts (as vLLM's own
+    hashes: one image at other positions of otherwise equal placeholder blocks is other
+    KV)."""
+    items = []
+    for f in getattr(request, "mm_features", None) or ():
+        pos = f.mm_position
+        ident = str(getattr(f, "identifier", "") or getattr(f, "mm_hash", ""))
+        items.append(MultiModalItem(pos.offset, pos.offset + pos.length,
+                                    xxhash.xxh3_128_digest(f"{ident}@{pos.offset}".encode())))
+    return tuple(items)
+
+
+def request_embeds_items(request: Any, block_size: int) -> tuple[MultiModalItem, ...]:
+    """Blocks whose model input comes from ``prompt_embeds`` (every block of an embeddings
+    prompt; of a mixed one, a chat completion with ``prompt_embeds`` parts, those with a
+    position where ``prompt_is_token_ids`` is false): one item per such block, its digest
+    naming the embedding rows and the positions that read them. The token ids there are
+    placeholders, so without it prompts with other embeddings share blocks."""
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is None:
+        return ()
+    mask = getattr(request, "prompt_is_token_ids", None)
+    n = int(embeds.shape[0])
+    items = []
+    for start in range(0, n, block_size):
+        end = min(start + block_size, n)
+        if mask is None:
+            rows, which = embeds[start:end], b""
+        else:
+            which = bytes(not t for t in mask[start:end])
+            if not any(which):
+                continue
+            rows = embeds[[start + i for i, e in enumerate(which) if e]]
+        # float32 holds every bf16 / fp16 value exactly: the bytes name the rows
+        data = rows.detach().float().cpu().contiguous().numpy().tobytes()
+        items.append(MultiModalItem(start, end, xxhash.xxh3_128_digest(
+            b"prompt_embeds" + start.to_bytes(8, "little") + which + data)))
+    return tuple(items)
+
+
+def request_tokens(request: Any) -> list[int]:
+    """The prompt's token ids as vLLM feeds the model: an embeddings prompt's positions
+    hold zeros (``all_token_ids``; the items above name what they read)."""
+    if getattr(request, "prompt_embeds", None) is None:
+        return request.prompt_token_ids  # type: ignore[no-any-return]
+    return list(request.all_token_ids[: request.num_prompt_tokens])
