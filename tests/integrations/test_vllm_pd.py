@@ -21,6 +21,7 @@ import pytest
 
 from tests.integrations.test_vllm_rank_loss import BS, Group
 from tests.worker.helpers import short_ipc_dir
+from zkv.integrations.vllm import pd
 from zkv.integrations.vllm.pd import AWAIT_EXPIRED, PARAM_BLOCKS, PARAM_NAMESPACE
 from zkv.integrations.vllm.scheduler import EMPTY_STEP_WAIT_S
 
@@ -126,3 +127,28 @@ def test_a_step_that_runs_nothing_waits_instead_of_spinning(pair: tuple[Group, G
     for _ in range(10):
         consumer.half.build_connector_meta(consumer.empty_step())
     assert time.perf_counter() - t0 >= 10 * EMPTY_STEP_WAIT_S
+
+
+def test_the_wait_goes_waits_and_expires_once() -> None:
+    """ProducerWait's states, as drawn in zkv.integrations.vllm.pd."""
+    w = pd.ProducerWait(blocks=8)
+    assert w.step(found=8, now=0.0, budget_s=1.0) == pd.GO  # all there: no wait begins
+    assert w.until is None
+    assert w.step(found=3, now=10.0, budget_s=1.0) == pd.WAIT
+    assert w.step(found=5, now=10.9, budget_s=1.0) == pd.WAIT
+    assert w.step(found=5, now=11.0, budget_s=1.0) == pd.EXPIRED
+    assert w.step(found=5, now=12.0, budget_s=1.0) == pd.GO  # over: never again
+    assert pd.ProducerWait(over=True).step(found=0, now=0.0, budget_s=1.0) == pd.GO
+
+
+def test_answers_and_promises() -> None:
+    assert pd.answer({"do_remote_decode": True}, 5, "ns") == {PARAM_BLOCKS: 5,
+                                                              PARAM_NAMESPACE: "ns"}
+    assert pd.answer({"do_remote_decode": True}, 0, "ns") is None  # nothing to promise
+    assert pd.answer(None, 5, "ns") is pd.answer({"do_remote_prefill": True}, 5, "ns") is None
+    assert pd.promised({PARAM_BLOCKS: 5, PARAM_NAMESPACE: "ns"}, "ns") == 5
+    assert pd.promised({PARAM_BLOCKS: 5, PARAM_NAMESPACE: "other"}, "ns") is None
+    assert pd.promised({"remote_block_ids": [1]}, "ns") is None
+    for bad in (-1, "5", 2.0, True, None):
+        with pytest.raises(ValueError, match=PARAM_BLOCKS):
+            pd.promised({PARAM_BLOCKS: bad, PARAM_NAMESPACE: "ns"}, "ns")
