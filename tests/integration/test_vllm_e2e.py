@@ -124,12 +124,13 @@ def _last(out: dict[str, Any]) -> dict[str, Any]:
 
 def _nothing_left(out: dict[str, Any]) -> None:
     """Once the engine is idle: vLLM holds no request and every block is free again, zkv
-    holds no request, no op, no batch, no step whose output vLLM took, and its
-    invariants hold."""
+    holds no request, no op, no batch, no step whose output vLLM took, no storage write
+    left to try again, and its invariants hold."""
     s = out["state"]
     assert s["vllm_requests"] == 0 and s["vllm_free_blocks"] == s["vllm_blocks"], s
     assert s["zkv_requests"] == s["zkv_running"] == 0, s
     assert s["zkv_pending_ops"] == s["zkv_in_flight"] == 0 and s["invariants"] == "ok", s
+    assert s["zkv_store_retry"] in (0, None), s  # None: no store
     assert s["zkv_open_steps"] == s["vllm_queued_steps"] <= 1, s
 
 

@@ -229,7 +229,7 @@ def _zkv_left(fly: dict[str, int]) -> dict[str, Any]:
     """``SchedulerHalf.in_flight()`` (or the ``zkv:in_flight`` gauges) as the state's keys."""
     return {"zkv_requests": fly.get("requests"), "zkv_running": fly.get("cache_requests"),
             "zkv_pending_ops": fly.get("ops"), "zkv_in_flight": fly.get("batches"),
-            "zkv_open_steps": fly.get("steps")}
+            "zkv_open_steps": fly.get("steps"), "zkv_store_retry": fly.get("store_retry")}
 
 
 def _deployed_state(llm: Any, port: int, max_probes: int = 20) -> dict[str, Any]:

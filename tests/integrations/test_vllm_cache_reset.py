@@ -50,5 +50,5 @@ def test_a_request_running_across_a_reset_saves_nothing_more(group: Group) -> No
     assert half.wait_idle(10.0)
     assert half.snapshot()["saved_blocks"] == 0
     assert half.in_flight() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
-                                "steps": 0}
+                                "steps": 0, "store_retry": 0}
     assert _matched(group) == 0  # what it computed was not saved

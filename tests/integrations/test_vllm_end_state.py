@@ -25,7 +25,7 @@ def test_in_flight_gauges_follow_a_request_and_settle_at_zero(group: Group) -> N
     half = group.half
     metrics.register_half(half)
     assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
-                         "steps": 0}
+                         "steps": 0, "store_retry": 0}
     req = group.request()
     half.get_num_new_matched_tokens(req, 0)
     blocks = list(range(10, 19))
@@ -42,7 +42,7 @@ def test_in_flight_gauges_follow_a_request_and_settle_at_zero(group: Group) -> N
     assert g["requests"] == g["cache_requests"] == 0 and g["batches"] >= 1, g
     assert half.wait_idle(10.0)
     assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
-                         "steps": 0}
+                         "steps": 0, "store_retry": 0}
 
 
 def test_a_step_without_output_does_not_shift_later_outputs(group: Group) -> None:

@@ -24,10 +24,12 @@ GARBAGE = b"garbage"
 
 
 class ExternalMachine(RuleBasedStateMachine):
-    @initialize(nhost=st.integers(1, 10), storage=st.booleans())
-    def setup(self, nhost: int, storage: bool) -> None:
+    @initialize(nhost=st.integers(1, 10), storage=st.booleans(),
+                retry_s=st.sampled_from((1.0, 1e-9)))  # 1e-9: failed writes retried each step
+    def setup(self, nhost: int, storage: bool, retry_s: float) -> None:
         self.store: set[bytes] = set()
-        self.cm = CacheManager(CacheConfig(0, nhost, BS, "write_through", storage_write=storage),
+        self.cm = CacheManager(CacheConfig(0, nhost, BS, "write_through", storage_write=storage,
+                                           store_retry_s=retry_s, store_retry_max_s=retry_s),
                                storage_exists=self._exists if storage else None)
         self.engine: dict[int, bytes] = {}   # engine block id -> contents
         self.host: dict[int, bytes] = {}

@@ -29,13 +29,15 @@ class CacheMachine(RuleBasedStateMachine):
         threshold=st.integers(1, 3),
         storage=st.booleans(),
         eviction=st.sampled_from(POLICIES),
+        retry_s=st.sampled_from((1.0, 1e-9)),  # 1e-9: failed storage writes retried each step
     )
     def setup(self, policy: str, ndev: int, nhost: int, threshold: int, storage: bool,
-              eviction: str) -> None:
+              eviction: str, retry_s: float) -> None:
         self.store: set[bytes] = set()
         self.cm = CacheManager(
             CacheConfig(ndev, nhost, BS, policy, threshold, storage_write=storage,
-                        eviction_policy=eviction),
+                        eviction_policy=eviction, store_retry_s=retry_s,
+                        store_retry_max_s=retry_s),
             storage_exists=self._exists if storage else None,
         )
         self.dev: dict[int, bytes] = {}

@@ -7,7 +7,7 @@ roll back. ``ledger.settled_pieces`` hands out the op's nodes split at that boun
     backup  DEVICE ──ok──► DEVICE + host copy                        fail ──► host blocks freed
     h2d     SWAP_TO_DEVICE ──ok──► DEVICE       fail ──► HOST, device blocks to the request
     s2h     LOADING ──ok──► HOST (the request holds it)  fail ──► dropped, negative-cached
-    h2s     host copy ──ok──► in_store
+    h2s     host copy ──ok──► in_store                 fail ──► unstored (written again)
     load    (external L1) host → engine blocks; fail ──► the engine recomputes them
     save    (external L1) SWAP_TO_HOST ──ok──► HOST      fail ──► removed, request path cut
 
@@ -25,7 +25,13 @@ from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import outcomes
 from zkv.scheduler.radix import DELETING, DEVICE, HOST, Node
 from zkv.scheduler.records import LOAD, SAVE, PendingOp
-from zkv.scheduler.tiers import drop_subtree, free_node_blocks, maybe_store
+from zkv.scheduler.tiers import (
+    drop_subtree,
+    free_node_blocks,
+    maybe_store,
+    store_failed,
+    store_succeeded,
+)
 
 
 _log = ev.get_logger("scheduler")
@@ -189,12 +195,20 @@ def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
 
 
 def _commit_h2s(core: Core, p: PendingOp, done: int) -> None:
-    ok, failed = outcomes(core.tree, p, done)
+    ok, failed_at = outcomes(core.tree, p, done)
     ok = live(core, ok)
+    unstored = core.unstored
     for n in ok:
         n.in_store = True
         core.stats.stored += len(n.hashes)
-    relist_all(core, ok + live(core, [n for n, _e, _pos in failed]))
+        if unstored:
+            unstored.pop(n, None)
+    failed = live(core, [n for n, _e, _pos in failed_at])
+    if failed:
+        store_failed(core, failed)
+    elif unstored:
+        store_succeeded(core)
+    relist_all(core, ok + failed)
 
 
 def _commit_load(core: Core, p: PendingOp, done: int) -> None:

@@ -33,9 +33,12 @@ class Core:
     """Shared state (no behaviour). ``device`` / ``host`` own block ids; ``tree`` the nodes
     and which are evictable; ``ledger`` the ops built this step and in flight; ``requests``
     the running requests (each holds its path's nodes); ``deleting`` nodes detached while
-    an op was in flight (freed when it settles); ``negative`` hashes storage failed to
-    deliver, with expiry; ``clock`` one tick per match; ``io_failed_log`` the warning for
-    failed s2h / h2s ops, rate-limited (a store that is down fails them every step)."""
+    an op was in flight (freed when it settles); ``unstored`` nodes whose storage write
+    failed, written again at ``store_retry_at`` (``tiers.retry_stores``; the backoff
+    doubles once per round with a failure: ``store_round_failed``); ``negative``
+    hashes storage failed to deliver, with expiry; ``clock`` one tick per match;
+    ``io_failed_log`` the warning for failed s2h / h2s ops, rate-limited (a store that is
+    down fails them every step)."""
 
     config: CacheConfig
     device: BlockPool
@@ -46,6 +49,10 @@ class Core:
     stats: CacheStats = field(default_factory=CacheStats)
     requests: dict[str, RequestState] = field(default_factory=dict)
     deleting: set[Node] = field(default_factory=set)
+    unstored: dict[Node, None] = field(default_factory=dict)
+    store_retry_at: float = 0.0
+    store_backoff_s: float = 0.0
+    store_round_failed: bool = False
     negative: dict[bytes, float] = field(default_factory=dict)
     clock: int = 0
     io_failed_log: ev.RateLimited = field(default_factory=lambda: ev.repeating(
@@ -68,4 +75,4 @@ def make_core(config: CacheConfig, storage_exists: StorageExists | None,
         host_policy = make_policy(config.eviction_policy, config.num_host_blocks)
     return Core(config, BlockPool(config.num_device_blocks, "device"),
                 BlockPool(config.num_host_blocks, "host"), RadixTree(device_policy, host_policy),
-                storage_exists)
+                storage_exists, store_backoff_s=config.store_retry_s)

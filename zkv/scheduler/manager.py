@@ -49,7 +49,7 @@ from zkv.scheduler.records import (  # re-exported: the manager's public surface
     RequestState,
     StorageExists,
 )
-from zkv.scheduler.tiers import free_node_blocks
+from zkv.scheduler.tiers import free_node_blocks, retry_due, retry_stores
 
 _log = ev.get_logger("scheduler")
 __all__ = [
@@ -234,7 +234,10 @@ class CacheManager:
         """This step's ops in the order workers run them (d2h, backup, h2d, s2h, h2s; one
         op per kind, one s2h per prefetching request). In flight until ``on_ops_done``.
         Ops of the kinds in ``keep`` (scheduler kinds: ``"load"``, ``"save"``, ``"h2d"``,
-        ...) stay open for a later take."""
+        ...) stay open for a later take. Storage writes that failed are queued again
+        here when their retry is due (``store_retry_due``)."""
+        if self.core.unstored:
+            retry_stores(self.core)
         out = self.core.ledger.take_ops(keep)
         if out and ev.debug_enabled():  # one summary per step, not a line per block
             st = self.core.stats
@@ -253,9 +256,23 @@ class CacheManager:
         return commit.on_ops_done(self.core, results)
 
     def fail_pending(self) -> None:
-        """Roll back every op in flight (e.g. a rank was lost and its acks never come)."""
+        """Roll back every op in flight (e.g. a rank was lost and its acks never come).
+        No storage write is tried again: nothing will run it."""
         self.on_ops_done([OpResult(op_id, False, 0, "aborted")
                           for op_id in list(self.core.ledger.pending)])
+        self.core.unstored.clear()
+
+    def store_retry_due(self) -> bool:
+        """Failed storage writes wait and their retry is due: the next ``take_ops``
+        queues them (an idle engine's pump asks this)."""
+        return retry_due(self.core)
+
+    @property
+    def num_unstored_blocks(self) -> int:
+        """Blocks whose storage write failed, waiting to be written again (those the
+        host tier still holds). O(nodes waiting)."""
+        return sum(len(n.hashes) for n in self.core.unstored
+                   if n.host_ok and not n.in_store and n.status is not DELETING)
 
     # ================================================================ lifecycle
 
@@ -329,7 +346,8 @@ class CacheManager:
             "match_blocks": s.match_blocks, "evicted_device": s.evicted_device,
             "evicted_host": s.evicted_host, "dropped": s.dropped, "swapped_in": s.swapped_in,
             "swapped_out": s.swapped_out, "backed_up": s.backed_up, "loaded": s.loaded,
-            "stored": s.stored, "failed_ops": s.failed_ops, "failed_blocks": dict(s.failed_by_kind),
+            "stored": s.stored, "store_retried": s.store_retried,
+            "unstored": self.num_unstored_blocks, "failed_ops": s.failed_ops, "failed_blocks": dict(s.failed_by_kind),
             "loaded_external": s.loaded_external, "saved_external": s.saved_external,
             "free_device": self.core.device.num_free, "free_host": self.core.host.num_free,
             "nodes": self.status_counts(), "pending_ops": len(self.core.ledger.pending),

@@ -36,6 +36,10 @@ class CacheConfig:
     storage_write: bool = False  # write blocks that reach host to L3 (h2s)
     negative_cache_s: float = 5.0
     eviction_policy: str = LRU_NAME  # per tier: "lru" or "slru" (eviction.py)
+    #: A failed storage write (h2s: the store down, or full) is tried again after this
+    #: many seconds, doubling per failed round up to ``store_retry_max_s`` (tiers.py).
+    store_retry_s: float = 1.0
+    store_retry_max_s: float = 10.0
     #: Hit count at which a device block is backed up to host; None = never (write_back).
     #: Derived from the write policy (read on every eviction: computed once).
     backup_threshold: int | None = field(init=False, default=None, repr=False, compare=False)
@@ -45,6 +49,8 @@ class CacheConfig:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.block_size <= 0 or self.num_device_blocks < 0 or self.num_host_blocks < 0:
             raise ValueError("block_size must be > 0 and block counts >= 0")
+        if not 0 < self.store_retry_s <= self.store_retry_max_s:
+            raise ValueError("store_retry_s must be > 0 and <= store_retry_max_s")
         if self.write_through_threshold < 1:
             raise ValueError("write_through_threshold must be >= 1")
         if self.eviction_policy not in POLICIES:
@@ -131,6 +137,7 @@ class CacheStats:
     backed_up: int = 0           # backup blocks committed
     loaded: int = 0              # s2h blocks committed
     stored: int = 0              # h2s blocks committed
+    store_retried: int = 0       # blocks whose failed h2s was queued again
     failed_ops: int = 0
     failed_blocks: int = 0
     failed_by_kind: dict[str, int] = field(default_factory=dict)  # op kind -> failed blocks

@@ -11,14 +11,25 @@ per victim node plus O(blocks) in C (list slices and extends), never a scan::
         write_back and host blocks ───────────► SWAP_TO_HOST + d2h entry (ack: HOST,
                                                 fail: dropped)
         otherwise ────────────────────────────► dropped with its host-only subtree
+
+A storage write (h2s) that fails leaves the host copy where it was, not stored; a store
+that is down (or full) must not keep it out of L3 once it is back, so the node waits in
+``core.unstored`` and is written again::
+
+    h2s fails ──► unstored ──store_retry_at──► h2s again (and any piece a split put above)
+        ▲            │ evicted / dropped meanwhile: forgotten (L3 is a cache)
+        └─ fails ────┘ (backoff doubled once per round, up to store_retry_max_s)
+    an h2s op that fully succeeds: the store takes writes, retry at the next take_ops
 """
 
 from __future__ import annotations
 
+import time
+
 from zkv.protocol import BACKUP, D2H, H2S
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import Ledger
-from zkv.scheduler.radix import DELETING, HOST, SWAP_TO_HOST, Node
+from zkv.scheduler.radix import DELETING, DEVICE, HOST, SWAP_TO_HOST, Node
 
 
 def evict_device(core: Core, n_blocks: int) -> list[int] | None:
@@ -190,3 +201,65 @@ def maybe_store(core: Core, n: Node) -> None:
     if not core.config.storage_write or n.in_store:
         return
     Ledger.add(core.ledger.op(H2S), n, None, n.host, (), n.hashes)  # type: ignore[arg-type]
+
+
+def store_failed(core: Core, nodes: list[Node]) -> None:
+    """The h2s of ``nodes`` (settled, still in the tree) failed: write them again later.
+    The backoff doubles once per round (from one retry to the next) with a failure,
+    however many ops failed in it."""
+    unstored = core.unstored
+    for n in nodes:
+        if n.host_ok and not n.in_store:
+            unstored[n] = None
+    if not core.store_round_failed:
+        core.store_round_failed = True
+        core.store_retry_at = time.monotonic() + core.store_backoff_s
+        core.store_backoff_s = min(core.config.store_retry_max_s, 2 * core.store_backoff_s)
+
+
+def store_succeeded(core: Core) -> None:
+    """An h2s op stored every block: the store takes writes again; retry at once."""
+    core.store_backoff_s = core.config.store_retry_s
+    core.store_retry_at = 0.0
+    core.store_round_failed = False
+
+
+def retry_due(core: Core) -> bool:
+    return bool(core.unstored) and time.monotonic() >= core.store_retry_at
+
+
+def retry_stores(core: Core) -> int:
+    """Queue the h2s of every ``unstored`` node again once its time came (and of the
+    pieces a split put above one: ``in_store`` is per node); returns the blocks queued.
+    Nodes gone from the host tier meanwhile are forgotten; busy ones wait a round.
+    O(unstored nodes and their unstored ancestors), once per retry period."""
+    if not retry_due(core):
+        return 0
+    todo = list(core.unstored)
+    core.unstored.clear()
+    core.store_round_failed = False
+    if not core.config.storage_write:
+        return 0
+    index = core.tree.index
+    seen: set[Node] = set()
+    queued = 0
+    for n in todo:
+        while n.parent is not None and n not in seen:  # up to the root or a stored piece
+            seen.add(n)
+            if (n.in_store or not n.host_ok or n.status not in _RESTORABLE
+                    or index.get(n.hashes[0]) is not n):
+                break
+            if n.busy:  # an op reads or moves it: next round
+                core.unstored[n] = None
+                break
+            core.tree.unlist_chain(n)  # busy until acked (the commit lists it again)
+            maybe_store(core, n)
+            queued += len(n.hashes)
+            n = n.parent
+    core.stats.store_retried += queued
+    # not before the backoff again, unless an ack brings it forward (busy nodes wait)
+    core.store_retry_at = time.monotonic() + core.store_backoff_s
+    return queued
+
+
+_RESTORABLE = (HOST, DEVICE)  # a committed host copy, no op moving the node

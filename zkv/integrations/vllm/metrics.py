@@ -19,13 +19,16 @@ every number is the minimum-over-ranks outcome zkv commits on)::
     zkv:host_blocks{state="free|used"}
     zkv:enabled                                           1; 0 once a lost rank turned zkv
                                                           off for the engine (alert on it)
-    zkv:in_flight{what="requests|cache_requests|ops|batches|steps"}
+    zkv:in_flight{what="requests|cache_requests|ops|batches|steps|store_retry"}
                                                           requests the connector tracks,
                                                           requests holding tree nodes, ops
                                                           and batches not acked yet, steps
-                                                          whose output has not come: an idle
-                                                          engine's settle at 0 (a leak grows;
-                                                          steps: 1 under async scheduling)
+                                                          whose output has not come, blocks
+                                                          whose L3 write waits for a retry:
+                                                          an idle engine's settle at 0 (a
+                                                          leak grows; steps: 1 under async
+                                                          scheduling; store_retry while the
+                                                          store is down)
 
 They live in :data:`zkv.metrics.REGISTRY` (``serve(port)``: 127.0.0.1, ``render()``).
 """
@@ -108,7 +111,8 @@ class _HalfCollector:
         fly = GaugeMetricFamily("zkv:in_flight", "Requests the connector tracks (requests), "
                                 "requests holding zkv blocks (cache_requests), ops and batches "
                                 "not acked by every rank yet, steps whose output has not come "
-                                "back (steps).", labels=["model", "rank", "what"])
+                                "back (steps), blocks whose L3 write failed and waits to be "
+                                "tried again (store_retry).", labels=["model", "rank", "what"])
         for what, v in h.in_flight().items():
             fly.add_metric([*labels, what], v)
         yield fly

@@ -227,12 +227,14 @@ class SchedulerHalf:
         would reach the store only when another request came, too late for an engine that
         shares it (P/D, a router sending the next turn elsewhere). While batches are in
         flight, or acks were committed (by any call: the L3 ops they open wait for no
-        step), and vLLM has called nothing for ``PUMP_IDLE_S``, this thread commits the
-        acks and publishes the L3 ops that follow them (s2h, h2s: host pool and store
-        only); ops on vLLM's blocks wait for a step's batch. It takes the same lock as
+        step), or failed storage writes are due to be tried again, and vLLM has called
+        nothing for ``PUMP_IDLE_S``, this thread commits the acks and publishes the L3 ops
+        that follow them (s2h, h2s: host pool and store only); ops on vLLM's blocks wait
+        for a step's batch. It takes the same lock as
         vLLM's calls, so the two never interleave."""
         while not self._stop.is_set():
-            if not self.dp.in_flight and not self._io_open:  # hints, read without the lock
+            if (not self.dp.in_flight and not self._io_open  # hints, read without the lock
+                    and not self.cm.store_retry_due()):
                 self._kick.wait(1.0)
                 self._kick.clear()
                 continue
@@ -724,11 +726,12 @@ class SchedulerHalf:
         ops and batches every rank has not acked (an idle engine's settle at 0 once the pump
         committed the last acks, within milliseconds), steps whose output has not
         come back (under async scheduling vLLM keeps the last one it scheduled until its
-        next step)."""
+        next step), blocks whose L3 write failed and waits to be tried again (0 once the
+        store took them; not 0 while it is down)."""
         with self._lock:
             return {"requests": len(self._reqs), "cache_requests": self.cm.num_running(),
                     "ops": self.cm.num_pending_ops, "batches": self.dp.in_flight,
-                    "steps": len(self._steps)}
+                    "steps": len(self._steps), "store_retry": self.cm.num_unstored_blocks}
 
     def close(self) -> None:
         """Report what is left (``connector.closed``: info, a warning when something was

@@ -1,0 +1,177 @@
+"""Failed storage writes are written again: a store that was down (or full) gets the host
+tier's blocks once it takes writes, after a backoff, and nothing waits for a block the
+host tier let go meanwhile. Exact ops, a fake clock, invariants after every step."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from tests.scheduler.test_manager import BS, H, ack, cached, fail, finish, run, shape, take
+from zkv.protocol import D2H, H2S, Op
+from zkv.scheduler import tiers
+from zkv.scheduler.manager import CacheConfig, CacheManager
+from zkv.scheduler.radix import HOST
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(tiers, "time", types.SimpleNamespace(monotonic=c.monotonic))
+    return c
+
+
+def make(num_device: int, num_host: int, retry_s: float = 1.0, max_s: float = 10.0
+         ) -> CacheManager:
+    cm = CacheManager(CacheConfig(num_device, num_host, BS, "write_back", storage_write=True,
+                                  store_retry_s=retry_s, store_retry_max_s=max_s))
+    cm.check_invariants()
+    return cm
+
+
+def push(cm: CacheManager, rid: str, hashes: list[bytes]) -> list[Op]:
+    """Run ``rid`` to its end (older blocks it evicts go to host: d2h, acked); the ops
+    that follow (the storage writes of what reached host)."""
+    assert run(cm, rid, hashes) is not None
+    ops = take(cm)
+    assert all(op.kind == D2H for op in ops)
+    if ops:
+        ack(cm, *ops)
+    finish(cm, rid)
+    return take(cm)
+
+
+def test_a_failed_write_is_written_again_after_the_backoff(clock: Clock) -> None:
+    cm = make(2, 4)
+    a = H(1, 2)
+    assert push(cm, "r1", a) == []
+    (h2s,) = push(cm, "r2", H(3, 4))
+    assert shape(h2s) == (H2S, [0, 1], [], tuple(a))
+    fail(cm, h2s)
+    n = cm.tree.index[a[0]]
+    assert (n.status, n.in_store, n.busy) == (HOST, False, 0)
+    assert cm.num_unstored_blocks == 2 and not cm.store_retry_due()
+    clock.now += 0.99
+    assert take(cm) == []
+    clock.now += 0.01
+    assert cm.store_retry_due()
+    (again,) = take(cm)
+    assert shape(again) == (H2S, [0, 1], [], tuple(a))
+    assert n.busy == 1 and cm.stats.store_retried == 2
+    ack(cm, again)
+    assert n.in_store and cm.num_unstored_blocks == 0 and cm.stats.stored == 2
+    clock.now += 100
+    assert take(cm) == []
+
+
+def test_the_backoff_doubles_per_failed_round_up_to_its_cap(clock: Clock) -> None:
+    cm = make(1, 4, retry_s=1.0, max_s=4.0)
+    push(cm, "r1", H(1))
+    (h2s,) = push(cm, "r2", H(2))
+    fail(cm, h2s)
+    waits = []
+    for _ in range(4):
+        waited = 0.0
+        while not cm.store_retry_due():
+            clock.now += 0.25
+            waited += 0.25
+        waits.append(waited)
+        (again,) = take(cm)
+        fail(cm, again)
+    assert waits == [1.0, 2.0, 4.0, 4.0]
+    assert cm.stats.store_retried == 4 and cm.num_unstored_blocks == 1
+
+
+def test_many_failures_in_one_round_double_the_backoff_once(clock: Clock) -> None:
+    cm = make(1, 4)
+    push(cm, "r1", H(1))
+    (first,) = push(cm, "r2", H(2))
+    fail(cm, first)
+    (second,) = push(cm, "r3", H(3))  # H(2)'s write fails too, in the same round
+    assert second.keys == (H(2)[0],)
+    fail(cm, second)
+    clock.now += 0.99
+    assert not cm.store_retry_due()
+    clock.now += 0.01
+    (again,) = take(cm)
+    assert set(again.keys) == {H(1)[0], H(2)[0]}
+    fail(cm, again)
+    clock.now += 1.99
+    assert not cm.store_retry_due()
+    clock.now += 0.01
+    assert cm.store_retry_due()
+
+
+def test_a_write_that_succeeds_brings_the_retry_forward(clock: Clock) -> None:
+    cm = make(1, 4)
+    a = H(1)
+    push(cm, "r1", a)
+    (h2s,) = push(cm, "r2", H(2))
+    fail(cm, h2s)
+    (ok,) = push(cm, "r3", H(3))  # the store is back: H(2)'s write will succeed
+    assert take(cm) == []
+    ack(cm, ok)
+    (again,) = take(cm)  # no time passed
+    assert shape(again) == (H2S, [0], [], (a[0],))
+    ack(cm, again)
+    assert cm.num_unstored_blocks == 0 and cm.stats.stored == 2
+
+
+def test_a_block_the_host_tier_let_go_is_not_waited_for(clock: Clock) -> None:
+    cm = make(1, 1)
+    a = H(1)
+    push(cm, "r1", a)
+    (h2s,) = push(cm, "r2", H(2))
+    fail(cm, h2s)
+    (ok,) = push(cm, "r3", H(3))  # host block 0 goes to H(2): `a` is dropped
+    assert a[0] not in cm.tree.index and ok.keys == (H(2)[0],)
+    ack(cm, ok)
+    clock.now += 10
+    assert take(cm) == []
+    assert cm.num_unstored_blocks == 0 and cm.stats.store_retried == 0
+
+
+def test_every_piece_of_a_node_split_while_it_waited_is_written(clock: Clock) -> None:
+    cm = make(3, 6)
+    a = H(1, 2, 3)
+    push(cm, "r1", a)
+    (h2s,) = push(cm, "r2", H(7, 8, 9))
+    fail(cm, h2s)
+    assert len(cm.tree.index[a[0]].hashes) == 3
+    cached(cm, "r3", a[:2])  # a host hit on the first two blocks: the node is split
+    assert cm.tree.index[a[0]] is not cm.tree.index[a[2]]
+    assert not cm.tree.index[a[0]].in_store
+    clock.now += 1.0
+    ops = take(cm)
+    (again,) = [op for op in ops if op.kind == H2S]
+    assert set(again.keys) == set(a)
+    ack(cm, *ops)
+    assert all(cm.tree.index[h].in_store for h in a)
+    assert cm.num_unstored_blocks == 0
+
+
+def test_fail_pending_drops_the_retries(clock: Clock) -> None:
+    cm = make(1, 4)
+    push(cm, "r1", H(1))
+    (h2s,) = push(cm, "r2", H(2))
+    fail(cm, h2s)
+    assert cm.num_unstored_blocks == 1
+    cm.fail_pending()
+    clock.now += 10
+    assert take(cm) == [] and cm.num_unstored_blocks == 0
+
+
+def test_retry_intervals_are_checked() -> None:
+    with pytest.raises(ValueError, match="store_retry_s"):
+        CacheConfig(1, 1, store_retry_s=0)
+    with pytest.raises(ValueError, match="store_retry_s"):
+        CacheConfig(1, 1, store_retry_s=5, store_retry_max_s=1)
