@@ -1,7 +1,7 @@
-"""A real ``vllm serve`` with zkv on a real redis-server that dies mid-run and comes back
+"""A real ``vllm serve`` with zkv on a real redis-server (or Mooncake master) that dies mid-run and comes back
 empty: vLLM keeps serving the same tokens throughout, zkv says once that the store is
 unreachable, the host blocks whose writes failed wait, and once it is back they are
-written to it (without a new request) and read from it again.
+written to it while the engine is idle (the pump) and read from it again.
 
 The reference is the engine's own first answer to each prompt (cold: nothing in any
 cache, every token computed); the same prompts asked again must get the same tokens, from
@@ -51,16 +51,52 @@ def _flushed(port: int, store_up: bool = True) -> dict[str, Any]:
         time.sleep(0.2)
 
 
-def _keys(redis: Any) -> int:
-    """Blocks in the store, once its count held for a second."""
-    deadline, last = time.monotonic() + FLUSH_S, -1
-    while time.monotonic() < deadline:
-        n = redis.client().dbsize()
-        if n == last:
-            return n
-        last = n
-        time.sleep(1.0)
-    return last
+class _Store:
+    """A real store server the test kills and starts again (back empty)."""
+
+    def __init__(self, kind: str, folder: str) -> None:
+        from tests.servers import MooncakeServer, RedisServer
+
+        self.kind = kind
+        self.srv = RedisServer(folder) if kind == "redis" else MooncakeServer(folder)
+
+    @property
+    def url(self) -> str:
+        return self.srv.url
+
+    def kill(self) -> None:
+        self.srv.kill() if self.kind == "redis" else self.srv.kill_master()
+
+    def start(self) -> None:
+        if self.kind == "redis":
+            self.srv.start()
+        else:
+            self.srv.start_master()
+            self.srv.wait_capacity()
+
+    def _count(self) -> int:
+        if self.kind == "redis":
+            return int(self.srv.client().dbsize())
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.srv.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return next(int(float(line.split()[1])) for line in text.splitlines()
+                    if line.startswith("master_key_count "))
+
+    def keys(self) -> int:
+        """Blocks in the store, once its count held for a second."""
+        deadline, last = time.monotonic() + FLUSH_S, -1
+        while time.monotonic() < deadline:
+            n = self._count()
+            if n == last:
+                return n
+            last = n
+            time.sleep(1.0)
+        return last
+
+    def close(self) -> None:
+        self.srv.close()
 
 
 def _events(log_dir: Path, name: str) -> list[dict[str, Any]]:
@@ -70,22 +106,24 @@ def _events(log_dir: Path, name: str) -> list[dict[str, Any]]:
     return events_named(events(log_dir), name)
 
 
-def test_redis_killed_while_serving_and_back_empty(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+def test_store_killed_while_serving_and_back_empty(tmp_path: Path, kind: str) -> None:
     from tests.integration.vllm_runner import build_tiny_llama
-    from tests.servers import RedisServer, free_port
+    from tests.servers import free_port
     from zkv.log import STORE_RECONNECTED, STORE_UNREACHABLE
 
     model = build_tiny_llama(str(tmp_path / "model"))
     prompts = _prompts()
     full_blocks = sum(len(p) // 32 for p in prompts)
     port, logs = free_port(), tmp_path / "logs"
-    with RedisServer(str(tmp_path / "redis")) as redis:
+    store = _Store(kind, str(tmp_path / kind))
+    try:
         srv = VllmServer(tmp_path, model, {
             "kv_connector": "ZkvConnector",
             "kv_connector_module_path": "zkv.integrations.vllm_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "host_blocks": HOST_BLOCKS, "storage": redis.url + "?timeout_s=0.5",
+                "host_blocks": HOST_BLOCKS, "storage": store.url + "?timeout_s=0.5",
                 "log_dir": str(logs), "metrics_port": port, "prefetch_max_ms": 5_000}},
             name="vllm-outage", kv_bytes=KV_BYTES, args=("--skip-tokenizer-init",))
         try:
@@ -93,9 +131,9 @@ def test_redis_killed_while_serving_and_back_empty(tmp_path: Path) -> None:
             cold = [srv.complete(p) for p in prompts]
             z0 = _flushed(port)
             assert z0["computed_tokens"] == sum(map(len, prompts)), z0
-            assert _keys(redis) >= full_blocks - HOST_BLOCKS, "the documents reach the store"
+            assert store.keys() >= full_blocks - HOST_BLOCKS, "the documents reach the store"
 
-            redis.kill()
+            store.kill()
             # the store is gone mid-run: every answer the same, from vLLM's cache, zkv's
             # host pool, or computed again where the store held the blocks
             assert [srv.complete(p) for p in prompts] == cold
@@ -104,17 +142,18 @@ def test_redis_killed_while_serving_and_back_empty(tmp_path: Path) -> None:
             waiting = z1["in_flight"]["store_retry"]
             assert waiting > 0, "the blocks whose writes failed wait to be written again"
             down = _events(logs, STORE_UNREACHABLE)
-            assert down and all(e["store"].startswith("redis://") for e in down), down
+            assert down and all(e["store"].startswith(f"{kind}://") for e in down), down
             assert len(down) <= 4, f"one line per outage, not per op: {len(down)}"
             assert z1["zkv_store_tokens"] == z0["zkv_store_tokens"], z1
 
-            redis.start()  # back, and empty
-            assert [srv.complete(p) for p in reversed(prompts)] == cold[::-1]
+            store.start()  # back, and empty: no request comes, the pump tries again
             z2 = _flushed(port)
             assert not any(z2["in_flight"].values()), z2["in_flight"]
             assert _events(logs, STORE_RECONNECTED), "zkv should say the store is back"
-            back = _keys(redis)
-            assert back >= DOCS, f"writes to the store resumed: {back} blocks"
+            back = store.keys()
+            assert back >= waiting, f"the waiting blocks were written: {back} of {waiting}"
+            assert [srv.complete(p) for p in reversed(prompts)] == cold[::-1]
+            _flushed(port)
             # the blocks written since it came back serve the prompts again
             assert [srv.complete(p) for p in prompts] == cold
             z3 = _flushed(port)
@@ -123,3 +162,5 @@ def test_redis_killed_while_serving_and_back_empty(tmp_path: Path) -> None:
         finally:
             code = srv.stop()
         assert code == 0, srv.tail()
+    finally:
+        store.close()

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from tests.scheduler.test_manager import BS, H, ack, cached, fail, finish, run, shape, take
+from tests.scheduler.test_manager import BS, H, ack, fail, finish, run, shape, take
 from zkv.protocol import D2H, H2S, Op
 from zkv.scheduler import tiers
 from zkv.scheduler.manager import CacheConfig, CacheManager
@@ -92,7 +92,7 @@ def test_the_backoff_doubles_per_failed_round_up_to_its_cap(clock: Clock) -> Non
 
 
 def test_many_failures_in_one_round_double_the_backoff_once(clock: Clock) -> None:
-    cm = make(1, 4)
+    cm = make(1, 8)
     push(cm, "r1", H(1))
     (first,) = push(cm, "r2", H(2))
     fail(cm, first)
@@ -147,9 +147,11 @@ def test_every_piece_of_a_node_split_while_it_waited_is_written(clock: Clock) ->
     (h2s,) = push(cm, "r2", H(7, 8, 9))
     fail(cm, h2s)
     assert len(cm.tree.index[a[0]].hashes) == 3
-    cached(cm, "r3", a[:2])  # a host hit on the first two blocks: the node is split
+    cm.match_prefix("r3", a[:2])  # a host hit on the first two blocks: the node is split
+    cm.abort("r3")
+    cm.check_invariants()
     assert cm.tree.index[a[0]] is not cm.tree.index[a[2]]
-    assert not cm.tree.index[a[0]].in_store
+    assert not cm.tree.index[a[0]].in_store and cm.tree.index[a[0]].status is HOST
     clock.now += 1.0
     ops = take(cm)
     (again,) = [op for op in ops if op.kind == H2S]
@@ -175,3 +177,69 @@ def test_retry_intervals_are_checked() -> None:
         CacheConfig(1, 1, store_retry_s=0)
     with pytest.raises(ValueError, match="store_retry_s"):
         CacheConfig(1, 1, store_retry_s=5, store_retry_max_s=1)
+
+
+class Query:
+    """A ``storage_exists`` with the optional ``store_reached`` the manager calls."""
+
+    def __init__(self) -> None:
+        self.reached = 0
+
+    def __call__(self, hashes: object) -> int:
+        return 0
+
+    def store_reached(self) -> None:
+        self.reached += 1
+
+
+def test_a_write_that_succeeds_tells_the_storage_query(clock: Clock) -> None:
+    q = Query()
+    cm = CacheManager(CacheConfig(1, 4, BS, "write_back", storage_write=True), storage_exists=q)
+    push(cm, "r1", H(1))
+    (h2s,) = push(cm, "r2", H(2))
+    fail(cm, h2s)
+    assert q.reached == 0  # nothing reached the store
+    (h2s,) = push(cm, "r3", H(3))
+    ack(cm, h2s)
+    assert q.reached == 1
+    (again,) = take(cm)
+    fail(cm, again, done=0)
+    assert q.reached == 1
+
+
+def test_a_round_writes_a_quarter_of_the_host_pool_and_the_rest_follows(clock: Clock) -> None:
+    cm = make(1, 8)  # two blocks a round
+    push(cm, "r1", H(1))
+    for rid, h in (("r2", H(2)), ("r3", H(3)), ("r4", H(4))):
+        (h2s,) = push(cm, rid, h)
+        fail(cm, h2s)
+    assert cm.num_unstored_blocks == 3
+    clock.now += 1.0
+    (first,) = take(cm)
+    assert first.keys == (H(1)[0], H(2)[0])
+    assert cm.num_unstored_blocks == 1 and take(cm) == []
+    ack(cm, first)  # the store took them: the rest at once
+    (rest,) = take(cm)
+    assert rest.keys == (H(3)[0],)
+    ack(cm, rest)
+    assert cm.num_unstored_blocks == 0 and cm.stats.store_retried == 3
+
+
+def test_a_device_nodes_backup_is_written_once_the_device_lets_it_go(clock: Clock) -> None:
+    cm = CacheManager(CacheConfig(2, 8, BS, "write_through", storage_write=True))
+    a = H(1, 2)
+    assert run(cm, "r1", a) is not None
+    assert take(cm) == []
+    finish(cm, "r1")
+    (backup,) = take(cm)
+    ack(cm, backup)
+    (h2s,) = take(cm)
+    fail(cm, h2s)
+    clock.now += 1.0
+    assert take(cm) == []  # on device: its device blocks are not pinned for a retry
+    assert cm.num_unstored_blocks == 2
+    assert run(cm, "r2", H(3, 4)) is not None  # `a` leaves the device (its host copy stays)
+    assert cm.tree.index[a[0]].status is HOST
+    clock.now += 2.0
+    ops = take(cm)
+    assert [op.keys for op in ops if op.kind == H2S] == [tuple(a)]

@@ -176,3 +176,36 @@ def test_redis_restarted_while_idle_fails_no_call(tmp_path: Path) -> None:
             assert store.link.num_down == 0  # type: ignore[attr-defined]
         finally:
             store.close()
+
+
+def test_the_query_tries_again_at_once_when_a_rank_wrote(tmp_path: Path) -> None:
+    """The scheduler's existence query after an outage: its link waits out a backoff that
+    grew while the store was down (misses all along, up to ``max_backoff_s`` after the
+    store came back), unless a rank's write says the store is back (``store_reached``,
+    from ``CacheManager.on_ops_done``): then the next query reconnects at once."""
+    from zkv.storage import StorageQuery
+
+    with RedisServer(str(tmp_path)) as srv:
+        store = open_store(srv.url + "?timeout_s=0.5", "ns")
+        rank = open_store(srv.url + "?timeout_s=0.5", "ns")
+        query = StorageQuery(store, 1)
+        try:
+            round_trip(rank, 0)
+            assert query([K[0][:16]]) == 1
+            srv.stop()
+            link = store.link
+            assert link is not None
+            for _ in range(4):  # reconnect attempts while down: the backoff doubles
+                wait_for(lambda: link.retry_in_s == 0, "the link's next attempt")
+                assert query([K[0][:16]]) == 0
+            assert link.retry_in_s > 1.0
+            srv.start()
+            round_trip(rank, 1)  # a rank's write gets through: the store is back
+            with pytest.raises(StorageError, match="next attempt in"):
+                store.exists(K[:1])  # the query's own link still waits
+            query.store_reached()
+            assert query([K[1][:16]]) == 1  # at once
+            assert link.up and link.num_reconnects == 1
+        finally:
+            rank.close()
+            store.close()

@@ -67,6 +67,8 @@ class CacheManager:
         """``device_policy`` / ``host_policy``: eviction order per tier (default: the
         config's ``eviction_policy`` sized to the tier); a fresh instance each."""
         self.core: Core = make_core(config, storage_exists, device_policy, host_policy)
+        # optional: told when a storage write succeeded (the query may reconnect at once)
+        self._store_reached = getattr(storage_exists, "store_reached", None)
         self.config = config
         self.block_size = config.block_size
 
@@ -252,8 +254,15 @@ class CacheManager:
 
     def on_ops_done(self, results: Iterable[OpResult]) -> list[int]:
         """Commit (or roll back) acked ops; ``done`` is the number of leading blocks that
-        succeeded on every rank. Returns op ids that were not pending (ignored)."""
-        return commit.on_ops_done(self.core, results)
+        succeeded on every rank. Returns op ids that were not pending (ignored). A
+        storage write that succeeded tells ``storage_exists.store_reached()``, if it has
+        one."""
+        stats = self.core.stats
+        stored = stats.stored
+        unknown = commit.on_ops_done(self.core, results)
+        if stats.stored != stored and self._store_reached is not None:
+            self._store_reached()
+        return unknown
 
     def fail_pending(self) -> None:
         """Roll back every op in flight (e.g. a rank was lost and its acks never come).

@@ -23,6 +23,8 @@ SAVE = "save"
 WIRE_KIND = {LOAD: H2D, SAVE: BACKUP}
 
 #: ``exists(hashes) -> n``: how many leading hashes the L3 store holds (one batched query).
+#: Optional methods the manager calls: ``store_reached()`` (a storage write succeeded),
+#: ``flush_logs()`` (its work ends); ``zkv.storage.StorageQuery`` has both.
 StorageExists = Callable[[Sequence[bytes]], int]
 
 

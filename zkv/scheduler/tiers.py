@@ -16,8 +16,10 @@ A storage write (h2s) that fails leaves the host copy where it was, not stored; 
 that is down (or full) must not keep it out of L3 once it is back, so the node waits in
 ``core.unstored`` and is written again::
 
-    h2s fails ──► unstored ──store_retry_at──► h2s again (and any piece a split put above)
-        ▲            │ evicted / dropped meanwhile: forgotten (L3 is a cache)
+    h2s fails ──► unstored ──store_retry_at──► h2s again (and any piece a split put above;
+        ▲            │                          HOST nodes, a quarter of the host pool a
+        │            │                          round: the rest waits in unstored)
+        │            │ evicted / dropped meanwhile: forgotten (L3 is a cache)
         └─ fails ────┘ (backoff doubled once per round, up to store_retry_max_s)
     an h2s op that fully succeeds: the store takes writes, retry at the next take_ops
 """
@@ -229,28 +231,36 @@ def retry_due(core: Core) -> bool:
 
 
 def retry_stores(core: Core) -> int:
-    """Queue the h2s of every ``unstored`` node again once its time came (and of the
-    pieces a split put above one: ``in_store`` is per node); returns the blocks queued.
-    Nodes gone from the host tier meanwhile are forgotten; busy ones wait a round.
-    O(unstored nodes and their unstored ancestors), once per retry period."""
+    """Queue the h2s of ``unstored`` nodes again once their time came (and of the pieces
+    a split put above one: ``in_store`` is per node); returns the blocks queued. At most
+    a quarter of the host pool per round (an op pins the host blocks it reads; the rest
+    waits for the next round, at once when this one succeeds). HOST nodes only: a device
+    node's backup is written once the device lets the node go (pinning device blocks
+    would keep requests from fitting); busy ones wait a round. Nodes gone from the host
+    tier meanwhile are forgotten. O(nodes looked at), once per retry period."""
     if not retry_due(core):
         return 0
     todo = list(core.unstored)
-    core.unstored.clear()
+    unstored = core.unstored
+    unstored.clear()
     core.store_round_failed = False
     if not core.config.storage_write:
         return 0
     index = core.tree.index
+    limit = max(1, core.host.num_blocks // 4)
     seen: set[Node] = set()
     queued = 0
-    for n in todo:
+    for i, n in enumerate(todo):
+        if queued >= limit:  # the rest in the next round
+            unstored.update(dict.fromkeys(todo[i:]))
+            break
         while n.parent is not None and n not in seen:  # up to the root or a stored piece
             seen.add(n)
             if (n.in_store or not n.host_ok or n.status not in _RESTORABLE
                     or index.get(n.hashes[0]) is not n):
                 break
-            if n.busy:  # an op reads or moves it: next round
-                core.unstored[n] = None
+            if n.busy or n.status is DEVICE:  # next round (its parents are DEVICE too)
+                unstored[n] = None
                 break
             core.tree.unlist_chain(n)  # busy until acked (the commit lists it again)
             maybe_store(core, n)

@@ -32,6 +32,9 @@ tries to reconnect::
      │                        └──── attempt failed: backoff x2 (at most max_backoff_s) ┤
      └─────────────────────────────────── attempt succeeded ──────────────────────────┘
 
+``retry_now`` (another client, a rank, just reached the store) makes DOWN's next call
+attempt at once, backoff reset: the scheduler's queries come back with the ranks' writes.
+
 Stores are called from the worker's I/O threads concurrently: implementations are
 thread-safe.
 """
@@ -205,6 +208,15 @@ class Link:
             self.num_reconnects += 1
         self._log.warning(ev.STORE_RECONNECTED, store=self.what)
 
+    def retry_now(self) -> None:
+        """Another client just reached the store: while down, the next call tries to
+        reconnect at once (backoff reset) instead of at the end of the backoff."""
+        if self._up:
+            return
+        with self._lock:
+            self._retry_at = 0.0
+            self._backoff = self._min
+
     def down(self, error: BaseException | str) -> None:
         """A call failed for a transport reason: fail fast until the backoff passes."""
         with self._lock:
@@ -230,6 +242,7 @@ class Store(abc.ABC):
     namespace: str
     stats: StoreStats
     url: str = ""
+    link: Link | None = None  # the reconnect breaker of a networked store
 
     def __init__(self, namespace: str) -> None:
         self.namespace = check_namespace(namespace)
@@ -264,6 +277,12 @@ class Store(abc.ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release connections. Idempotent."""
+
+    def retry_now(self) -> None:
+        """Another client just reached the store (``Link.retry_now``); nothing to do for
+        a store without a link."""
+        if self.link is not None:
+            self.link.retry_now()
 
     # ---------------------------------------------------------------- conveniences
 

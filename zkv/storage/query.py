@@ -56,6 +56,12 @@ class StorageQuery:
     def __call__(self, hashes: Sequence[bytes]) -> int:
         return leading_present(self.store, hashes, self.world_size, self.failed)
 
+    def store_reached(self) -> None:
+        """A rank's write reached the store (``CacheManager.on_ops_done``): a query link
+        that is down tries again at the next query, not at the end of its backoff (up to
+        ``max_backoff_s`` of misses after the store came back)."""
+        self.store.retry_now()
+
     def flush_logs(self) -> None:
         """Write how many failed queries were only counted (``CacheManager.flush_logs``)."""
         self.failed.flush()
