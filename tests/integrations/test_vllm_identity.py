@@ -92,3 +92,6 @@ def test_settings_that_change_the_kv_are_in_it(tmp_path: Path, extra: dict[str, 
     changed = model_identity(NS(**{**vars(mc), **extra}), NS(cache_dtype="auto"))
     assert part in changed and part not in plain
     assert "|kv=fp8_e5m2/float32" in model_identity(mc, NS(cache_dtype="fp8_e5m2"))
+    # both held in uint8 tensors by vLLM: only the format's name tells them apart
+    assert (model_identity(mc, NS(cache_dtype="fp8_e4m3"))
+            != model_identity(mc, NS(cache_dtype="fp8_e5m2")))
