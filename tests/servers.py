@@ -10,6 +10,8 @@ each on free 127.0.0.1 ports, started and always stopped by the test that owns t
     with MooncakeServer(tmp_dir) as mc:        mc.url   -> mooncake://127.0.0.1:PORT
         mc.stop_master() / mc.start_master()   the holder's segment comes back with it
 
+    KillableStore("redis" | "mooncake", dir)   either one: kill / restart / pause / num_keys
+
 Readiness is polled with a deadline (a TCP connect, PING, the master's capacity metric);
 nothing sleeps for synchronization. Every child is reaped in ``close`` (also on errors).
 Install: ``apt-get install -y --no-install-recommends redis-server libibverbs1`` and
@@ -239,3 +241,42 @@ class MooncakeServer(_Server):
         stop_process(self.holder)
         stop_process(self.master)
         super().close()
+
+
+class KillableStore:
+    """Either server behind one interface, for tests that take the store away mid-run:
+    ``kind`` "redis" or "mooncake"; ``kill`` (SIGKILL: a redis-server without persistence
+    and a Mooncake master both come back empty), ``restart``, ``pause`` (SIGSTOP),
+    ``num_keys`` (objects the server holds)."""
+
+    def __init__(self, kind: str, folder: str) -> None:
+        self.kind = kind
+        self.srv: Any = RedisServer(folder) if kind == "redis" else MooncakeServer(folder)
+
+    @property
+    def url(self) -> str:
+        return self.srv.url
+
+    def pause(self) -> None:
+        self.srv.pause() if self.kind == "redis" else self.srv.pause_master()
+
+    def kill(self) -> None:
+        self.srv.kill() if self.kind == "redis" else self.srv.kill_master()
+
+    def restart(self) -> None:
+        if self.kind == "redis":
+            self.srv.start()
+        else:
+            self.srv.start_master()
+            self.srv.wait_capacity()
+
+    def num_keys(self) -> int:
+        if self.kind == "redis":
+            return int(self.srv.client().dbsize())
+        url = f"http://{HOST}:{self.srv.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return next(int(float(line.split()[1])) for line in text.splitlines()
+                    if line.startswith("master_key_count "))
+
+    def close(self) -> None:
+        self.srv.close()

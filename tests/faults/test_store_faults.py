@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import MooncakeServer, RedisServer, wait_for
+from tests.servers import KillableStore, wait_for
 from tests.worker.helpers import WorkerGroup, poll_until_done, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
@@ -27,36 +27,12 @@ BS = 4
 LAYOUT = CacheLayout(num_layers=2, kv_heads=2, block_size=BS, head_dim=8, dtype="float16",
                      num_device_blocks=8, num_host_blocks=8, world_size=2)
 SIM = iter(range(1 << 40, 1 << 41))
-
-
-class Server:
-    """The backend under test behind one interface: kill mid-request, restart."""
-
-    def __init__(self, kind: str, folder: str) -> None:
-        self.kind = kind
-        self.srv: Any = RedisServer(folder) if kind == "redis" else MooncakeServer(folder)
-        self.url = self.srv.url + "?timeout_s=1"
-
-    def pause(self) -> None:
-        self.srv.pause() if self.kind == "redis" else self.srv.pause_master()
-
-    def kill(self) -> None:
-        self.srv.kill() if self.kind == "redis" else self.srv.kill_master()
-
-    def restart(self) -> None:
-        if self.kind == "redis":
-            self.srv.start()
-        else:
-            self.srv.start_master()
-            self.srv.wait_capacity()
-
-    def close(self) -> None:
-        self.srv.close()
+TIMEOUT = "?timeout_s=1"  # each client call to a dead server: one bounded attempt
 
 
 @pytest.fixture(params=["redis", "mooncake"])
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
-    s = Server(request.param, str(tmp_path / "server"))
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KillableStore]:
+    s = KillableStore(request.param, str(tmp_path / "server"))
     try:
         yield s
     finally:
@@ -104,10 +80,10 @@ def load_and_check(group: WorkerGroup, cm: CacheManager, rid: str, hashes: list[
     cm.finish(rid)
 
 
-def test_store_killed_mid_prefetch_and_restarted(server: Server) -> None:
-    sched_store = open_store(server.url, LAYOUT.fingerprint())
+def test_store_killed_mid_prefetch_and_restarted(server: KillableStore) -> None:
+    sched_store = open_store(server.url + TIMEOUT, LAYOUT.fingerprint())
     with short_ipc_dir() as folder:
-        group = WorkerGroup(folder, 2, LAYOUT, extra_env={"ZKV_STORE_URL": server.url})
+        group = WorkerGroup(folder, 2, LAYOUT, extra_env={"ZKV_STORE_URL": server.url + TIMEOUT})
         try:
             _kill_mid_prefetch(server, group, sched_store)
         finally:
@@ -116,7 +92,7 @@ def test_store_killed_mid_prefetch_and_restarted(server: Server) -> None:
     assert codes == [0, 0]
 
 
-def _kill_mid_prefetch(server: Server, group: WorkerGroup, sched_store: Store) -> None:
+def _kill_mid_prefetch(server: KillableStore, group: WorkerGroup, sched_store: Store) -> None:
     a = hash_ids_chain([1, 2, 3, 4])
     compute_and_store(group, manager(sched_store), "a", a)
     cm = manager(sched_store)  # a new scheduler: nothing on device or host, all in L3

@@ -51,52 +51,16 @@ def _flushed(port: int, store_up: bool = True) -> dict[str, Any]:
         time.sleep(0.2)
 
 
-class _Store:
-    """A real store server the test kills and starts again (back empty)."""
-
-    def __init__(self, kind: str, folder: str) -> None:
-        from tests.servers import MooncakeServer, RedisServer
-
-        self.kind = kind
-        self.srv = RedisServer(folder) if kind == "redis" else MooncakeServer(folder)
-
-    @property
-    def url(self) -> str:
-        return self.srv.url
-
-    def kill(self) -> None:
-        self.srv.kill() if self.kind == "redis" else self.srv.kill_master()
-
-    def start(self) -> None:
-        if self.kind == "redis":
-            self.srv.start()
-        else:
-            self.srv.start_master()
-            self.srv.wait_capacity()
-
-    def _count(self) -> int:
-        if self.kind == "redis":
-            return int(self.srv.client().dbsize())
-        import urllib.request
-
-        url = f"http://127.0.0.1:{self.srv.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        return next(int(float(line.split()[1])) for line in text.splitlines()
-                    if line.startswith("master_key_count "))
-
-    def keys(self) -> int:
-        """Blocks in the store, once its count held for a second."""
-        deadline, last = time.monotonic() + FLUSH_S, -1
-        while time.monotonic() < deadline:
-            n = self._count()
-            if n == last:
-                return n
-            last = n
-            time.sleep(1.0)
-        return last
-
-    def close(self) -> None:
-        self.srv.close()
+def _keys(store: Any) -> int:
+    """Blocks in the store, once its count held for a second."""
+    deadline, last = time.monotonic() + FLUSH_S, -1
+    while time.monotonic() < deadline:
+        n = store.num_keys()
+        if n == last:
+            return n
+        last = n
+        time.sleep(1.0)
+    return last
 
 
 def _events(log_dir: Path, name: str) -> list[dict[str, Any]]:
@@ -109,14 +73,14 @@ def _events(log_dir: Path, name: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("kind", ["redis", "mooncake"])
 def test_store_killed_while_serving_and_back_empty(tmp_path: Path, kind: str) -> None:
     from tests.integration.vllm_runner import build_tiny_llama
-    from tests.servers import free_port
+    from tests.servers import KillableStore, free_port
     from zkv.log import STORE_RECONNECTED, STORE_UNREACHABLE
 
     model = build_tiny_llama(str(tmp_path / "model"))
     prompts = _prompts()
     full_blocks = sum(len(p) // 32 for p in prompts)
     port, logs = free_port(), tmp_path / "logs"
-    store = _Store(kind, str(tmp_path / kind))
+    store = KillableStore(kind, str(tmp_path / kind))
     try:
         srv = VllmServer(tmp_path, model, {
             "kv_connector": "ZkvConnector",
@@ -131,7 +95,7 @@ def test_store_killed_while_serving_and_back_empty(tmp_path: Path, kind: str) ->
             cold = [srv.complete(p) for p in prompts]
             z0 = _flushed(port)
             assert z0["computed_tokens"] == sum(map(len, prompts)), z0
-            assert store.keys() >= full_blocks - HOST_BLOCKS, "the documents reach the store"
+            assert _keys(store) >= full_blocks - HOST_BLOCKS, "the documents reach the store"
 
             store.kill()
             # the store is gone mid-run: every answer the same, from vLLM's cache, zkv's
@@ -146,11 +110,11 @@ def test_store_killed_while_serving_and_back_empty(tmp_path: Path, kind: str) ->
             assert len(down) <= 4, f"one line per outage, not per op: {len(down)}"
             assert z1["zkv_store_tokens"] == z0["zkv_store_tokens"], z1
 
-            store.start()  # back, and empty: no request comes, the pump tries again
+            store.restart()  # back, and empty: no request comes, the pump tries again
             z2 = _flushed(port)
             assert not any(z2["in_flight"].values()), z2["in_flight"]
             assert _events(logs, STORE_RECONNECTED), "zkv should say the store is back"
-            back = store.keys()
+            back = _keys(store)
             assert back >= waiting, f"the waiting blocks were written: {back} of {waiting}"
             assert [srv.complete(p) for p in reversed(prompts)] == cold[::-1]
             _flushed(port)

@@ -391,26 +391,14 @@ class RadixTree:
             n.hlisted = False
             n.parent.hpin += 1  # type: ignore[union-attr]
 
-    def unlist_chain(self, n: Node) -> None:
-        """``n``, evictable, becomes busy: it leaves both sets, and so do the listed
-        ancestors that were listed only because it was (the device set's, and the host
-        set's HOST ones: the sets stay closed under subtrees). One step per node unlisted;
+    def unlist_host_chain(self, n: Node) -> None:
+        """A HOST node ``n`` becomes busy: it leaves the host set, and so do the HOST
+        ancestors that were listed only because it was (the set stays closed under
+        subtrees; a DEVICE ancestor's backup stays). One step per node unlisted;
         ``relist`` lists them again when ``n`` settles."""
-        d, h = n.dlisted, n.hlisted
-        self.unlist(n)
-        p = n.parent
-        while (d or h) and p is not None and p.parent is not None:
-            d = d and p.dlisted
-            if d:
-                self.dpol.remove(p)
-                p.dlisted = False
-                p.parent.dpin += 1
-            h = h and p.hlisted and p.status is HOST
-            if h:
-                self.hpol.remove(p)
-                p.hlisted = False
-                p.parent.hpin += 1
-            p = p.parent
+        while n.hlisted and n.status is HOST:
+            self.unlist(n)
+            n = n.parent  # type: ignore[assignment]
 
     def relist(self, n: Node) -> None:
         """List ``n`` in each tier where it qualifies, then its ancestors that qualify now."""

@@ -244,8 +244,6 @@ def retry_stores(core: Core) -> int:
     unstored = core.unstored
     unstored.clear()
     core.store_round_failed = False
-    if not core.config.storage_write:
-        return 0
     index = core.tree.index
     limit = max(1, core.host.num_blocks // 4)
     seen: set[Node] = set()
@@ -262,7 +260,7 @@ def retry_stores(core: Core) -> int:
             if n.busy or n.status is DEVICE:  # next round (its parents are DEVICE too)
                 unstored[n] = None
                 break
-            core.tree.unlist_chain(n)  # busy until acked (the commit lists it again)
+            core.tree.unlist_host_chain(n)  # busy until acked (the commit relists it)
             maybe_store(core, n)
             queued += len(n.hashes)
             n = n.parent
