@@ -216,6 +216,10 @@ class MooncakeServer(_Server):
         assert self.master is not None
         os.kill(self.master.pid, signal.SIGSTOP)
 
+    def resume_master(self) -> None:
+        assert self.master is not None
+        os.kill(self.master.pid, signal.SIGCONT)
+
     def kill_master(self) -> None:
         """SIGKILL (also while paused): every object's metadata is gone."""
         assert self.master is not None
@@ -246,7 +250,8 @@ class MooncakeServer(_Server):
 class KillableStore:
     """Either server behind one interface, for tests that take the store away mid-run:
     ``kind`` "redis" or "mooncake"; ``kill`` (SIGKILL: a redis-server without persistence
-    and a Mooncake master both come back empty), ``restart``, ``pause`` (SIGSTOP),
+    and a Mooncake master both come back empty), ``restart``, ``pause`` (SIGSTOP) and
+    ``resume``,
     ``num_keys`` (objects the server holds)."""
 
     def __init__(self, kind: str, folder: str) -> None:
@@ -259,6 +264,9 @@ class KillableStore:
 
     def pause(self) -> None:
         self.srv.pause() if self.kind == "redis" else self.srv.pause_master()
+
+    def resume(self) -> None:
+        self.srv.resume() if self.kind == "redis" else self.srv.resume_master()
 
     def kill(self) -> None:
         self.srv.kill() if self.kind == "redis" else self.srv.kill_master()

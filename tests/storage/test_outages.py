@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.servers import MooncakeServer, RedisServer, free_port, wait_for
+from tests.servers import KillableStore, MooncakeServer, RedisServer, free_port, wait_for
 from zkv.errors import StorageError
 from zkv.storage import Store, leading_present, open_store, pack_key
 
@@ -152,8 +152,8 @@ def test_mooncake_master_restarted_fails_no_call(tmp_path: Path, saw_outage: boo
                 fails(store)
             mc.start_master()
             mc.wait_capacity()
-            if saw_outage:  # past the breaker's backoff: the next call reconnects
-                wait_for(lambda: store.link.retry_in_s == 0, "the breaker's backoff")  # type: ignore[attr-defined]
+            if saw_outage:  # the link's thread reconnects
+                wait_for(lambda: store.link.up, "the link's reconnect")  # type: ignore[attr-defined]
             for i in range(4):
                 round_trip(store, i)  # no StorageError
             link = store.link  # type: ignore[attr-defined]
@@ -195,17 +195,67 @@ def test_the_query_tries_again_at_once_when_a_rank_wrote(tmp_path: Path) -> None
             srv.stop()
             link = store.link
             assert link is not None
-            for _ in range(4):  # reconnect attempts while down: the backoff doubles
-                wait_for(lambda: link.retry_in_s == 0, "the link's next attempt")
-                assert query([K[0][:16]]) == 0
-            assert link.retry_in_s > 1.0
+            assert query([K[0][:16]]) == 0
+            # reconnect attempts while down: the backoff doubles (0.2, 0.4, 0.8, 1.6 s)
+            wait_for(lambda: link.retry_in_s > 1.0, "the link's backoff", timeout_s=10)
+            assert query([K[0][:16]]) == 0
             srv.start()
             round_trip(rank, 1)  # a rank's write gets through: the store is back
             with pytest.raises(StorageError, match="next attempt in"):
                 store.exists(K[:1])  # the query's own link still waits
+            t0 = time.monotonic()
             query.store_reached()
-            assert query([K[1][:16]]) == 1  # at once
+            wait_for(lambda: link.up, "the query's reconnect", timeout_s=2)
+            assert time.monotonic() - t0 < 1.0  # at once, not at the end of the backoff
+            assert query([K[1][:16]]) == 1
             assert link.up and link.num_reconnects == 1
         finally:
             rank.close()
             store.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+def test_a_hung_store_costs_the_query_one_timeout_not_one_per_backoff(tmp_path: Path,
+                                                                      kind: str) -> None:
+    """A server that stops answering (SIGSTOP: the kernel still accepts connections, so
+    each reconnect attempt waits out a timeout) under the scheduler's existence query,
+    which runs inside the engine's scheduling step: the query that finds it so waits
+    its timeout, every later one answers 0 at once while the link's own thread keeps
+    trying, and once the server answers again the link is back without any query having
+    waited. (Before, the first query past each backoff made the attempt itself: the
+    scheduling step stalled a whole timeout every 0.2 to 5 s of the outage.)"""
+    from zkv.storage import StorageQuery
+
+    timeout_s = 0.5 if kind == "redis" else 1.0
+    srv = KillableStore(kind, str(tmp_path))
+    store = rank = None
+    try:
+        store = open_store(f"{srv.url}?timeout_s={timeout_s}", "ns")
+        rank = open_store(f"{srv.url}?timeout_s={timeout_s}", "ns")
+        query = StorageQuery(store, 1)
+        link = store.link
+        assert link is not None
+        round_trip(rank, 0)
+        assert query([K[0][:16]]) == 1
+        srv.pause()
+        t0 = time.monotonic()
+        assert query([K[0][:16]]) == 0
+        assert time.monotonic() - t0 < 3 * timeout_s + 1.0  # the one that found it hung
+        assert not link.up
+        slowest, end = 0.0, time.monotonic() + 6 * timeout_s + 2.0
+        while time.monotonic() < end:  # the scheduler asking every step meanwhile
+            t0 = time.monotonic()
+            assert query([K[0][:16]]) == 0
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.005)
+        assert slowest < 0.1 * timeout_s, f"a query waited {slowest:.3f} s on a hung store"
+        assert link.num_attempts >= 2, "the link's thread should have tried meanwhile"
+        assert not link.up and store.stats.query_failures > 100
+        srv.resume()
+        wait_for(lambda: link.up, "the link's reconnect", timeout_s=10)
+        assert query([K[0][:16]]) == 1 and link.num_reconnects == 1
+    finally:
+        for s in (store, rank):
+            if s is not None:
+                s.close()
+        srv.close()

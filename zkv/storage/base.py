@@ -23,17 +23,19 @@ counted in :class:`StoreStats` (``corrupt``, ``truncated``, ``foreign``) with a
 
 Errors. A missing block is not an error (a False in the result). A store that cannot be
 reached raises :class:`~zkv.errors.StorageError`; the :class:`Link` breaker then fails
-later calls at once (no timeout each) until its backoff passes, and one caller at a time
-tries to reconnect::
+every later call at once (no timeout each) and reconnects on a thread of its own, so no
+caller ever waits on a dead or hung store past the one call that found it so (a hung
+server's reconnect attempt takes a whole timeout, and the scheduler's query runs inside
+the engine's scheduling step)::
 
-    UP ──transport error──► DOWN(retry_at) ──a call after retry_at──► one reconnect attempt
-     ▲                        ▲   │ calls before retry_at: StorageError at once       │
-     │                        │   └────────────────────────────────────────────────── │
-     │                        └──── attempt failed: backoff x2 (at most max_backoff_s) ┤
-     └─────────────────────────────────── attempt succeeded ──────────────────────────┘
+    UP ──transport error (one call: ≤ timeout_s)──► DOWN: every call StorageError at once
+     ▲                                                │ reconnect thread: an attempt
+     │                                                │ after min_backoff_s, doubling
+     └──────────── an attempt succeeded ◄─────────────┘ to max_backoff_s per failure
 
-``retry_now`` (another client, a rank, just reached the store) makes DOWN's next call
-attempt at once, backoff reset: the scheduler's queries come back with the ranks' writes.
+``retry_now`` (another client, a rank, just reached the store) makes the thread try at
+once, backoff reset: the scheduler's queries come back with the ranks' writes. ``close``
+stops the thread.
 
 Stores are called from the worker's I/O threads concurrently: implementations are
 thread-safe.
@@ -152,9 +154,9 @@ class StoreStats:
 class Link:
     """The reconnect breaker of one store client (see the module docstring).
 
-    ``connect()`` makes the client usable again (or raises); it runs in at most one
-    thread at a time, at most once per backoff period, so a dead store costs a caller
-    one bounded attempt at most and every other caller nothing.
+    ``connect()`` makes the client usable again (or raises). While the link is down it
+    runs on the link's own thread, one attempt at a time, never in a caller's; calls
+    fail at once until an attempt succeeds.
     """
 
     def __init__(self, what: str, connect: Callable[[], None], *, min_backoff_s: float = 0.2,
@@ -165,12 +167,17 @@ class Link:
         self._max = max_backoff_s
         self._log = log if log is not None else ev.get_logger("storage")
         self._lock = threading.Lock()
+        self._wake = threading.Event()
         self._up = True
         self._backoff = min_backoff_s
         self._retry_at = 0.0
-        self._probing = False
+        self._attempting = False
+        self._thread: threading.Thread | None = None
+        self._closed = False
         self.num_down = 0          # UP -> DOWN transitions
         self.num_reconnects = 0    # DOWN -> UP transitions
+        self.num_attempts = 0      # reconnect attempts (each at most one client timeout)
+        self.last_error = ""       # the last attempt's failure
 
     @property
     def up(self) -> bool:
@@ -178,56 +185,89 @@ class Link:
 
     @property
     def retry_in_s(self) -> float:
-        """Seconds until the next call may try to reconnect (0 while up or once due)."""
-        return 0.0 if self._up else max(0.0, self._retry_at - time.monotonic())
+        """Seconds until the next reconnect attempt (0 while up or while one runs)."""
+        if self._up or self._attempting:
+            return 0.0
+        return max(0.0, self._retry_at - time.monotonic())
 
     def before(self) -> None:
         """Gate one call: return when the store may be used, else raise StorageError."""
         if self._up:
             return
-        with self._lock:
-            if self._up:
-                return
-            now = time.monotonic()
-            if self._probing or now < self._retry_at:
-                raise StorageError(f"{self.what} unreachable (next attempt in "
-                                   f"{max(0.0, self._retry_at - now):.2f} s)")
-            self._probing = True
-        try:
-            self._connect()
-        except Exception as e:
-            with self._lock:
-                self._probing = False
-                self._backoff = min(self._max, self._backoff * 2)
-                self._retry_at = time.monotonic() + self._backoff
-            raise StorageError(f"{self.what} unreachable: {e}") from e
-        with self._lock:
-            self._probing = False
-            self._up = True
-            self._backoff = self._min
-            self.num_reconnects += 1
-        self._log.warning(ev.STORE_RECONNECTED, store=self.what)
+        if self._attempting:
+            raise StorageError(f"{self.what} unreachable (reconnecting)")
+        raise StorageError(f"{self.what} unreachable (next attempt in {self.retry_in_s:.2f} s)")
 
     def retry_now(self) -> None:
-        """Another client just reached the store: while down, the next call tries to
-        reconnect at once (backoff reset) instead of at the end of the backoff."""
+        """Another client just reached the store: while down, the next attempt runs at
+        once (backoff reset) instead of at the end of the backoff."""
         if self._up:
             return
         with self._lock:
             self._retry_at = 0.0
             self._backoff = self._min
+        self._wake.set()
 
     def down(self, error: BaseException | str) -> None:
-        """A call failed for a transport reason: fail fast until the backoff passes."""
+        """A call failed for a transport reason: fail calls at once and reconnect on the
+        link's thread (started here, once per outage)."""
         with self._lock:
             was_up = self._up
             self._up = False
-            self._retry_at = time.monotonic() + self._backoff
             if was_up:
                 self.num_down += 1
+                self._retry_at = time.monotonic() + self._backoff
+            start = self._thread is None and not self._closed
+            if start:
+                self._thread = threading.Thread(target=self._reconnect, daemon=True,
+                                                name=f"zkv-reconnect {self.what}")
         if was_up:
             self._log.error(ev.STORE_UNREACHABLE, store=self.what, error=str(error),
                             retry_in_s=round(self._backoff, 3))
+        if start:
+            self._thread.start()  # type: ignore[union-attr]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the reconnect thread (waiting up to ``timeout_s`` for an attempt that is
+        running). Idempotent."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def _reconnect(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    self._thread = None
+                    return
+                wait = self._retry_at - time.monotonic()
+                if wait <= 0:
+                    self._attempting = True
+                    self.num_attempts += 1
+            if wait > 0:
+                self._wake.wait(wait)
+                self._wake.clear()  # retry_at and closed are read again under the lock
+                continue
+            try:
+                self._connect()
+            except Exception as e:
+                with self._lock:
+                    self._attempting = False
+                    self._backoff = min(self._max, self._backoff * 2)
+                    self._retry_at = time.monotonic() + self._backoff
+                    self.last_error = str(e)
+                continue
+            with self._lock:
+                self._attempting = False
+                self._up = True
+                self._backoff = self._min
+                self.num_reconnects += 1
+                self._thread = None
+            self._log.warning(ev.STORE_RECONNECTED, store=self.what)
+            return
 
 
 class Store(abc.ABC):

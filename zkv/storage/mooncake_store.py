@@ -398,6 +398,7 @@ class MooncakeStore(Store):
             raise StorageError(f"{self.url} remove {name}: returned {rc}")
 
     def close(self) -> None:
+        self.link.close()  # first: an attempt could set a client up again
         with self._setup_lock:
             client, self._client = self._client, None
         if client is not None:

@@ -169,6 +169,7 @@ class RedisStore(Store):
         self._call("remove", lambda: self._client.delete(self.name(key)))
 
     def close(self) -> None:
+        self.link.close()
         self._client.close()
 
     def __repr__(self) -> str:
