@@ -94,10 +94,53 @@ def _with_more(env: dict[str, Any]) -> list[dict[str, Any]]:
             dict(env["phases"][2], name="parallel", n=3, temperature=1.0, seed=7)]
 
 
+def _chat_phases() -> list[dict[str, Any]]:
+    """Two turns of eight chats whose prompts repeat a pattern (n-gram proposals find it):
+    the second turn is the first's prompt and 312-token answer and 50 more tokens."""
+    rng = random.Random(9)
+    chats = []
+    for _ in range(8):
+        pattern = [rng.randrange(2000) for _ in range(40)]
+        chats.append((pattern * 26)[:1000])
+    return [{"name": "chat turn 1", "prompts": chats, "max_tokens": 312},
+            {"name": "chat turn 2", "follow_up": 50, "prompts": [], "max_tokens": 50}]
+
+
+def _preempt_phases() -> list[dict[str, Any]]:
+    """Six 700-token prompts, 240 tokens each: more than vLLM's small cache holds."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2000) for _ in range(700)] for _ in range(6)]  # 6 x 22 blocks
+    return [{"name": "preempt long", "prompts": prompts, "max_tokens": 240}]
+
+
+def _weights_phases(env: dict[str, Any]) -> list[dict[str, Any]]:
+    """The three phases, the weights scaled in place (and the caches reset) before the
+    second, as an RL loop's weight sync does. Last in a run: the weights stay changed."""
+    update = {"scale": 4.0, "reset": True}
+    first, second, third = env["phases"]
+    return [dict(first, name="weights cold"),
+            dict(second, name="weights again", update_weights=update),
+            dict(third, name="weights reversed")]
+
+
+def _part(out: dict[str, Any], phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The phases of a run named as in ``phases``, in order (a reference for a test whose
+    phases ran in a shared reference run)."""
+    names = [p["name"] for p in phases]
+    got = [p for p in out["phases"] if p["name"] in names]
+    assert [p["name"] for p in got] == names, f"{names} not in the run"
+    return dict(out, phases=got)
+
+
 @pytest.fixture(scope="module")
 def ref_tp1(env: dict[str, Any]) -> dict[str, Any]:
-    """vLLM without a cache; the phases after the third for the run that has them."""
-    return run_engine(env["tmp"], "ref-tp1", _spec(env, phases=_with_more(env)))
+    """vLLM without a cache, one engine for the references of every test whose engine
+    config is the plain TP=1 one (an engine start is ~20 s of the suite's time here): the
+    three phases, ``scored`` and ``parallel``, then the chat turns, the preemption
+    workload and, last (they change the weights), the weight-update phases. Each phase
+    runs alone, so its tokens do not depend on what ran before it (prefix caching off)."""
+    phases = [*_with_more(env), *_chat_phases(), *_preempt_phases(), *_weights_phases(env)]
+    return run_engine(env["tmp"], "ref-tp1", _spec(env, phases=phases))
 
 
 @pytest.fixture(scope="module")
@@ -449,7 +492,7 @@ def test_prompts_with_embeddings_share_only_equal_blocks(env) -> None:  # noqa: 
     _nothing_left(out)
 
 
-def test_chat_turns_reuse_answers_under_speculative_decoding(env) -> None:  # noqa: ANN001
+def test_chat_turns_reuse_answers_under_speculative_decoding(env, ref_tp1) -> None:  # noqa: ANN001
     """Two turns of eight chats, vLLM proposing tokens by n-gram speculative decoding (4 a
     step; the prompts repeat a pattern, so proposals are made and some rejected): the
     second turn's prompt is the first's with its 312-token answer and a new message, and
@@ -458,14 +501,8 @@ def test_chat_turns_reuse_answers_under_speculative_decoding(env) -> None:  # no
     (Before, a step that rejected drafts confirmed their positions too: a block whose last
     position held the token sampled there, with the rejected draft's KV, was saved, and
     one chat's second turn generated other tokens.)"""
-    rng = random.Random(9)
-    chats = []
-    for _ in range(8):
-        pattern = [rng.randrange(2000) for _ in range(40)]
-        chats.append((pattern * 26)[:1000])
-    phases = [{"name": "turn 1", "prompts": chats, "max_tokens": 312},
-              {"name": "turn 2", "follow_up": 50, "prompts": [], "max_tokens": 50}]
-    ref = run_engine(env["tmp"], "ref-chat", _spec(env, phases=phases))
+    phases = _chat_phases()
+    ref = _part(ref_tp1, phases)
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-chat'}")
     out = run_engine(env["tmp"], "zkv-chat-ngram", dict(
         _spec(env, connector=cfg, phases=phases),
@@ -504,17 +541,15 @@ def test_kv_role_producer_only_saves_consumer_only_loads(env, ref_tp1) -> None: 
     _nothing_left(cons)
 
 
-def test_cache_reset_after_a_weight_update(env) -> None:  # noqa: ANN001
+def test_cache_reset_after_a_weight_update(env, ref_tp1) -> None:  # noqa: ANN001
     """An RL loop's weight sync: after the first phase the weights change in place and the
     loop calls ``reset_prefix_cache(reset_connector=True)``. zkv then serves nothing cached
     before (the second phase recomputes every document), serves what was computed after
     (the third phase), and every token equals vLLM's without a cache under the same
     updates. (Before, the reset did not reach zkv: the second phase took 9,600 tokens of
     the old weights' KV from L3, and 9 of its 10 answers changed.)"""
-    update = {"scale": 4.0, "reset": True}
-    phases = [env["phases"][0], dict(env["phases"][1], update_weights=update),
-              env["phases"][2]]
-    ref = run_engine(env["tmp"], "ref-weights", _spec(env, phases=phases))
+    phases = _weights_phases(env)
+    ref = _part(ref_tp1, phases)
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-weights'}")
     out = run_engine(env["tmp"], "zkv-weights", _spec(env, connector=cfg, phases=phases))
     _same_tokens(out, ref)
@@ -616,14 +651,12 @@ def test_shared_store_urls(env, ref_tp1, backend, request) -> None:  # noqa: ANN
     assert z["cm_stored"] > 300
 
 
-def test_preempted_requests_resume_identical(env) -> None:  # noqa: ANN001
+def test_preempted_requests_resume_identical(env, ref_tp1) -> None:  # noqa: ANN001
     """Long outputs on a small vLLM cache: vLLM preempts running requests (their blocks go
     to others) and resumes them later; zkv cancels their pending saves, fences the forward
     on saves already sent, and serves the resumed prefixes: same tokens as without zkv."""
-    rng = random.Random(11)
-    prompts = [[rng.randrange(2000) for _ in range(700)] for _ in range(6)]  # 6 x 22 blocks
-    phases = [{"name": "long", "prompts": prompts, "max_tokens": 240}]
-    ref = run_engine(env["tmp"], "preempt-ref", _spec(env, phases=phases))
+    phases = _preempt_phases()
+    ref = _part(ref_tp1, phases)
     out = run_engine(env["tmp"], "preempt-zkv", _spec(
         env, phases=phases, connector=_zkv(env, storage="none", namespace_salt="preempt")))
     _same_tokens(out, ref)
