@@ -44,6 +44,7 @@ thread-safe.
 from __future__ import annotations
 
 import abc
+import os
 import struct
 import threading
 import time
@@ -173,6 +174,7 @@ class Link:
         self._retry_at = 0.0
         self._attempting = False
         self._thread: threading.Thread | None = None
+        self._thread_pid = 0  # a forked child has no thread: it starts its own
         self._closed = False
         self.num_down = 0          # UP -> DOWN transitions
         self.num_reconnects = 0    # DOWN -> UP transitions
@@ -194,6 +196,8 @@ class Link:
         """Gate one call: return when the store may be used, else raise StorageError."""
         if self._up:
             return
+        if self._thread_pid != os.getpid():
+            self._ensure_thread()
         if self._attempting:
             raise StorageError(f"{self.what} unreachable (reconnecting)")
         raise StorageError(f"{self.what} unreachable (next attempt in {self.retry_in_s:.2f} s)")
@@ -217,15 +221,23 @@ class Link:
             if was_up:
                 self.num_down += 1
                 self._retry_at = time.monotonic() + self._backoff
-            start = self._thread is None and not self._closed
-            if start:
-                self._thread = threading.Thread(target=self._reconnect, daemon=True,
-                                                name=f"zkv-reconnect {self.what}")
         if was_up:
             self._log.error(ev.STORE_UNREACHABLE, store=self.what, error=str(error),
                             retry_in_s=round(self._backoff, 3))
-        if start:
-            self._thread.start()  # type: ignore[union-attr]
+        self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        """Start the reconnect thread unless it runs (or the link is closed). A forked
+        child has none of its parent's threads: it starts its own."""
+        with self._lock:
+            pid = os.getpid()
+            if self._closed or (self._thread is not None and self._thread_pid == pid):
+                return
+            self._attempting = False  # (a child's copy of its parent's attempt)
+            thread = self._thread = threading.Thread(
+                target=self._reconnect, daemon=True, name=f"zkv-reconnect {self.what}")
+            self._thread_pid = pid
+        thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the reconnect thread (waiting up to ``timeout_s`` for an attempt that is
