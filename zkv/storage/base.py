@@ -179,7 +179,6 @@ class Link:
         self.num_down = 0          # UP -> DOWN transitions
         self.num_reconnects = 0    # DOWN -> UP transitions
         self.num_attempts = 0      # reconnect attempts (each at most one client timeout)
-        self.last_error = ""       # the last attempt's failure
 
     @property
     def up(self) -> bool:
@@ -246,7 +245,7 @@ class Link:
             self._closed = True
             thread = self._thread
         self._wake.set()
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None:
             thread.join(timeout_s)
 
     def _reconnect(self) -> None:
@@ -265,12 +264,11 @@ class Link:
                 continue
             try:
                 self._connect()
-            except Exception as e:
+            except Exception:  # still down: the next attempt after a longer backoff
                 with self._lock:
                     self._attempting = False
                     self._backoff = min(self._max, self._backoff * 2)
                     self._retry_at = time.monotonic() + self._backoff
-                    self.last_error = str(e)
                 continue
             with self._lock:
                 self._attempting = False
