@@ -21,6 +21,7 @@ Install: ``apt-get install -y --no-install-recommends redis-server libibverbs1``
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,9 +37,35 @@ _START_TIMEOUT_S = 20.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A loopback port that is free now, below the kernel's ephemeral range and not handed
+    out before by this process. A port from ``bind(0)`` is an ephemeral one: until the
+    server binds it, any outgoing connection or other ``bind(0)`` (vLLM's own ports, a
+    health check) may take it (a ``vllm serve`` failed so once: "Address already in use")."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _rng.randrange(10_000, low)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port in 10000..{low} after 200 tries")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return max(20_000, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+_rng = random.SystemRandom()  # no state: forked processes pick apart
+_given: set[int] = set()
 
 
 def binary(name: str) -> str:

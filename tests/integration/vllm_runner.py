@@ -475,8 +475,14 @@ def main() -> int:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    run_file(args.spec, args.out)
+    return 0
+
+
+def run_file(spec_path: str, out_path: str) -> None:
+    """Run the spec in ``spec_path``; its output as JSON to ``out_path``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with open(args.spec, encoding="utf-8") as f:
+    with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
     if spec.get("hf_hub_cache"):  # a hub id served from this Hugging Face cache (offline)
         os.environ["HF_HUB_CACHE"] = spec["hf_hub_cache"]
@@ -486,9 +492,8 @@ def main() -> int:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
             str(i % (os.cpu_count() or 1)) for i in range(spec["tp"])))
     result = run(spec)
-    with open(args.out, "w", encoding="utf-8") as f:
+    with open(out_path, "w", encoding="utf-8") as f:
         json.dump(result, f)
-    return 0
 
 
 if __name__ == "__main__":
