@@ -596,6 +596,25 @@ def test_sliding_window_model_refused_at_engine_start(env) -> None:  # noqa: ANN
         run_engine(env, "sliding-window", spec)
 
 
+def test_an_engine_run_past_its_timeout_is_killed_and_the_next_one_runs(env) -> None:  # noqa: ANN001
+    """The fork server's guard against a hung engine run: past its timeout the run's whole
+    process group is killed (the engine's children with it) and reaped, the caller gets a
+    TimeoutError, and the server runs the next spec as before."""
+    run_engine(env, "before-timeout", _spec(env, phases=[]))  # the server is up and warm
+    forks = env["forks"]
+    spec_path = env["tmp"] / "hangs.spec.json"
+    spec_path.write_text(json.dumps(_spec(env, connector=_zkv(env, storage="none"), phases=[
+        {"name": "hangs", "prompts": [], "idle_s": 600}])))
+    with pytest.raises(TimeoutError, match="took over 20 s"):
+        forks.run(spec_path, env["tmp"] / "hangs.out.json", env["tmp"] / "hangs.log", 20.0)
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no process of its group left
+        os.killpg(forks.last_pid, 0)
+    assert "zkv" in (env["tmp"] / "hangs.log").read_text(), "the run never started"
+    one = [dict(env["phases"][0], prompts=env["phases"][0]["prompts"][:1])]
+    out = run_engine(env, "after-timeout", _spec(env, phases=one))
+    assert len(out["phases"][0]["tokens"][0]) == 8
+
+
 # ================================================================ a real small model
 
 

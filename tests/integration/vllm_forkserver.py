@@ -116,6 +116,7 @@ class ForkServer:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.vllm_forkserver"], cwd=root, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.last_pid: int | None = None  # the child of the last run
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
         try:
@@ -144,7 +145,7 @@ class ForkServer:
         stdin.write(json.dumps({"spec": str(spec_path), "out": str(out_path),
                                 "log": str(log_path)}) + "\n")
         stdin.flush()
-        pid = self._read(30.0)["pid"]
+        pid = self.last_pid = self._read(30.0)["pid"]
         try:
             rc = self._read(timeout_s)["rc"]
         except TimeoutError:
