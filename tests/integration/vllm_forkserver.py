@@ -101,6 +101,10 @@ def serve() -> int:
         pid = os.fork()
         if pid == 0:
             _child(req)
+        try:
+            os.setpgid(pid, pid)  # as the child does: a kill right after the fork finds it
+        except OSError:  # the child got there first (or already ended)
+            pass
         out.write(json.dumps({"pid": pid}) + "\n")
         out.flush()
         _, status = os.waitpid(pid, 0)
@@ -117,6 +121,7 @@ class ForkServer:
             [sys.executable, "-m", "tests.integration.vllm_forkserver"], cwd=root, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.last_pid: int | None = None  # the child of the last run
+        self._running: int | None = None  # a child whose exit status has not come back
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
         try:
@@ -145,20 +150,28 @@ class ForkServer:
         stdin.write(json.dumps({"spec": str(spec_path), "out": str(out_path),
                                 "log": str(log_path)}) + "\n")
         stdin.flush()
-        pid = self.last_pid = self._read(30.0)["pid"]
+        self.last_pid = self._running = self._read(30.0)["pid"]
         try:
             rc = self._read(timeout_s)["rc"]
         except TimeoutError:
-            try:
-                os.killpg(pid, signal.SIGKILL)  # the server reaps it and reports
-            except ProcessLookupError:  # it ended just now
-                pass
+            self._kill_running()  # the server reaps it and reports
             self._read(30.0)
             raise TimeoutError(f"engine run {spec_path.name} took over {timeout_s:.0f} s"
                                ) from None
+        self._running = None
         return rc, log_path.read_text(errors="replace") if log_path.exists() else ""
 
+    def _kill_running(self) -> None:
+        pid, self._running = self._running, None
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # its own group: the engine's children too
+            except ProcessLookupError:  # it ended just now
+                pass
+
     def close(self) -> None:
+        """Stop the server; a run still going (the caller was interrupted) is killed."""
+        self._kill_running()
         if self._proc.stdin is not None:
             self._proc.stdin.close()  # the server's loop ends
         try:
