@@ -48,7 +48,8 @@ def _workload(seed: int = 2) -> list[dict[str, Any]]:
             {"name": "reversed", "prompts": [d + q() for d in reversed(docs)]}]
 
 
-def run_engine(env: dict[str, Any], name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def run_engine(env: dict[str, Any], name: str, spec: dict[str, Any],
+               timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
     """Run one engine over ``spec``, in a child forked from the module's fork server (vLLM
     imported once) or, for a spec that needs a fresh interpreter, in a new process."""
     tmp = env["tmp"]
@@ -58,12 +59,12 @@ def run_engine(env: dict[str, Any], name: str, spec: dict[str, Any]) -> dict[str
     if forkable(spec):
         if env["forks"] is None:
             env["forks"] = ForkServer(ROOT, proc_env)
-        rc, log = env["forks"].run(spec_path, out_path, tmp / f"{name}.log", RUN_TIMEOUT_S)
+        rc, log = env["forks"].run(spec_path, out_path, tmp / f"{name}.log", timeout_s)
     else:
         proc = subprocess.run(
             [sys.executable, "-m", "tests.integration.vllm_runner", "--spec", str(spec_path),
              "--out", str(out_path)], cwd=ROOT, env=proc_env, capture_output=True, text=True,
-            timeout=RUN_TIMEOUT_S)
+            timeout=timeout_s)
         rc, log = proc.returncode, proc.stderr
     if rc != 0:
         raise AssertionError(f"engine run {name} failed ({rc}):\n" + log[-4000:])
@@ -421,7 +422,7 @@ def test_engines_whose_kv_differs_never_read_each_others_blocks(env, writer, rea
     first = run_engine(env, "zkv-kv-writer", spec(writer, cfg, 1))
     assert _last(first)["cm_stored"] > 300
     ref = run_engine(env, "ref-kv-reader", dict(spec(reader, None, 2),
-                                                       prefix_caching=False))
+                                                prefix_caching=False))
     second = run_engine(env, "zkv-kv-reader", spec(reader, cfg, 2))
     _same_tokens(second, ref)
     assert second["phases"][0]["zkv"]["zkv_store_tokens"] == 0, "read the writer's blocks"
@@ -496,7 +497,7 @@ def test_prompts_with_embeddings_share_only_equal_blocks(env) -> None:  # noqa: 
     assert len({tuple(t) for t in ref["phases"][0]["tokens"][:4]}) > 1, "embeddings matter"
     cfg = _zkv(env, storage=f"file://{env['tmp'] / 'l3-embeds'}")
     out = run_engine(env, "zkv-embeds", dict(_spec(env, connector=cfg, phases=phases),
-                                                   **small))
+                                             **small))
     _same_tokens(out, ref)
     first, second = out["phases"][0]["zkv"], out["phases"][1]["zkv"]
     assert first["zkv_host_tokens"] == first["zkv_store_tokens"] == 0, "shared a block"
@@ -601,14 +602,12 @@ def test_an_engine_run_past_its_timeout_is_killed_and_the_next_one_runs(env) -> 
     process group is killed (the engine's children with it) and reaped, the caller gets a
     TimeoutError, and the server runs the next spec as before."""
     run_engine(env, "before-timeout", _spec(env, phases=[]))  # the server is up and warm
-    forks = env["forks"]
-    spec_path = env["tmp"] / "hangs.spec.json"
-    spec_path.write_text(json.dumps(_spec(env, connector=_zkv(env, storage="none"), phases=[
-        {"name": "hangs", "prompts": [], "idle_s": 600}])))
+    hangs = _spec(env, connector=_zkv(env, storage="none"), phases=[
+        {"name": "hangs", "prompts": [], "idle_s": 600}])
     with pytest.raises(TimeoutError, match="took over 20 s"):
-        forks.run(spec_path, env["tmp"] / "hangs.out.json", env["tmp"] / "hangs.log", 20.0)
+        run_engine(env, "hangs", hangs, timeout_s=20.0)
     with pytest.raises(ProcessLookupError):  # killed and reaped: no process of its group left
-        os.killpg(forks.last_pid, 0)
+        os.killpg(env["forks"].last_pid, 0)
     assert "zkv" in (env["tmp"] / "hangs.log").read_text(), "the run never started"
     one = [dict(env["phases"][0], prompts=env["phases"][0]["prompts"][:1])]
     out = run_engine(env, "after-timeout", _spec(env, phases=one))
@@ -660,7 +659,7 @@ def smol_ref(env: dict[str, Any], smollm2: dict[str, Any]) -> dict[str, Any]:
 def test_smollm2_identical_through_zkv(env, smollm2, smol_ref) -> None:  # noqa: ANN001
     cfg = {"host_blocks": 400, "storage": "none", "heartbeat_timeout_s": 3.0}
     out = run_engine(env, "smol-zkv", dict(_smol_base(smollm2), prefix_caching=True,
-                                                  connector=cfg))
+                                           connector=cfg))
     _same_tokens(out, smol_ref)
     assert smollm2["tok"].decode(out["phases"][2]["tokens"][0][:2]).strip().startswith("Paris")
     z = out["phases"][1]["zkv"]
@@ -676,7 +675,7 @@ def test_shared_store_urls(env, ref_tp1, backend, request) -> None:  # noqa: ANN
     cfg = _zkv(env, storage=server.url, host_blocks=160,
                namespace_salt=f"{backend}-{request.node.name}")
     out = run_engine(env, f"zkv-{backend}", _spec(env, connector=cfg,
-                                                         phases=env["phases"][:2]))
+                                                  phases=env["phases"][:2]))
     _same_tokens(out, ref_tp1, phases=2)
     z = _last(out)
     assert z["zkv_store_tokens"] > 2_000 and z["cm_failed_ops"] == 0

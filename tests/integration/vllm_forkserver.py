@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import IO, Any
@@ -114,7 +113,7 @@ def serve() -> int:
 
 
 class ForkServer:
-    """The test side: start the server, run specs on it, stop it (a context manager)."""
+    """The test side: start the server, run specs on it, stop it."""
 
     def __init__(self, root: Path, env: dict[str, str], start_timeout_s: float = 120.0) -> None:
         self._proc = subprocess.Popen(
@@ -131,16 +130,13 @@ class ForkServer:
             raise
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        stdout: IO[str] = self._proc.stdout  # type: ignore[assignment]
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sel.select(left):
-                raise TimeoutError(f"the vLLM fork server said nothing in {timeout_s:.0f} s")
-            line = stdout.readline()
-            if not line:
-                raise RuntimeError(f"the vLLM fork server exited ({self._proc.wait(10)})")
-            return json.loads(line)
+        """The server's next line (it writes whole lines and flushes each)."""
+        if not self._sel.select(timeout_s):
+            raise TimeoutError(f"the vLLM fork server said nothing in {timeout_s:.0f} s")
+        line = self._proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"the vLLM fork server exited ({self._proc.wait(10)})")
+        return json.loads(line)
 
     def run(self, spec_path: Path, out_path: Path, log_path: Path, timeout_s: float
             ) -> tuple[int, str]:
@@ -182,12 +178,6 @@ class ForkServer:
         self._sel.close()
         if self._proc.stdout is not None:
             self._proc.stdout.close()
-
-    def __enter__(self) -> ForkServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 if __name__ == "__main__":
