@@ -68,6 +68,23 @@ _rng = random.SystemRandom()  # no state: forked processes pick apart
 _given: set[int] = set()
 
 
+def sigstop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped: the signal is
+    delivered asynchronously, and a thread that runs on meanwhile may still answer (a
+    Mooncake master answered a query sent just after ``kill`` returned)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: all(_thread_state(pid, t) in ("T", "t", "")
+                         for t in os.listdir(f"/proc/{pid}/task")), f"process {pid} stopped")
+
+
+def _thread_state(pid: int, tid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""  # the thread ended
+
+
 def binary(name: str) -> str:
     """A server binary from the venv or PATH; a missing one fails loudly, never skips."""
     here = os.path.join(os.path.dirname(sys.executable), name)
@@ -179,7 +196,7 @@ class RedisServer(_Server):
 
     def pause(self) -> None:
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        sigstop(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None
@@ -241,7 +258,7 @@ class MooncakeServer(_Server):
 
     def pause_master(self) -> None:
         assert self.master is not None
-        os.kill(self.master.pid, signal.SIGSTOP)
+        sigstop(self.master.pid)
 
     def resume_master(self) -> None:
         assert self.master is not None
