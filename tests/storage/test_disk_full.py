@@ -79,6 +79,75 @@ print(json.dumps(out))
 """
 
 
+# Run in the child, on a 1 MiB file system at argv[1]: writers 0 and 1 (two processes, four
+# threads each, as two replay ranks) put ~13 MB of 32 KiB blocks at once; writer 2, opened
+# before them with nothing of its own, puts after they are done and a filler file took the
+# room they left. Prints one JSON line.
+_WRITERS = r"""
+import json, os, sys, threading
+import multiprocessing as mp
+import numpy as np
+from structlog.testing import capture_logs
+from zkv.errors import StorageError
+from zkv.storage import LocalDirStore, pack_key
+
+root = sys.argv[1]
+BLOCK, THREADS, PER_THREAD = 32 << 10, 4, 100
+key = lambda w, i: pack_key(i.to_bytes(16, "big"), w)
+data = lambda w, i: np.full(BLOCK, (w * 7 + i) % 251, np.uint8)
+
+def writer(w, start, done, out):
+    s = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=1 << 30)  # empty: indexes none
+    wrote, errors = [], []
+    def run(t):
+        for i in range(t * 1000, t * 1000 + (PER_THREAD if w < 2 else 5)):
+            try:
+                s.put(key(w, i), data(w, i))
+                wrote.append(i)
+            except StorageError as e:
+                errors.append(str(e))
+    with capture_logs() as logs:
+        start.wait(60)  # all three opened
+        if w == 2:
+            done.wait(60)
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(THREADS if w < 2 else 1)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    exact = bad = 0
+    for i in wrote:
+        buf = np.zeros(BLOCK, np.uint8)
+        if s.get_into(key(w, i), buf):
+            exact += 1
+            bad += buf.tobytes() != data(w, i).tobytes()
+    full = [{k: e.get(k, 0) for k in ("num_evicted", "num_removed_others")}
+            for e in logs if e["event"] == "storage.disk_full"]
+    out.put({"w": w, "errors": errors[:3], "num_errors": len(errors), "wrote": len(wrote),
+             "readable": exact, "bad": bad, "held": s.num_bytes, "max_bytes": s.max_bytes,
+             "disk_full": full})
+
+if __name__ == "__main__":
+    ctx = mp.get_context("fork")
+    start, done, out = ctx.Barrier(4), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=writer, args=(w, start, done, out)) for w in range(3)]
+    [p.start() for p in procs]
+    start.wait(60)
+    res = [out.get(timeout=50) for _ in range(2)]
+    fd = os.open(os.path.join(root, "filler"), os.O_WRONLY | os.O_CREAT)
+    try:  # what room they left, taken
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    os.close(fd)
+    done.set()
+    res.append(out.get(timeout=50))
+    [p.join(30) for p in procs]
+    tmps = [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
+    print(json.dumps({"writers": sorted(res, key=lambda r: r["w"]), "tmp_files": tmps,
+                      "exit": [p.exitcode for p in procs]}))
+"""
+
+
 def _child(tmp_path: Path, case: str) -> dict:
     fs = tmp_path / "fs"
     fs.mkdir()
@@ -110,6 +179,33 @@ def test_a_disk_full_of_other_files_fails_the_put_and_leaves_nothing(tmp_path: P
     assert (num_blocks, num_bytes, max_bytes, errors, tmp_files) == (0, 0, 1 << 30, 1, [])
     assert out["disk_full"] == []  # nothing of its own to remove: the budget is unchanged
     assert out["again"] is True
+
+
+def test_writers_sharing_a_full_disk_each_get_room_and_lose_nothing(tmp_path: Path) -> None:
+    """Two processes of four threads fill a 1 MiB disk 13 times over, each with a 1 GB
+    budget: no put fails, though each thread's room can be taken by another writer before
+    it writes; every block a writer still indexes reads back byte for byte. A third writer,
+    holding nothing when the others filled the disk, gets room from the namespace's oldest
+    files, whoever wrote them (and keeps about that much: the shares are what each writer
+    held when the disk filled)."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    proc = run_on_small_fs(str(fs), "1m", [sys.executable, "-c", _WRITERS, str(fs)],
+                           timeout_s=120, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["exit"] == [0, 0, 0] and out["tmp_files"] == []
+    for w in out["writers"]:
+        assert (w["num_errors"], w["errors"]) == (0, []), w
+        assert w["wrote"] == (400 if w["w"] < 2 else 5) and w["bad"] == 0
+        assert 0 < w["readable"] and w["held"] <= w["max_bytes"] < 1 << 20, w
+        assert w["disk_full"], w  # each met the full disk and lowered its budget
+    late = out["writers"][2]
+    # its puts all succeeded and its newest block is there; it keeps what fits in the budget
+    # it lowered to (the room it made), as the others keep what they held when it filled
+    assert late["readable"] >= 1 and late["max_bytes"] < 4 * ((32 << 10) + 64)
+    assert sum(e["num_removed_others"] for e in late["disk_full"]) >= 1
+    assert late["disk_full"][0]["num_evicted"] == 0  # it had nothing of its own
 
 
 @pytest.mark.parametrize("filled", [False, True], ids=["smaller_than_budget", "full_of_others"])

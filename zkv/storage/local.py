@@ -20,19 +20,32 @@ Several processes writing one directory each keep their own index: the bound hol
 writer, so give each of ``W`` writers ``max_bytes / W`` (:func:`~zkv.storage.open_store`'s
 ``writers``).
 
+A put reserves its bytes in the index before it writes (the temp file counts): the files a
+writer holds, finished or in progress, stay within its budget.
+
 A full disk (``ENOSPC`` / ``EDQUOT``: the file system is smaller than the budget, or
-something else filled it) lowers the budget to what this store held then, less one block,
-and makes that room from its own least recently used files; the put is tried again, up to
-``_PUT_TRIES`` times in all, the budget lowered anew to what it holds less a block before
-each: other writers on the disk (another rank, this one's other I/O threads) may take the
-room first. From then on the store keeps working as an LRU within the space it has (one
-``storage.disk_full`` warning per lowering; the lower budget holds until the store is
-opened again). With none of its own files to remove, the put fails with the system's error
+something else filled it) makes room from the store's own least recently used files until
+the file system has room for the block again (``statvfs``; at least one file for a quota),
+lowers the budget to what the store then holds plus the block, and tries the put again, up
+to ``_PUT_TRIES`` times in all: other writers on the disk (another rank, this one's other
+I/O threads) may take the room first. One thread makes room at a time; a thread whose put
+failed before another made room just tries again. A store with none of its own files left
+removes the namespace's oldest files on the disk, whoever wrote them (one directory scan,
+only then): a writer that starts on a disk the others filled still gets room. From then on
+the store keeps working as an LRU within the space it has (one ``storage.disk_full``
+warning per lowering; the lower budget holds until the store is opened again). With no
+file of the namespace to remove, the put fails with the system's error
 (``StorageError``)::
 
-    put ─ENOSPC─► budget := held − block ─► remove LRU files until held ≤ budget ─► put again
-                   ▲                               (nothing to remove) ─► StorageError   │
-                   └──────────── ENOSPC, fewer than _PUT_TRIES puts ◄────────────────────┘
+    reserve ─► write ─ENOSPC─► (another thread made room since?) ── yes ──► write again
+                                   │ no                                        ▲
+                                   ▼                                           │
+        remove own LRU files until the disk has room ─► budget := held + block ┤
+                                   │ own ones ran out, still no room           │
+                                   ▼                                           │
+        remove the namespace's oldest files on the disk ───────────────────────┘
+                                   │ none: StorageError (the system's error)
+    (at most _PUT_TRIES writes a put)
 """
 
 from __future__ import annotations
@@ -63,14 +76,16 @@ from zkv.storage.base import (
 
 _STALE_TMP_S = 600.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_PUT_TRIES = 4  # a put on a full disk: the first try and up to 3 after making room
+_PUT_TRIES = 6  # a put on a full disk: the first try and up to 5 after making room
+_ROOM_SLACK_BLOCKS = 2  # room asked for beyond the block: rounding to fs blocks, a folder
 
 
 class LocalDirStore(Store):
     """One file per block under ``root`` (see the module docstring).
 
-    Invariant: ``_total == sum(_lru.values())``; after a put, ``_total <= max_bytes``
-    (unless one block alone is larger). put/get/evict are O(1) in the index.
+    Invariant: ``_total == sum(_lru.values())``; ``_total + _pending <= max_bytes`` after
+    a reservation (unless one block alone is larger); ``_pending`` is the bytes of the
+    puts in progress. put/get/evict are O(1) in the index.
     ``max_bytes=None`` takes half the free space of the file system at open (plus what
     the namespace already holds). ``fsync=True`` makes puts durable across a crash.
     """
@@ -84,8 +99,11 @@ class LocalDirStore(Store):
         self._base = os.path.join(self.root, namespace)
         self._made: set[str] = set()
         self._lock = threading.Lock()
+        self._room_lock = threading.Lock()  # one thread makes room on a full disk at a time
+        self._room_gen = 0  # times room was made: a put that failed before retries at once
         self._lru: OrderedDict[str, int] = OrderedDict()
         self._total = 0
+        self._pending = 0
         self._rebuild_index()
         if max_bytes is None:
             max_bytes = _free_bytes(self.root) // 2 + self._total
@@ -143,19 +161,28 @@ class LocalDirStore(Store):
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         bufs = [pack_header(self.ns_id, key, view), view]
         size = HEADER_SIZE + view.nbytes
-        for attempt in range(_PUT_TRIES):
+        made = 0  # times this put made room; retries after another thread's do not count
+        for _ in range(_PUT_TRIES * 4):
+            gen = self._room_gen
+            self._reserve(size)
             try:
                 self._write_file(tmp, path, bufs)
                 break
             except OSError as e:
+                self._release(size)
                 _unlink_quietly(tmp)
-                if (attempt + 1 < _PUT_TRIES and e.errno in _NO_SPACE
-                        and self._make_room(size, e)):
-                    continue
+                if made + 1 < _PUT_TRIES and e.errno in _NO_SPACE:
+                    outcome = self._make_room(size, e, gen, made)
+                    if outcome is not None:
+                        made += outcome
+                        continue
                 self._count(errors=1)
                 raise StorageError(f"put {self.name(key)}: {e}") from e
+        else:
+            self._count(errors=1)
+            raise StorageError(f"put {self.name(key)}: no room after {_PUT_TRIES * 4} tries")
         self._count(puts=1, bytes_written=view.nbytes)
-        self._remember(path, size)
+        self._remember(path, size, reserved=size)
 
     def _write_file(self, tmp: str, path: str, bufs: list[Any]) -> None:
         try:
@@ -172,22 +199,59 @@ class LocalDirStore(Store):
             os.close(fd)
         os.replace(tmp, path)
 
-    def _make_room(self, size: int, error: OSError) -> bool:
-        """The disk is full: lower the budget to what the store holds, less one block of
-        ``size`` bytes, and remove its least recently used files down to it. False (nothing
-        done) when it holds no file to remove."""
-        with self._lock:
-            if not self._lru:
+    def _make_room(self, size: int, error: OSError, gen: int, made: int) -> bool | None:
+        """The disk is full (see the module docstring): remove this store's least recently
+        used files, at least one, until the file system has room for ``size`` bytes, then
+        the namespace's oldest files on the disk if its own ran out; lower the budget to
+        what it then holds plus the block. The room asked for includes the puts of this
+        store's other threads in progress, and one more block each time this put (``made``
+        times before) lost the room it made to another writer. True: room made here;
+        False: made by another thread since the put's try began (``gen``), or there now
+        without removing anything: try again at once; None: no room and no file of the
+        namespace to remove."""
+        with self._room_lock:
+            if self._room_gen != gen:
                 return False
-            old = self.max_bytes
-            new = self.max_bytes = max(size, min(old, self._total - size))
-            victims = self._pop_lru_over(new, keep=0)
-            held = self._total
-        self._remove_files(victims)
+            quota = error.errno == errno.EDQUOT  # statvfs does not see quotas
+            removed: list[tuple[str, int]] = []
+            need = size * (made + 1) + self._pending
+            while not removed or not (quota or _has_room(self.root, need)):
+                with self._lock:
+                    if not self._lru:
+                        break
+                    removed.append(self._lru.popitem(last=False))
+                    self._total -= removed[-1][1]
+                _unlink_quietly(removed[-1][0])
+            others = 0
+            if not quota and not _has_room(self.root, need):
+                others = self._remove_oldest_on_disk(need)
+            if not removed and not others:  # nothing to remove: unless room came meanwhile
+                return False if _has_room(self.root, need) else None
+            with self._lock:
+                old = self.max_bytes
+                new = self.max_bytes = max(size, min(old, self._total + self._pending + size))
+                held = self._total
+            self._room_gen += 1
+        if removed:
+            self._count(evicted=len(removed))
         self._log.warning(ev.STORE_DISK_FULL, store=self.url, error=str(error),
                           max_bytes_was=old, max_bytes=new, num_bytes=held,
-                          num_evicted=len(victims))
+                          num_evicted=len(removed), num_removed_others=others)
         return True
+
+    def _remove_oldest_on_disk(self, size: int) -> int:
+        """(Making room, with none of this store's own files left.) Remove the namespace's
+        files on the disk, any writer's, oldest mtime first, until the file system has room
+        for ``size`` bytes; how many. One directory scan."""
+        found = sorted(self._scan())
+        n = 0
+        for _, path, _ in found:
+            if n and _has_room(self.root, size):
+                break
+            _unlink_quietly(path)
+            self._forget(path)
+            n += 1
+        return n
 
     def _create(self, tmp: str) -> int:
         folder = os.path.dirname(tmp)
@@ -245,14 +309,28 @@ class LocalDirStore(Store):
 
     # ---------------------------------------------------------------- index
 
-    def _remember(self, path: str, size: int) -> None:
+    def _reserve(self, size: int) -> None:
+        """Count a put's bytes before its file is written, removing least recently used
+        files for them."""
         with self._lock:
+            self._pending += size
+            victims = self._pop_lru_over(self.max_bytes - self._pending, keep=0)
+        self._remove_files(victims)
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._pending -= size
+
+    def _remember(self, path: str, size: int, reserved: int = 0) -> None:
+        """Index a file written (``reserved``: the bytes its put had reserved)."""
+        with self._lock:
+            self._pending -= reserved
             old = self._lru.pop(path, None)
             if old is not None:
                 self._total -= old
             self._lru[path] = size
             self._total += size
-            victims = self._pop_lru_over(self.max_bytes, keep=1)
+            victims = self._pop_lru_over(self.max_bytes - self._pending, keep=1)
         self._remove_files(victims)
 
     def _pop_lru_over(self, limit: int, keep: int) -> list[tuple[str, int]]:
@@ -296,12 +374,18 @@ class LocalDirStore(Store):
 
     def _rebuild_index(self) -> None:
         """One scan at open: every block file of the namespace, oldest mtime first."""
+        found = sorted(self._scan(remove_stale_tmp=True))
+        self._lru = OrderedDict((p, s) for _, p, s in found)
+        self._total = sum(s for _, _, s in found)
+
+    def _scan(self, remove_stale_tmp: bool = False) -> list[tuple[float, str, int]]:
+        """(mtime, path, size) of every block file of the namespace on the disk."""
         found: list[tuple[float, str, int]] = []
         now = time.time()
         try:
             folders = [e.path for e in os.scandir(self._base) if e.is_dir()]
         except OSError:  # missing or unusable: puts say why (StorageError), reads miss
-            return
+            return found
         for folder in folders:
             try:
                 entries = list(os.scandir(folder))
@@ -313,13 +397,11 @@ class LocalDirStore(Store):
                 except FileNotFoundError:
                     continue
                 if e.name.endswith(".tmp"):
-                    if now - st.st_mtime > _STALE_TMP_S:  # a writer died mid-put
-                        _unlink_quietly(e.path)
+                    if remove_stale_tmp and now - st.st_mtime > _STALE_TMP_S:
+                        _unlink_quietly(e.path)  # a writer died mid-put
                     continue
                 found.append((st.st_mtime, e.path, st.st_size))
-        found.sort()
-        self._lru = OrderedDict((p, s) for _, p, s in found)
-        self._total = sum(s for _, _, s in found)
+        return found
 
     def __repr__(self) -> str:
         return f"LocalDirStore({self.root!r}, {self.namespace!r})"
@@ -344,6 +426,18 @@ def _free_bytes(path: str) -> int:
             break
         probe = parent
     return shutil.disk_usage(probe).free
+
+
+def _has_room(path: str, size: int) -> bool:
+    """Whether the file system under ``path`` has room for a file of ``size`` bytes (True
+    when it cannot tell: one file is removed per try then)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return True
+    if st.f_files and st.f_favail < 1:
+        return False
+    return st.f_bavail * st.f_frsize >= size + _ROOM_SLACK_BLOCKS * st.f_frsize
 
 
 def _unlink_quietly(path: str) -> None:
