@@ -26,10 +26,10 @@ writer holds, finished or in progress, stay within its budget.
 A full disk (``ENOSPC`` / ``EDQUOT``: the file system is smaller than the budget, or
 something else filled it) makes room from the store's own least recently used files until
 the file system has room for the block again (``statvfs``; at least one file for a quota),
-lowers the budget to what the store then holds plus the block, and tries the put again, up
-to ``_PUT_TRIES`` times in all: other writers on the disk (another rank, this one's other
-I/O threads) may take the room first. One thread makes room at a time; a thread whose put
-failed before another made room just tries again. A store with none of its own files left
+lowers the budget to what the store then holds plus the block, and tries the put again:
+other writers on the disk (another rank, this one's other I/O threads) may take the room
+first. One thread makes room at a time; a thread whose put failed before another made room
+just tries again. A store with none of its own files left
 removes the namespace's oldest files on the disk, whoever wrote them (one directory scan,
 only then): a writer that starts on a disk the others filled still gets room. From then on
 the store keeps working as an LRU within the space it has (one ``storage.disk_full``
@@ -45,7 +45,7 @@ file of the namespace to remove, the put fails with the system's error
                                    ▼                                           │
         remove the namespace's oldest files on the disk ───────────────────────┘
                                    │ none: StorageError (the system's error)
-    (at most _PUT_TRIES writes a put)
+    (room made at most _PUT_TRIES - 1 times a put; retries after another thread's are free)
 """
 
 from __future__ import annotations
@@ -178,6 +178,10 @@ class LocalDirStore(Store):
                         continue
                 self._count(errors=1)
                 raise StorageError(f"put {self.name(key)}: {e}") from e
+            except BaseException:
+                self._release(size)
+                _unlink_quietly(tmp)
+                raise
         else:
             self._count(errors=1)
             raise StorageError(f"put {self.name(key)}: no room after {_PUT_TRIES * 4} tries")
