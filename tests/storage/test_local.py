@@ -64,6 +64,31 @@ def test_puts_never_scan_the_directory(tmp_path: Path, monkeypatch: pytest.Monke
     assert s.num_blocks == 4 and s.stats.evicted == 36
 
 
+@pytest.mark.parametrize("fault", [OSError(5, "Input/output error"), RuntimeError("cut")],
+                         ids=["io_error", "other"])
+def test_a_failed_put_gives_back_its_reserved_bytes(tmp_path: Path, fault: BaseException,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put counts its bytes before it writes; one that fails, by an I/O error or
+    anything else, gives them back and leaves no temp file: the budget holds as many
+    blocks after it as before."""
+    s = LocalDirStore(tmp_path, "ns", max_bytes=3 * FILE)
+    s.put(key(0), data(0))
+    writev = os.writev
+
+    def fail_once(fd: int, bufs: object) -> int:
+        monkeypatch.setattr(os, "writev", writev)
+        raise fault
+
+    monkeypatch.setattr(os, "writev", fail_once)
+    with pytest.raises(StorageError if isinstance(fault, OSError) else RuntimeError):
+        s.put(key(1), data(1))
+    assert [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")] == []
+    for i in (2, 3):
+        s.put(key(i), data(i))
+    assert s.exists([key(i) for i in range(4)]) == [True, False, True, True]
+    assert (s.num_blocks, s.num_bytes, s.stats.evicted) == (3, 3 * FILE, 0)
+
+
 def test_index_is_rebuilt_at_open_in_mtime_order(tmp_path: Path) -> None:
     s = LocalDirStore(tmp_path, "ns", max_bytes=10 * FILE)
     for i in range(4):
