@@ -77,6 +77,7 @@ from zkv.storage.base import (
 _STALE_TMP_S = 600.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _PUT_TRIES = 6  # a put on a full disk: the first try and up to 5 after making room
+_PUT_WRITES = _PUT_TRIES * 4  # with the retries after another thread made room
 _ROOM_SLACK_BLOCKS = 2  # room asked for beyond the block: rounding to fs blocks, a folder
 
 
@@ -162,15 +163,17 @@ class LocalDirStore(Store):
         bufs = [pack_header(self.ns_id, key, view), view]
         size = HEADER_SIZE + view.nbytes
         made = 0  # times this put made room; retries after another thread's do not count
-        for _ in range(_PUT_TRIES * 4):
+        for _ in range(_PUT_WRITES):
             gen = self._room_gen
             self._reserve(size)
             try:
                 self._write_file(tmp, path, bufs)
                 break
-            except OSError as e:
+            except BaseException as e:
                 self._release(size)
                 _unlink_quietly(tmp)
+                if not isinstance(e, OSError):
+                    raise
                 if made + 1 < _PUT_TRIES and e.errno in _NO_SPACE:
                     outcome = self._make_room(size, e, gen, made)
                     if outcome is not None:
@@ -178,13 +181,9 @@ class LocalDirStore(Store):
                         continue
                 self._count(errors=1)
                 raise StorageError(f"put {self.name(key)}: {e}") from e
-            except BaseException:
-                self._release(size)
-                _unlink_quietly(tmp)
-                raise
         else:
             self._count(errors=1)
-            raise StorageError(f"put {self.name(key)}: no room after {_PUT_TRIES * 4} tries")
+            raise StorageError(f"put {self.name(key)}: no room after {_PUT_WRITES} tries")
         self._count(puts=1, bytes_written=view.nbytes)
         self._remember(path, size, reserved=size)
 
