@@ -183,6 +183,13 @@ first = not os.path.exists(os.path.join(OUT, f"attempt-{RANK}"))
 with open(os.path.join(OUT, f"attempt-{RANK}"), "a") as f:
     f.write(os.environ["ZKV_PUB_ENDPOINT"] + "\n")
 if RANK == "1" and first:
+    # fail once the others of this group are up: one torn down before it wrote its line
+    # would start only once
+    deadline = time.monotonic() + 20
+    while not all(os.path.exists(os.path.join(OUT, f"attempt-{n}")) for n in ("0", "sched")):
+        if time.monotonic() > deadline:
+            sys.exit(98)
+        time.sleep(0.01)
     sys.exit(5)
 time.sleep(60)
 ''')
