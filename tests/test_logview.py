@@ -115,6 +115,9 @@ def test_cli_logs_subcommand(run_dir: Path, capsys: pytest.CaptureFixture[str]) 
     assert events(capsys.readouterr().out) == ["worker.batch_done", "worker.batch_done"]
     assert cli.main(["logs", str(run_dir / "missing")]) == 1
     assert "no such file or directory" in capsys.readouterr().err
+    (run_dir / "empty").mkdir()  # e.g. the run's parent directory, given by mistake
+    assert cli.main(["logs", str(run_dir / "empty")]) == 1
+    assert capsys.readouterr().err == f"zkv logs: {run_dir / 'empty'}: no *.jsonl log files in it\n"
 
 
 def test_cli_replay_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -253,6 +253,9 @@ def run_args(ns: argparse.Namespace) -> int:
         if not os.path.exists(ns.dir):
             print(f"zkv logs: {ns.dir}: no such file or directory", file=sys.stderr)
             return 1
+        if not log_files(ns.dir):
+            print(f"zkv logs: {ns.dir}: no *.jsonl log files in it", file=sys.stderr)
+            return 1
         view(ns.dir, filters, as_json=ns.json)
         sys.stdout.flush()
     except BrokenPipeError:  # `zkv logs DIR | head`

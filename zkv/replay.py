@@ -22,6 +22,7 @@ summary). With ``--max-restarts`` a lost rank restarts the whole group (zkvrun).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -390,11 +391,21 @@ def _serve(args: argparse.Namespace) -> int:
             store.close()
         if server is not None:
             server.shutdown()
-        if args.metrics_file:
-            with open(args.metrics_file, "w", encoding="utf-8") as f:
-                f.write(M.render())
+        wrote = _write_metrics(args.metrics_file) if args.metrics_file else True
     _print_summary(s, rp.moved, layout, rp.latencies, args, store)
-    return s.exit_code
+    return s.exit_code if wrote else max(s.exit_code, EXIT_FAILED)
+
+
+def _write_metrics(path: str) -> bool:
+    """The final metrics into ``path``; one line on stderr and False if it cannot be."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(M.render())
+    except OSError as e:
+        print(f"zkv replay: error: cannot write the metrics to {path}: {e.strerror}",
+              file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _check_pools(cm: CacheManager, rp: Replayer | None) -> None:
@@ -512,8 +523,14 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
         if getattr(args, name) < low:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got "
                               f"{getattr(args, name)}")
+    for name in ("prefetch_base_ms", "prefetch_per_ki_token_ms"):
+        if not 0 <= getattr(args, name) < math.inf:  # NaN fails too
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got "
+                              f"{getattr(args, name)}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    if args.metrics_file is not None:
+        _check_writable_file("--metrics-file", args.metrics_file)
     if args.workload == "trace" and not os.path.isfile(args.trace):
         raise ConfigError(f"trace not found: {args.trace}")
     layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype,
@@ -534,6 +551,19 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
     return layout
 
 
+def _check_writable_file(flag: str, path: str) -> None:
+    """ConfigError unless ``path`` can be written at the end of the run: a file (or none
+    yet) in an existing directory this process may write."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: is a directory")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: no directory {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path)
+                                                     and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable by this process")
+
+
 def _without_storage(argv: Sequence[str]) -> list[str]:
     out: list[str] = []
     skip = False
@@ -547,9 +577,10 @@ def _without_storage(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _storage_url(args: argparse.Namespace, tmp: str) -> str | None:
+def _storage_url(args: argparse.Namespace, layout: CacheLayout, tmp: str) -> str | None:
     """The L3 URL the run uses: --storage, else --store-dir as file://, else ``tmp``."""
-    from zkv.storage import file_url
+    from zkv.storage import file_url, open_store
+    from zkv.storage.local import check_root
     from zkv.storage.url import parse_url
 
     if args.storage and args.store_dir:
@@ -557,7 +588,10 @@ def _storage_url(args: argparse.Namespace, tmp: str) -> str | None:
     if "none" in (args.storage, args.store_dir):
         return None
     url = args.storage or file_url(args.store_dir or tmp)
-    parse_url(url)  # a bad URL is one line here, not one in every rank
+    scheme, kw = parse_url(url)  # a bad URL or directory: one line here, not one per rank
+    if scheme == "file":
+        check_root(kw["root"])  # (an engine serves on without its L3; a job is told)
+        open_store(url, layout.fingerprint(), writers=layout.world_size).close()
     return url
 
 
@@ -579,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         security.clean_stale_runs(base)
         if not args.storage and not args.store_dir:
             tmp = security.make_run_dir(base, prefix="l3-")
-        url = _storage_url(args, tmp or "")
+        url = _storage_url(args, layout, tmp or "")
     except ConfigError as e:
         print(f"zkv replay: error: {e}", file=sys.stderr)
         if tmp is not None:

@@ -29,6 +29,7 @@ survived, nothing leaked and every untouched check verified; 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import signal
@@ -451,8 +452,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     bad = set(args.faults) - set(FAULTS)
     if bad or not args.faults:
         p.error(f"unknown faults {sorted(bad)}; choose from {','.join(FAULTS)}")
-    if args.ranks < 1 or args.seconds <= 0 or args.fault_every <= 0 or args.check_every < 1:
-        p.error("--ranks, --seconds, --fault-every and --check-every must be positive")
+    if (args.ranks < 1 or args.check_every < 1
+            or not all(0 < x < math.inf for x in (args.seconds, args.fault_every))):  # not NaN
+        p.error("--ranks, --seconds, --fault-every and --check-every must be positive "
+                "(and finite)")
     return args
 
 

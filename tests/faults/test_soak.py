@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from zkv.soak import FAULTS
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -30,3 +32,17 @@ def test_short_soak_survives_every_fault() -> None:
     m = re.search(r"requests\s+(\d+) in (\d+) steps = ([\d.]+) requests/s held", out)
     assert m and int(m.group(1)) > 0
     assert re.search(r"scheduler\s+fds \d+ -> \d+\s+RSS \d+ -> \d+ MiB", out)
+
+
+@pytest.mark.parametrize("args", [["--seconds", "nan"], ["--seconds", "0"],
+                                  ["--fault-every", "inf"], ["--ranks", "0"]])
+def test_bad_flags_are_one_line_and_start_nothing(args: list[str],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from zkv.soak import _parse
+
+    with pytest.raises(SystemExit) as e:
+        _parse(args)  # the check runs before any process or directory is made
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zkv soak: error: --ranks, --seconds, --fault-every and --check-every must be "
+        "positive (and finite)")

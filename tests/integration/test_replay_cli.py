@@ -28,14 +28,39 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--device-blocks", "100000000"], "the pools need"),
     (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "trace not found"),
     (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535]"),
+    (["--prefetch-base-ms", "-1"], "--prefetch-base-ms must be a finite number >= 0, got -1.0"),
+    (["--prefetch-per-ki-token-ms", "nan"], "--prefetch-per-ki-token-ms must be a finite"),
+    (["--metrics-file", "{tmp}/no/m.prom"], "--metrics-file {tmp}/no/m.prom: no directory "
+                                             "{tmp}/no"),
+    (["--metrics-file", "{tmp}"], "--metrics-file {tmp}: is a directory"),
+    (["--store-dir", "{tmp}/file"], "store directory {tmp}/file: exists and is not a "
+                                    "directory"),
+    (["--store-dir", "{tmp}/file/l3"], "store directory {tmp}/file/l3: cannot create it (Not "
+                                       "a directory)"),
+    (["--storage", "file://{tmp}/l3?max_gb=nan"], "max_gb='nan' is not a finite number"),
 ])
 def test_config_errors_are_one_line_and_start_nothing(tmp_path: Path, args: list[str],
                                                       message: str) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    message = message.replace("{tmp}", str(tmp_path))
     r = _run(tmp_path, *args, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("zkv replay: error: "), r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert r.stdout == "" and not (tmp_path / "logs").exists()  # nothing was launched
+
+
+def test_metrics_that_cannot_be_written_at_the_end_are_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zkv.replay import _write_metrics
+
+    assert not _write_metrics(str(tmp_path / "gone" / "m.prom"))  # its folder went away
+    err = capsys.readouterr().err
+    assert err == (f"zkv replay: error: cannot write the metrics to {tmp_path}/gone/m.prom: "
+                   "No such file or directory\n")
+    assert _write_metrics(str(tmp_path / "m.prom"))
+    assert "zkv:" in (tmp_path / "m.prom").read_text()
 
 
 def test_dropped_requests_are_counted_and_fail_the_status(tmp_path: Path) -> None:

@@ -55,12 +55,15 @@ def test_defaults() -> None:
     ({"prefetch": "eager"}, "prefetch must be one of best_effort, wait_complete, timeout"),
     ({"prefetch_base_ms": -1}, "prefetch_base_ms must be >= 0"),
     ({"layer_timeout_s": 0}, "layer_timeout_s must be > 0"),
+    ({"layer_timeout_s": float("nan")}, "layer_timeout_s must be a finite number"),
+    ({"prefetch_max_ms": float("inf")}, "prefetch_max_ms must be a finite number"),
     ({"heartbeat_timeout_s": -1}, "heartbeat_timeout_s must be > 0"),
     ({"write_through_threshold": 0}, "write_through_threshold must be >= 1"),
     ({"inject_load_failures": [1, -2]}, "inject_load_failures must be a list of integers"),
     ({"log_level": "loud"}, "log_level must be one of"),
     ({"gate": "maybe"}, "gate must be"),
     ({"metrics_port": "9000"}, "metrics_port must be an integer port"),
+    ({"metrics_port": 70000}, "metrics_port must be <= 65535"),
 ])
 def test_bad_values_refused_with_one_line(extra: dict, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg) as e:

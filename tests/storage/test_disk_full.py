@@ -26,7 +26,7 @@ _CHILD = r"""
 import json, os, sys
 import numpy as np
 from structlog.testing import capture_logs
-from zkv.errors import StorageError
+from zkv.errors import ConfigError, StorageError
 from zkv.storage import LocalDirStore, pack_key
 
 root, case = sys.argv[1], sys.argv[2]
@@ -56,13 +56,19 @@ with capture_logs() as logs:
         out["readable"] = [i for i in range(60) if read(s, i)]
     else:  # full of another file: the store holds nothing it could remove
         filler = os.path.join(root, "filler")
-        with open(filler, "wb") as f:
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        for chunk in (64 << 10, 4 << 10):  # then to the last page
             try:
                 while True:
-                    f.write(b"\0" * (64 << 10))
-                    f.flush()
+                    os.write(fd, b"\0" * chunk)
             except OSError:
                 pass
+        os.close(fd)
+        try:  # no budget given: half the free space would be none
+            LocalDirStore(os.path.join(root, "l3"), "ns")
+            out["open_without_budget"] = "ok"
+        except ConfigError as e:
+            out["open_without_budget"] = str(e)
         s = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=1 << 30)
         try:
             s.put(key(1), data(1))
@@ -174,6 +180,9 @@ def test_a_disk_smaller_than_the_budget_keeps_the_store_working(tmp_path: Path) 
 
 def test_a_disk_full_of_other_files_fails_the_put_and_leaves_nothing(tmp_path: Path) -> None:
     out = _child(tmp_path, "full_of_others")
+    assert out["open_without_budget"].endswith(
+        "/l3: its file system has no free space; free some, or give a budget "
+        "(file://...?max_gb=G)"), out["open_without_budget"]
     assert out["put"].startswith("put ") and "No space left on device" in out["put"]
     num_blocks, num_bytes, max_bytes, errors, tmp_files = out["after"]
     assert (num_blocks, num_bytes, max_bytes, errors, tmp_files) == (0, 0, 1 << 30, 1, [])

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
-from zkv.errors import StorageError
+from zkv.errors import ConfigError, StorageError
 from zkv.storage import HEADER_SIZE, LocalDirStore, file_url, open_store, pack_key
+from zkv.storage.local import check_root
 
 BLOCK = 4096
 FILE = HEADER_SIZE + BLOCK
@@ -151,10 +153,19 @@ def test_budget_is_shared_by_the_writers(tmp_path: Path) -> None:
     assert 0 < s.max_bytes <= shutil.disk_usage(tmp_path).free  # type: ignore[attr-defined]
 
 
-def test_a_root_that_is_a_file_fails_puts_and_misses_reads(tmp_path: Path) -> None:
+def test_a_root_that_is_a_file_is_logged_at_open_fails_puts_and_misses_reads(
+        tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_bytes(b"")
-    s = LocalDirStore(blocker, "ns")
+    why = f"store directory {blocker}: exists and is not a directory"
+    with pytest.raises(ConfigError, match=f"^{why}$"):
+        check_root(str(blocker))  # what `zkv replay` refuses the flag with
+    with pytest.raises(ConfigError, match=r"/file/l3: cannot create it \(Not a directory\)$"):
+        check_root(str(blocker / "l3"))
+    with capture_logs() as logs:  # an engine serves on, as with a server down at start
+        s = LocalDirStore(blocker, "ns")
+    assert [(e["event"], e["log_level"], e["error"]) for e in logs] == [
+        ("storage.store_unreachable", "error", why)]
     with pytest.raises(StorageError, match=f"put ns/{key(1)[:16].hex()}/0"):
         s.put(key(1), data(1))
     assert s.exists([key(1)]) == [False]
@@ -163,6 +174,10 @@ def test_a_root_that_is_a_file_fails_puts_and_misses_reads(tmp_path: Path) -> No
     assert s.stats.errors == 2
     with pytest.raises(ValueError):
         LocalDirStore(tmp_path, "a/b")
+    nested = tmp_path / "a" / "b" / "l3"
+    with capture_logs() as logs:
+        LocalDirStore(nested, "ns")  # a missing root is made, quietly
+    assert nested.is_dir() and logs == []
 
 
 def test_unreadable_block_raises(tmp_path: Path) -> None:

@@ -8,8 +8,13 @@
 A put writes the temp file (header and payload in one ``writev``, straight from the host
 block) and ``os.replace``-s it in, so a reader sees a whole block or none, also across
 processes. A read checks the header, the file size and the payload checksum: a torn,
-truncated, damaged or foreign file is refused, removed and counted. A root directory that
-was deleted and made again is picked up by the next put (folders are re-created).
+truncated, damaged or foreign file is refused, removed and counted. The root is made at
+open. One that cannot be (a file is in the way, not writable) is logged at open
+(``storage.store_unreachable``) and the store goes on as a server down would: puts fail,
+reads miss (an engine serves on; ``zkv replay`` refuses the flag first, with
+:func:`check_root`). Without a budget on a file system with no free space, open raises
+``ConfigError``. A root deleted later is made again by the next put (folders are
+re-created).
 
 Byte budget. The store keeps an LRU index ``path -> size`` of the files it knows: all
 files of its namespace at open (one scan, oldest mtime first; stale temp files removed),
@@ -60,7 +65,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zkv import log as ev
-from zkv.errors import StorageError
+from zkv.errors import ConfigError, StorageError
 from zkv.storage.base import (
     CORRUPT,
     DIGEST_SIZE,
@@ -105,9 +110,17 @@ class LocalDirStore(Store):
         self._lru: OrderedDict[str, int] = OrderedDict()
         self._total = 0
         self._pending = 0
+        try:
+            free = check_root(self.root)
+        except ConfigError as e:  # as a server down at start: puts fail, reads miss
+            self._log.error(ev.STORE_UNREACHABLE, store=self.url, error=str(e))
+            free = _free_bytes(self.root)
         self._rebuild_index()
         if max_bytes is None:
-            max_bytes = _free_bytes(self.root) // 2 + self._total
+            if free <= 0 and not self._total:
+                raise ConfigError(f"store directory {self.root}: its file system has no free "
+                                  "space; free some, or give a budget (file://...?max_gb=G)")
+            max_bytes = free // 2 + self._total
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.max_bytes = max_bytes
@@ -429,6 +442,20 @@ def _free_bytes(path: str) -> int:
             break
         probe = parent
     return shutil.disk_usage(probe).free
+
+
+def check_root(root: str) -> int:
+    """Free bytes under ``root``, made if missing; :class:`ConfigError` (one line) when it
+    cannot be a directory this process writes blocks into."""
+    try:
+        os.makedirs(root, exist_ok=True)
+    except FileExistsError:  # with exist_ok: something that is not a directory
+        raise ConfigError(f"store directory {root}: exists and is not a directory") from None
+    except OSError as e:
+        raise ConfigError(f"store directory {root}: cannot create it ({e.strerror})") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"store directory {root}: not writable by this process")
+    return shutil.disk_usage(root).free
 
 
 def _has_room(path: str, size: int) -> bool:

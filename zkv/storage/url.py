@@ -14,6 +14,7 @@ raises :class:`~zkv.errors.ConfigError` with one line saying what is wrong.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -49,6 +50,8 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
                 out[name] = kind(raw)
         except ValueError:
             raise _bad(url, f"{name}={raw!r} is not a {kind.__name__}") from None
+        if kind is float and not math.isfinite(out[name]):
+            raise _bad(url, f"{name}={raw!r} is not a finite number")
         if kind in (int, float) and out[name] <= 0 and name != "segment_mb":
             raise _bad(url, f"{name} must be > 0")
     return out

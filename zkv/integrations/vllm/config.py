@@ -44,6 +44,7 @@ with one line naming the key (vLLM refuses to start).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -134,6 +135,8 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 def _number(key: str, value: Any, low: float, strict: bool = False) -> float:
     v = float(_typed(key, value, (int, float), "a number"))
+    if not math.isfinite(v):  # JSON configs may carry NaN / Infinity
+        raise ConfigError(f"zkv: {key} must be a finite number, got {value!r}")
     if v < low or (strict and v == low):
         raise ConfigError(f"zkv: {key} must be {'>' if strict else '>='} {low}, got {value!r}")
     return v
@@ -193,6 +196,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
         elif key == "metrics_port":
             kw[key] = None if value is None else int(_number(key, _typed(
                 key, value, int, "an integer port"), 0))
+            if kw[key] is not None and kw[key] > 65535:
+                raise ConfigError(f"zkv: metrics_port must be <= 65535, got {value!r}")
         elif key == "inject_load_failures":
             seq = _typed(key, value, (list, tuple), "a list of integers")
             if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seq):
