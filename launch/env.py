@@ -10,7 +10,9 @@ and the environment of the scheduler and of every rank.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ WORKER = "worker"
 SCHEDULER = "scheduler"
 # Variables a rank gets from zkvrun and the scheduler must not inherit from zkvrun's env.
 _RANK_ONLY_VARS = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+_RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # a file name: no '/', '.', '..'
 _MAX_IPC_PATH = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS
 RANKS_PER_CORE = 4  # --nproc-per-node above this many per core (or GPU) needs --force-ranks
 
@@ -66,8 +69,12 @@ class LaunchConfig:
             return "--nnodes and --nproc-per-node must be >= 1"
         if not 0 <= self.node_rank < self.nnodes:
             return f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"
-        if self.max_restarts < 0 or self.grace_s < 0 or self.monitor_interval_s <= 0:
-            return "--max-restarts and --grace-s must be >= 0"
+        if (self.max_restarts < 0 or not 0 <= self.grace_s < math.inf  # NaN fails too
+                or self.monitor_interval_s <= 0):
+            return "--max-restarts and --grace-s must be >= 0 (and finite)"
+        if self.run_id is not None and not _RUN_ID.fullmatch(self.run_id):
+            return ("--run-id must be 1-64 letters, digits, '_', '.' or '-', not starting "
+                    f"with '.' (it names the log directory), got {self.run_id!r}")
         if self.nproc_per_node > max_local_ranks() and not self.force_ranks:
             return (f"--nproc-per-node {self.nproc_per_node} is more than {RANKS_PER_CORE} "
                     f"per core ({max_local_ranks()} on this machine); pass --force-ranks if "

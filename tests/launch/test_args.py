@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -75,6 +76,11 @@ def test_config_checks() -> None:
     assert "--node-rank" in (LaunchConfig(nnodes=2, node_rank=2, insecure_tcp=True).check() or "")
     assert LaunchConfig(nproc_per_node=0).check() is not None
     assert LaunchConfig(max_restarts=-1).check() is not None
+    assert "--grace-s must be >= 0 (and finite)" in (LaunchConfig(grace_s=math.nan).check() or "")
+    for bad in ("../../etc", "a/b", ".", "..", ".hidden", "", "x" * 65, "r 1"):
+        assert "--run-id must be" in (LaunchConfig(run_id=bad).check() or ""), bad
+    for good in ("r1", "exp-3_b.2", "0" * 64):
+        assert LaunchConfig(run_id=good).check() is None, good
     remote = LaunchConfig(nnodes=2, master_addr="10.0.0.1", keys="/k")
     assert "--allow-remote" in (remote.check() or "")
     assert LaunchConfig(nnodes=2, master_addr="10.0.0.1", keys="/k", allow_remote=True).check() \
