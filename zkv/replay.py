@@ -72,12 +72,22 @@ def chat_workload(num_requests: int, block_size: int, seed: int = 0) -> Iterator
 
 
 def trace_workload(path: str, num_requests: int) -> Iterator[tuple[str, list[bytes]]]:
-    """The Mooncake trace: one zkv block per trace hash id (equal paths, equal hashes)."""
+    """The Mooncake trace: one zkv block per trace hash id (equal paths, equal hashes).
+    A line that is not ``{"hash_ids": [int, ...], ...}`` is a ConfigError naming it."""
     with open(path, "rb") as f:
         for i, line in enumerate(f):
             if i >= num_requests:
                 return
-            yield f"trace-{i}", hash_ids_chain(orjson.loads(line)["hash_ids"])
+            try:
+                rec = orjson.loads(line)
+                ids = rec["hash_ids"] if isinstance(rec, dict) else None
+                if not isinstance(ids, list):
+                    raise ValueError('expected {"hash_ids": [int, ...], ...}')
+                hashes = hash_ids_chain(ids)
+            except (ValueError, TypeError, KeyError, OverflowError) as e:  # orjson's too
+                why = f"no {e}" if isinstance(e, KeyError) else str(e)
+                raise ConfigError(f"trace {path}, line {i + 1}: {why}") from None
+            yield f"trace-{i}", hashes
 
 
 # ---------------------------------------------------------------- scheduler node
@@ -531,8 +541,11 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
         raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
     if args.metrics_file is not None:
         _check_writable_file("--metrics-file", args.metrics_file)
-    if args.workload == "trace" and not os.path.isfile(args.trace):
-        raise ConfigError(f"trace not found: {args.trace}")
+    if args.workload == "trace":
+        if not os.path.isfile(args.trace):
+            raise ConfigError(f"trace not found: {args.trace}")
+        for _ in trace_workload(args.trace, args.requests):  # a bad line: one line here
+            pass
     layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype,
                          args.device_blocks, args.host_blocks, world_size=args.ranks)
     if args.force:

@@ -38,10 +38,19 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--store-dir", "{tmp}/file/l3"], "store directory {tmp}/file/l3: cannot create it (Not "
                                        "a directory)"),
     (["--storage", "file://{tmp}/l3?max_gb=nan"], "max_gb='nan' is not a finite number"),
+    (["--workload", "trace", "--trace", "{tmp}/not-json.jsonl"],
+     "trace {tmp}/not-json.jsonl, line 2: unexpected character"),
+    (["--workload", "trace", "--trace", "{tmp}/no-ids.jsonl"],
+     "trace {tmp}/no-ids.jsonl, line 1: no 'hash_ids'"),
+    (["--workload", "trace", "--trace", "{tmp}/bad-ids.jsonl"],
+     "trace {tmp}/bad-ids.jsonl, line 1: block ids must be a 1-D sequence of integers"),
 ])
 def test_config_errors_are_one_line_and_start_nothing(tmp_path: Path, args: list[str],
                                                       message: str) -> None:
     (tmp_path / "file").write_bytes(b"")
+    (tmp_path / "not-json.jsonl").write_text('{"hash_ids": [1, 2]}\n{hash_ids: [3]}\n')
+    (tmp_path / "no-ids.jsonl").write_text('{"timestamp": 0, "input_length": 512}\n')
+    (tmp_path / "bad-ids.jsonl").write_text('{"hash_ids": ["a", "b"]}\n')
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     message = message.replace("{tmp}", str(tmp_path))
     r = _run(tmp_path, *args, timeout=60)
