@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from zkv import metrics
+from zkv.errors import ConfigError
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -54,3 +55,15 @@ def test_serve_on_a_free_loopback_port() -> None:
         server.shutdown()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(server.url, timeout=2)
+
+
+def test_a_taken_port_is_one_config_error() -> None:
+    taken = metrics.serve(0)  # a real listener on the port
+    try:
+        with pytest.raises(ConfigError, match=(
+                rf"^metrics port {taken.port}: cannot listen on 127\.0\.0\.1:{taken.port} "
+                r"\(Address already in use\)$")):
+            metrics.serve(taken.port)
+    finally:
+        taken.shutdown()
+    metrics.serve(taken.port).shutdown()  # free again: it listens

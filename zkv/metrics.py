@@ -25,6 +25,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import start_http_server
 
+from zkv.errors import ConfigError
+
 TIERS = ("device", "host", "storage")
 DIRECTIONS = ("d2h", "h2d", "backup", "s2h", "h2s")
 POOLS = ("device", "host")
@@ -87,6 +89,11 @@ class MetricsServer:
 
 def serve(port: int, registry: CollectorRegistry | None = None,
           host: str = "127.0.0.1") -> MetricsServer:
-    """Serve the registry on ``host:port`` (loopback; port 0 picks a free one)."""
-    server, thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
+    """Serve the registry on ``host:port`` (loopback; port 0 picks a free one).
+    :class:`ConfigError` (one line) when it cannot listen there (the port is taken)."""
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
+    except OSError as e:
+        raise ConfigError(f"metrics port {port}: cannot listen on {host}:{port} "
+                          f"({e.strerror or e})") from None
     return MetricsServer(server, thread)

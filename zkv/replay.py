@@ -379,12 +379,12 @@ def _serve(args: argparse.Namespace) -> int:
         workload = list(chat_workload(args.requests, layout.block_size, args.seed))
     else:
         workload = list(trace_workload(args.trace, args.requests))
+    server = M.serve(args.metrics_port) if args.metrics_port is not None else None
     env = os.environ
     dp = Dispatcher(env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"], layout.world_size, layout,
                     heartbeat_timeout_s=10.0, ack_timeout_s=60.0, keys=security.keyring_from_env(),
                     insecure=env.get("ZKV_INSECURE") == "1",
                     allow_remote=env.get("ZKV_ALLOW_REMOTE") == "1")
-    server = M.serve(args.metrics_port) if args.metrics_port is not None else None
     if server is not None:
         print(f"zkv replay: metrics at {server.url}", file=sys.stderr, flush=True)
     rp = None
@@ -539,6 +539,8 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
                               f"{getattr(args, name)}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    if args.metrics_port:  # taken now: one line before anything starts (the scheduler
+        M.serve(args.metrics_port).shutdown()  # says so too if it is taken meanwhile)
     if args.metrics_file is not None:
         _check_writable_file("--metrics-file", args.metrics_file)
     if args.workload == "trace":

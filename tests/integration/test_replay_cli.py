@@ -5,6 +5,7 @@ at the ranks' hello with the differing field named."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,18 @@ def test_config_errors_are_one_line_and_start_nothing(tmp_path: Path, args: list
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("zkv replay: error: "), r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert r.stdout == "" and not (tmp_path / "logs").exists()  # nothing was launched
+
+
+def test_a_taken_metrics_port_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    with socket.socket() as s:  # another server on the port
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _run(tmp_path, "--metrics-port", str(port), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f"zkv replay: error: metrics port {port}: cannot listen on "
+                        f"127.0.0.1:{port} (Address already in use)\n")
+    assert r.stdout == "" and not (tmp_path / "logs").exists()
 
 
 def test_metrics_that_cannot_be_written_at_the_end_are_one_line(

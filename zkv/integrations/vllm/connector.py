@@ -202,7 +202,10 @@ class ZkvConnector(KVConnectorBase_V1):
         if self.cfg.metrics_port is not None:
             from zkv.integrations.vllm import metrics
 
-            metrics.serve(self.cfg.metrics_port)
+            try:
+                metrics.serve(self.cfg.metrics_port)
+            except ConfigError as e:  # the engine stops at start, with one line
+                raise ConfigError(f"zkv: {e}") from None
 
     # ------------------------------------------------------------ worker side
 
