@@ -48,6 +48,9 @@ from zkv.config import CacheLayout
 from zkv.errors import RankLost
 from zkv.scheduler.manager import CacheConfig, CacheManager
 
+# The chat workload's longest prompt: a history of at most 6,000 tokens and a user turn
+# of at most 255, in 16-token blocks (zkv.replay.chat_workload).
+MIN_DEVICE_BLOCKS = (6_000 + 255) // 16
 FAULTS = ("junk", "forged", "rogue", "duplicate", "truncate", "store", "kill", "restart")
 
 
@@ -270,20 +273,22 @@ class Soak:
             return spent >= self.args.seconds and (not plan and not self.confirm
                                                    or spent >= self.args.seconds + 120)
 
-        while not over():
-            workload = list(chat_workload(60, self.layout.block_size, seed))
-            seed += 1
-            for i in range(0, len(workload), 2):
-                now = time.monotonic()
-                if now >= next_fault and (plan or now - t0 < self.args.seconds):
-                    kind = plan.pop(0) if plan else self.rng.choice(self.args.faults)
-                    self._inject(kind)
-                    next_fault = time.monotonic() + self.args.fault_every
-                self._one_step(workload[i:i + 2])
-                if over():
-                    break
-        self.report.wall_s = time.monotonic() - t0
-        self.report.end = self._stats()
+        try:
+            while not over():
+                workload = list(chat_workload(60, self.layout.block_size, seed))
+                seed += 1
+                for i in range(0, len(workload), 2):
+                    now = time.monotonic()
+                    if now >= next_fault and (plan or now - t0 < self.args.seconds):
+                        kind = plan.pop(0) if plan else self.rng.choice(self.args.faults)
+                        self._inject(kind)
+                        next_fault = time.monotonic() + self.args.fault_every
+                    self._one_step(workload[i:i + 2])
+                    if over():
+                        break
+        finally:  # (also when a rank never came back: main reports it)
+            self.report.wall_s = time.monotonic() - t0
+            self.report.end = self._stats()
         return self.report
 
     def _stats(self) -> dict[str, int]:
@@ -456,6 +461,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             or not all(0 < x < math.inf for x in (args.seconds, args.fault_every))):  # not NaN
         p.error("--ranks, --seconds, --fault-every and --check-every must be positive "
                 "(and finite)")
+    if args.device_blocks < MIN_DEVICE_BLOCKS:  # else every request is dropped: no batch is
+        # sent, and a fault that only traffic shows (a killed rank) goes unseen
+        p.error(f"--device-blocks must be >= {MIN_DEVICE_BLOCKS} (the longest chat prompt "
+                f"alone), got {args.device_blocks}")
+    if args.host_blocks < 0 or args.store_mb < 1:
+        p.error("--host-blocks must be >= 0 and --store-mb >= 1")
     return args
 
 
@@ -470,7 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     soak = Soak(args, run_dir)
     zlog.configure("soak", log_dir=soak.log_dir, level="warning")
     try:
-        report = soak.run()
+        try:
+            report = soak.run()
+        except (TimeoutError, RankLost) as e:  # a rank that never came back: in the report
+            report = soak.report
+            report.unexpected.append(f"{type(e).__name__}: {e}")
         soak._end_epoch(shutdown=True)
     finally:
         if soak.pending is not None:

@@ -46,3 +46,35 @@ def test_bad_flags_are_one_line_and_start_nothing(args: list[str],
     assert capsys.readouterr().err.splitlines()[-1] == (
         "zkv soak: error: --ranks, --seconds, --fault-every and --check-every must be "
         "positive (and finite)")
+
+
+@pytest.mark.parametrize("args, message", [
+    # pools no chat prompt fits: no batch would be sent, and a killed rank never noticed
+    # (before: a scheduler restart then waited 120 s for it and died with a traceback)
+    (["--device-blocks", "20"], "--device-blocks must be >= 390 (the longest chat prompt "
+                                "alone), got 20"),
+    (["--host-blocks", "-1"], "--host-blocks must be >= 0 and --store-mb >= 1"),
+    (["--store-mb", "0"], "--host-blocks must be >= 0 and --store-mb >= 1"),
+])
+def test_pools_that_carry_no_traffic_are_refused(args: list[str], message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from zkv.soak import _parse
+
+    with pytest.raises(SystemExit) as e:
+        _parse(args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"zkv soak: error: {message}"
+
+
+def test_a_rank_that_never_comes_back_is_in_the_report_not_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from zkv import soak
+
+    def restart_lost(self: soak.Soak) -> None:  # what wait_for_ranks raises then
+        raise TimeoutError("ranks [1] of 2 did not join within 120.0 s: rank 1: no hello")
+
+    monkeypatch.setattr(soak.Soak, "_fault_restart", restart_lost)
+    assert soak.main(["--seconds", "0.5", "--fault-every", "0.2", "--faults", "restart"]) == 1
+    out = capsys.readouterr().out
+    assert "  unexpected   TimeoutError: ranks [1] of 2 did not join within 120.0 s" in out
+    assert re.search(r"ranks +fds \d+ -> \d+", out) and "restart 0/1" in out
