@@ -366,6 +366,7 @@ def _serve(args: argparse.Namespace) -> int:
     from zkv.storage import StorageQuery, open_store
 
     layout = CacheLayout.from_env()
+    server = M.serve(args.metrics_port) if args.metrics_port is not None else None
     store = open_store(args.storage, layout.fingerprint()) if args.storage else None
     cm = CacheManager(
         CacheConfig(layout.num_device_blocks, layout.num_host_blocks, layout.block_size,
@@ -379,7 +380,6 @@ def _serve(args: argparse.Namespace) -> int:
         workload = list(chat_workload(args.requests, layout.block_size, args.seed))
     else:
         workload = list(trace_workload(args.trace, args.requests))
-    server = M.serve(args.metrics_port) if args.metrics_port is not None else None
     env = os.environ
     dp = Dispatcher(env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"], layout.world_size, layout,
                     heartbeat_timeout_s=10.0, ack_timeout_s=60.0, keys=security.keyring_from_env(),
@@ -604,8 +604,8 @@ def _storage_url(args: argparse.Namespace, layout: CacheLayout, tmp: str) -> str
         return None
     url = args.storage or file_url(args.store_dir or tmp)
     scheme, kw = parse_url(url)  # a bad URL or directory: one line here, not one per rank
-    if scheme == "file":
-        check_root(kw["root"])  # (an engine serves on without its L3; a job is told)
+    if scheme == "file" and check_root(kw["root"]) <= 0:  # (an engine serves on without)
+        # no free space: it opens only with a budget or with files of its own to reuse
         open_store(url, layout.fingerprint(), writers=layout.world_size).close()
     return url
 

@@ -252,3 +252,19 @@ def test_replay_with_its_l3_on_a_full_disk_is_exact_and_quiet(tmp_path: Path,
         assert replay_metrics(tmp_path / "metrics.txt")[H2S_FAILED] == 0
         assert 0 < len(full) <= 10, len(full)  # two writers settle in a few lowerings
         assert len(io_failed) <= 6  # (a load can race the LRU's removal: recomputed)
+
+
+def test_replay_on_a_full_disk_without_a_budget_is_one_line_and_starts_nothing(
+        tmp_path: Path) -> None:
+    """Half the free space of a full disk is no budget: `zkv replay` says so and how out,
+    before anything starts; with a budget it runs (the filled case above)."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    argv = ["sh", "-c", 'head -c 16m /dev/zero > "$0/filler" 2>/dev/null; exec "$@"', str(fs),
+            sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--store-dir",
+            f"{fs}/l3", "--log-dir", str(tmp_path / "logs")]
+    proc = run_on_small_fs(str(fs), "1m", argv, timeout_s=120, cwd=str(ROOT))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (f"zkv replay: error: store directory {fs}/l3: its file system has "
+                           "no free space; free some, or give a budget (file://...?max_gb=G)\n")
+    assert proc.stdout == "" and not (tmp_path / "logs").exists()
