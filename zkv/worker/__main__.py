@@ -15,6 +15,7 @@ goes away, so an orphan never lingers.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -59,8 +60,17 @@ def main() -> int:
     try:
         rank = rank_from_env()
         layout = CacheLayout.from_env()
+        if rank >= layout.world_size:
+            raise ConfigError(f"RANK {rank} is not below the layout's world_size "
+                              f"{layout.world_size}")
         pub, pull = endpoints_from_env()
-        heartbeat_s = float(os.environ.get("ZKV_HEARTBEAT_S", "0.25"))
+        raw = os.environ.get("ZKV_HEARTBEAT_S", "0.25")
+        try:
+            heartbeat_s = float(raw)
+        except ValueError:
+            heartbeat_s = math.nan
+        if not 0 < heartbeat_s < math.inf:  # NaN fails too (-1: a heartbeat flood)
+            raise ConfigError(f"ZKV_HEARTBEAT_S must be a finite number > 0, got {raw!r}")
         keys, insecure = security_from_env(rank)
     except (ConfigError, ValueError) as e:
         print(f"zkv.worker: {e}", file=sys.stderr)
@@ -71,6 +81,9 @@ def main() -> int:
         backend.bind_thread()  # before any allocation
         kv_caches = backend.allocate_device_cache(layout)
         host_pool = backend.allocate_host_pool(layout)
+    except ConfigError as e:  # an unknown backend, a LOCAL_RANK with no device
+        print(f"zkv.worker: rank {rank}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     except Exception as e:
         print(f"zkv.worker: rank {rank}: cannot allocate the cache: {e!r}", file=sys.stderr)
         return EXIT_FATAL

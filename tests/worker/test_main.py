@@ -1,0 +1,47 @@
+"""``python -m zkv.worker`` (what zkvrun starts per rank): a configuration it cannot serve is
+one line on stderr and exit status 2 (before: a RANK past the world size or a heartbeat
+interval of NaN or -1 started and served, the last a heartbeat flood; an unknown backend
+was exit 1 with the error's repr)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zkv.config import CacheLayout
+
+ROOT = str(Path(__file__).resolve().parents[2])
+LAYOUT = CacheLayout(2, 2, 16, 32, "float16", 16, 16, world_size=2)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"ZKV_CONFIG": ""}, "zkv.worker: ZKV_CONFIG is not set (zkvrun sets it for every rank)"),
+    ({"RANK": "2"}, "zkv.worker: RANK 2 is not below the layout's world_size 2"),
+    ({"ZKV_HEARTBEAT_S": "nan"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number > 0, "
+                                 "got 'nan'"),
+    ({"ZKV_HEARTBEAT_S": "-1"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number > 0, "
+                                "got '-1'"),
+    ({"ZKV_HEARTBEAT_S": "soon"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number > 0, "
+                                  "got 'soon'"),
+    ({"ZKV_BACKEND": "tpu"}, "zkv.worker: rank 1: unknown copy backend 'tpu'; one of 'auto', "
+                             "'cupy', 'cpu', 'torch', 'torch-cpu'"),
+    ({"ZKV_STORE_URL": "ftp://x"}, "zkv.worker: rank 1: bad store URL 'ftp://x': unknown "
+                                   "scheme 'ftp' (one of file, redis, mooncake)"),
+])
+def test_a_configuration_it_cannot_serve_is_one_line(tmp_path: Path, extra: dict[str, str],
+                                                     message: str) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKV_", "RANK"))}
+    env.update(ZKV_CONFIG=LAYOUT.to_json(), RANK="1", ZKV_INSECURE="1", ZKV_BACKEND="cpu",
+               ZKV_PUB_ENDPOINT=f"ipc://{run_dir}/pub", ZKV_PULL_ENDPOINT=f"ipc://{run_dir}/pull",
+               ZKV_LOG_DIR=str(tmp_path / "logs"), PYTHONPATH=ROOT)
+    env.update(extra)
+    r = subprocess.run([sys.executable, "-m", "zkv.worker"], env=env, capture_output=True,
+                       text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == message + "\n"
