@@ -117,10 +117,10 @@ class LocalDirStore(Store):
             free = _free_bytes(self.root)
         self._rebuild_index()
         if max_bytes is None:
-            if free <= 0 and not self._total:
+            max_bytes = free // 2 + self._total
+            if max_bytes <= 0:
                 raise ConfigError(f"store directory {self.root}: its file system has no free "
                                   "space; free some, or give a budget (file://...?max_gb=G)")
-            max_bytes = free // 2 + self._total
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.max_bytes = max_bytes
