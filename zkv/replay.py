@@ -53,6 +53,15 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DROPPED = 0, 1, 2, 4
 # ---------------------------------------------------------------- workloads
 
 
+CHAT_HISTORY_MAX_TOKENS = 6000  # a conversation longer than this ends; a new one starts
+CHAT_TURN_MAX_TOKENS = 255  # a user or assistant turn: 32 to this many tokens
+
+
+def chat_max_prompt_blocks(block_size: int) -> int:
+    """Full blocks of the longest prompt :func:`chat_workload` can give."""
+    return (CHAT_HISTORY_MAX_TOKENS + CHAT_TURN_MAX_TOKENS) // block_size
+
+
 def chat_workload(num_requests: int, block_size: int, seed: int = 0) -> Iterator[tuple[str, list[bytes]]]:
     """Multi-turn chat: a shared system prompt, conversations whose history grows by a
     user and an assistant turn per request. Deterministic for a seed."""
@@ -62,11 +71,12 @@ def chat_workload(num_requests: int, block_size: int, seed: int = 0) -> Iterator
     histories: list[np.ndarray] = [system.copy() for _ in range(num_convs)]
     for i in range(num_requests):
         c = int(rng.integers(0, num_convs))
-        user = rng.integers(0, 32000, int(rng.integers(32, 256)), dtype=np.int32)
+        turn = CHAT_TURN_MAX_TOKENS + 1
+        user = rng.integers(0, 32000, int(rng.integers(32, turn)), dtype=np.int32)
         prompt = np.concatenate([histories[c], user])
-        answer = rng.integers(0, 32000, int(rng.integers(32, 256)), dtype=np.int32)
+        answer = rng.integers(0, 32000, int(rng.integers(32, turn)), dtype=np.int32)
         histories[c] = np.concatenate([prompt, answer])
-        if len(histories[c]) > 6000:  # conversation ends; a new one starts
+        if len(histories[c]) > CHAT_HISTORY_MAX_TOKENS:
             histories[c] = system.copy()
         yield f"chat-{i}", hash_tokens(prompt, block_size)
 

@@ -46,11 +46,11 @@ import zmq
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.errors import RankLost
+from zkv.replay import chat_max_prompt_blocks
 from zkv.scheduler.manager import CacheConfig, CacheManager
 
-# The chat workload's longest prompt: a history of at most 6,000 tokens and a user turn
-# of at most 255, in 16-token blocks (zkv.replay.chat_workload).
-MIN_DEVICE_BLOCKS = (6_000 + 255) // 16
+BLOCK_SIZE = 16
+MIN_DEVICE_BLOCKS = chat_max_prompt_blocks(BLOCK_SIZE)  # the longest chat prompt alone
 FAULTS = ("junk", "forged", "rogue", "duplicate", "truncate", "store", "kill", "restart")
 
 
@@ -158,7 +158,7 @@ class Soak:
 
         self.args = args
         self.rng = random.Random(args.seed)
-        self.layout = CacheLayout(2, 2, 16, 32, "float16", args.device_blocks, args.host_blocks,
+        self.layout = CacheLayout(2, 2, BLOCK_SIZE, 32, "float16", args.device_blocks, args.host_blocks,
                                   world_size=args.ranks)
         self.run_dir = run_dir
         self.store_dir = os.path.join(run_dir, "l3")
