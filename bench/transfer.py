@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-oracle", action="store_true", help="skip the per-block Python loop row")
     p.add_argument("--cpu-only", action="store_true")
+    p.add_argument("--gpu-only", action="store_true", help="skip the CPU table")
     p.add_argument("--device", type=int, default=0, help="CUDA device of the CuPy part")
     p.add_argument("--compute-dim", type=int, default=4096,
                    help="matmul size of the simulated per-layer forward (layer-wise overlap)")
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     n = min(args.blocks, lay.num_device_blocks, lay.num_host_blocks)
     t0 = time.perf_counter()
-    for threads in args.threads or [torch.get_num_threads()]:
+    for threads in [] if args.gpu_only else args.threads or [torch.get_num_threads()]:
         # The benchmark is its own process: it may choose the thread count; the library never does.
         torch.set_num_threads(threads)
         bench_cpu(args, lay, n)
