@@ -43,8 +43,8 @@ timeout 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-mark
     tests/worker/test_actor_device.py 2>&1 | tee "$OUT/pytest.log" | tail -60
 echo "pytest rc=${PIPESTATUS[0]}"
 
-step "bench/transfer.py --gpu-only"
-timeout 120 "$PY" bench/transfer.py --gpu-only 2>&1 | tee "$OUT/transfer.log"
+step "bench/transfer.py --gpu-only, thread-block cap sweep"
+timeout 120 "$PY" bench/transfer.py --gpu-only --ctas 4 8 16 33 66 132 0 2>&1 | tee "$OUT/transfer.log"
 
 step "zkv replay on the GPU (ZKV_BACKEND=cupy, 1 rank)"
 ZKV_BACKEND=cupy timeout 120 "$PY" -m zkv.cli replay --ranks 1 --requests 300 --no-progress \
@@ -56,7 +56,7 @@ if command -v compute-sanitizer > /dev/null; then
     step "compute-sanitizer memcheck: the gather/scatter kernels"
     timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q \
         -p no:cacheprovider -o addopts="-ra" -W default tests/kernels/test_cupy_backend.py \
-        -k "matches_oracle or engine_layouts or round_trip or odd_geometry or own_strides" 2>&1 | tee "$OUT/memcheck.log" | tail -15
+        -k "matches_oracle or engine_layouts or round_trip or odd_geometry or own_strides or block_cap" 2>&1 | tee "$OUT/memcheck.log" | tail -15
     echo "memcheck rc=${PIPESTATUS[0]}"
 fi
 step "done"

@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-oracle", action="store_true", help="skip the per-block Python loop row")
     p.add_argument("--cpu-only", action="store_true")
     p.add_argument("--gpu-only", action="store_true", help="skip the CPU table")
+    p.add_argument("--ctas", type=int, nargs="*", default=None,
+                   help="CuPy: also sweep the copy kernels' thread-block cap over these values "
+                        "(bandwidth and layer-wise overlap per cap; 0 = one per SM x 4)")
     p.add_argument("--device", type=int, default=0, help="CUDA device of the CuPy part")
     p.add_argument("--compute-dim", type=int, default=4096,
                    help="matmul size of the simulated per-layer forward (layer-wise overlap)")
@@ -202,6 +205,8 @@ def bench_cupy(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
         bench_cupy_copies(args, backend, lay, spec, host, src, dst, order)
         if order == "HND":
             bench_layerwise(args, backend, lay, spec, host, src, dst)
+            if args.ctas:
+                bench_ctas(args, backend, lay, spec, host, src, dst)
 
 
 def _fused(backend: CopyBackend, lay: CacheLayout) -> list[torch.Tensor]:
@@ -283,6 +288,102 @@ def bench_cupy_copies(args: argparse.Namespace, backend: Any, lay: CacheLayout, 
         table.print(f"contiguous cudaMemcpyAsync {direction}")
 
 
+def bench_ctas(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: Any,
+               host: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
+    """The thread-block cap: copy bandwidth (vs one contiguous cudaMemcpyAsync) against the
+    layer-wise forward it leaves room for, cap by cap, interleaved rep by rep."""
+    import cupy as cp
+
+    from zkv.kernels.pinned import pinned_empty
+
+    rt, stream = cp.cuda.runtime, backend.transfer_stream
+    nbytes = len(src) * lay.block_bytes
+    dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
+    host_arr, _ = pinned_empty(cp, args.device, nbytes, stream)
+    compute = torch.cuda.Stream(backend.device)
+    x = torch.randn(args.compute_dim, args.compute_dim, device=backend.device,
+                    dtype=torch.float16)
+    caps = [c or backend.sm_count * 4 for c in args.ctas]
+    default = backend.copy_ctas
+
+    def timed(fn: Callable[[], None]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def memcpy(kind: int) -> None:
+        pair = ((host_arr.ctypes.data, dev_buf.data_ptr()) if kind == rt.memcpyDeviceToHost
+                else (dev_buf.data_ptr(), host_arr.ctypes.data))
+        rt.memcpyAsync(pair[0], pair[1], nbytes, kind, stream.ptr)
+        stream.synchronize()
+
+    def d2h() -> None:
+        backend.copy_d2h(spec, host, src, dst)
+        backend.synchronize()
+
+    def h2d() -> None:
+        for layer in range(lay.num_layers):
+            backend.copy_h2d(host, spec, dst, src, layer)
+        backend.synchronize()
+
+    def compute_only() -> None:
+        with torch.cuda.stream(compute):
+            for _ in range(lay.num_layers):
+                torch.mm(x, x)
+        compute.synchronize()
+
+    rows: dict[int, dict[str, list[float]]] = {c: {} for c in caps}
+    base: dict[str, list[float]] = {"d2h": [], "h2d": [], "compute": []}
+    for rep in range(args.reps + 1):  # the first round warms up
+        base_now = {"d2h": timed(lambda: memcpy(rt.memcpyDeviceToHost)),
+                    "h2d": timed(lambda: memcpy(rt.memcpyHostToDevice)),
+                    "compute": timed(compute_only)}
+        for cap in caps:
+            backend.copy_ctas = cap
+            now = {"d2h": timed(d2h), "h2d": timed(h2d),
+                   "full": _forward(backend, lay, spec, host, src, dst, compute, x, False),
+                   "layer": _forward(backend, lay, spec, host, src, dst, compute, x, True)}
+            if rep:
+                for k, v in now.items():
+                    rows[cap].setdefault(k, []).append(v)
+        if rep:
+            for k, v in base_now.items():
+                base[k].append(v)
+    backend.copy_ctas = default
+    med = statistics.median
+    print(f"\nthread-block cap sweep ({len(src)} blocks x {lay.num_layers} layers, "
+          f"{nbytes / 2**20:.0f} MiB; {backend.sm_count} SMs; default cap {default}): "
+          f"compute alone {med(base['compute']) * 1e3:.2f} ms")
+    print(f"  {'cap':>6}{'d2h vs memcpy':>15}{'h2d vs memcpy':>15}{'fwd full-wait ms':>18}"
+          f"{'fwd layer-wise ms':>19}{'layer-wise gain':>17}")
+    for cap in caps:
+        r = rows[cap]
+        print(f"  {cap:>6}{med(base['d2h']) / med(r['d2h']):>14.2f}x"
+              f"{med(base['h2d']) / med(r['h2d']):>14.2f}x{med(r['full']) * 1e3:>18.2f}"
+              f"{med(r['layer']) * 1e3:>19.2f}{med(r['full']) / med(r['layer']):>16.2f}x")
+
+
+def _forward(backend: Any, lay: CacheLayout, spec: Any, host: torch.Tensor, src: np.ndarray,
+             dst: np.ndarray, compute: Any, x: torch.Tensor, layerwise: bool) -> float:
+    """Load every layer and run a matmul per layer on ``compute``: waiting on each layer's
+    event (layer-wise) or on the last one before the first matmul. Wall seconds."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    backend.begin_batch(compute.cuda_stream)
+    handles = []
+    for layer in range(lay.num_layers):
+        backend.copy_h2d(host, spec, dst, src, layer)
+        handles.append(backend.record_event())
+    with torch.cuda.stream(compute):
+        for layer in range(lay.num_layers):
+            if layerwise or layer == 0:
+                handle = handles[layer] if layerwise else handles[-1]
+                backend.wait_event_on_compute(handle, compute.cuda_stream)
+            torch.mm(x, x)  # the layer's "attention + MLP"
+    compute.synchronize()
+    return time.perf_counter() - t0
+
+
 def bench_layerwise(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: Any,
                     host: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
     """Layer-wise load: time to the first layer ready vs the full load (CUDA events), and
@@ -311,21 +412,7 @@ def bench_layerwise(args: argparse.Namespace, backend: Any, lay: CacheLayout, sp
                     dtype=torch.float16)
 
     def forward(layerwise: bool) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        backend.begin_batch(compute.cuda_stream)
-        handles = []
-        for layer in range(lay.num_layers):
-            backend.copy_h2d(host, spec, dst, src, layer)
-            handles.append(backend.record_event())
-        with torch.cuda.stream(compute):
-            for layer in range(lay.num_layers):
-                if layerwise or layer == 0:
-                    handle = handles[layer] if layerwise else handles[-1]
-                    backend.wait_event_on_compute(handle, compute.cuda_stream)
-                torch.mm(x, x)  # the layer's "attention + MLP"
-        compute.synchronize()
-        return time.perf_counter() - t0
+        return _forward(backend, lay, spec, host, src, dst, compute, x, layerwise)
 
     for mode in (False, True):
         forward(mode)

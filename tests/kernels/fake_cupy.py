@@ -168,25 +168,28 @@ class FakeKernel:
     def __init__(self, fake: FakeCuda, width: int) -> None:
         self.fake, self.width = fake, width
 
-    def __call__(self, grid: tuple[int, int, int], block: tuple[int], args: tuple[Any, ...]
+    def __call__(self, grid: tuple[int, ...], block: tuple[int], args: tuple[Any, ...]
                  ) -> None:
-        ids, n, params, layer, parts, host, host_block, chunk_bytes, to_host, piece = args
-        n, layer, parts, piece = int(n), int(layer), int(parts), int(piece)
-        assert grid[0] == n and grid[1] == parts and 1 <= grid[2] <= 65535 and block[0] <= 1024
-        assert grid[2] * piece >= int(chunk_bytes) // self.width, "grid misses part of a chunk"
+        ids, n, params, layer, parts, host, host_block, chunk_bytes, to_host, piece, pieces = args
+        n, layer, parts = int(n), int(layer), int(parts)
+        piece, pieces = int(piece), int(pieces)
+        items = n * parts * pieces
+        assert len(grid) == 1 and 1 <= grid[0] <= items and 1 <= block[0] <= 1024, (grid, items)
+        assert 1 <= pieces < 2**31, "pieces is an int in the kernel"
+        assert pieces * piece >= int(chunk_bytes) // self.width, "slices miss part of a chunk"
         w = self.width
         geometry = (int(host), int(host_block), int(chunk_bytes), bool(to_host))
 
         def run() -> None:
             flat = ids.data.reshape(-1).astype(np.int64)
             table = params.data.view(np.uint64)
-            for j in range(n):
-                for p in range(parts):
+            for b in range(grid[0]):  # thread block b: items b, b + grid, ... (grid-stride)
+                for item in range(b, items, grid[0]):
+                    j, p, z = item // (parts * pieces), item // pieces % parts, item % pieces
                     q = [int(x) for x in table[layer, p]]
-                    for z in range(grid[2]):
-                        self._slice(q, flat, n, j, layer, parts, p, z * piece, piece, geometry)
+                    self._slice(q, flat, n, j, layer, parts, p, z * piece, piece, geometry)
 
-        self.fake.launch(run, f"zkv_copy_{w} layer {layer} {'d2h' if to_host else 'h2d'}",
+        self.fake.launch(run, f"zkv_copy_{w} layer {layer} {'d2h' if to_host else 'h2d'} parts {parts}",
                          [ids, params], tuple(grid))
 
     def _slice(self, q: list[int], flat: np.ndarray, n: int, j: int, layer: int, parts: int,

@@ -94,6 +94,30 @@ def test_h2d_matches_oracle(backend: Any, dtype: str) -> None:
     assert same_caches(kv, want)
 
 
+@pytest.mark.parametrize("ctas", [1, 7, 100_000])
+def test_any_thread_block_cap_moves_every_slice(ctas: int) -> None:
+    """One thread block looping over every work item, an odd cap, and more thread blocks
+    than items: the grid-stride loop covers each slice of each part once."""
+    from zkv.kernels.cupy_backend import CupyBackend
+
+    backend = CupyBackend(copy_ctas=ctas)
+    # 68 KiB chunks: 4352 vectors in 5 slices of 871 (the last one partial)
+    lay = layout("float32", num_layers=2, kv_heads=8, block_size=16, head_dim=136,
+                 num_device_blocks=24, num_host_blocks=20)
+    kv, host = random_caches(backend, lay, seed=ctas)
+    want_host, want_kv = host.clone(), clone(kv)
+    rng = np.random.default_rng(ctas)
+    src, dst = pick(rng, lay.num_device_blocks, 11), pick(rng, lay.num_host_blocks, 11)
+    backend.copy_d2h(kv, host, src, dst)
+    ref_copy_d2h(kv, want_host, src, dst)
+    back = pick(rng, lay.num_device_blocks, 11)
+    for layer in range(lay.num_layers):
+        backend.copy_h2d(host, kv, dst, back, layer)
+        ref_copy_h2d(want_host, want_kv, dst, back, layer)
+    backend.synchronize()
+    assert as_bytes(host) == as_bytes(want_host) and same_caches(kv, want_kv)
+
+
 def test_layer_subset_and_round_trip(backend: Any) -> None:
     lay = layout("bfloat16", num_layers=4, num_device_blocks=20, num_host_blocks=10)
     kv, host = random_caches(backend, lay, seed=3)

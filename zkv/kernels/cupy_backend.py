@@ -8,8 +8,10 @@ reaches it through its device address (zero-copy over PCIe, no staging buffer)::
         dev base | block stride | run bytes | n1 | n2 | s0 | s1 | s2     (bytes)
     run r of a block at  i0*s0 + i1*s1 + i2*s2,  (i0, i1, i2) = unravel(r, (., n1, n2))
 
-    grid = (n, parts, pieces)  x: block pair j   y: part (K, V / latent)   z: slice of a chunk
-    thread block (j, p, z):    host = host + host_id * block_bytes + (layer*parts + p) * chunk
+    work items w = (j, p, z) of n x parts x pieces   j: block pair   p: part (K, V / latent)
+                                                     z: slice of a chunk
+    grid = (ctas,): thread block b takes items b, b + ctas, b + 2*ctas, ...
+    item (j, p, z):            host = host + host_id * block_bytes + (layer*parts + p) * chunk
                                dev  = params[layer,p].base + dev_id * params[layer,p].stride
                                vectors [z*piece, (z+1)*piece) of the chunk, in logical order;
                                vector v lies in run v / run_vecs (one run: a straight copy)
@@ -17,7 +19,11 @@ reaches it through its device address (zero-copy over PCIe, no staging buffer)::
 Each part carries its own strides (V is never copied with K's), and every address, stride
 and run is a multiple of the vector width (16, 8, 4, 2 or 1 bytes) the launch uses.
 ``pieces`` is chosen from the SM count: a small copy is cut into more slices so that it
-still spreads over ~4 thread blocks per SM.
+still spreads over the thread blocks it may use. ``ctas`` is capped (``copy_ctas``, by
+default a quarter of the SMs): the copies reach pinned host memory over PCIe, which a few
+SMs with loads in flight already saturate, and a grid over every SM would hold the SMs
+the model's next layer runs on (the layer-wise overlap is only as good as what the copy
+leaves free).
 
 Start-up: the kernels are compiled (or loaded from cupy's on-disk cache) in the
 constructor, timed (``startup_info()["kernel_compile_ms"]``), never inside a batch.
@@ -73,16 +79,13 @@ __device__ __forceinline__ long long zkv_run_offset(unsigned int r, const long l
 }
 
 template <typename T>
-__device__ __forceinline__ void zkv_copy(
+__device__ __forceinline__ void zkv_copy_item(
     const int* __restrict__ ids, const int n, const long long* __restrict__ params,
     const int layer, const int parts, const unsigned long long host, const long long host_block,
-    const long long chunk_bytes, const int to_host, const long long piece) {
-  const long long j = blockIdx.x;
-  const int p = blockIdx.y;
+    const long long chunk_bytes, const int to_host, const long long j, const int p,
+    const long long begin, const long long chunk, const long long piece) {
   const long long* q = params + ((long long)layer * parts + p) * 8;
-  const long long chunk = chunk_bytes / (long long)sizeof(T);
   const long long run = q[2] / (long long)sizeof(T);
-  const long long begin = (long long)blockIdx.z * piece;
   long long end = begin + piece;
   if (end > chunk) end = chunk;
   const long long dev_id = ids[to_host ? j : n + j];
@@ -110,14 +113,28 @@ __device__ __forceinline__ void zkv_copy(
   }
 }
 
+template <typename T>
+__device__ __forceinline__ void zkv_copy(
+    const int* __restrict__ ids, const int n, const long long* __restrict__ params,
+    const int layer, const int parts, const unsigned long long host, const long long host_block,
+    const long long chunk_bytes, const int to_host, const long long piece, const int pieces) {
+  const long long items = (long long)n * parts * pieces;
+  const long long chunk = chunk_bytes / (long long)sizeof(T);
+  for (long long w = blockIdx.x; w < items; w += gridDim.x) {
+    zkv_copy_item<T>(ids, n, params, layer, parts, host, host_block, chunk_bytes, to_host,
+                     w / ((long long)parts * pieces), (int)((w / pieces) % parts),
+                     (w % pieces) * piece, chunk, piece);
+  }
+}
+
 #define ZKV_COPY_KERNEL(W, T)                                                              \
   extern "C" __global__ void zkv_copy_##W(                                                 \
       const int* __restrict__ ids, const int n, const long long* __restrict__ params,      \
       const int layer, const int parts, const unsigned long long host,                     \
       const long long host_block, const long long chunk_bytes, const int to_host,          \
-      const long long piece) {                                                             \
+      const long long piece, const int pieces) {                                           \
     zkv_copy<T>(ids, n, params, layer, parts, host, host_block, chunk_bytes, to_host,      \
-                piece);                                                                    \
+                piece, pieces);                                                            \
   }
 
 ZKV_COPY_KERNEL(16, uint4)
@@ -130,8 +147,9 @@ ZKV_COPY_KERNEL(1, unsigned char)
 WIDTHS = (16, 8, 4, 2, 1)
 THREADS = 256
 _MAX_PIECE = THREADS * 4  # vectors per thread block slice: 256 * 4 * 16 B = 16 KiB
-_BLOCKS_PER_SM = 4
-_MAX_GRID_YZ = 65535
+#: Default cap on a launch's thread blocks, per SM (see :func:`default_copy_ctas`).
+COPY_CTAS_PER_SM = 0.25
+_MAX_PIECES = 2**31 - 1  # an int in the kernel
 _PARAMS = 8
 _CUDA_MEMORY_TYPE_HOST = 1
 _DEV_ATTR_SM_COUNT = 16  # cudaDevAttrMultiProcessorCount
@@ -145,20 +163,27 @@ def _cupy() -> Any:
     return cupy
 
 
-def launch_config(n: int, parts: int, chunk_vecs: int, sm_count: int) -> tuple[int, int]:
-    """``(pieces, piece)``: slices per chunk and vectors per slice for ``n`` blocks.
+def default_copy_ctas(sm_count: int) -> int:
+    """Thread blocks a copy launch may use by default: ``COPY_CTAS_PER_SM`` per SM, at
+    least 1."""
+    return max(1, int(sm_count * COPY_CTAS_PER_SM))
+
+
+def launch_config(n: int, parts: int, chunk_vecs: int, ctas: int) -> tuple[int, int, int]:
+    """``(grid, pieces, piece)`` for ``n`` blocks: thread blocks launched (at most
+    ``ctas``), slices per chunk and vectors per slice.
 
     At most ``_MAX_PIECE`` vectors a slice; fewer (down to one vector per thread) while
-    the grid would not give every SM ``_BLOCKS_PER_SM`` thread blocks. O(1).
+    the work items would not give each of the ``ctas`` thread blocks one. O(1).
     """
     pieces = -(-chunk_vecs // _MAX_PIECE)
-    target = sm_count * _BLOCKS_PER_SM
-    if n * parts * pieces < target:
-        want = -(-target // (n * parts))
+    if n * parts * pieces < ctas:
+        want = -(-ctas // (n * parts))
         pieces = max(pieces, min(want, -(-chunk_vecs // THREADS)))
     piece = -(-chunk_vecs // max(1, pieces))
-    piece = max(piece, -(-chunk_vecs // _MAX_GRID_YZ))
-    return -(-chunk_vecs // piece), piece
+    piece = max(piece, -(-chunk_vecs // _MAX_PIECES))
+    pieces = -(-chunk_vecs // piece)
+    return min(ctas, n * parts * pieces), pieces, piece
 
 
 def spec_params(spec: KVSpec) -> np.ndarray:
@@ -200,12 +225,15 @@ class CupyBackend(CopyBackend):
     name = "cupy"
 
     def __init__(self, device: int | None = None, num_events: int = 1024,
-                 pin_threads: int = 4, pin_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 pin_threads: int = 4, pin_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 copy_ctas: int | None = None) -> None:
         cp = _cupy()
         if not (torch.cuda.is_available() and cp.cuda.is_available()):
             raise ConfigError("the cupy backend needs CUDA (torch and cupy both see no GPU)")
         if num_events < 2:
             raise ValueError(f"num_events must be >= 2, got {num_events}")
+        if copy_ctas is not None and copy_ctas < 1:
+            raise ValueError(f"copy_ctas must be >= 1, got {copy_ctas}")
         count = cp.cuda.runtime.getDeviceCount()
         self._device_id = torch.cuda.current_device() if device is None else int(device)
         if not 0 <= self._device_id < count:
@@ -222,6 +250,8 @@ class CupyBackend(CopyBackend):
             self._start = cp.cuda.Event(disable_timing=True)
             self.sm_count = int(cp.cuda.runtime.deviceGetAttribute(_DEV_ATTR_SM_COUNT,
                                                                    self._device_id))
+            #: thread blocks a copy launch may use (the rest of the GPU stays the model's)
+            self.copy_ctas = copy_ctas or default_copy_ctas(self.sm_count)
             t0 = time.perf_counter()
             self._module = cp.RawModule(code=_SOURCE, options=("-std=c++14",))
             self._module.compile()
@@ -248,7 +278,8 @@ class CupyBackend(CopyBackend):
 
     def startup_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"backend": self.name, "device": str(self.device),
-                                "sm_count": self.sm_count, "kernel_compile_ms": self.compile_ms}
+                                "sm_count": self.sm_count, "copy_ctas": self.copy_ctas,
+                                "kernel_compile_ms": self.compile_ms}
         if self.host_pool_info is not None:
             info["host_pool_bytes"] = self.host_pool_info.num_bytes
             info["host_pool_ready_ms"] = self.host_pool_info.ready_ms
@@ -343,14 +374,14 @@ class CupyBackend(CopyBackend):
         block_bytes = parts * spec.num_layers * chunk
         row = params[layer]
         width = vector_width(chunk, host, row[:, :3], row[:, 5:])
-        pieces, piece = launch_config(n, parts, chunk // width, self.sm_count)
+        grid, pieces, piece = launch_config(n, parts, chunk // width, self.copy_ctas)
         self._kernels[width](
-            (n, parts, pieces),
+            (grid,),
             (THREADS,),
             (
                 ids, np.int32(n), params_dev, np.int32(layer), np.int32(parts),
                 np.uint64(host), np.int64(block_bytes), np.int64(chunk),
-                np.int32(1 if to_host else 0), np.int64(piece),
+                np.int32(1 if to_host else 0), np.int64(piece), np.int32(pieces),
             ),
         )  # fmt: skip
 
