@@ -40,7 +40,7 @@ timeout 120 "$PY" setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 \
 step "GPU tests"
 timeout 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
     -W default tests/kernels/test_cupy_backend.py tests/kernels/test_backend_select.py \
-    tests/worker/test_actor_device.py 2>&1 | tee "$OUT/pytest.log" | tail -60
+    tests/worker/test_actor_device.py tests/worker/test_actor_gpu.py 2>&1 | tee "$OUT/pytest.log" | tail -60
 echo "pytest rc=${PIPESTATUS[0]}"
 
 step "bench/transfer.py --gpu-only, thread-block cap sweep"
