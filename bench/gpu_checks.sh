@@ -52,6 +52,15 @@ ZKV_BACKEND=cupy timeout 120 "$PY" -m zkv.cli replay --ranks 1 --requests 300 --
     | tee "$OUT/replay.log" | tail -25
 echo "replay rc=${PIPESTATUS[0]}"
 (cd "$OUT" && tar czf replay-logs.tgz replay-logs 2>/dev/null && rm -rf replay-logs)
+step "mutants: the GPU ordering tests must fail on a backend with a stream wait removed"
+for mutant in no_compute_wait no_start_wait; do
+    ZKV_MUTANT=$mutant timeout 90 "$PY" -m pytest -q -p no:cacheprovider -p bench.gpu_mutants \
+        -o addopts="-ra" -W default tests/worker/test_actor_gpu.py 2>&1 \
+        | tee "$OUT/mutant-$mutant.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 1 ] && echo "mutant $mutant: caught" || echo "mutant $mutant: NOT CAUGHT (pytest rc=$rc)"
+done
+
 if command -v compute-sanitizer > /dev/null; then
     step "compute-sanitizer memcheck: the gather/scatter kernels"
     timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q \

@@ -2,8 +2,9 @@
 model on a stream of its own (GPU only; ``test_actor_device.py`` runs the same orderings
 against the stream-faithful fake in CI).
 
-The copies are large (192 MiB, milliseconds over PCIe) and the model's stream is kept busy,
-so a missing stream wait shows up as stale bytes every time.
+The copies are large (192 MiB, milliseconds over PCIe) and the model's stream is kept busy
+for tens of milliseconds, so a missing stream wait shows up as stale bytes every time:
+``bench/gpu_mutants.py`` removes each wait in turn, and these tests fail.
 """
 
 from __future__ import annotations
@@ -55,10 +56,16 @@ def rig() -> Iterator[tuple[Dispatcher, Sidecar, list[Any], Any]]:
         torch.cuda.synchronize()
 
 
-def _busy(model: Any, n: int = 12) -> None:
-    """Queue tens of milliseconds of matmuls on the model's stream."""
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    with torch.cuda.stream(model):
+def cupy_runtime() -> Any:
+    import cupy
+
+    return cupy.cuda.runtime
+
+
+def _busy(stream: Any, n: int = 12) -> None:
+    """Queue ~1.5 ms x n of matmuls on ``stream``."""
+    with torch.cuda.stream(stream):
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
         for _ in range(n):
             x = (x @ x) * 1e-4
 
@@ -77,14 +84,33 @@ def test_wait_layer_orders_the_models_reads_after_the_h2d(rig: Any) -> None:
     for layer in range(LAYOUT.num_layers):
         ref_copy_h2d(sc.host_pool, want, src, dst, layer)
 
-    got = []
+    op = P.Op(0, P.H2D, P.as_ids(src.tolist()), P.as_ids(dst.tolist()), layerwise=True)
+    # Once first, then again onto zeroed caches: the second batch allocates nothing (its ids
+    # and params are on the device already), so no implicit device sync in an allocation
+    # holds the actor back until the copies are done.
+    first = d.publish([op], 0)
+    assert poll_until_done(d, first, 10)[first].ok
     index = torch.from_numpy(dst.astype(np.int64)).cuda()
+    got = [[torch.empty_like(t[:n]) for t in pair] for pair in kv]  # no allocation below
     with torch.cuda.stream(model):
-        seq = d.publish([P.Op(0, P.H2D, P.as_ids(src.tolist()), P.as_ids(dst.tolist()),
-                               layerwise=True)], 0)
+        for pair in kv:
+            for t in pair:
+                t.zero_()
+    # The transfer stream is still busy (earlier work: here ~100 ms of matmuls on another
+    # stream that it waits for), the model's stream is idle, and the host hears "layer
+    # recorded" long before the copies run: only the stream wait keeps the reads below
+    # from running before the copies.
+    blocker = torch.cuda.Stream()
+    _busy(blocker, 60)
+    gate = torch.cuda.Event()
+    gate.record(blocker)
+    cupy_runtime().streamWaitEvent(sc.backend.transfer_stream.ptr, gate.cuda_event, 0)
+    with torch.cuda.stream(model):
+        seq = d.publish([op], 0)
         for layer in range(LAYOUT.num_layers):
             sc.wait_layer(seq, layer, timeout=10)  # the host waits for the record, not the copy
-            got.append([t.index_select(0, index) for t in kv[layer]])  # read on model's stream
+            for part, t in enumerate(kv[layer]):  # read on the model's stream
+                torch.index_select(t, 0, index, out=got[layer][part])
     model.synchronize()
     assert poll_until_done(d, seq, 10)[seq].ok
     for layer in range(LAYOUT.num_layers):

@@ -1,0 +1,34 @@
+"""A pytest plugin that breaks one stream ordering of the CuPy backend, to show that the GPU
+tests catch it (a test that cannot fail proves nothing)::
+
+    ZKV_MUTANT=no_compute_wait python3 -m pytest -p bench.gpu_mutants tests/worker/test_actor_gpu.py
+    ZKV_MUTANT=no_start_wait   python3 -m pytest -p bench.gpu_mutants tests/worker/test_actor_gpu.py
+
+``no_compute_wait``: ``wait_event_on_compute`` enqueues nothing (the model reads a layer
+while its copy runs). ``no_start_wait``: ``begin_batch`` does not make the transfer stream
+wait for the model's stream (a d2h reads before the model's writes, an h2d overwrites a
+block the model still reads). Each must fail tests there; bench/gpu_checks.sh runs both.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def pytest_configure(config: Any) -> None:
+    from zkv.kernels import cupy_backend
+
+    mutant = os.environ.get("ZKV_MUTANT", "")
+    if mutant == "no_compute_wait":
+        def wait_event_on_compute(self: Any, handle: Any, compute_stream: Any = None) -> None:
+            return None
+
+        cupy_backend.CupyBackend.wait_event_on_compute = wait_event_on_compute  # type: ignore
+    elif mutant == "no_start_wait":
+        def begin_batch(self: Any, compute_stream: Any = None) -> None:
+            return None
+
+        cupy_backend.CupyBackend.begin_batch = begin_batch  # type: ignore
+    else:
+        raise SystemExit(f"ZKV_MUTANT must be no_compute_wait or no_start_wait, got {mutant!r}")
