@@ -94,7 +94,11 @@ class Group:
         saved = self.half.snapshot()["saved_blocks"]
         req = self.request()
         req.kv_transfer_params = params
+        end = time.monotonic() + 10.0
         ext, _ = self.half.get_num_new_matched_tokens(req, 0)
+        while ext is None and time.monotonic() < end:  # its store lookup still in flight:
+            time.sleep(0.005)  # vLLM's scheduler asks again next step
+            ext, _ = self.half.get_num_new_matched_tokens(req, 0)
         assert ext == 0
         blocks = list(range(9))
         self.half.update_state_after_alloc(req, blocks, 0)
