@@ -347,6 +347,9 @@ def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig,
             config = dataclasses.replace(config, config=load_layout(config).to_json())
         if problem is None and config.keys is not None:
             check_keys(config)
+        log_dir = config.log_dir or os.environ.get("ZKV_LOG_DIR")
+        if problem is None and log_dir:
+            zlog.check_log_dir(log_dir)
     except ConfigError as e:
         problem = str(e)
     return config, problem

@@ -35,6 +35,8 @@ from typing import Any, TextIO
 import orjson
 import structlog
 
+from zkv.errors import ConfigError
+
 # scheduler / dispatcher
 BATCH_PUBLISHED = "dispatcher.batch_published"
 BATCH_ACKED = "dispatcher.batch_acked"
@@ -171,6 +173,29 @@ def _warn(text: str) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+
+
+def check_log_dir(path: str) -> None:
+    """ConfigError unless ``path`` is, or could be made, a directory this process may write
+    log files in. Entry points call it on a ``--log-dir`` before they start anything: a
+    file there, or a directory that cannot be made, is a bad flag (one line), where a
+    process that meets it later only falls back to stderr. Nothing is made here: the
+    nearest existing ancestor must be a directory this process may write in."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(f"log directory {path}: not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"log directory {path}: not writable by this process")
+        return
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ConfigError(f"log directory {path}: cannot make it ({ancestor} is not a "
+                          "directory)")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"log directory {path}: cannot make it ({ancestor} is not "
+                          "writable by this process)")
 
 
 def open_line_file(path: str) -> LineFile | None:

@@ -37,6 +37,7 @@ import orjson
 from zkv import metrics as M
 from zkv.config import CacheLayout, pools_fit
 from zkv.errors import ConfigError, RankLost
+from zkv.log import check_log_dir
 from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
 from zkv.scheduler.dispatcher import BatchDone
 from zkv.scheduler.eviction import POLICIES as EVICTION_POLICIES
@@ -553,6 +554,8 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
         M.serve(args.metrics_port).shutdown()  # says so too if it is taken meanwhile)
     if args.metrics_file is not None:
         _check_writable_file("--metrics-file", args.metrics_file)
+    if args.log_dir:
+        check_log_dir(args.log_dir)
     if args.workload == "trace":
         if not os.path.isfile(args.trace):
             raise ConfigError(f"trace not found: {args.trace}")

@@ -45,7 +45,8 @@ import zmq
 
 from zkv import protocol as P
 from zkv.config import CacheLayout
-from zkv.errors import RankLost
+from zkv.errors import ConfigError, RankLost
+from zkv.log import check_log_dir
 from zkv.replay import chat_max_prompt_blocks
 from zkv.scheduler.manager import CacheConfig, CacheManager
 
@@ -467,6 +468,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                 f"alone), got {args.device_blocks}")
     if args.host_blocks < 0 or args.store_mb < 1:
         p.error("--host-blocks must be >= 0 and --store-mb >= 1")
+    if args.log_dir:
+        try:
+            check_log_dir(args.log_dir)
+        except ConfigError as e:
+            p.error(str(e))
     return args
 
 

@@ -66,6 +66,18 @@ def test_pools_that_carry_no_traffic_are_refused(args: list[str], message: str,
     assert capsys.readouterr().err.splitlines()[-1] == f"zkv soak: error: {message}"
 
 
+def test_a_log_dir_that_cannot_be_one_is_refused(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from zkv.soak import _parse
+
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(SystemExit) as e:  # was: every process logged to stderr instead
+        _parse(["--log-dir", str(tmp_path / "file")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"zkv soak: error: log directory {tmp_path / 'file'}: not a directory")
+
+
 def test_a_rank_that_never_comes_back_is_in_the_report_not_a_traceback() -> None:
     # In its own process: zkv soak configures the process's logging (its log directory).
     # The restart fault raises what the dispatcher's wait_for_ranks raises then.

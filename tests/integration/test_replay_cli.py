@@ -34,6 +34,9 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--metrics-file", "{tmp}/no/m.prom"], "--metrics-file {tmp}/no/m.prom: no directory "
                                              "{tmp}/no"),
     (["--metrics-file", "{tmp}"], "--metrics-file {tmp}: is a directory"),
+    (["--log-dir", "{tmp}/file"], "log directory {tmp}/file: not a directory"),
+    (["--log-dir", "{tmp}/file/logs/run"], "log directory {tmp}/file/logs/run: cannot make it "
+                                           "({tmp}/file is not a directory)"),
     (["--store-dir", "{tmp}/file"], "store directory {tmp}/file: exists and is not a "
                                     "directory"),
     (["--store-dir", "{tmp}/file/l3"], "store directory {tmp}/file/l3: cannot create it (Not "

@@ -327,6 +327,18 @@ def test_multi_node_needs_insecure_tcp(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())  # nothing started, no log dir
 
 
+@pytest.mark.parametrize("via_env", [False, True])
+def test_a_log_dir_that_is_a_file_is_one_line_and_starts_nothing(tmp_path: Path,
+                                                                 via_env: bool) -> None:
+    (tmp_path / "logs").write_bytes(b"")  # was: every process said so and logged to stderr
+    flags = () if via_env else ("--log-dir", str(tmp_path / "logs"))
+    env = {"ZKV_LOG_DIR": str(tmp_path / "logs")} if via_env else {}
+    r = run_zkvrun(tmp_path, *flags, "-c", "open('started', 'w')", **env)
+    assert r.returncode == 2
+    assert r.stderr == f"zkvrun: error: log directory {tmp_path / 'logs'}: not a directory\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]  # nothing started
+
+
 def test_second_node_ranks_and_tcp_endpoints(tmp_path: Path) -> None:
     worker = script(tmp_path, "worker.py", WRITE_ENV)
     logs = tmp_path / "logs"
