@@ -48,6 +48,9 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
      "trace {tmp}/no-ids.jsonl, line 1: no 'hash_ids'"),
     (["--workload", "trace", "--trace", "{tmp}/bad-ids.jsonl"],
      "trace {tmp}/bad-ids.jsonl, line 1: block ids must be a 1-D sequence of integers"),
+    (["--workload", "trace", "--trace", "{tmp}/bool-ids.jsonl"],
+     "trace {tmp}/bool-ids.jsonl, line 1: block ids must be a 1-D sequence of integers, got a "
+     "bool"),
 ])
 def test_config_errors_are_one_line_and_start_nothing(tmp_path: Path, args: list[str],
                                                       message: str) -> None:
@@ -55,6 +58,7 @@ def test_config_errors_are_one_line_and_start_nothing(tmp_path: Path, args: list
     (tmp_path / "not-json.jsonl").write_text('{"hash_ids": [1, 2]}\n{hash_ids: [3]}\n')
     (tmp_path / "no-ids.jsonl").write_text('{"timestamp": 0, "input_length": 512}\n')
     (tmp_path / "bad-ids.jsonl").write_text('{"hash_ids": ["a", "b"]}\n')
+    (tmp_path / "bool-ids.jsonl").write_text('{"hash_ids": [7, true]}\n')
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     message = message.replace("{tmp}", str(tmp_path))
     r = _run(tmp_path, *args, timeout=60)

@@ -303,6 +303,7 @@ def test_fractional_token_ids_raise_value_error() -> None:
     [
         pytest.param([1.5], id="fraction"),
         pytest.param(["1"], id="str"),
+        pytest.param([1, True], id="bool"),  # numpy alone makes it [1, 1]
         pytest.param([2**63], id="above-int64"),
         pytest.param([-(2**63) - 1], id="below-int64"),
     ],

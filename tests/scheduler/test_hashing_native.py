@@ -129,9 +129,9 @@ def test_inputs_left_to_python_hash_as_the_reference_does() -> None:
     for toks in ([True, 2, 3, 4], [np.int64(1), 2, 3, 4]):
         assert native.hash_tokens(toks, 4, ROOT_HASH, None) is None
         assert hash_tokens(toks, 4) == hash_tokens_py(toks, 4)
-    for ids in ([True, 2], [np.int64(5)], np.arange(3)):
+    for ids in ([np.int64(5)], np.arange(3)):
         assert hash_ids_chain(ids) == hash_ids_chain_py(ids)  # type: ignore[arg-type]
-    for ids in ([2**63], [1.5]):
+    for ids in ([2**63], [1.5], [True, 2]):
         assert native.hash_id_list(ids, ROOT_HASH) is None
         with pytest.raises(ValueError):
             hash_ids_chain(ids)  # type: ignore[arg-type]
