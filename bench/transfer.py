@@ -239,17 +239,38 @@ def bench_pinning(backend: CopyBackend, lay: CacheLayout) -> None:
 def bench_cupy_copies(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: Any,
                       host: torch.Tensor, src: np.ndarray, dst: np.ndarray, order: str) -> None:
     """Scattered blocks vs one contiguous pinned cudaMemcpyAsync of the same bytes."""
+    n = len(src)
+    nbytes = n * lay.block_bytes
+    fns = _copy_fns(args, backend, lay, spec, host, src, dst)
+    torch.cuda.synchronize()
+    for direction in ("d2h", "h2d"):
+        table = Table(f"CuPy {direction}, device cache {order}", nbytes)
+        runs = {f"contiguous cudaMemcpyAsync {direction}": fns[f"memcpy {direction}"],
+                f"cupy {direction} ({n} scattered blocks, {order})": fns[direction]}
+        for run in runs.values():
+            run()
+        for _ in range(args.reps):
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                table.add(name, time.perf_counter() - t0)
+        table.print(f"contiguous cudaMemcpyAsync {direction}")
+
+
+def _copy_fns(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: Any,
+              host: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> dict[str, Callable[[], None]]:
+    """Each direction two ways, each run to completion: ``memcpy d2h`` / ``memcpy h2d``, one
+    contiguous pinned cudaMemcpyAsync of the bytes of ``src``'s blocks, and ``d2h`` /
+    ``h2d``, the backend's scattered copies of those blocks (h2d layer by layer)."""
     import cupy as cp
 
     from zkv.kernels.pinned import pinned_empty
 
-    n = len(src)
-    nbytes = n * lay.block_bytes
+    nbytes = len(src) * lay.block_bytes
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
     touch(dev_buf, torch.Generator().manual_seed(1))
-    host_arr, _ = pinned_empty(cp, args.device, nbytes, backend.transfer_stream)
-    stream = backend.transfer_stream
-    rt = cp.cuda.runtime
+    stream, rt = backend.transfer_stream, cp.cuda.runtime
+    host_arr, _ = pinned_empty(cp, args.device, nbytes, stream)
 
     def memcpy(kind: int) -> Callable[[], None]:
         host_ptr, dev_ptr = host_arr.ctypes.data, dev_buf.data_ptr()
@@ -270,36 +291,16 @@ def bench_cupy_copies(args: argparse.Namespace, backend: Any, lay: CacheLayout, 
             backend.copy_h2d(host, spec, dst, src, layer)
         backend.synchronize()
 
-    torch.cuda.synchronize()
-    for direction, base, fn in (
-        ("d2h", memcpy(rt.memcpyDeviceToHost), d2h),
-        ("h2d", memcpy(rt.memcpyHostToDevice), h2d),
-    ):
-        table = Table(f"CuPy {direction}, device cache {order}", nbytes)
-        runs = {f"contiguous cudaMemcpyAsync {direction}": base,
-                f"cupy {direction} ({n} scattered blocks, {order})": fn}
-        for run in runs.values():
-            run()
-        for _ in range(args.reps):
-            for name, run in runs.items():
-                t0 = time.perf_counter()
-                run()
-                table.add(name, time.perf_counter() - t0)
-        table.print(f"contiguous cudaMemcpyAsync {direction}")
+    return {"memcpy d2h": memcpy(rt.memcpyDeviceToHost),
+            "memcpy h2d": memcpy(rt.memcpyHostToDevice), "d2h": d2h, "h2d": h2d}
 
 
 def bench_ctas(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: Any,
                host: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
     """The thread-block cap: copy bandwidth (vs one contiguous cudaMemcpyAsync) against the
     layer-wise forward it leaves room for, cap by cap, interleaved rep by rep."""
-    import cupy as cp
-
-    from zkv.kernels.pinned import pinned_empty
-
-    rt, stream = cp.cuda.runtime, backend.transfer_stream
     nbytes = len(src) * lay.block_bytes
-    dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
-    host_arr, _ = pinned_empty(cp, args.device, nbytes, stream)
+    fns = _copy_fns(args, backend, lay, spec, host, src, dst)
     compute = torch.cuda.Stream(backend.device)
     x = torch.randn(args.compute_dim, args.compute_dim, device=backend.device,
                     dtype=torch.float16)
@@ -311,21 +312,6 @@ def bench_ctas(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: A
         fn()
         return time.perf_counter() - t0
 
-    def memcpy(kind: int) -> None:
-        pair = ((host_arr.ctypes.data, dev_buf.data_ptr()) if kind == rt.memcpyDeviceToHost
-                else (dev_buf.data_ptr(), host_arr.ctypes.data))
-        rt.memcpyAsync(pair[0], pair[1], nbytes, kind, stream.ptr)
-        stream.synchronize()
-
-    def d2h() -> None:
-        backend.copy_d2h(spec, host, src, dst)
-        backend.synchronize()
-
-    def h2d() -> None:
-        for layer in range(lay.num_layers):
-            backend.copy_h2d(host, spec, dst, src, layer)
-        backend.synchronize()
-
     def compute_only() -> None:
         with torch.cuda.stream(compute):
             for _ in range(lay.num_layers):
@@ -335,12 +321,11 @@ def bench_ctas(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: A
     rows: dict[int, dict[str, list[float]]] = {c: {} for c in caps}
     base: dict[str, list[float]] = {"d2h": [], "h2d": [], "compute": []}
     for rep in range(args.reps + 1):  # the first round warms up
-        base_now = {"d2h": timed(lambda: memcpy(rt.memcpyDeviceToHost)),
-                    "h2d": timed(lambda: memcpy(rt.memcpyHostToDevice)),
+        base_now = {"d2h": timed(fns["memcpy d2h"]), "h2d": timed(fns["memcpy h2d"]),
                     "compute": timed(compute_only)}
         for cap in caps:
             backend.copy_ctas = cap
-            now = {"d2h": timed(d2h), "h2d": timed(h2d),
+            now = {"d2h": timed(fns["d2h"]), "h2d": timed(fns["h2d"]),
                    "full": _forward(backend, lay, spec, host, src, dst, compute, x, False),
                    "layer": _forward(backend, lay, spec, host, src, dst, compute, x, True)}
             if rep:
