@@ -178,7 +178,9 @@ def _ids_bytes(ids: Sequence[int]) -> bytes:
             return struct.pack(f"<{len(ids)}q", *ids)
         except struct.error as e:
             raise ValueError(f"block ids must fit in int64: {e}") from e
-    if any(isinstance(i, bool) for i in ids):  # numpy would take [1, True] as [1, 1]
+    # numpy would take [1, True] as [1, 1]; an array keeps its bools in its dtype (below),
+    # and is not walked element by element here
+    if not isinstance(ids, np.ndarray) and any(type(i) is bool for i in ids):
         raise ValueError("block ids must be a 1-D sequence of integers, got a bool")
     try:
         arr = np.asarray(ids)
