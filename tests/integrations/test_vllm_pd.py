@@ -44,18 +44,6 @@ def pair(tmp_path: Path) -> Iterator[tuple[Group, Group]]:
             producer.close()
 
 
-def _ask_until_matched(g: Group, req: Any, deadline_s: float = 10.0) -> tuple[int, int]:
-    """vLLM's scheduler asking again each step: (tokens matched, times asked)."""
-    end, n = time.monotonic() + deadline_s, 0
-    while time.monotonic() < end:
-        n += 1
-        ext, _ = g.half.get_num_new_matched_tokens(req, 0)
-        if ext is not None:
-            return ext, n
-        time.sleep(0.005)
-    raise AssertionError(f"still asked to ask again after {deadline_s} s")
-
-
 def test_a_producer_promises_its_prompt_blocks_when_asked(pair: tuple[Group, Group]) -> None:
     producer, other = pair
     assert other.compute_and_save() is None  # a plain request: no kv_transfer_params
@@ -76,7 +64,7 @@ def test_the_consumer_waits_for_the_promised_blocks_and_loads_them(
         assert ext is None, "computed blocks its producer was still writing"
     finally:
         os.kill(producer.proc.pid, signal.SIGCONT)
-    ext, _ = _ask_until_matched(consumer, req)
+    ext, _ = consumer.ask_until_matched(req)
     assert ext == 8 * BS  # every promised block, through the store and the host pool
     snap = consumer.half.snapshot()
     assert snap["awaited"] == 1 and snap["await_expired"] == 0, snap
@@ -88,7 +76,7 @@ def test_a_promise_not_kept_expires_and_the_request_computes(
     req = consumer.request()
     req.kv_transfer_params = {PARAM_BLOCKS: 8, PARAM_NAMESPACE: consumer.half._namespace}
     t0 = time.monotonic()
-    ext, asked = _ask_until_matched(consumer, req)
+    ext, asked = consumer.ask_until_matched(req)
     waited = time.monotonic() - t0
     assert ext == 0 and asked > 1
     assert AWAIT_MS / 1000 <= waited < AWAIT_MS / 1000 + 5.0

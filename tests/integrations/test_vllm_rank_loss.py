@@ -85,6 +85,18 @@ class Group:
                                num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                                preempted_req_ids=set())
 
+    def ask_until_matched(self, req: Any, deadline_s: float = 10.0) -> tuple[int, int]:
+        """vLLM's scheduler asking again each step while the half answers None (a lookup
+        still in flight): (tokens matched, times asked)."""
+        end, n = time.monotonic() + deadline_s, 0
+        while time.monotonic() < end:
+            n += 1
+            ext, _ = self.half.get_num_new_matched_tokens(req, 0)
+            if ext is not None:
+                return ext, n
+            time.sleep(0.005)
+        raise AssertionError(f"still asked to ask again after {deadline_s} s")
+
     def compute_and_save(self, wait: bool = True, params: dict[str, Any] | None = None
                          ) -> dict[str, Any] | None:
         """One request computes DOC (nothing cached yet) and zkv saves its blocks
@@ -94,11 +106,7 @@ class Group:
         saved = self.half.snapshot()["saved_blocks"]
         req = self.request()
         req.kv_transfer_params = params
-        end = time.monotonic() + 10.0
-        ext, _ = self.half.get_num_new_matched_tokens(req, 0)
-        while ext is None and time.monotonic() < end:  # its store lookup still in flight:
-            time.sleep(0.005)  # vLLM's scheduler asks again next step
-            ext, _ = self.half.get_num_new_matched_tokens(req, 0)
+        ext, _ = self.ask_until_matched(req)  # its store lookup may still be in flight
         assert ext == 0
         blocks = list(range(9))
         self.half.update_state_after_alloc(req, blocks, 0)
