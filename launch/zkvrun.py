@@ -323,10 +323,15 @@ def _build_children(config: LaunchConfig, endpoints: Endpoints, worker_cmd: list
     return children
 
 
+def _given_log_dir(config: LaunchConfig) -> str | None:
+    """``--log-dir``, else ``$ZKV_LOG_DIR``, else None (zkvrun picks one)."""
+    return config.log_dir or os.environ.get("ZKV_LOG_DIR") or None
+
+
 def _resolve_defaults(config: LaunchConfig) -> tuple[LaunchConfig, bool]:
     """Fill run_id and log_dir; True when the log dir was chosen here (so we say where)."""
     run_id = config.run_id or f"{uuid.uuid4().hex[:12]}"
-    log_dir = config.log_dir or os.environ.get("ZKV_LOG_DIR") or None
+    log_dir = _given_log_dir(config)
     chosen = log_dir is None
     if log_dir is None:
         log_dir = os.path.join(tempfile.gettempdir(), "zkv-logs", run_id)
@@ -347,8 +352,8 @@ def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig,
             config = dataclasses.replace(config, config=load_layout(config).to_json())
         if problem is None and config.keys is not None:
             check_keys(config)
-        log_dir = config.log_dir or os.environ.get("ZKV_LOG_DIR")
-        if problem is None and log_dir:
+        log_dir = _given_log_dir(config)
+        if problem is None and log_dir is not None:
             zlog.check_log_dir(log_dir)
     except ConfigError as e:
         problem = str(e)
