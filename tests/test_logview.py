@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import selectors
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -152,22 +154,51 @@ def wait_until(pred: object, timeout: float = 10) -> None:
         time.sleep(0.01)
 
 
-def test_follow_picks_up_new_lines_and_new_files(tmp_path: Path) -> None:
-    write(tmp_path / "a.jsonl", ev(1.0, "a.one"))
-    out, stop = Lines(), threading.Event()
-    t = threading.Thread(target=logview.follow, args=(str(tmp_path), None, out, True, 0.02, stop))
+@contextlib.contextmanager
+def following(path: Path, poll_s: float = 0.02) -> Iterator[tuple[Lines, Lines]]:
+    """``logview.follow(path)`` on a thread; yields its (stdout, stderr); stops and joins it."""
+    out, err, stop = Lines(), Lines(), threading.Event()
+    t = threading.Thread(target=logview.follow, args=(str(path), None, out, True, poll_s, stop,
+                                                      err))
     t.start()
     try:
+        yield out, err
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert not t.is_alive()
+
+
+def test_follow_picks_up_new_lines_and_new_files(tmp_path: Path) -> None:
+    write(tmp_path / "a.jsonl", ev(1.0, "a.one"))
+    with following(tmp_path) as (out, _):
         wait_until(lambda: out.events() == ["a.one"])
         write(tmp_path / "a.jsonl", ev(2.0, "a.two")[:10])  # half a line: held back
         write(tmp_path / "b.jsonl", ev(1.5, "b.new_file"))
         wait_until(lambda: out.events() == ["a.one", "b.new_file"])
         write(tmp_path / "a.jsonl", ev(2.0, "a.two")[10:])
         wait_until(lambda: out.events() == ["a.one", "b.new_file", "a.two"])
-    finally:
-        stop.set()
-        t.join(timeout=10)
-    assert not t.is_alive()
+
+
+def test_follow_waits_for_a_directory_that_does_not_exist_yet_and_says_so(
+        tmp_path: Path) -> None:
+    run = tmp_path / "run-1"
+    with following(run) as (out, err):
+        wait_until(lambda: "waiting" in err.getvalue())
+        run.mkdir()
+        write(run / "s.jsonl", ev(1.0, "scheduler.started"))
+        wait_until(lambda: out.events() == ["scheduler.started"])
+    assert err.getvalue() == f"zkv logs: {run}: waiting for it to appear (Ctrl-C stops)\n"
+
+
+def test_follow_says_once_that_a_directory_has_no_logs_yet(tmp_path: Path) -> None:
+    with following(tmp_path, poll_s=0.01) as (out, err):
+        wait_until(lambda: "waiting" in err.getvalue())
+        time.sleep(0.1)  # ten more polls, still nothing: still one line
+        write(tmp_path / "w-0.jsonl", ev(1.0, "worker.started"))
+        wait_until(lambda: out.events() == ["worker.started"])
+    assert err.getvalue().splitlines() == [
+        f"zkv logs: {tmp_path}: waiting for *.jsonl log files in it (Ctrl-C stops)"]
 
 
 def test_follow_cli_stops_on_ctrl_c(tmp_path: Path) -> None:

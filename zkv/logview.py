@@ -207,19 +207,29 @@ def view(path: str, filters: Filters | None = None, out: TextIO | None = None,
 
 def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
            as_json: bool = False, poll_s: float = DEFAULT_POLL_S,
-           stop: threading.Event | None = None) -> int:
+           stop: threading.Event | None = None, err: TextIO | None = None) -> int:
     """Print what is there, then new lines of every file (and of new files) every
-    ``poll_s`` until ``stop`` is set or Ctrl-C; the number of lines printed."""
+    ``poll_s`` until ``stop`` is set or Ctrl-C; the number of lines printed. Like
+    ``tail -F``, a directory that does not exist yet (a run about to start) is waited
+    for; one line on ``err`` says so."""
     out = out or sys.stdout
+    err = err or sys.stderr
     filters = filters or Filters()
     stop = stop or threading.Event()
     poll_s = min(max(poll_s, 0.01), 5.0)
     tails: dict[str, Tail] = {}
     n = 0
+    told = False
     try:
         while True:
             for p in log_files(path):
                 tails.setdefault(p, Tail(p))
+            if not tails and not told:
+                what = ("*.jsonl log files in it" if os.path.isdir(path)
+                        else "it to appear")
+                print(f"zkv logs: {path}: waiting for {what} (Ctrl-C stops)", file=err,
+                      flush=True)
+                told = True
             n += _emit(merge([tails[p] for p in sorted(tails)], final=False), filters, out,
                        as_json, sys.stderr)
             out.flush()
