@@ -81,6 +81,9 @@ class LaunchConfig:
                     "you mean it")
         if self.nnodes > 1 and not 0 < self.master_port < 65535:
             return f"--master-port must be in [1, 65534] (PULL uses port+1), got {self.master_port}"
+        if not 0 < self.master_port < 65536:  # one node: only exported, as MASTER_PORT
+            return (f"--master-port must be in [1, 65535] (it is exported as MASTER_PORT), "
+                    f"got {self.master_port}")
         if self.nnodes > 1 and not self.insecure_tcp and self.keys is None:
             return (f"--nnodes {self.nnodes} needs tcp:// between machines: give CURVE keys "
                     f"with --keys DIR (zkv keys DIR --world-size {self.world_size}), or pass "

@@ -452,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", "--node_rank", type=int, default=0)
     p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
     p.add_argument("--master-port", "--master_port", type=int, default=29511,
-                   help="PUB port with --nnodes > 1; PULL is port+1 (default 29511)")
+                   help="PUB port with --nnodes > 1; PULL is port+1; exported as "
+                        "MASTER_PORT (default 29511)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="times the whole group (scheduler and ranks) is started again after "
                         "a child fails (default 0)")

@@ -76,6 +76,11 @@ def test_config_checks() -> None:
     assert "--node-rank" in (LaunchConfig(nnodes=2, node_rank=2, insecure_tcp=True).check() or "")
     assert LaunchConfig(nproc_per_node=0).check() is not None
     assert LaunchConfig(max_restarts=-1).check() is not None
+    for port, one_node, two in ((0, False, False), (65535, True, False), (65536, False, False),
+                                (-1, False, False), (1, True, True), (65534, True, True)):
+        assert (LaunchConfig(master_port=port).check() is None) is one_node, port
+        assert (LaunchConfig(nnodes=2, keys="/k", master_port=port).check() is None) is two, port
+    assert "exported as MASTER_PORT" in (LaunchConfig(master_port=70000).check() or "")
     assert "--grace-s must be >= 0 (and finite)" in (LaunchConfig(grace_s=math.nan).check() or "")
     for bad in ("../../etc", "a/b", ".", "..", ".hidden", "", "x" * 65, "r 1"):
         assert "--run-id must be" in (LaunchConfig(run_id=bad).check() or ""), bad
