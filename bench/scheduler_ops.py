@@ -373,7 +373,7 @@ def work_row(w: Workload, dev: int, tag: str, r: Result, d: Result) -> str:
 def policy_table(workloads: list[Workload]) -> list[str]:
     """Device-only hit ratios per eviction policy, LRU checked against the reference."""
     bad = []
-    print(f"\ndevice hit ratio by eviction policy (device only; reference = independent LRU):")
+    print("\ndevice hit ratio by eviction policy (device only; reference = independent LRU):")
     print(f"  {'work':<6} {'device':>7}  {'reference':>9}  " + "  ".join(f"{p:>7}" for p in POLICIES))
     for w in workloads:
         for cap in sorted({*POLICY_CAPACITIES, *w.device}):

@@ -407,6 +407,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               enable_prompt_embeds=bool(spec.get("prompt_embeds")), enforce_eager=True, **kw)
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
     half = _connector_half(llm)
+    last_prompts: list[list[int]] = []  # a follow_up phase answers the phase before it
     for ph in spec["phases"]:
         if ph.get("update_weights"):  # as an RL loop does between rollouts
             _update_weights(llm, ph["update_weights"])

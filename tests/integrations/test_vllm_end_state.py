@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 from structlog.testing import capture_logs
 
 from tests.integrations.test_vllm_rank_loss import Group

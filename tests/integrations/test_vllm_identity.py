@@ -10,7 +10,7 @@ from types import SimpleNamespace as NS
 import pytest
 from huggingface_hub.hf_api import ResolvedRevision
 
-from zkv.integrations.vllm.identity import model_identity, model_source
+from zkv.integrations.vllm.identity import model_identity
 
 A, B = "a" * 40, "b" * 40
 REPO = "zkv-test/tiny"

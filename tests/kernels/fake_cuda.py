@@ -39,11 +39,14 @@ import types
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from cupy.cuda.runtime import CUDARuntimeError
+
+if TYPE_CHECKING:
+    from tests.kernels.fake_cupy import FakeArray
 
 ILLEGAL_ADDRESS = 700  # sticky
 LAUNCH_OUT_OF_RESOURCES = 701  # not sticky

@@ -199,7 +199,7 @@ def dispatcher() -> Iterator[tuple[Dispatcher, FakeRank, FakeRank]]:
             r.send(P.Hello(r.rank, r.pid, LAYOUT.fingerprint(), LAYOUT.to_json()))
         d.wait_for_ranks(10)
         for _ in range(SEQ):  # seqs 0..SEQ-1 done; SEQ stays in flight
-            seq = d.publish([], step=0)
+            d.publish([], step=0)
             for r in ranks:
                 r.ack(r.recv_batch())
             while not d.poll(1.0):

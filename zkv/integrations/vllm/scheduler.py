@@ -40,7 +40,6 @@ vLLM's calls. One lock orders the pump, vLLM's calls and the metrics scrapes.
 from __future__ import annotations
 
 import collections
-import math
 import os
 import threading
 import time
