@@ -201,7 +201,7 @@ class _Group:
         child.done = False
         event = zlog.SCHEDULER_STARTED if child.role == SCHEDULER else zlog.RANK_STARTED
         self.log.info(event, **child.fields(), child_pid=child.pid, restarts=self.attempt,
-                      cmd=child.cmd)
+                      cmd=[security.redact_credentials(a) for a in child.cmd])
 
     def _reaped(self, child: _Child, code: int) -> None:
         child.done = True

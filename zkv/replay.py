@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import orjson
@@ -378,7 +378,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     layout = CacheLayout.from_env()
     server = M.serve(args.metrics_port) if args.metrics_port is not None else None
-    store = open_store(args.storage, layout.fingerprint()) if args.storage else None
+    url = os.environ.get("ZKV_STORE_URL")  # set by main, as for the ranks
+    store = open_store(url, layout.fingerprint()) if url else None
     cm = CacheManager(
         CacheConfig(layout.num_device_blocks, layout.num_host_blocks, layout.block_size,
                     args.policy, args.threshold, storage_write=store is not None,
@@ -439,7 +440,7 @@ def _check_pools(cm: CacheManager, rp: Replayer | None) -> None:
 
 
 def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: list[float],
-                   args: argparse.Namespace, store: object = None) -> None:
+                   args: argparse.Namespace, store: Any = None) -> None:
     per_block = layout.block_bytes * layout.world_size
     total_bytes = sum(moved.values()) * per_block
     p50, p99 = (np.percentile(np.array(lat) * 1e3, [50, 99]) if lat else (0.0, 0.0))
@@ -451,7 +452,8 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
     lines = [
         f"zkv replay: workload={args.workload} ranks={layout.world_size} policy={args.policy} "
         f"eviction={args.eviction} "
-        f"L3={args.storage or 'off'} prefetch={args.prefetch}",
+        f"L3={store.url if store is not None else 'off'} "
+        f"prefetch={args.prefetch}",
         f"  layout       {layout.num_layers} layers x {layout.kv_heads} kv heads x "
         f"{layout.block_size} tokens x {layout.head_dim} dim {layout.dtype} = "
         f"{layout.block_bytes / 1024:.0f} KiB/block/rank; device {layout.num_device_blocks} "
@@ -472,7 +474,7 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
         f"  latency      publish->all acks p50 {p50:.2f} ms  p99 {p99:.2f} ms",
         f"  storage      loaded {s.loaded} blocks ({s.load_failed} failed: recomputed)   "
         f"stored {s.stored} ({s.store_failed} dropped)"
-        + (f"   scheduler queries failed {store.stats.query_failures}"  # type: ignore[attr-defined]
+        + (f"   scheduler queries failed {store.stats.query_failures}"
            if store is not None else ""),
         f"  verified     {s.checked} reused blocks checked byte-for-byte on every rank, "
         f"{s.mismatched} mismatched; {s.failed_ops} failed ops",
@@ -480,6 +482,23 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
         + (" (exit status 4)" if s.dropped else ""),
     ]
     print("\n".join(lines), flush=True)
+    if store is not None:
+        _warn_store_failures(s, store)
+
+
+def _warn_store_failures(s: Summary, store: Any) -> None:
+    """One line on stderr when L3 failed anything: the replay went on without it (L3 is a
+    cache, every reused block was still verified), but a store that was never reached looks
+    like one that had nothing to give in the summary alone."""
+    parts = [(store.stats.query_failures, "existence queries failed"),
+             (s.store_failed, "block writes dropped"),
+             (s.load_failed, "block loads failed (recomputed)")]
+    failed = ", ".join(f"{n:,} {what}" for n, what in parts if n)
+    if not failed:
+        return
+    where = os.environ.get("ZKV_LOG_DIR")
+    why = f"; why: zkv logs {where} --event storage" if where else ""
+    print(f"zkv replay: warning: L3 {store.url}: {failed}{why}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- front end
@@ -650,8 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sched = ["-m", "zkv.replay", "--node",
                  *_without_storage(argv if argv is not None else sys.argv[1:])]
-        if url:
-            sched += ["--storage", url]
+        if url:  # to the node and the ranks by environment: argv is public (ps)
             os.environ["ZKV_STORE_URL"] = url
         else:
             os.environ.pop("ZKV_STORE_URL", None)

@@ -457,6 +457,16 @@ def setup_server(sock: zmq.Socket[Any], domain: str, keys: Keyring | None,
 # ---------------------------------------------------------------- private directories
 
 
+_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s]*@")
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it written ``***@``
+    (``redis://:pw@host:6379/0`` → ``redis://***@host:6379/0``), for what is logged or
+    printed: a command line, a bad URL."""
+    return _CREDENTIALS.sub(r"\1***@", text)
+
+
 def check_private_dir(path: str, *, what: str = "directory") -> None:
     """Refuse (ConfigError) unless ``path`` is a real directory owned by this user that no
     one else can enter or list (mode 0700 or stricter). Symlinks are refused."""

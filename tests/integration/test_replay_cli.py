@@ -132,3 +132,30 @@ def test_sigkilled_replay_leaves_an_l3_dir_the_next_replay_removes(tmp_path: Pat
     r = _run(tmp_path, "--requests", "2", "--store-dir", "none")
     assert r.returncode == 0, r.stderr
     assert not mine[0].exists()  # the next start removed it
+
+
+def test_a_store_never_reached_is_one_warning_and_its_password_is_never_shown(
+        tmp_path: Path) -> None:
+    from tests.servers import free_port
+
+    port = free_port()  # nothing listens there
+    r = _run(tmp_path, "--requests", "40", "--storage",
+             f"redis://:s3cret-pw@127.0.0.1:{port}/0?timeout_s=0.5")
+    assert r.returncode == 0, r.stdout + r.stderr  # L3 is a cache: the replay goes on
+    assert f"L3=redis://127.0.0.1:{port}/0 " in r.stdout
+    assert re.search(r"verified\s+\d+ reused blocks .*, 0 mismatched; 0 failed ops", r.stdout)
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("zkv replay: warning")]
+    assert len(warnings) == 1, r.stderr
+    assert re.fullmatch(
+        rf"zkv replay: warning: L3 redis://127\.0\.0\.1:{port}/0: [\d,]+ existence queries "
+        rf"failed(, [\d,]+ block writes dropped)?; why: zkv logs {re.escape(str(tmp_path))}"
+        r"/logs --event storage", warnings[0]), warnings[0]
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.jsonl"))
+    assert "store_unreachable" in logs
+    assert "s3cret-pw" not in r.stdout + r.stderr + logs
+
+
+def test_a_store_that_failed_nothing_adds_no_warning(tmp_path: Path) -> None:
+    r = _run(tmp_path, "--requests", "20")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "L3=file:///" in r.stdout and "warning" not in r.stderr, r.stderr

@@ -471,3 +471,16 @@ def test_sigterm_while_ranks_start_stops_the_starting(tmp_path: Path) -> None:
     started = [e for e in events(tmp_path / "logs") if e["event"] == zlog.RANK_STARTED]
     assert 1 <= len(started) < 64, len(started)
     assert set(children_of(me)) <= others
+
+
+def test_the_commands_it_logs_hide_url_passwords(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    r = run_zkvrun(tmp_path, "--log-dir", str(logs), "--scheduler",
+                   "-c pass --storage redis://:s3cret@127.0.0.1:6379/0",
+                   "-c", "pass", "redis://u:s3cret@h:1/0")
+    assert r.returncode == 0, r.stderr
+    started = {e["event"]: e["cmd"] for e in events(logs)
+               if e["event"] in (zlog.SCHEDULER_STARTED, zlog.RANK_STARTED)}
+    assert started[zlog.SCHEDULER_STARTED][-2:] == ["--storage", "redis://***@127.0.0.1:6379/0"]
+    assert started[zlog.RANK_STARTED][-1] == "redis://***@h:1/0"
+    assert "s3cret" not in "".join(p.read_text() for p in logs.iterdir()) + r.stderr

@@ -59,3 +59,23 @@ def test_bad_namespace_and_writers(tmp_path: Path) -> None:
             open_store(file_url(tmp_path), ns)
     with pytest.raises(ValueError, match="writers"):
         open_store(file_url(tmp_path), "ns", writers=0)
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:pw@127.0.0.1:6379/zero", "redis://***@127.0.0.1:6379/zero"),
+    ("redis://user:p@ss@127.0.0.1:6379/0?ttl_s=0", "redis://***@127.0.0.1:6379/0?ttl_s=0"),
+    ("REDIS://:pw@127.0.0.1/0", "REDIS://***@127.0.0.1/0"),
+])
+def test_a_bad_url_never_shows_its_password(url: str, shown: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        open_store(url, "ns")
+    msg = str(info.value)
+    assert msg.startswith(f"bad store URL {shown!r}: ") and "pw" not in msg and "ss@" not in msg
+
+
+def test_redact_credentials_leaves_everything_else() -> None:
+    from zkv.security import redact_credentials
+
+    cmd = "-m zkv.x --storage=redis://:a@b@h:1/0 --to mooncake://h:2 file:///tmp/a@b"
+    assert redact_credentials(cmd) == ("-m zkv.x --storage=redis://***@h:1/0 --to mooncake://h:2 "
+                                       "file:///tmp/a@b")

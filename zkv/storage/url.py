@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from zkv.errors import ConfigError
+from zkv.security import redact_credentials
 from zkv.storage.base import Store
 
 SCHEMES = ("file", "redis", "mooncake")
@@ -32,7 +33,7 @@ _PARAMS = {
 
 
 def _bad(url: str, why: str) -> ConfigError:
-    return ConfigError(f"bad store URL {url!r}: {why}")
+    return ConfigError(f"bad store URL {redact_credentials(url)!r}: {why}")
 
 
 def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
