@@ -195,3 +195,22 @@ def test_fsync_and_typed_buffers(tmp_path: Path) -> None:
     s.put(key(7), memoryview(src))
     dst = np.zeros(BLOCK // 2, dtype=np.float16)
     assert s.get_into(key(7), memoryview(dst)) and np.array_equal(src, dst)
+
+
+def test_what_the_store_makes_is_private_to_its_user(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)  # made by someone else: left as it is
+    old = os.umask(0)  # not the umask's doing
+    try:
+        s = LocalDirStore(shared / "zkv" / "l3", "ns", max_bytes=8 * FILE)
+        s.put(key(1), data(1))
+    finally:
+        os.umask(old)
+    made = [shared / "zkv", shared / "zkv" / "l3", shared / "zkv" / "l3" / "ns"]
+    made += [p for p in made[-1].iterdir()]  # the fan-out folder
+    files = [p for p in made[-1].iterdir()]
+    assert len(made) == 4 and len(files) == 1 and get(s, 1)
+    assert {oct(p.stat().st_mode & 0o777) for p in made} == {"0o700"}
+    assert oct(files[0].stat().st_mode & 0o777) == "0o600"
+    assert oct(shared.stat().st_mode & 0o777) == "0o755"

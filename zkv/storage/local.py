@@ -5,6 +5,8 @@
     {root}/{namespace}/{hex[:2]}/{hex}.{rank}      = 64-byte header ‖ payload (see base.py)
     {root}/{namespace}/{hex[:2]}/{hex}.{rank}.{pid}.{thread}.tmp   a put in progress
 
+The store is private to its user: the directories it makes are 0700 and its block files
+0600 (KV tells what the prompts were); engines share one directory by running as one user.
 A put writes the temp file (header and payload in one ``writev``, straight from the host
 block) and ``os.replace``-s it in, so a reader sees a whole block or none, also across
 processes. A read checks the header, the file size and the payload checksum: a torn,
@@ -272,10 +274,10 @@ class LocalDirStore(Store):
     def _create(self, tmp: str) -> int:
         folder = os.path.dirname(tmp)
         if folder not in self._made:
-            os.makedirs(folder, exist_ok=True)
+            make_private_dirs(folder)
             with self._lock:
                 self._made.add(folder)
-        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
 
     # ---------------------------------------------------------------- get
 
@@ -444,12 +446,29 @@ def _free_bytes(path: str) -> int:
     return shutil.disk_usage(probe).free
 
 
+def make_private_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, where every directory it makes is 0700
+    (``makedirs``' mode reaches the last one only): blocks hold KV, which tells what the
+    prompts were. Directories that exist keep their mode. ``FileExistsError`` when
+    something that is not a directory is in the way."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path and not os.path.lexists(parent):
+        make_private_dirs(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+
+
 def check_root(root: str) -> int:
     """Free bytes under ``root``, made if missing; :class:`ConfigError` (one line) when it
     cannot be a directory this process writes blocks into."""
     try:
-        os.makedirs(root, exist_ok=True)
-    except FileExistsError:  # with exist_ok: something that is not a directory
+        make_private_dirs(root)
+    except FileExistsError:  # something that is not a directory
         raise ConfigError(f"store directory {root}: exists and is not a directory") from None
     except OSError as e:
         raise ConfigError(f"store directory {root}: cannot create it ({e.strerror})") from None
