@@ -84,3 +84,39 @@ def test_open_logger_leaves_global_config_alone(tmp_path: Path) -> None:
         "event": zlog.RANK_STARTED, "component": "launcher", "run_id": "r", "rank": 0,
         "child_pid": 5, "pid": os.getpid()}
     log.info("after.close")  # closed: dropped, no error
+
+
+def test_a_log_file_rotated_by_rename_is_followed(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(zlog, "ROTATE_CHECK_S", 0.0)  # look at every line
+    path = Path(zlog.configure("scheduler", log_dir=str(tmp_path)) or "")
+    log = structlog.get_logger()
+    log.info("a.before")
+    path.rename(tmp_path / "scheduler.jsonl.1")  # logrotate's default: move, then create
+    log.info("b.moved_not_made")  # the writer makes the file again
+    path.rename(tmp_path / "scheduler.jsonl.2")
+    path.write_bytes(b"")  # made by the rotator this time
+    log.info("c.made_by_rotator")
+    assert [r["event"] for r in lines(tmp_path / "scheduler.jsonl.1")] == ["a.before"]
+    assert [r["event"] for r in lines(tmp_path / "scheduler.jsonl.2")] == ["b.moved_not_made"]
+    assert [r["event"] for r in lines(path)] == ["c.made_by_rotator"]
+    with open(path, "r+b") as f:  # copytruncate: appends go on at the new end
+        f.truncate(0)
+    log.info("d.after_truncate")
+    assert path.read_bytes().startswith(b'{"') and [r["event"] for r in lines(path)] == [
+        "d.after_truncate"]
+
+
+def test_a_log_dir_removed_under_the_writer_costs_no_line(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setattr(zlog, "ROTATE_CHECK_S", 0.0)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    f = zlog.LineFile(str(logs / "w.jsonl"))
+    f.write('{"a":1}\n')
+    moved = tmp_path / "moved"
+    logs.rename(moved)  # its directory is gone: the open file keeps the lines
+    f.write('{"b":2}\n')
+    f.close()
+    assert (moved / "w.jsonl").read_text() == '{"a":1}\n{"b":2}\n' and f.num_dropped == 0

@@ -113,24 +113,61 @@ def _level_no(level: str | None) -> int:
     return LEVELS.get(level, logging.INFO)
 
 
+ROTATE_CHECK_S = 1.0  # how often a log file's writer looks for a rotation by rename
+
+
 class LineFile:
     """An append-only JSON-lines file that never raises on write.
 
     Each line is one ``write(2)`` (``O_APPEND``: lines of concurrent writers never
-    interleave). A failed write drops the line and counts it (``num_dropped``); the first
-    failure prints one warning to stderr. A short write (a size limit hit mid-line) is
-    ended with a newline before the next line, so readers skip one broken line at most.
+    interleave, and logrotate's ``copytruncate`` works). A failed write drops the line and
+    counts it (``num_dropped``); the first failure prints one warning to stderr. A short
+    write (a size limit hit mid-line) is ended with a newline before the next line, so
+    readers skip one broken line at most. Rotation by rename (logrotate's default
+    ``create``; ``mv`` then a new file, or none): at most every ``check_s`` a write looks at
+    ``path``, and when it no longer names the open file, the file there (made if missing)
+    takes the lines from then on, like ``logging``'s ``WatchedFileHandler``. Calls are
+    serialized by the caller (the sink's lock).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, check_s: float | None = None) -> None:
         self.path = path
         self.num_dropped = 0
         self._partial = False
         self._warned = False
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                                       0o644)
+        self._check_s = ROTATE_CHECK_S if check_s is None else check_s
+        self._fd: int | None = None
+        self._id: tuple[int, int] | None = None
+        self._next_check = 0.0
+        self._open()
+
+    def _open(self) -> None:
+        """(Re)open ``path``, made if missing; the previous file is closed once the new one
+        is open (OSError: nothing changes)."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        st = os.fstat(fd)
+        old, self._fd, self._id = self._fd, fd, (st.st_dev, st.st_ino)
+        self._partial = False
+        self._next_check = time.monotonic() + self._check_s
+        if old is not None:
+            os.close(old)
+
+    def _follow_rename(self) -> None:
+        self._next_check = time.monotonic() + self._check_s
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._id:
+                return
+        except OSError:
+            pass  # moved away and not made again yet: make it
+        try:
+            self._open()
+        except OSError:
+            pass  # (its directory is gone): the old file goes on; tried again later
 
     def write(self, text: str) -> int:
+        if self._fd is not None and time.monotonic() >= self._next_check:
+            self._follow_rename()
         fd = self._fd
         if fd is None:
             self.num_dropped += 1
