@@ -76,3 +76,11 @@ def test_engine_ids_that_differ_past_forty_characters_get_their_own_directories(
     long = [engine_dir_name(f"prefill-node-{i}-" + "x" * 40) for i in range(3)]
     assert len(set(long)) == 3 and all(len(n) == 40 for n in long)
     assert engine_dir_name("a/b") == "a_b"
+
+
+@pytest.mark.parametrize("engine_id", ["", ".", "..", "...", "a\0b"])
+def test_an_engine_id_never_names_the_socket_root_or_above(engine_id: str) -> None:
+    name = engine_dir_name(engine_id)
+    assert name.strip(".") and "/" not in name and "\0" not in name and len(name) <= 40
+    assert name not in (engine_dir_name(other) for other in ("", ".", "..", "...", "a\0b")
+                        if other != engine_id)

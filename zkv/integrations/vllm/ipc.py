@@ -46,9 +46,10 @@ def ipc_endpoints(engine_id: str, create: bool) -> tuple[str, str, str]:
 
 
 def engine_dir_name(engine_id: str) -> str:
-    """The socket directory's name for ``engine_id`` (unique per engine_id, <= 40 chars)."""
-    name = engine_id.replace("/", "_")
-    if len(name) <= _NAME_CHARS:
+    """The socket directory's name for ``engine_id`` (unique per engine_id, <= 40 chars,
+    never ``""``, ``.`` or ``..``: those would name the user's socket root or its parent)."""
+    name = engine_id.replace("/", "_").replace("\0", "_")
+    if len(name) <= _NAME_CHARS and name.strip("."):
         return name
     digest = hashlib.blake2b(engine_id.encode(), digest_size=6).hexdigest()
     return f"{name[:_NAME_CHARS - len(digest) - 1]}-{digest}"
