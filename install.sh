@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)  # the rediss:// tests' certificates
 ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || need+=(libibverbs1)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then

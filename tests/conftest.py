@@ -6,6 +6,7 @@ failure in CI says what the ranks saw."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +14,7 @@ import structlog
 
 from zkv import log as zlog
 
-from tests.servers import MooncakeServer, RedisServer
+from tests.servers import MooncakeServer, RedisServer, make_tls
 from tests.worker.helpers import STDERR_TAILS
 
 
@@ -42,6 +43,15 @@ def _zkv_logging() -> None:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     with RedisServer(str(tmp_path_factory.mktemp("redis"))) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def rediss_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """redis-server over TLS only, with an ACL user (the default user off)."""
+    folder = str(tmp_path_factory.mktemp("rediss"))
+    with RedisServer(folder, tls=make_tls(os.path.join(folder, "tls")),
+                     user=("zkv", "s3cret")) as srv:
         yield srv
 
 

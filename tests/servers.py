@@ -4,6 +4,8 @@ each on free 127.0.0.1 ports, started and always stopped by the test that owns t
 ::
 
     with RedisServer(tmp_dir) as srv:          srv.url  -> redis://127.0.0.1:PORT/0
+    RedisServer(tmp_dir, tls=make_tls(d), user=("zkv", "pw"))
+                                               rediss://zkv:pw@127.0.0.1:PORT/0?ca=...
         srv.pause() / srv.resume()             SIGSTOP / SIGCONT (a hung server)
         srv.stop() / srv.start()               killed and restarted on the same port
 
@@ -14,23 +16,25 @@ each on free 127.0.0.1 ports, started and always stopped by the test that owns t
 
 Readiness is polled with a deadline (a TCP connect, PING, the master's capacity metric);
 nothing sleeps for synchronization. Every child is reaped in ``close`` (also on errors).
-Install: ``apt-get install -y --no-install-recommends redis-server libibverbs1`` and
+Install: ``apt-get install -y --no-install-recommends redis-server libibverbs1 openssl`` and
 ``pip install -e '.[test,redis,mooncake]'``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 HOST = "127.0.0.1"
 _START_TIMEOUT_S = 20.0
@@ -155,16 +159,51 @@ class _Server:
         self.close()
 
 
+class Tls(NamedTuple):
+    """A test CA and a server certificate it signed for 127.0.0.1 (PEM files)."""
+
+    ca: str
+    cert: str
+    key: str
+    other_ca: str  # a CA that signed nothing here: a client trusting it must refuse
+
+
+def make_tls(folder: str) -> Tls:
+    """Certificates made with the ``openssl`` command (EC P-256, valid two days)."""
+    os.makedirs(folder, exist_ok=True)
+    f = {n: os.path.join(folder, n) for n in (
+        "ca.pem", "ca.key", "other.pem", "other.key", "srv.csr", "srv.pem", "srv.key", "ext")}
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    with open(f["ext"], "w") as ext:
+        ext.write("subjectAltName=IP:127.0.0.1\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run([binary("openssl"), *args], check=True, capture_output=True, timeout=30)
+
+    for name in ("ca", "other"):
+        openssl("req", "-x509", *ec, "-keyout", f[f"{name}.key"], "-out", f[f"{name}.pem"],
+                "-days", "2", "-subj", f"/CN=zkv test {name}")
+    openssl("req", *ec, "-keyout", f["srv.key"], "-out", f["srv.csr"], "-subj", f"/CN={HOST}")
+    openssl("x509", "-req", "-in", f["srv.csr"], "-CA", f["ca.pem"], "-CAkey", f["ca.key"],
+            "-CAcreateserial", "-out", f["srv.pem"], "-days", "2", "-extfile", f["ext"])
+    return Tls(f["ca.pem"], f["srv.pem"], f["srv.key"], f["other.pem"])
+
+
 class RedisServer(_Server):
     """One redis-server, no persistence, LRU eviction past ``maxmemory`` (or ``policy``:
-    ``noeviction`` refuses writes past it, a full store)."""
+    ``noeviction`` refuses writes past it, a full store). ``tls``: TLS only (no plain
+    port; clients are not asked for certificates); ``user``: an ACL user and its password,
+    the default user off."""
 
     def __init__(self, folder: str, maxmemory: str = "256mb", port: int | None = None,
-                 policy: str = "allkeys-lru") -> None:
+                 policy: str = "allkeys-lru", tls: Tls | None = None,
+                 user: tuple[str, str] | None = None) -> None:
         super().__init__(folder)
         self.port = port or free_port()
         self.maxmemory = maxmemory
         self.policy = policy
+        self.tls = tls
+        self.user = user
         self.proc: subprocess.Popen[bytes] | None = None
         try:
             self.start()
@@ -174,20 +213,37 @@ class RedisServer(_Server):
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        auth = f"{self.user[0]}:{self.user[1]}@" if self.user else ""
+        if self.tls is None:
+            return f"redis://{auth}{HOST}:{self.port}/0"
+        return f"rediss://{auth}{HOST}:{self.port}/0?ca={self.tls.ca}"
 
     def start(self) -> None:
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                     self.tls.cert, "--tls-key-file", self.tls.key, "--tls-ca-cert-file",
+                     self.tls.ca, "--tls-auth-clients", "no"]
+        users = []
+        if self.user is not None:
+            users = ["--user", "default", "off", "--user", self.user[0], "on",
+                     f">{self.user[1]}", "~*", "&*", "+@all"]
         self.proc = self._spawn("redis", [
-            binary("redis-server"), "--bind", HOST, "--port", str(self.port), "--dir",
+            binary("redis-server"), "--bind", HOST, *ports, "--dir",
             self.folder, "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
-            "--maxmemory-policy", self.policy, "--protected-mode", "yes"])
+            "--maxmemory-policy", self.policy, "--protected-mode", "yes", *users])
         wait_for(self._pong, f"redis-server on port {self.port}", self.proc)
 
     def _pong(self) -> bool:
         try:
-            with socket.create_connection((HOST, self.port), timeout=0.5) as s:
+            with contextlib.ExitStack() as stack:
+                s = stack.enter_context(socket.create_connection((HOST, self.port), timeout=0.5))
+                if self.tls is not None:
+                    ctx = ssl.create_default_context(cafile=self.tls.ca)
+                    s = stack.enter_context(ctx.wrap_socket(s, server_hostname=HOST))
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                reply = s.recv(64)  # an ACL without the default user: NOAUTH, but up
+                return reply.startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 
@@ -211,7 +267,9 @@ class RedisServer(_Server):
     def client(self) -> Any:
         import redis
 
-        return redis.Redis(host=HOST, port=self.port, socket_timeout=5)
+        tls = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": self.tls.ca}
+        user = {} if self.user is None else {"username": self.user[0], "password": self.user[1]}
+        return redis.Redis(host=HOST, port=self.port, socket_timeout=5, **tls, **user)
 
     def close(self) -> None:
         self.stop()

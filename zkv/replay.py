@@ -531,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eviction order in each tier (lru, or slru: segmented, with a ghost "
                         "memory of recent evictions)")
     p.add_argument("--storage", default=None, metavar="URL",
-                   help="L3 store: file:///path, redis://HOST:PORT/DB, mooncake://HOST:PORT, "
+                   help="L3 store: file:///path, redis://HOST:PORT/DB (rediss:// over TLS), "
+                        "mooncake://HOST:PORT, "
                         "or 'none' (default: a fresh local directory, in /dev/shm if present)")
     p.add_argument("--store-dir", default=None,
                    help="local-directory L3 (= --storage file://DIR; 'none' disables L3)")

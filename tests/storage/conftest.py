@@ -11,7 +11,7 @@ import pytest
 from zkv.storage import Store, StoreStats, file_url, open_store
 from zkv.storage.local import LocalDirStore
 
-BACKENDS = ("file", "redis", "mooncake", "mooncake-split")
+BACKENDS = ("file", "redis", "rediss", "mooncake", "mooncake-split")
 
 
 class Backend:
@@ -28,7 +28,7 @@ class Backend:
         self.namespace = SESSION_NS if shared is not None else f"t{uuid.uuid4().hex[:12]}"
         self.stores: list[Store] = []
         self._shared = shared
-        self._redis = server.client() if kind == "redis" else None
+        self._redis = server.client() if kind.startswith("redis") else None
 
     def open(self, namespace: str | None = None, **kw: Any) -> Store:
         ns = namespace or self.namespace

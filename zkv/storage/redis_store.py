@@ -1,4 +1,5 @@
-"""L3 on a Redis (or Valkey) server: ``redis://HOST:PORT/DB``.
+"""L3 on a Redis (or Valkey) server: ``redis://HOST:PORT/DB``, or ``rediss://`` over TLS
+(the server's certificate and host name checked; an ACL user with ``user:password@``).
 
 One value per block, ``64-byte header ‖ payload`` (see base.py), under the key name
 ``{namespace}/{hex}/{rank}``. Every batched call is one pipeline, so one round trip::
@@ -43,7 +44,9 @@ class RedisStore(Store):
 
     def __init__(self, host: str, port: int, db: int, namespace: str, *, timeout_s: float = 2.0,
                  connect_timeout_s: float = 0.5, ttl_s: int | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, username: str | None = None, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         super().__init__(namespace)
         try:
             import redis
@@ -53,12 +56,16 @@ class RedisStore(Store):
             raise ConfigError("redis:// needs the redis client: pip install 'zkv[redis]'") from e
         self._errors = redis.RedisError
         self._transport_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
-        self.url = f"redis://{host}:{port}/{db}"
+        self.url = f"{'rediss' if tls else 'redis'}://{host}:{port}/{db}"
         self.ttl_s = ttl_s
+        tls_kw: dict[str, Any] = {}
+        if tls:
+            tls_kw = dict(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=True,
+                          ssl_ca_certs=tls_ca, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
         self._client = redis.Redis(
-            host=host, port=port, db=db, password=password, socket_timeout=timeout_s,
-            socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 0),
-            health_check_interval=0)
+            host=host, port=port, db=db, username=username, password=password,
+            socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0, **tls_kw)
         self.link = Link(self.url, self._ping, log=self._log)
         try:  # a server down at start is no error: the store degrades to misses
             self._call("ping", self._client.ping)

@@ -3,7 +3,11 @@
 ::
 
     file:///abs/path[?max_gb=G|max_bytes=N][&fsync=1]          LocalDirStore (embedded default)
-    redis://[:password@]HOST:PORT[/DB][?timeout_s=T][&ttl_s=S]  RedisStore (Redis / Valkey)
+    redis://[[user]:password@]HOST:PORT[/DB][?timeout_s=T][&ttl_s=S]
+                                                                RedisStore (Redis / Valkey)
+    rediss://...[?ca=CA.pem][&cert=C.pem&key=K.pem]             the same over TLS: the server's
+                        certificate checked against ``ca`` (else the system's CAs) and its
+                        host name; ``cert`` + ``key`` when the server asks for a client's
     mooncake://HOST:PORT[?segment_mb=M][&buffer_mb=B][&timeout_s=T][&protocol=tcp]
                         [&header=auto|inline|split]             MooncakeStore (master address)
 
@@ -23,10 +27,13 @@ from zkv.errors import ConfigError
 from zkv.security import redact_credentials
 from zkv.storage.base import Store
 
-SCHEMES = ("file", "redis", "mooncake")
+SCHEMES = ("file", "redis", "rediss", "mooncake")
+_REDIS_PARAMS: dict[str, type] = {"timeout_s": float, "ttl_s": int}
+_TLS_FILES = ("ca", "cert", "key")
 _PARAMS = {
     "file": {"max_gb": float, "max_bytes": int, "fsync": bool},
-    "redis": {"timeout_s": float, "ttl_s": int},
+    "redis": _REDIS_PARAMS,
+    "rediss": {**_REDIS_PARAMS, **dict.fromkeys(_TLS_FILES, str)},
     "mooncake": {"segment_mb": int, "buffer_mb": int, "timeout_s": float, "protocol": str,
                  "header": str},
 }
@@ -83,12 +90,16 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
     if scheme == "file":
         return scheme, _file_kw(url, parts, params, writers)
     host, port = _host_port(url, parts)
-    if scheme == "redis":
+    if scheme in ("redis", "rediss"):
         path = parts.path.strip("/") or "0"
         if not path.isdigit():
             raise _bad(url, f"database must be a number, got {path!r}")
         password = unquote(parts.password) if parts.password else None
-        return scheme, dict(host=host, port=port, db=int(path), password=password, **params)
+        username = unquote(parts.username) if parts.username else None
+        if scheme == "rediss":
+            params = _tls_kw(url, params)
+        return scheme, dict(host=host, port=port, db=int(path), username=username,
+                            password=password, **params)
     if parts.path not in ("", "/"):
         raise _bad(url, "a mooncake URL names the master only (no path)")
     if "segment_mb" in params:
@@ -96,6 +107,18 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
     if "buffer_mb" in params:
         params["buffer_bytes"] = params.pop("buffer_mb") << 20
     return scheme, dict(host=host, port=port, **params)
+
+
+def _tls_kw(url: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``rediss://``'s files, each a readable file; ``cert`` and ``key`` go together."""
+    for name in _TLS_FILES:
+        path = params.get(name)
+        if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise _bad(url, f"{name}={path!r} is not a readable file")
+    if ("cert" in params) != ("key" in params):
+        raise _bad(url, "give cert and key together (a client certificate and its key)")
+    return {"tls": True, "tls_ca": params.pop("ca", None), "tls_cert": params.pop("cert", None),
+            "tls_key": params.pop("key", None), **params}
 
 
 def open_store(url: str, namespace: str, *, writers: int = 1) -> Store:
@@ -110,7 +133,7 @@ def open_store(url: str, namespace: str, *, writers: int = 1) -> Store:
         from zkv.storage.local import LocalDirStore
 
         return LocalDirStore(kw.pop("root"), namespace, **kw)
-    if scheme == "redis":
+    if scheme in ("redis", "rediss"):
         from zkv.storage.redis_store import RedisStore
 
         return RedisStore(kw.pop("host"), kw.pop("port"), kw.pop("db"), namespace, **kw)

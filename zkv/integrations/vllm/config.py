@@ -6,7 +6,8 @@ Keys (all optional)::
     host_bytes               int | "4GiB" host pool bytes per rank (instead of host_blocks;
                                           default 2GiB)
     storage                  URL | "none" L3: file:///path (default file://~/.cache/zkv/l3),
-                                          redis://127.0.0.1:PORT/DB, mooncake://127.0.0.1:PORT
+                                          redis://127.0.0.1:PORT/DB (rediss:// over TLS),
+                                          mooncake://127.0.0.1:PORT
     storage_write            bool         write blocks that reach host to L3 (default: true
                                           when there is an L3)
     policy                   str          write_through (default): save each full block as
