@@ -30,7 +30,7 @@ LAYOUT = CacheLayout(2, 2, 16, 32, "float16", 16, 16, world_size=2)
     ({"ZKV_BACKEND": "tpu"}, "zkv.worker: rank 1: unknown copy backend 'tpu'; one of 'auto', "
                              "'cupy', 'cpu', 'torch', 'torch-cpu'"),
     ({"ZKV_STORE_URL": "ftp://x"}, "zkv.worker: rank 1: bad store URL 'ftp://x': unknown "
-                                   "scheme 'ftp' (one of file, redis, mooncake)"),
+                                   "scheme 'ftp' (one of file, redis, rediss, mooncake)"),
 ])
 def test_a_configuration_it_cannot_serve_is_one_line(tmp_path: Path, extra: dict[str, str],
                                                      message: str) -> None:

@@ -152,6 +152,15 @@ class StoreStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+FIRST_BLOCKS = 8  # blocks in the first chunk of Store.count_leading
+
+
+def check_world_size(world_size: int) -> int:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return world_size
+
+
 class Link:
     """The reconnect breaker of one store client (see the module docstring).
 
@@ -308,6 +317,26 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """One batched existence query (one round trip where the backend allows)."""
+
+    def count_leading(self, digests: Sequence[bytes], world_size: int) -> int:
+        """How many leading blocks of ``digests`` are present for every rank
+        ``0..world_size-1``: the scheduler's query, which runs inside the engine's
+        scheduling step. ``exists`` over the keys of the first :data:`FIRST_BLOCKS`
+        blocks, then, if they were all there, over the rest: a prompt that misses at once
+        (most new prompts) costs one small query, not one over all its blocks and ranks,
+        and a hit one round trip more (a backend that can stop at the first miss itself
+        overrides this)."""
+        w = check_world_size(world_size)
+        done = 0
+        for chunk in (digests[:FIRST_BLOCKS], digests[FIRST_BLOCKS:]):
+            if not chunk:
+                break
+            found = self.exists([pack_key(d, r) for d in chunk for r in range(w)])
+            for i in range(len(chunk)):
+                if not all(found[i * w : (i + 1) * w]):
+                    return done + i
+            done += len(chunk)
+        return done
 
     @abc.abstractmethod
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:

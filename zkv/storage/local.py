@@ -77,7 +77,9 @@ from zkv.storage.base import (
     Store,
     as_bytes_view,
     check_header,
+    check_world_size,
     pack_header,
+    pack_key,
     payload_ok,
 )
 
@@ -151,6 +153,20 @@ class LocalDirStore(Store):
         except OSError as e:
             self._count(errors=1)
             raise StorageError(f"exists: {e}") from e
+
+    def count_leading(self, digests: Sequence[bytes], world_size: int) -> int:
+        """One ``stat`` per key up to the first missing one (no round trip to save)."""
+        w = check_world_size(world_size)
+        isfile, path = os.path.isfile, self.path
+        try:
+            for i, d in enumerate(digests):
+                for r in range(w):
+                    if not isfile(path(pack_key(d, r))):
+                        return i
+        except OSError as e:
+            self._count(errors=1)
+            raise StorageError(f"exists: {e}") from e
+        return len(digests)
 
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
         for key, data in zip(keys, datas, strict=True):

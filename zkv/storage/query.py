@@ -1,11 +1,13 @@
 """The scheduler's existence query: how many leading blocks every rank can load from L3.
 
-``leading_present(store, hashes, world_size)`` asks for all ranks' keys of all hashes in
-one batched ``exists`` (one round trip on Redis and Mooncake) and returns the length of
-the prefix present on every rank. A store error is no exception for the scheduling loop:
-it returns 0 (a miss), logs ``storage.query_failed`` and counts ``stats.query_failures``.
-An outage fails every request's query (vLLM asks again each step for a waiting request):
-the event is rate-limited (``zkv.log.repeating``: a few lines per window, then one with
+``leading_present(store, hashes, world_size)`` returns the length of the prefix present on
+every rank (``Store.count_leading``, which stops at the first block a rank lacks: one Lua
+round trip on Redis; on Mooncake ``exists`` over the first 8 blocks, then over the rest if
+those were there; a ``stat`` per key up to the first miss on a directory). A store error
+is no exception for the scheduling loop: it returns 0 (a miss), logs
+``storage.query_failed`` and counts ``stats.query_failures``. An outage fails every
+request's query (vLLM asks again each step for a waiting request): the event is
+rate-limited (``zkv.log.repeating``: a few lines per window, then one with
 ``num_suppressed``), the count is not.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zkv import log as ev
-from zkv.storage.base import Store, pack_key
+from zkv.storage.base import Store
 
 _log = ev.get_logger("storage")
 _failed = ev.repeating(_log, ev.QUERY_FAILED)
@@ -26,20 +28,12 @@ def leading_present(store: Store, hashes: Sequence[bytes], world_size: int,
     where a failed query is logged (default: this module's rate-limited logger)."""
     if not hashes:
         return 0
-    w = world_size
-    keys = [pack_key(h, r) for h in hashes for r in range(w)]
     try:
-        found = store.exists(keys)
+        return store.count_leading(hashes, world_size)
     except Exception as e:  # never into the scheduling loop
         store._count(query_failures=1)
         (failed or _failed)(store=store.url, num_blocks=len(hashes), error=str(e))
         return 0
-    n = 0
-    for i in range(len(hashes)):
-        if not all(found[i * w : (i + 1) * w]):
-            break
-        n += 1
-    return n
 
 
 class StorageQuery:
