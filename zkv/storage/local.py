@@ -60,6 +60,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -79,7 +80,6 @@ from zkv.storage.base import (
     check_header,
     check_world_size,
     pack_header,
-    pack_key,
     payload_ok,
 )
 
@@ -155,17 +155,21 @@ class LocalDirStore(Store):
             raise StorageError(f"exists: {e}") from e
 
     def count_leading(self, digests: Sequence[bytes], world_size: int) -> int:
-        """One ``stat`` per key up to the first missing one (no round trip to save)."""
-        w = check_world_size(world_size)
-        isfile, path = os.path.isfile, self.path
-        try:
-            for i, d in enumerate(digests):
-                for r in range(w):
-                    if not isfile(path(pack_key(d, r))):
+        """One ``stat`` per key up to the first missing one (no round trip to save); the
+        paths as :meth:`path` names them, built once per block."""
+        suffixes = [f".{r}" for r in range(check_world_size(world_size))]
+        base, stat_, is_file = self._base, os.stat, stat.S_ISREG
+        for i, d in enumerate(digests):
+            if len(d) != DIGEST_SIZE:
+                raise ValueError(f"digest must be {DIGEST_SIZE} bytes, got {len(d)}")
+            h = d.hex()
+            prefix = f"{base}/{h[:2]}/{h}"
+            for suffix in suffixes:
+                try:
+                    if not is_file(stat_(prefix + suffix).st_mode):
                         return i
-        except OSError as e:
-            self._count(errors=1)
-            raise StorageError(f"exists: {e}") from e
+                except OSError:  # missing (or unreadable): as os.path.isfile says
+                    return i
         return len(digests)
 
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
