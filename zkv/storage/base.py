@@ -321,22 +321,30 @@ class Store(abc.ABC):
     def count_leading(self, digests: Sequence[bytes], world_size: int) -> int:
         """How many leading blocks of ``digests`` are present for every rank
         ``0..world_size-1``: the scheduler's query, which runs inside the engine's
-        scheduling step. ``exists`` over the keys of the first :data:`FIRST_BLOCKS`
-        blocks, then, if they were all there, over the rest: a prompt that misses at once
-        (most new prompts) costs one small query, not one over all its blocks and ranks,
-        and a hit one round trip more (a backend that can stop at the first miss itself
-        overrides this)."""
+        scheduling step. The first :data:`FIRST_BLOCKS` blocks are asked about, then, if
+        they were all there, the rest: a prompt that misses at once (most new prompts)
+        costs one small query, not one over all its blocks and ranks, and a hit one round
+        trip more. How one chunk is counted is the backend's :meth:`_count_present`."""
         w = check_world_size(world_size)
         done = 0
         for chunk in (digests[:FIRST_BLOCKS], digests[FIRST_BLOCKS:]):
             if not chunk:
                 break
-            found = self.exists([pack_key(d, r) for d in chunk for r in range(w)])
-            for i in range(len(chunk)):
-                if not all(found[i * w : (i + 1) * w]):
-                    return done + i
-            done += len(chunk)
+            found = self._count_present(chunk, w)
+            done += found
+            if found < len(chunk):
+                break
         return done
+
+    def _count_present(self, digests: Sequence[bytes], world_size: int) -> int:
+        """Leading blocks of one chunk present for every rank: one ``exists`` over all its
+        keys (a backend that can stop at the first miss itself overrides this)."""
+        w = world_size
+        found = self.exists([pack_key(d, r) for d in digests for r in range(w)])
+        for i in range(len(digests)):
+            if not all(found[i * w : (i + 1) * w]):
+                return i
+        return len(digests)
 
     @abc.abstractmethod
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:

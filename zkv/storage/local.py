@@ -78,7 +78,6 @@ from zkv.storage.base import (
     Store,
     as_bytes_view,
     check_header,
-    check_world_size,
     pack_header,
     payload_ok,
 )
@@ -154,10 +153,10 @@ class LocalDirStore(Store):
             self._count(errors=1)
             raise StorageError(f"exists: {e}") from e
 
-    def count_leading(self, digests: Sequence[bytes], world_size: int) -> int:
+    def _count_present(self, digests: Sequence[bytes], world_size: int) -> int:
         """One ``stat`` per key up to the first missing one (no round trip to save); the
         paths as :meth:`path` names them, built once per block."""
-        suffixes = [f".{r}" for r in range(check_world_size(world_size))]
+        suffixes = [f".{r}" for r in range(world_size)]
         base, stat_, is_file = self._base, os.stat, stat.S_ISREG
         for i, d in enumerate(digests):
             if len(d) != DIGEST_SIZE:

@@ -27,15 +27,12 @@ from zkv import log as ev
 from zkv.errors import ConfigError, StorageError
 from zkv.storage.base import (
     CORRUPT,
-    FIRST_BLOCKS,
     HEADER_SIZE,
     TRUNCATED,
     Link,
     Store,
     as_bytes_view,
     check_header,
-    check_world_size,
-    key_name,
     pack_header,
     pack_key,
     payload_ok,
@@ -138,36 +135,27 @@ class RedisStore(Store):
             raise StorageError(f"{self.url} exists: {error}")
         return [bool(r) for r in out]
 
-    def count_leading(self, digests: Sequence[bytes], world_size: int) -> int:
+    def _count_present(self, digests: Sequence[bytes], world_size: int) -> int:
         """A Lua script runs ``EXISTS`` key by key on the server and stops at the first
-        block with a key missing: one round trip over the first :data:`FIRST_BLOCKS`
-        blocks, one more over the rest if those were all there. (A pipeline of one
-        ``EXISTS`` per key cost ~15 us of Python per key here: 34 ms for a 256-block prompt
-        at 8 ranks, all of it in the engine's scheduling step, even when the first block
+        block with a key missing: one round trip a chunk. (A pipeline of one ``EXISTS``
+        per key cost ~15 us of Python per key here: 34 ms for a 256-block prompt at 8
+        ranks, all of it in the engine's scheduling step, even when the first block
         missed.) Where scripts are not allowed (an ACL without ``@scripting``): the
-        chunked ``exists`` of the base class, said once."""
-        w = check_world_size(world_size)
-        done = 0
-        for chunk in (digests[:FIRST_BLOCKS], digests[FIRST_BLOCKS:]):
-            if not chunk:
-                break
-            if self._script is None:
-                return done + super().count_leading(digests[done:], w)
-            names = [key_name(self.namespace, pack_key(d, r)) for d in chunk for r in range(w)]
-            try:
-                found = int(self._call("exists",
-                                       lambda names=names: self._script(keys=names, args=[w])))
-            except StorageError as e:
-                if self.link is not None and not self.link.up:
-                    raise  # unreachable: the caller's error
-                self._script = None  # refused (NOPERM, scripts off): chunked from now on
-                self._log.warning(ev.QUERY_FAILED, store=self.url, error=str(e),
-                                  fallback="chunked EXISTS pipelines")
-                return done + super().count_leading(digests[done:], w)
-            done += min(len(chunk), max(0, found))
-            if found < len(chunk):
-                break
-        return done
+        ``exists`` pipeline of the base class, said once."""
+        if self._script is None:
+            return super()._count_present(digests, world_size)
+        names = [self.name(pack_key(d, r)) for d in digests for r in range(world_size)]
+        try:
+            found = int(self._call("exists",
+                                   lambda: self._script(keys=names, args=[world_size])))
+        except StorageError as e:
+            if self.link is not None and not self.link.up:
+                raise  # unreachable: the caller's error
+            self._script = None  # refused (NOPERM, scripts off): pipelines from now on
+            self._log.warning(ev.QUERY_FAILED, store=self.url, error=str(e),
+                              fallback="chunked EXISTS pipelines")
+            return super()._count_present(digests, world_size)
+        return min(len(digests), max(0, found))
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         if not keys:
