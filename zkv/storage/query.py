@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zkv import log as ev
-from zkv.storage.base import Store
+from zkv.storage.base import Store, check_world_size
 
 _log = ev.get_logger("storage")
 _failed = ev.repeating(_log, ev.QUERY_FAILED)
@@ -41,10 +41,8 @@ class StorageQuery:
     callable of :class:`~zkv.scheduler.manager.CacheManager`."""
 
     def __init__(self, store: Store, world_size: int) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.store = store
-        self.world_size = world_size
+        self.world_size = check_world_size(world_size)
         self.failed = ev.repeating(_log, ev.QUERY_FAILED)
 
     def __call__(self, hashes: Sequence[bytes]) -> int:
