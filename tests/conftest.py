@@ -18,15 +18,27 @@ from tests.servers import MooncakeServer, RedisServer, make_tls
 from tests.worker.helpers import STDERR_TAILS
 
 
+_FAILED = pytest.StashKey[pytest.TestReport]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    STDERR_TAILS.clear()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report gets the ranks' stderr: kept by a WorkerGroup closed in the
+    failing phase (ranks that never joined: setup) or later, by its fixture's teardown."""
     outcome = yield
     report = outcome.get_result()
-    if report.when == "setup":
-        STDERR_TAILS.clear()
-    elif report.when == "call" and report.failed:
+    failed = item.stash.get(_FAILED, None)
+    if failed is None and report.failed:
+        item.stash[_FAILED] = failed = report
+    if failed is not None:
         for title, text in STDERR_TAILS:
-            report.sections.append((title, text))
+            failed.sections.append((title, text))
+        STDERR_TAILS.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -241,10 +241,36 @@ class WorkerGroup:
                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err))
                 finally:
                     err.close()
-            self.d.wait_for_ranks(join_timeout_s)
+            try:
+                self.d.wait_for_ranks(join_timeout_s)
+            except TimeoutError as e:
+                raise TimeoutError(f"{e}; processes: {self.describe_procs()}") from None
         except BaseException:
             self.close()
             raise
+
+    def describe_procs(self) -> str:
+        """Each rank process's state, for a join that timed out: its exit status, or its
+        kernel state and what it waits in (``D``: blocked on I/O). A live rank past its
+        start (SIGUSR1 handled: zkv.worker's faulthandler) is asked for its Python stacks,
+        which land in its stderr and so in the failed test's report."""
+        import signal
+
+        parts, asked = [], False
+        for rank, p in enumerate(self.procs):
+            if p.poll() is not None:
+                parts.append(f"rank {rank} pid {p.pid} exited with {p.returncode}")
+                continue
+            state = proc_state(p.pid)
+            if handles_signal(p.pid, signal.SIGUSR1):
+                os.kill(p.pid, signal.SIGUSR1)
+                asked = True
+            else:
+                state += ", still importing (no stacks)"
+            parts.append(f"rank {rank} pid {p.pid} {state}")
+        if asked:
+            time.sleep(0.5)  # for the stacks to be written before close() reads the stderr
+        return "; ".join(parts)
 
     def stderr(self, rank: int) -> str:
         with open(os.path.join(self.folder, f"rank{rank}.stderr"), "rb") as f:
@@ -303,6 +329,29 @@ def reap(procs: list[Any], timeout: float = 10.0) -> list[int | None]:
             p.kill()
             p.wait()
     return [p.returncode for p in procs]
+
+
+def proc_state(pid: int) -> str:
+    """``state S (sleeping), waits in do_epoll_wait, 1.2 s CPU`` from Linux /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read().strip() or "-"
+    except OSError:
+        return "state unknown"
+    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return f"state {fields[0]}, waits in {wchan}, {cpu_s:.1f} s CPU"
+
+
+def handles_signal(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (SigCgt in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(caught >> (signum - 1) & 1)
 
 
 def children_of(pid: int) -> list[int]:

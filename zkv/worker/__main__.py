@@ -8,6 +8,10 @@ Environment (zkvrun sets it): ``RANK``, ``ZKV_CONFIG`` (layout JSON), ``ZKV_PUB_
 (= ``file://`` that directory), ``ZKV_HEARTBEAT_S``, ``ZKV_LOG_DIR``, ``ZKV_LOG_LEVEL``. A
 local store's byte budget is shared by the group's ranks (each gets ``1 / world_size`` of it).
 
+A rank that seems stuck prints every thread's Python stack to its stderr on ``SIGUSR1``
+(``kill -USR1 PID``; :mod:`faulthandler`, which works even while a thread holds the GIL
+or waits in C) and goes on.
+
 Exit status: 0 after Shutdown or SIGTERM/SIGINT, 3 after a seq gap, 2 on a bad
 configuration, 1 on any other fatal error. The worker also stops when its parent process
 goes away, so an orphan never lingers.
@@ -15,6 +19,7 @@ goes away, so an orphan never lingers.
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import signal
@@ -57,6 +62,8 @@ def store_from_env(layout: CacheLayout, env: dict[str, str] | None = None) -> St
 
 
 def main() -> int:
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         rank = rank_from_env()
         layout = CacheLayout.from_env()
