@@ -246,7 +246,7 @@ class WorkerGroup:
             except TimeoutError as e:
                 raise TimeoutError(f"{e}; processes: {self.describe_procs()}") from None
         except BaseException:
-            self.close()
+            self.close(terminate=True)
             raise
 
     def describe_procs(self) -> str:
@@ -280,8 +280,9 @@ class WorkerGroup:
         seq = self.d.publish(ops, step)
         return poll_until_done(self.d, seq, timeout)[seq]
 
-    def close(self, timeout: float = 10.0) -> list[int | None]:
-        """Shutdown, wait, kill what is left; return the exit codes."""
+    def close(self, timeout: float = 10.0, terminate: bool = False) -> list[int | None]:
+        """Shutdown, wait, kill what is left; return the exit codes. ``terminate``: also
+        SIGTERM every rank (ranks that never joined may have missed the Shutdown)."""
         import signal
         import subprocess
 
@@ -291,6 +292,9 @@ class WorkerGroup:
         try:
             self.d.close(shutdown=True)
         finally:
+            for p in self.procs if terminate else ():
+                if p.poll() is None:
+                    p.terminate()
             deadline = time.monotonic() + timeout
             for p in self.procs:
                 try:
