@@ -256,7 +256,7 @@ class WorkerGroup:
         which land in its stderr and so in the failed test's report."""
         import signal
 
-        parts, asked = [], False
+        parts, asked = [], []
         for rank, p in enumerate(self.procs):
             if p.poll() is not None:
                 parts.append(f"rank {rank} pid {p.pid} exited with {p.returncode}")
@@ -264,13 +264,29 @@ class WorkerGroup:
             state = proc_state(p.pid)
             if handles_signal(p.pid, signal.SIGUSR1):
                 os.kill(p.pid, signal.SIGUSR1)
-                asked = True
+                asked.append((rank, len(parts)))
             else:
                 state += ", still importing (no stacks)"
             parts.append(f"rank {rank} pid {p.pid} {state}")
-        if asked:
-            time.sleep(0.5)  # for the stacks to be written before close() reads the stderr
+        for rank, i in asked:  # written before close() reads the stderr
+            try:
+                self.wait_for_stacks(rank)
+            except AssertionError:
+                parts[i] += ", no stacks within 5 s"
         return "; ".join(parts)
+
+    def wait_for_stacks(self, rank: int, timeout: float = 5.0) -> None:
+        """Until ``rank``'s stderr holds a faulthandler dump that stopped growing (the
+        signal handler writes it all at once); AssertionError after ``timeout``."""
+        last = [-1]
+
+        def settled() -> bool:
+            text = self.stderr(rank)
+            done = "most recent call first" in text and len(text) == last[0]
+            last[0] = len(text)
+            return done
+
+        wait_until(settled, timeout, f"rank {rank}'s stacks")
 
     def stderr(self, rank: int) -> str:
         with open(os.path.join(self.folder, f"rank{rank}.stderr"), "rb") as f:
@@ -336,7 +352,7 @@ def reap(procs: list[Any], timeout: float = 10.0) -> list[int | None]:
 
 
 def proc_state(pid: int) -> str:
-    """``state S (sleeping), waits in do_epoll_wait, 1.2 s CPU`` from Linux /proc."""
+    """``state S, waits in do_epoll_wait, 1.2 s CPU`` from Linux /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
