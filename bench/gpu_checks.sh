@@ -19,6 +19,7 @@ PY=${PY:-python3}
 OUT=${OUT:-$PWD/gpu-checks}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1  # a segfault prints the Python stack of every thread
 if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
@@ -56,7 +57,7 @@ step "mutants: the GPU ordering tests must fail on a backend with a stream wait 
 for mutant in no_compute_wait no_start_wait; do
     ZKV_MUTANT=$mutant timeout 90 "$PY" -m pytest -q -p no:cacheprovider -p bench.gpu_mutants \
         -o addopts="-ra" -W default tests/worker/test_actor_gpu.py 2>&1 \
-        | tee "$OUT/mutant-$mutant.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+        | tee -a "$OUT/mutants.log" | grep -E "^(FAILED|ERROR)|passed|failed"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 1 ] && echo "mutant $mutant: caught" || echo "mutant $mutant: NOT CAUGHT (pytest rc=$rc)"
 done

@@ -273,11 +273,14 @@ def _copy_fns(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: An
     host_arr, _ = pinned_empty(cp, args.device, nbytes, stream)
 
     def memcpy(kind: int) -> Callable[[], None]:
-        host_ptr, dev_ptr = host_arr.ctypes.data, dev_buf.data_ptr()
-        pair = (host_ptr, dev_ptr) if kind == rt.memcpyDeviceToHost else (dev_ptr, host_ptr)
-
+        # run() holds the buffers, not just their addresses: with only the ints, host_arr
+        # was freed (unpinned, unmapped) when this function returned, and the first
+        # d2h wrote to unmapped memory (a segfault on the H100).
         def run() -> None:
-            rt.memcpyAsync(pair[0], pair[1], nbytes, kind, stream.ptr)
+            host_ptr, dev_ptr = host_arr.ctypes.data, dev_buf.data_ptr()
+            to_host = kind == rt.memcpyDeviceToHost
+            rt.memcpyAsync(host_ptr if to_host else dev_ptr, dev_ptr if to_host else host_ptr,
+                           nbytes, kind, stream.ptr)
             stream.synchronize()
 
         return run

@@ -2,14 +2,24 @@
 model on a stream of its own (GPU only; ``test_actor_device.py`` runs the same orderings
 against the stream-faithful fake in CI).
 
-The copies are large (192 MiB, milliseconds over PCIe) and the model's stream is kept busy
-for tens of milliseconds, so a missing stream wait shows up as stale bytes every time:
-``bench/gpu_mutants.py`` removes each wait in turn, and these tests fail.
+Each test holds one stream behind a gate kernel that the test opens (``HostGate``): the
+transfer stream (the model's reads must wait for the held copies) or the model's stream
+(the batch must wait for the model's held writes and reads). Whatever ran out of order
+shows while the gate holds, on any GPU, so ``bench/gpu_mutants.py``, which removes each
+stream wait in turn, fails these tests every time.
+
+On an H100 the first versions, which held a stream behind tens of milliseconds of
+matmuls, were fooled: a kernel's first launch loaded it lazily (CUDA_MODULE_LOADING=LAZY),
+which waits for the whole device, so the reads ran after the copies whatever the compute
+stream waited for, and the test without that wait passed. Hence each test launches its
+kernels once before the gate, and checks that the gate still held when it was opened.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -56,18 +66,70 @@ def rig() -> Iterator[tuple[Dispatcher, Sidecar, list[Any], Any]]:
         torch.cuda.synchronize()
 
 
-def cupy_runtime() -> Any:
-    import cupy
+_GATE_SOURCE = r"""
+extern "C" __global__ void zkv_test_gate(const volatile int* flag, unsigned long long limit_ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        if (*flag) return;
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < limit_ns);
+}
+"""
 
-    return cupy.cuda.runtime
+
+class HostGate:
+    """One thread spinning on ``stream`` until the host opens the gate (a flag in mapped
+    pinned memory) or ``limit_s`` passes: the work queued behind it cannot run before
+    then, whatever the GPU's speed. Deterministic where a busy stream is only likely to
+    be still busy."""
+
+    def __init__(self, stream: Any, limit_s: float = 20.0) -> None:
+        """``stream``: a cupy stream or a torch one."""
+        import cupy
+
+        from zkv.kernels.pinned import pinned_empty
+
+        if isinstance(stream, torch.cuda.Stream):
+            with warnings.catch_warnings():  # cupy 14 deprecates it; 13 lacks the successor
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = cupy.cuda.ExternalStream(stream.cuda_stream)
+
+        # unpinned only after ``stream`` is done (the kernel reads the flag until then)
+        self._flag, _ = pinned_empty(cupy, torch.cuda.current_device(), 4096, stream)
+        attrs = cupy.cuda.runtime.pointerGetAttributes(self._flag.ctypes.data)
+        kernel = cupy.RawKernel(_GATE_SOURCE, "zkv_test_gate")
+        kernel((1,), (1,), (np.uint64(attrs.devicePointer), np.uint64(limit_s * 1e9)),
+               stream=stream)
+        self._after = cupy.cuda.Event(disable_timing=True)
+        self._after.record(stream)
+
+    def holding(self) -> bool:
+        """The gate has not let the stream through yet (not opened, not expired)."""
+        return not self._after.done
+
+    def open(self) -> None:
+        self._flag.view(np.int32)[0] = 1
 
 
-def _busy(stream: Any, n: int = 12) -> None:
-    """Queue ~1.5 ms x n of matmuls on ``stream``."""
-    with torch.cuda.stream(stream):
-        x = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-        for _ in range(n):
-            x = (x @ x) * 1e-4
+def completes_within(event: Any, timeout_s: float) -> bool:
+    """Whether ``event`` completes within ``timeout_s`` (polled every millisecond)."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def acks_within(d: Dispatcher, seconds: float) -> set[int]:
+    """The seqs the dispatcher completes within ``seconds`` (polled the whole time)."""
+    seqs: set[int] = set()
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        seqs.update(b.seq for b in d.poll(min(left, 0.05)))
+    return seqs
 
 
 def test_wait_layer_orders_the_models_reads_after_the_h2d(rig: Any) -> None:
@@ -93,25 +155,41 @@ def test_wait_layer_orders_the_models_reads_after_the_h2d(rig: Any) -> None:
     index = torch.from_numpy(dst.astype(np.int64)).cuda()
     got = [[torch.empty_like(t[:n]) for t in pair] for pair in kv]  # no allocation below
     with torch.cuda.stream(model):
+        # The reads below once before the gate: a kernel's first launch may load it lazily
+        # (CUDA_MODULE_LOADING=LAZY), and that waits for the whole device, the gate too.
+        for layer in range(LAYOUT.num_layers):
+            for part, t in enumerate(kv[layer]):
+                torch.index_select(t, 0, index, out=got[layer][part])
         for pair in kv:
             for t in pair:
                 t.zero_()
-    # The transfer stream is still busy (earlier work: here ~100 ms of matmuls on another
-    # stream that it waits for), the model's stream is idle, and the host hears "layer
-    # recorded" long before the copies run: only the stream wait keeps the reads below
-    # from running before the copies.
-    blocker = torch.cuda.Stream()
-    _busy(blocker, 60)
-    gate = torch.cuda.Event()
-    gate.record(blocker)
-    cupy_runtime().streamWaitEvent(sc.backend.transfer_stream.ptr, gate.cuda_event, 0)
-    with torch.cuda.stream(model):
-        seq = d.publish([op], 0)
-        for layer in range(LAYOUT.num_layers):
-            sc.wait_layer(seq, layer, timeout=10)  # the host waits for the record, not the copy
-            for part, t in enumerate(kv[layer]):  # read on the model's stream
-                torch.index_select(t, 0, index, out=got[layer][part])
     model.synchronize()
+    # The transfer stream is held by a gate kernel until the test opens it, the model's
+    # stream is idle, and the host hears "layer recorded" while the copies cannot run:
+    # only the stream wait keeps the reads below from running before the copies.
+    gate = HostGate(sc.backend.transfer_stream)
+    try:
+        with torch.cuda.stream(model):
+            seq = d.publish([op], 0)
+            for layer in range(LAYOUT.num_layers):
+                sc.wait_layer(seq, layer, timeout=10)  # the host waits for the record only
+                for part, t in enumerate(kv[layer]):  # read on the model's stream
+                    torch.index_select(t, 0, index, out=got[layer][part])
+            reads = torch.cuda.Event()
+            reads.record(model)
+        # The reads take microseconds once nothing holds them: 0.5 s is plenty to see them
+        # run if the model's stream does not wait for the copies' events.
+        ran_early = completes_within(reads, 0.5)
+        held = gate.holding()
+    finally:
+        gate.open()
+    model.synchronize()
+    # Without this the test proves nothing: on an H100 the reads' first (lazy) launch
+    # waited for the device until the gate expired, and the reads then ran after the
+    # copies whatever the compute stream waited for.
+    assert held, ("the gate expired before the test opened it: something the test ran "
+                  "waited for the held transfer stream")
+    assert not ran_early, "the model's reads ran while the h2d copies were held"
     assert poll_until_done(d, seq, 10)[seq].ok
     for layer in range(LAYOUT.num_layers):
         for part in range(2):
@@ -119,13 +197,37 @@ def test_wait_layer_orders_the_models_reads_after_the_h2d(rig: Any) -> None:
                                want[layer][part][dst].view(torch.uint8)), (layer, part)
 
 
+def batch_behind_model(d: Dispatcher, model: Any, queue: Callable[[], Any],
+                       op: P.Op) -> tuple[int, Any]:
+    """Hold the model's stream behind a gate, queue ``queue()``'s work on it and publish
+    ``op``: the batch must not finish while the gate holds. Returns the batch's seq and
+    what ``queue`` returned."""
+    gate = HostGate(model)
+    try:
+        with torch.cuda.stream(model):
+            queued = queue()
+        seq = d.publish([op], 0)
+        early = acks_within(d, 0.5)
+        held = gate.holding()
+    finally:
+        gate.open()
+    assert held, "the gate expired before the test opened it"
+    assert seq not in early, (f"the {op.kind} finished while the model's work queued "
+                              "before it was held")
+    return seq, queued
+
+
 def test_d2h_waits_for_the_models_pending_writes(rig: Any) -> None:
     d, sc, kv, model = rig
-    _busy(model)  # the write below runs after these
-    with torch.cuda.stream(model):
+    with torch.cuda.stream(model):  # first launches (see the module docstring)
+        kv[2][1][9].fill_(1.0)
+    model.synchronize()
+
+    def write() -> None:
         kv[2][1][9].fill_(7.0)
         kv[0][0][9].fill_(-3.0)
-    seq = d.publish([P.Op(0, P.D2H, P.as_ids([9]), P.as_ids([5]))], 0)
+
+    seq, _ = batch_behind_model(d, model, write, P.Op(0, P.D2H, P.as_ids([9]), P.as_ids([5])))
     done = poll_until_done(d, seq, 10)[seq]
     assert done.ok, done
     assert bool((sc.host_pool[5, 2, 1] == 7.0).all()), "the d2h ran before the model's write"
@@ -138,11 +240,11 @@ def test_h2d_does_not_overwrite_blocks_the_model_still_reads(rig: Any) -> None:
     d, sc, kv, model = rig
     with torch.cuda.stream(model):
         kv[1][0][4].fill_(1.0)
+        kv[1][0][4].clone()  # first launch, and a cached block for the clone below
+    model.synchronize()
     sc.host_pool[0].fill_(2.0)
-    _busy(model)
-    with torch.cuda.stream(model):
-        before = kv[1][0][4].clone()  # queued behind the matmuls
-    seq = d.publish([P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([4]))], 0)
+    seq, before = batch_behind_model(d, model, lambda: kv[1][0][4].clone(),
+                                     P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([4])))
     assert poll_until_done(d, seq, 10)[seq].ok
     model.synchronize()
     assert bool((before == 1.0).all()), "the h2d overwrote the block before the model read it"
