@@ -11,6 +11,9 @@
 # 3. the main job on the GPU: `zkv replay` with ZKV_BACKEND=cupy, one rank, every block
 #    verified after each round trip.
 #
+# Exit status: 0 when every check passed; 1 after naming each one that failed (a test run,
+# the bench, the replay, a mutant not caught, memcheck); 2 when torch sees no CUDA device.
+#
 # Extra wheels (pyzmq, orjson, structlog for the machine's Python) may sit in .whl/: they
 # are installed into /tmp/site first. PY picks the interpreter (default python3).
 set -u -o pipefail
@@ -27,12 +30,21 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step() { printf '\n===== %s (%s)\n' "$1" "$(date +%T)"; }
+# Every check that fails is named at the end and the script exits 1: an H100 run once
+# printed a segfault and an uncaught mutant and still exited 0.
+failed=()
+check() {  # check NAME RC [EXPECTED]: record NAME unless RC is EXPECTED (default 0)
+    [ "$2" = "${3:-0}" ] || failed+=("$1 (rc $2)")
+}
 
 step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
     --format=csv 2>&1 | head -3
 "$PY" -c "import sys, torch, cupy, zmq; print(sys.version.split()[0], 'torch', torch.__version__, \
 'cupy', cupy.__version__, 'zmq', zmq.__version__, torch.cuda.get_device_name(0))"
+
+"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    || { echo "torch sees no CUDA device: these checks need one"; exit 2; }
 
 step "C extensions (optional: the fallbacks run without them)"
 timeout 120 "$PY" setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 \
@@ -42,16 +54,17 @@ step "GPU tests"
 timeout 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
     -W default tests/kernels/test_cupy_backend.py tests/kernels/test_backend_select.py \
     tests/worker/test_actor_device.py tests/worker/test_actor_gpu.py 2>&1 | tee "$OUT/pytest.log" | tail -60
-echo "pytest rc=${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}; echo "pytest rc=$rc"; check "GPU tests" "$rc"
 
 step "bench/transfer.py --gpu-only, thread-block cap sweep"
 timeout 120 "$PY" bench/transfer.py --gpu-only --ctas 4 8 16 33 66 132 0 2>&1 | tee "$OUT/transfer.log"
+check "bench/transfer.py" "${PIPESTATUS[0]}"
 
 step "zkv replay on the GPU (ZKV_BACKEND=cupy, 1 rank)"
 ZKV_BACKEND=cupy timeout 120 "$PY" -m zkv.cli replay --ranks 1 --requests 300 --no-progress \
     --log-dir "$OUT/replay-logs" --metrics-file "$OUT/replay-metrics.json" 2>&1 \
     | tee "$OUT/replay.log" | tail -25
-echo "replay rc=${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}; echo "replay rc=$rc"; check "zkv replay" "$rc"
 (cd "$OUT" && tar czf replay-logs.tgz replay-logs 2>/dev/null && rm -rf replay-logs)
 step "mutants: the GPU ordering tests must fail on a backend with a stream wait removed"
 for mutant in no_compute_wait no_start_wait; do
@@ -60,6 +73,7 @@ for mutant in no_compute_wait no_start_wait; do
         | tee -a "$OUT/mutants.log" | grep -E "^(FAILED|ERROR)|passed|failed"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 1 ] && echo "mutant $mutant: caught" || echo "mutant $mutant: NOT CAUGHT (pytest rc=$rc)"
+    check "mutant $mutant caught" "$rc" 1
 done
 
 if command -v compute-sanitizer > /dev/null; then
@@ -67,6 +81,11 @@ if command -v compute-sanitizer > /dev/null; then
     timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q \
         -p no:cacheprovider -o addopts="-ra" -W default tests/kernels/test_cupy_backend.py \
         -k "matches_oracle or engine_layouts or round_trip or odd_geometry or own_strides or block_cap" 2>&1 | tee "$OUT/memcheck.log" | tail -15
-    echo "memcheck rc=${PIPESTATUS[0]}"
+    rc=${PIPESTATUS[0]}; echo "memcheck rc=$rc"; check "memcheck" "$rc"
 fi
 step "done"
+if [ ${#failed[@]} -gt 0 ]; then
+    printf 'FAILED: %s\n' "${failed[@]}"
+    exit 1
+fi
+echo "all checks passed"
