@@ -43,17 +43,26 @@ def digest(*parts: int) -> bytes:
     return xxhash.xxh3_128_digest(repr(parts).encode())
 
 
-def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition",
-               step: Callable[[], Any] | None = None) -> None:
-    """Poll ``pred`` (running ``step`` between checks, e.g. ``dispatcher.poll``) until it holds."""
+def holds_within(pred: Callable[[], bool], timeout: float,
+                 step: Callable[[], Any] | None = None) -> bool:
+    """Poll ``pred`` (running ``step`` between checks, e.g. ``dispatcher.poll``) until it
+    holds or ``timeout`` passes; whether it held."""
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            return False
         if step is not None:
             step()
         else:
             time.sleep(0.005)  # a polling interval, not synchronization
+    return True
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition",
+               step: Callable[[], Any] | None = None) -> None:
+    """Poll ``pred`` (as :func:`holds_within`) until it holds; AssertionError after ``timeout``."""
+    if not holds_within(pred, timeout, step):
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def poll_until_done(d: Dispatcher, seqs: set[int] | int,

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker.helpers import endpoints, poll_until_done, short_ipc_dir
+from tests.worker.helpers import endpoints, holds_within, poll_until_done, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.kernels import cuda_available
@@ -113,16 +113,6 @@ class HostGate:
         self._flag.view(np.int32)[0] = 1
 
 
-def completes_within(event: Any, timeout_s: float) -> bool:
-    """Whether ``event`` completes within ``timeout_s`` (polled every millisecond)."""
-    deadline = time.monotonic() + timeout_s
-    while not event.query():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
 def acks_within(d: Dispatcher, seconds: float) -> set[int]:
     """The seqs the dispatcher completes within ``seconds`` (polled the whole time)."""
     seqs: set[int] = set()
@@ -179,7 +169,7 @@ def test_wait_layer_orders_the_models_reads_after_the_h2d(rig: Any) -> None:
             reads.record(model)
         # The reads take microseconds once nothing holds them: 0.5 s is plenty to see them
         # run if the model's stream does not wait for the copies' events.
-        ran_early = completes_within(reads, 0.5)
+        ran_early = holds_within(reads.query, 0.5)
         held = gate.holding()
     finally:
         gate.open()
