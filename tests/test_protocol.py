@@ -79,6 +79,7 @@ def test_batch_round_trip_through_zmq_frames() -> None:
         P.Heartbeat(1, 99, 42),
         P.Bye(0, 5, "seq gap: expected 3 got 5"),
         P.Shutdown("done"),
+        P.Refused(1, 4321, "layout differs: head_dim: rank has 16, scheduler has 8"),
     ],
 )
 def test_control_round_trip(msg: P.Message) -> None:
@@ -88,7 +89,7 @@ def test_control_round_trip(msg: P.Message) -> None:
 def test_ready_topic_round_trip() -> None:
     topic = P.ready_topic(3, 4567)
     assert P.parse_ready_topic(topic) == (3, 4567)
-    for tag in (P.T_BATCH, P.T_SHUTDOWN, P.T_ACK, P.T_HELLO):
+    for tag in (P.T_BATCH, P.T_SHUTDOWN, P.T_ACK, P.T_HELLO, P.T_REFUSED):
         assert not tag.startswith(P.READY_TOPIC_PREFIX)
         assert not topic.startswith(tag)
     assert P.parse_ready_topic(b"CopyBlocks") is None
@@ -167,6 +168,9 @@ def test_op_field_types_refused(field: str, value: object) -> None:
         (P.Heartbeat(0, 1, 3), "last_seq", 3.0),
         (P.Bye(0, 1, "x"), "reason", None),
         (P.Shutdown("x"), "reason", ["x"]),
+        (P.Refused(0, 1, "x"), "pid", -1),
+        (P.Refused(0, 1, "x"), "rank", "0"),
+        (P.Refused(0, 1, "x"), "reason", "x" * (P.MAX_REASON_CHARS + 1)),
     ],
 )
 def test_control_field_types_refused(msg: P.Message, field: str, value: object) -> None:
@@ -174,6 +178,11 @@ def test_control_field_types_refused(msg: P.Message, field: str, value: object) 
     hdr = _hdr(frames)
     hdr[field] = value
     _refused(_with_hdr(frames, hdr))
+
+
+def test_refused_reason_is_cut_to_its_bound() -> None:
+    msg = P.decode(P.encode(P.Refused(2, 7, "y" * (3 * P.MAX_REASON_CHARS))))
+    assert msg == P.Refused(2, 7, "y" * P.MAX_REASON_CHARS)
 
 
 def test_ack_duplicate_op_ids_refused() -> None:

@@ -3,7 +3,8 @@
 Every message is a multipart ZeroMQ message ``[type, header, *payload]``:
 
 - ``type``    an ASCII tag (also the PUB/SUB topic): ``CopyBlocks`` (a batch),
-  ``BlocksCopied`` (an ack), ``Hello``, ``Heartbeat``, ``Bye``, ``Shutdown``.
+  ``BlocksCopied`` (an ack), ``Hello``, ``Heartbeat``, ``Bye``, ``Shutdown``, ``Refused``
+  (the scheduler's answer to a hello it does not take: that rank and pid stop).
 - ``header``  an orjson object with ``"v": PROTOCOL_VERSION`` and scalar fields.
 - ``payload`` raw frames. A batch carries three frames per op, in op order::
 
@@ -64,6 +65,8 @@ MAX_OPS = 1 << 16
 MAX_ERROR_CHARS = 512
 #: Hello's layout description (JSON) is at most this long.
 MAX_GEOMETRY_CHARS = 4096
+#: A refusal's reason (it may name every layout field that differs) is cut to this.
+MAX_REASON_CHARS = 2048
 #: Messages queued per connection: batches for a rank on the scheduler's XPUB (a full
 #: queue means that rank stopped reading), anything else on the other sockets.
 SEND_HWM = 1000
@@ -91,6 +94,7 @@ T_HELLO = b"Hello"
 T_HEARTBEAT = b"Heartbeat"
 T_BYE = b"Bye"
 T_SHUTDOWN = b"Shutdown"
+T_REFUSED = b"Refused"
 #: Prefix of the per-rank subscription marker (see :func:`ready_topic`). Starts with 0xFF so it
 #: never prefixes a message type tag.
 READY_TOPIC_PREFIX = b"\xffzkv-ready/"
@@ -187,7 +191,17 @@ class Shutdown(NamedTuple):
     reason: str
 
 
-Message = Union[CopyBlocks, BlocksCopied, Hello, Heartbeat, Bye, Shutdown]
+class Refused(NamedTuple):
+    """The scheduler does not take the hello of ``rank`` from process ``pid`` (a layout
+    that differs, a rank outside the world, a group that started without it); published to
+    every rank, read only by that one. ``reason`` is at most ``MAX_REASON_CHARS``."""
+
+    rank: int
+    pid: int
+    reason: str
+
+
+Message = Union[CopyBlocks, BlocksCopied, Hello, Heartbeat, Bye, Shutdown, Refused]
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +271,10 @@ def encode(msg: Message) -> list[bytes]:
         return [T_BYE, orjson.dumps(hdr)]
     if isinstance(msg, Shutdown):
         return [T_SHUTDOWN, orjson.dumps({"v": PROTOCOL_VERSION, "reason": msg.reason})]
+    if isinstance(msg, Refused):
+        hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid,
+               "reason": msg.reason[:MAX_REASON_CHARS]}
+        return [T_REFUSED, orjson.dumps(hdr)]
     raise TypeError(f"not a zkv message: {type(msg).__name__}")
 
 
@@ -362,6 +380,11 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
         return Bye(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _get(hdr, "reason", str))
     if tag == T_SHUTDOWN:
         return Shutdown(_get(hdr, "reason", str))
+    if tag == T_REFUSED:
+        reason = _get(hdr, "reason", str)
+        if len(reason) > MAX_REASON_CHARS:
+            raise ProtocolError(f"refused: reason longer than {MAX_REASON_CHARS} characters")
+        return Refused(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), reason)
     raise ProtocolError(f"unknown message type {tag[:32]!r}")
 
 

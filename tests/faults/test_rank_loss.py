@@ -151,29 +151,44 @@ def poll_until_done_or_lost(g: WorkerGroup, timeout: float = 5.0) -> None:
 def test_wrong_layout_is_refused_at_hello_naming_the_field(folder: str, field: str,
                                                             value: int) -> None:
     """A rank whose layout differs (pool sizes too) is refused as soon as its hello
-    arrives, not at the join timeout, and the error names the differing field."""
+    arrives, not at the join timeout, and the error names the differing field. The rank
+    is told: it stops by itself (exit 4) with one stderr line naming the field, instead
+    of waiting for batches that never come."""
     import dataclasses
+    import os
     import subprocess
     import sys
 
     from tests.worker.helpers import endpoints, worker_env
     from zkv.errors import ConfigError
     from zkv.scheduler.dispatcher import RANK_REFUSED, Dispatcher
+    from zkv.worker.actor import EXIT_REFUSED
 
     ours = dataclasses.replace(LAYOUT, world_size=1)
     theirs = dataclasses.replace(ours, **{field: value})
     pub, pull = endpoints(folder)
     d = Dispatcher(pub, pull, 1, ours)
-    proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"],
-                            env=worker_env(0, theirs.to_json(), pub, pull),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    err_path = os.path.join(folder, "rank0.stderr")
+    with open(err_path, "wb") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"],
+                                env=worker_env(0, theirs.to_json(), pub, pull),
+                                stdout=subprocess.DEVNULL, stderr=err_file)
     try:
         with capture_logs() as logs, pytest.raises(ConfigError) as err:
             d.wait_for_ranks(60.0)
-        assert f"{field}: rank has {value}, scheduler has {getattr(ours, field)}" in str(err.value)
+        why = f"{field}: rank has {value}, scheduler has {getattr(ours, field)}"
+        assert why in str(err.value)
         (refused,) = events_named(logs, RANK_REFUSED)
         assert refused["rank"] == 0 and field in refused["error"]
+        try:
+            code = proc.wait(timeout=30)  # no Shutdown sent yet: only the refusal stops it
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the refused rank was not told: still running") from None
+        with open(err_path) as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith("zkv.worker:")]
+        assert code == EXIT_REFUSED, (code, lines)
+        assert lines == [f"zkv.worker: rank 0: refused by the scheduler: {err.value}"], lines
     finally:
         d.close(shutdown=True)
-        proc.terminate()  # a refused rank may not have subscribed yet: Shutdown can miss it
+        proc.terminate()
         reap([proc])

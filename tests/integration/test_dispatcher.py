@@ -12,7 +12,14 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from tests.worker.helpers import FakeRank, endpoints, events_named, poll_until_done, short_ipc_dir
+from tests.worker.helpers import (
+    FakeRank,
+    endpoints,
+    events_named,
+    holds_within,
+    poll_until_done,
+    short_ipc_dir,
+)
 from zkv import protocol as P
 from zkv.errors import ConfigError, RankLost
 from zkv.scheduler.dispatcher import RANK_REFUSED, Dispatcher
@@ -185,12 +192,83 @@ def test_layout_mismatch_is_refused(ctx: zmq.Context[Any], eps: tuple[str, str])
         assert "other-layout" in str(err.value)
         (refused,) = events_named(logs, RANK_REFUSED)
         assert refused["rank"] == 1 and "other-layout" in refused["error"]
+        told = r1.recv()  # the process hears it, with the same reason
+        assert told == P.Refused(1, 100001, str(err.value)), told
+        assert r0.recv() == told  # every rank reads it (the actor reads past another's)
         r1.hello(FP)  # the same rank, now with the right layout
         d.wait_for_ranks(5)
     finally:
         d.close(shutdown=False)
         r0.close()
         r1.close()
+
+
+@pytest.mark.parametrize("first", ["marker", "hello"])
+def test_a_refused_process_is_told_whether_its_marker_or_hello_came_first(
+        ctx: zmq.Context[Any], eps: tuple[str, str], first: str) -> None:
+    """Refused is published at the hello, which reaches a SUB whose marker came before;
+    a SUB that subscribes after its hello is told when its marker arrives."""
+    d = Dispatcher(*eps, 2, FP, context=ctx)
+    r0 = FakeRank(ctx, *eps, 0, FP).join()
+    r1 = FakeRank(ctx, *eps, 1, "other-layout")
+    try:
+        if first == "marker":
+            r1.subscribe()
+            with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2"):
+                d.wait_for_ranks(0.5)  # the marker is read, no hello yet
+        r1.hello()
+        with pytest.raises(ConfigError, match="other-layout"):
+            d.wait_for_ranks(5)
+        if first == "hello":
+            assert not r1.sub.poll(100)  # not subscribed: nothing reached it
+            r1.subscribe()
+            with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2"):
+                d.wait_for_ranks(1)  # reads the marker
+        msg = r1.recv()
+        assert isinstance(msg, P.Refused) and (msg.rank, msg.pid) == (1, 100001)
+        assert "other-layout" in msg.reason
+        assert not r1.sub.poll(100)  # told once
+    finally:
+        d.close(shutdown=False)
+        r0.close()
+        r1.close()
+
+
+def test_a_hello_from_outside_the_world_is_told(ctx: zmq.Context[Any],
+                                                 eps: tuple[str, str]) -> None:
+    d = Dispatcher(*eps, 1, FP, context=ctx)
+    r5 = FakeRank(ctx, *eps, 5, FP).join()
+    try:
+        with pytest.raises(TimeoutError):
+            d.wait_for_ranks(0.5)
+        assert r5.recv() == P.Refused(5, 100005, "rank 5 (pid 100005) refused: rank 5 is not "
+                                      "below world size 1")
+        assert d.refusals()["unknown_rank"] == 1
+    finally:
+        d.close(shutdown=False)
+        r5.close()
+
+
+def test_a_new_process_of_a_running_rank_is_told_and_the_group_goes_on(
+        ctx: zmq.Context[Any], eps: tuple[str, str],
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    d, ranks = group
+    late = FakeRank(ctx, *eps, 0, FP, pid=4242).join()
+    try:
+        with capture_logs() as logs:
+            assert holds_within(lambda: bool(late.sub.poll(0)), 5, lambda: d.poll(0.01))
+        msg = late.recv()
+        assert msg == P.Refused(0, 4242, "rank 0 (pid 4242) refused: hello after the group "
+                                "started (ranks cannot rejoin)"), msg
+        (line,) = events_named(logs, RANK_REFUSED)
+        assert line["worker_pid"] == 4242
+        seq = d.publish([_op(0)], step=0)  # the running rank 0 (another pid) reads past it
+        for r in ranks:
+            r.ack(r.recv_batch())
+        done = poll_until_done(d, seq)[seq]
+        assert done.ok and not done.lost_ranks and not d.lost_ranks
+    finally:
+        late.close()
 
 
 def test_no_hello_names_missing_ranks(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:

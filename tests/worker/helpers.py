@@ -124,7 +124,10 @@ class FakeRank:
         return P.decode(self.sub.recv_multipart())
 
     def recv_batch(self, timeout: float = 5.0) -> P.CopyBlocks:
+        """The next batch, reading past ``Refused`` for other processes (as an actor does)."""
         msg = self.recv(timeout)
+        while isinstance(msg, P.Refused) and (msg.rank, msg.pid) != (self.rank, self.pid):
+            msg = self.recv(timeout)
         assert isinstance(msg, P.CopyBlocks), msg
         return msg
 

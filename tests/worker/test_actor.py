@@ -31,7 +31,7 @@ from zkv.errors import TransferError
 from zkv.scheduler.dispatcher import BatchDone, Dispatcher
 from zkv.storage import HEADER_SIZE, LocalDirStore
 from zkv.worker import Sidecar
-from zkv.worker.actor import EXIT_OK, EXIT_SEQ_GAP
+from zkv.worker.actor import EXIT_OK, EXIT_REFUSED, EXIT_SEQ_GAP
 
 kernels = pytest.importorskip("zkv.kernels")
 reference = pytest.importorskip("zkv.kernels.reference")
@@ -423,6 +423,35 @@ def test_raw_shutdown(raw: tuple[FakeScheduler, Sidecar]) -> None:
     bye = fake.recv()
     assert isinstance(bye, P.Bye) and bye.reason == "shutdown"
     wait_until(lambda: not sc.alive, 5, "the actor to stop")
+
+
+def test_raw_refused_for_another_process_is_read_past(
+        raw: tuple[FakeScheduler, Sidecar]) -> None:
+    """Every rank reads every ``Refused``: one for another pid of this rank (a late
+    joiner), or for another rank, changes nothing here, and is not counted as refused."""
+    fake, sc = raw
+    pid = fake.hellos[1].pid
+    fake.send(P.encode(P.Refused(1, pid + 1, "rank 1 (pid ...) refused: cannot rejoin")))
+    fake.send(P.encode(P.Refused(0, pid, "rank 0 refused")))
+    fake.send(_batch_frames(0))
+    assert _ack(fake).seq == 0  # the batch after them ran
+    assert sc.alive and sc.actor.num_refused == 0
+
+
+def test_raw_refused_stops_the_rank_naming_why(raw: tuple[FakeScheduler, Sidecar]) -> None:
+    fake, sc = raw
+    pid = fake.hellos[1].pid
+    with capture_logs() as logs:
+        fake.send(P.encode(P.Refused(1, pid, "rank 1 (pid 7) refused: head_dim: rank has 16")))
+        bye = fake.recv()
+        wait_until(lambda: not sc.alive, 5, "the actor to stop")
+    assert isinstance(bye, P.Bye) and bye.pid == pid
+    assert bye.reason == "refused by the scheduler: rank 1 (pid 7) refused: head_dim: rank has 16"
+    assert sc.actor.exit_code == EXIT_REFUSED
+    (line,) = events_named(logs, "worker.refused")
+    assert "head_dim" in line["error"]
+    with pytest.raises(TransferError, match="refused by the scheduler"):
+        sc.wait_layer(0, 0, timeout=5)  # an engine waiting on the rank hears why it stopped
 
 
 def test_sidecar_reads_its_environment(stack: ExitStack, folder: str,

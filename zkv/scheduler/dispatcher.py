@@ -2,15 +2,28 @@
 
 ::
 
-    Dispatcher ── XPUB ─ CopyBlocks(seq), Shutdown ───────────────► SUB   rank 0..W-1
+    Dispatcher ── XPUB ─ CopyBlocks(seq), Shutdown, Refused ──────► SUB   rank 0..W-1
                ◄─ PULL ─ BlocksCopied, Hello, Heartbeat, Bye ─────── PUSH
 
 Joining. A rank counts as joined when (a) its ``Hello`` carried the scheduler's layout
 fingerprint and (b) the XPUB reported the rank's :func:`~zkv.protocol.ready_topic`
 subscription for the same pid. The worker's SUB subscribes to everything (``b""``) before
 that marker, and a SUB sends its subscriptions in order over one pipe, so (b) proves that
-every later batch reaches the rank: no slow-joiner drop. Nothing is published before every
-rank joined.
+every later batch reaches the rank: no slow-joiner drop. No batch is published before
+every rank joined.
+
+Refusing. A hello the dispatcher does not take is answered with ``Refused(rank, pid,
+reason)`` on the XPUB, so that process stops at once with the reason (exit code 4)
+instead of waiting for batches that never come::
+
+    hello ─┬─ layout differs ─────────► Refused("... refused: <fields>"), and
+           │                            wait_for_ranks raises ConfigError naming them
+           ├─ rank >= world size ─────► Refused("rank R is not below world size W")
+           └─ a new pid after start ──► Refused("... cannot rejoin"); the running rank
+                                        (another pid) reads past it
+    its ready marker comes later ─────► Refused again (the SUB may not have been connected
+                                        at the hello; ``_MAX_UNTOLD`` are kept), and
+                                        wait_for_ranks waits up to ``_TELL_S`` for it
 
 Acks. Every in-flight batch keeps a bitmask of the ranks that acked it; an ack does
 ``acked |= 1 << rank`` and the batch completes when ``acked == all_mask`` (O(ops) per
@@ -75,6 +88,11 @@ _SUBS_EVERY_S = 0.01
 #: A rank whose subscriber disconnected is declared lost this long after (unless its Bye
 #: arrives first and gives the reason).
 _BYE_GRACE_S = 0.05
+#: Refusals kept to tell again when that process's subscriber shows up (bounded: one
+#: rank could say hello from many pids).
+_MAX_UNTOLD = 64
+#: How long ``wait_for_ranks`` waits for a refused process's subscriber before it raises.
+_TELL_S = 1.0
 #: Messages taken per drain before deadlines are looked at again.
 _MAX_DRAIN = 256
 #: ``_drain`` rounds to read a backlog before judging deadlines (8 ranks beating every
@@ -200,6 +218,8 @@ class Dispatcher:
         self._counts = {"malformed": 0, "forged": 0, "unknown_seq": 0, "duplicate": 0,
                         "unknown_rank": 0}
         self.num_received = 0
+        # (rank, pid) -> reason: refused, its subscriber not seen yet (see _tell_refused)
+        self._untold: dict[tuple[int, int], str] = {}
         # With keys every connection's User-Id is its rank; messages come as zmq.Frames.
         self._authenticated = keys is not None
         self._user_rank = {str(r): r for r in range(world_size)}
@@ -291,6 +311,11 @@ class Dispatcher:
             self._drain()
             refused = [r.refused for r in self._ranks if r.refused]
             if refused:
+                # Let the refused processes hear it (their subscribers may be on the way).
+                tell_until = min(deadline, time.monotonic() + _TELL_S)
+                while self._refused_untold() and time.monotonic() < tell_until:
+                    self._poller.poll(10)
+                    self._drain(acks=False)
                 for r in self._ranks:
                     r.refused = None  # reported once; a later hello may fix it
                 raise ConfigError("; ".join(refused))
@@ -547,21 +572,59 @@ class Dispatcher:
     def _on_hello(self, msg: P.Hello) -> None:
         r = self._rank_of(msg.rank, "hello")
         if r is None:
+            self._tell_refused(msg.rank, msg.pid, f"rank {msg.rank} (pid {msg.pid}) refused: "
+                               f"rank {msg.rank} is not below world size {self.world_size}")
             return
         problem = self._layout_problem(msg)
         if problem is not None:
             r.refused = f"rank {msg.rank} (pid {msg.pid}) refused: {problem}"
             self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=r.refused)
+            self._tell_refused(msg.rank, msg.pid, r.refused)
             return
         if self._started:
             if msg.pid != r.joined_pid:
-                self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid,
-                                error="hello after the group started (ranks cannot rejoin)")
+                error = "hello after the group started (ranks cannot rejoin)"
+                self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=error)
+                self._tell_refused(msg.rank, msg.pid,
+                                   f"rank {msg.rank} (pid {msg.pid}) refused: {error}")
             return
         r.hello_pid = msg.pid
         r.refused = None
+        if self._untold:  # refused before, fits now: never tell it otherwise
+            self._untold.pop((msg.rank, msg.pid), None)
         r.last_seen = time.monotonic()
         self._maybe_join(r)
+
+    def _tell_refused(self, rank: int, pid: int, reason: str) -> None:
+        """Tell process ``pid`` of ``rank`` that it is refused (it stops). Published now;
+        unless its ready marker came already (then its SUB gets this), again when it comes."""
+        self._publish_refused(rank, pid, reason)
+        if rank < self.world_size and pid in self._ranks[rank].sub_pids:
+            return
+        untold = self._untold
+        untold[(rank, pid)] = reason
+        if len(untold) > _MAX_UNTOLD:
+            del untold[next(iter(untold))]
+
+    def _refused_untold(self) -> bool:
+        """Whether a process refused for a layout (``wait_for_ranks`` is about to raise)
+        has not been told for sure yet."""
+        return any(rank < self.world_size and self._ranks[rank].refused
+                   for rank, _pid in self._untold)
+
+    def _retell(self, rank: int, pid: int) -> None:
+        """The ready marker of ``pid`` came: tell it now if it was refused before."""
+        if self._untold:
+            reason = self._untold.pop((rank, pid), None)
+            if reason is not None:
+                self._publish_refused(rank, pid, reason)
+
+    def _publish_refused(self, rank: int, pid: int, reason: str) -> None:
+        try:
+            send_frames(self._pub, P.encode(P.Refused(rank, pid, reason)), DONTWAIT)
+        except zmq.Again:  # a rank's full queue: publish's send timeout deals with that rank
+            self._log.warning(RANK_REFUSED, rank=rank, worker_pid=pid,
+                              error="could not tell the process (a rank's queue is full)")
 
     def _layout_problem(self, msg: P.Hello) -> str | None:
         """Why a rank's layout does not fit, naming the differing fields; None if it fits."""
@@ -580,6 +643,8 @@ class Dispatcher:
             return
         rank, pid = marker
         if rank >= self.world_size:
+            if sub[0] == 1:
+                self._retell(rank, pid)
             return
         # An unsubscription needs no identity: only the connection that holds a marker can
         # drop it (libzmq counts subscriptions per connection), and a closed connection's
@@ -591,6 +656,7 @@ class Dispatcher:
             return
         r = self._ranks[rank]
         if sub[0] == 1:
+            self._retell(rank, pid)
             r.sub_pids.add(pid)
             self._maybe_join(r)
             return

@@ -12,8 +12,10 @@ A rank that seems stuck prints every thread's Python stack to its stderr on ``SI
 (``kill -USR1 PID``; :mod:`faulthandler`, which works even while a thread holds the GIL
 or waits in C) and goes on.
 
-Exit status: 0 after Shutdown or SIGTERM/SIGINT, 3 after a seq gap, 2 on a bad
-configuration, 1 on any other fatal error. The worker also stops when its parent process
+Exit status: 0 after Shutdown or SIGTERM/SIGINT, 3 after a seq gap, 4 when the scheduler
+refused the rank's hello (a layout that differs, a rank outside the world, a group that
+started without it: the reason is in the log's ``worker.refused`` line and on stderr), 2 on
+a bad configuration, 1 on any other fatal error. The worker also stops when its parent process
 goes away, so an orphan never lingers.
 """
 
@@ -30,7 +32,7 @@ from zkv import log as zlog
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
 from zkv.storage import Store, file_url, open_store
-from zkv.worker.actor import EXIT_FATAL, WorkerActor
+from zkv.worker.actor import EXIT_FATAL, EXIT_REFUSED, WorkerActor
 from zkv.worker.sidecar import (
     endpoints_from_env,
     rank_from_env,
@@ -108,7 +110,10 @@ def main() -> int:
     watcher = threading.Thread(target=_watch_parent, args=(actor, stopped), daemon=True)
     watcher.start()
     try:
-        return actor.run()
+        code = actor.run()
+        if code == EXIT_REFUSED:  # the one line a launcher's log shows
+            print(f"zkv.worker: rank {rank}: {actor.exit_reason}", file=sys.stderr)
+        return code
     finally:
         stopped.set()
         if store is not None:

@@ -6,7 +6,8 @@
      │        │ malformed: refuse, ack failed     1. d2h + backup, all layers (one merged copy)
      │        │ (if its seq is the expected one)  2. h2d layer by layer, event + counter.mark
      │        └ gap: Bye("seq gap ..."), stop     3. fill / check (simulated forward pass)
-     └ Shutdown: Bye("shutdown"), stop            4. s2h / h2s started on I/O threads; the
+     ├ Shutdown: Bye("shutdown"), stop            4. s2h / h2s started on I/O threads; the
+     └ Refused(this rank, this pid): worker.refused, stop (exit 4); another's: ignored
                                                      ack names them ``pending``
     wake fd (StorageIO) ──► take_done ──────────────────────────────────────────► PUSH ack
                                                   (same seq: the I/O ops' results, done = prefix)
@@ -36,8 +37,8 @@ Errors in a batch::
 
 Trust: with :class:`~zkv.security.ClientKeys` both sockets authenticate as this rank
 (CURVE pinning the scheduler's key on tcp, the rank's ipc token on ipc, where the private
-socket directory vouches for the scheduler), so only this rank can ack as this rank. Refusals are counted (``num_refused``) and logged at most a few
-lines a second. A scheduler that restarts (a new connection after the first) is joined
+socket directory vouches for the scheduler), so only this rank can ack as this rank.
+Refusals are counted (``num_refused``) and logged at most a few lines a second. A scheduler that restarts (a new connection after the first) is joined
 again: the actor starts over at seq 0 and says hello, the new scheduler's tree is empty.
 """
 
@@ -67,6 +68,7 @@ from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_
 EXIT_OK = 0
 EXIT_FATAL = 1
 EXIT_SEQ_GAP = 3
+EXIT_REFUSED = 4
 
 #: How often the actor looks at its connection monitor (a scheduler restart) between batches.
 _MONITOR_EVERY_S = 0.1
@@ -260,7 +262,7 @@ class WorkerActor:
 
     def run(self) -> int:
         """Serve until Shutdown, :meth:`stop`, a seq gap or a fatal error; return an exit code
-        (``EXIT_OK``, ``EXIT_SEQ_GAP``, ``EXIT_FATAL``)."""
+        (``EXIT_OK``, ``EXIT_SEQ_GAP``, ``EXIT_REFUSED``, ``EXIT_FATAL``)."""
         own_ctx = self._ctx is None
         ctx: zmq.Context[Any] = zmq.Context() if own_ctx else self._ctx  # type: ignore[assignment]
         sub = ctx.socket(zmq.SUB)
@@ -435,6 +437,11 @@ class WorkerActor:
             return None
         if isinstance(msg, P.Shutdown):
             return EXIT_OK, "shutdown"
+        if isinstance(msg, P.Refused):
+            if msg.rank != self.rank or msg.pid != self._pid:
+                return None  # another process's hello (every rank reads the XPUB)
+            self._log.error(ev.WORKER_REFUSED, error=msg.reason)
+            return EXIT_REFUSED, f"refused by the scheduler: {msg.reason}"
         self._refused_log(error=f"unexpected {type(msg).__name__} on the batch channel")
         return None
 
