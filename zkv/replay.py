@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 import orjson
+from tqdm import tqdm
 
 from zkv import metrics as M
 from zkv.config import CacheLayout, pools_fit
@@ -158,10 +159,13 @@ class Replayer:
 
     def run(self, workload: Sequence[tuple[str, list[bytes]]]) -> Summary:
         t0 = time.perf_counter()
-        for i in range(0, len(workload), self.batch):
-            self.run_step(workload[i : i + self.batch])
-            if self.progress:
-                _bar(min(i + self.batch, len(workload)), len(workload), t0)
+        # On a terminal only (tqdm's disable=None): piped, stderr stays one line per event.
+        with tqdm(total=len(workload), desc="replay", unit="req", file=sys.stderr,
+                  disable=None if self.progress else True, dynamic_ncols=True) as bar:
+            for i in range(0, len(workload), self.batch):
+                step = workload[i : i + self.batch]
+                self.run_step(step)
+                bar.update(len(step))
         while True:  # commits of late acks may emit ops (a d2h commit's storage write)
             ops = self.cm.take_ops() + self.carry
             self.carry = []
@@ -170,8 +174,6 @@ class Replayer:
             self._publish(ops, [])
             self._wait(lambda: not self.outstanding)
         self.s.wall_s = time.perf_counter() - t0
-        if self.progress and sys.stderr.isatty():
-            print(file=sys.stderr)
         return self.s
 
     def run_step(self, reqs: Sequence[tuple[str, list[bytes]]]) -> None:
@@ -341,18 +343,6 @@ class Replayer:
             rank = min(done.lost_ranks)
             return RankLost(rank, str(results[next(iter(results))].error) if results else "")
         return None
-
-
-def _bar(done: int, total: int, t0: float) -> None:
-    tty = sys.stderr.isatty()
-    step = max(1, total // 10)
-    if not tty and done != total and done % step >= 2:  # a line per ~10% when piped
-        return
-    width = 30
-    fill = int(width * done / max(1, total))
-    rate = done / max(1e-9, time.perf_counter() - t0)
-    print(f"\rreplay [{'#' * fill}{'.' * (width - fill)}] {done}/{total} req  {rate:6.1f} req/s",
-          end="" if tty else "\n", file=sys.stderr, flush=True)
 
 
 def node_main(args: argparse.Namespace) -> int:
@@ -546,7 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any)")
     p.add_argument("--metrics-file", default=None, help="write the final metrics here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is one only when stderr is a terminal)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="start the whole group again after a failure, this many times")
     p.add_argument("--force", action="store_true",

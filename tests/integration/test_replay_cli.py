@@ -159,3 +159,46 @@ def test_a_store_that_failed_nothing_adds_no_warning(tmp_path: Path) -> None:
     r = _run(tmp_path, "--requests", "20")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "L3=file:///" in r.stdout and "warning" not in r.stderr, r.stderr
+
+
+def test_progress_is_a_bar_on_a_terminal_and_nothing_when_piped(tmp_path: Path) -> None:
+    """tqdm's bar on a terminal (a pty here) ends at every request; piped, no bar line."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+    import threading
+
+    args = [sys.executable, "-m", "zkv.cli", "replay", "--requests", "24", "--store-dir", "none",
+            "--log-dir", str(tmp_path / "logs")]
+    master, slave = pty.openpty()
+    # a terminal's size, as a real one has (a new pty is 0 x 0, where tqdm hides its bar)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    chunks: list[bytes] = []
+
+    def read() -> None:  # drain the terminal while the job runs (a full pty blocks writers)
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: every writer closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc = subprocess.run(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=slave, timeout=240)
+    finally:
+        os.close(slave)
+        reader.join(10)
+        os.close(master)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, proc.stdout.decode() + shown
+    assert re.search(r"replay: 100%\|.*\| 24/24 \[", shown), shown
+    piped = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert piped.returncode == 0, piped.stdout + piped.stderr
+    assert "replay:" not in piped.stderr and "\r" not in piped.stderr, piped.stderr
