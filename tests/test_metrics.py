@@ -31,6 +31,8 @@ def test_default_registry_exports_every_label_from_the_start() -> None:
         assert ("zkv:free_blocks", (("pool", pool),)) in s
     for name in ("zkv:inflight_batches", "zkv:lost_ranks_total", "zkv:batches_total"):
         assert (name, ()) in s
+    for reason in metrics.REFUSAL_REASONS:
+        assert ("zkv:refused_messages_total", (("reason", reason),)) in s
 
 
 def test_record_move_counts_blocks_and_bytes() -> None:
@@ -67,3 +69,50 @@ def test_a_taken_port_is_one_config_error() -> None:
     finally:
         taken.shutdown()
     metrics.serve(taken.port).shutdown()  # free again: it listens
+
+
+def _refused() -> dict[str, float]:
+    return {labels[0][1]: v for (name, labels), v in _samples(metrics.render()).items()
+            if name == "zkv:refused_messages_total"}
+
+
+def test_refused_messages_are_read_from_the_dispatcher_and_kept_once_it_closed() -> None:
+    """What a dispatcher refused reaches ``zkv:refused_messages_total`` at scrape time: a
+    layout refused at the hello, junk, an ack of an unknown seq; the counts stay after
+    ``close()`` (a run writes its metrics then) and go with the dispatcher."""
+    import gc
+
+    import zmq
+
+    from tests.worker.helpers import FakeRank, endpoints, holds_within, short_ipc_dir
+    from zkv import protocol as P
+    from zkv.scheduler.dispatcher import Dispatcher
+
+    base = _refused()
+    ctx: zmq.Context[object] = zmq.Context()
+    with short_ipc_dir() as folder:
+        eps = endpoints(folder)
+        d = Dispatcher(*eps, 1, "fp", context=ctx)
+        metrics.watch_refusals(d)
+        r0 = FakeRank(ctx, *eps, 0, "fp").join()
+        other = FakeRank(ctx, *eps, 0, "other-fp", pid=777).join()
+        try:
+            with pytest.raises(ConfigError):
+                d.wait_for_ranks(5)
+            d.wait_for_ranks(5)  # r0 joins
+            r0.send_raw([b"junk", b"{"])
+            r0.send(P.BlocksCopied(42, 0, True, ()))  # no batch 42 was published
+            assert holds_within(lambda: d.refusals()["unknown_seq"] == 1, 5, lambda: d.poll(0.01))
+            want = {"hello": 1, "malformed": 1, "unknown_seq": 1}
+            got = {k: v - base[k] for k, v in _refused().items()}
+            assert got == {r: want.get(r, 0) for r in metrics.REFUSAL_REASONS}, got
+        finally:
+            d.close(shutdown=False)
+            r0.close()
+            other.close()
+        got = {k: v - base[k] for k, v in _refused().items()}
+        assert {k: v for k, v in got.items() if v} == want  # kept once closed
+        d = None  # type: ignore[assignment]  # the last reference
+        gc.collect()
+        assert _refused() == base  # a dispatcher that is gone no longer counts
+    ctx.term()

@@ -10,6 +10,11 @@
     zkv:inflight_batches                                 published, not yet acked by all
     zkv:free_blocks{pool="device|host"}
     zkv:lost_ranks_total
+    zkv:refused_messages_total{reason="malformed|forged|unknown_seq|duplicate|unknown_rank|
+                                       hello|unauthenticated"}
+                                                         what the scheduler's dispatcher
+                                                         refused (see Dispatcher.refusals):
+                                                         alert on forged / unauthenticated
 
 Engine integrations add their own families to :data:`REGISTRY` (the vLLM connector's
 ``zkv:prompt_tokens_total`` etc., with model and rank labels). ``serve(port)`` exposes the
@@ -19,10 +24,13 @@ registry on 127.0.0.1; ``render()`` returns the text exposition.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import start_http_server
 
 from zkv.errors import ConfigError
@@ -30,6 +38,9 @@ from zkv.errors import ConfigError
 TIERS = ("device", "host", "storage")
 DIRECTIONS = ("d2h", "h2d", "backup", "s2h", "h2s")
 POOLS = ("device", "host")
+#: The reasons ``Dispatcher.refusals()`` counts, each exported even at 0.
+REFUSAL_REASONS = ("malformed", "forged", "unknown_seq", "duplicate", "unknown_rank", "hello",
+                   "unauthenticated")
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 HITS_BLOCKS = Counter("zkv:hit_blocks", "Prefix-cache hits in blocks, by the tier that held "
@@ -54,6 +65,44 @@ for _d in DIRECTIONS:
     FAILED_BLOCKS.labels(direction=_d)
 for _p in POOLS:
     FREE_BLOCKS.labels(pool=_p)
+
+
+class _Refusals:
+    """``zkv:refused_messages_total``, read from the watched dispatchers at scrape time
+    (nothing on the hot path). A dispatcher that is gone is dropped (weak references)."""
+
+    def __init__(self) -> None:
+        self.sources: list[weakref.WeakMethod[Callable[[], dict[str, int]]]] = []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        totals = dict.fromkeys(REFUSAL_REASONS, 0)
+        live = []
+        for ref in self.sources:
+            counts = ref()
+            if counts is None:
+                continue
+            live.append(ref)
+            for reason, n in counts().items():
+                totals[reason] = totals.get(reason, 0) + n
+        self.sources = live
+        fam = CounterMetricFamily("zkv:refused_messages", "Messages the scheduler refused, by "
+                                  "reason: malformed, forged (another rank's identity), "
+                                  "unknown_seq, duplicate (acks), unknown_rank, hello (a rank "
+                                  "refused at its hello), unauthenticated (connections the ZAP "
+                                  "handler refused).", labels=["reason"])
+        for reason, n in totals.items():
+            fam.add_metric([reason], n)
+        yield fam
+
+
+_REFUSALS = _Refusals()
+REGISTRY.register(_REFUSALS)
+
+
+def watch_refusals(dispatcher: Any) -> None:
+    """Export ``dispatcher.refusals()`` (added up over every dispatcher watched and still
+    alive) as ``zkv:refused_messages_total{reason}``."""
+    _REFUSALS.sources.append(weakref.WeakMethod(dispatcher.refusals))
 
 
 def record_move(direction: str, num_blocks: int, num_bytes: int) -> None:

@@ -387,6 +387,7 @@ def _serve(args: argparse.Namespace) -> int:
                     heartbeat_timeout_s=10.0, ack_timeout_s=60.0, keys=security.keyring_from_env(),
                     insecure=env.get("ZKV_INSECURE") == "1",
                     allow_remote=env.get("ZKV_ALLOW_REMOTE") == "1")
+    M.watch_refusals(dp)
     if server is not None:
         print(f"zkv replay: metrics at {server.url}", file=sys.stderr, flush=True)
     rp = None

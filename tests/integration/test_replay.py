@@ -49,6 +49,9 @@ def test_chat_replay_moves_real_bytes_through_every_tier(tmp_path) -> None:
         assert metrics[f'zkv:moved_blocks_total{{direction="{direction}"}}'] == moved
         assert metrics[f'zkv:failed_blocks_total{{direction="{direction}"}}'] == 0
     assert metrics['zkv:hit_blocks_total{tier="storage"}'] == _field(out, r"storage (\d+) \(")
+    for reason in ("malformed", "forged", "unknown_seq", "duplicate", "unknown_rank", "hello",
+                   "unauthenticated"):  # a clean run refuses nothing, and says so
+        assert metrics[f'zkv:refused_messages_total{{reason="{reason}"}}'] == 0
     assert os.listdir(tmp_path / "l3")  # blocks reached the local-directory store
     logs = os.listdir(tmp_path / "logs")
     assert {"scheduler.jsonl", "worker-0.jsonl", "worker-1.jsonl", "launcher.jsonl"} <= set(logs)

@@ -216,7 +216,8 @@ class Dispatcher:
         self._refused_log = ev.RateLimited(self._log, ev.ACK_REFUSED, burst=_LOG_BURST)
         self._forged_log = ev.RateLimited(self._log, ev.IDENTITY_FORGED, burst=_LOG_BURST)
         self._counts = {"malformed": 0, "forged": 0, "unknown_seq": 0, "duplicate": 0,
-                        "unknown_rank": 0}
+                        "unknown_rank": 0, "hello": 0}
+        self._final_counts: dict[str, int] | None = None  # refusals() once closed
         self.num_received = 0
         # (rank, pid) -> reason: refused, its subscriber not seen yet (see _tell_refused)
         self._untold: dict[tuple[int, int], str] = {}
@@ -295,7 +296,12 @@ class Dispatcher:
 
     def refusals(self) -> dict[str, int]:
         """Messages refused so far, by reason (``unauthenticated``: connections the ZAP
-        handler turned away; ``forged``: messages naming another rank than their sender's)."""
+        handler turned away; ``forged``: messages naming another rank than their sender's;
+        ``hello``: hellos refused for a layout that differs or a group that started; a
+        hello from a rank past the world size is ``unknown_rank``). Still there once
+        closed (``zkv.metrics.watch_refusals`` reads it at the end of a run)."""
+        if self._final_counts is not None:
+            return dict(self._final_counts)
         return {**self._counts, "unauthenticated": self._zap.num_refused(self._domain)}
 
     def wait_for_ranks(self, timeout_s: float) -> None:
@@ -469,8 +475,9 @@ class Dispatcher:
                     pass
                 self._wait_byes(timeout_s)
         finally:
-            self._closed = True
             counts = self.refusals()
+            self._closed = True
+            self._final_counts = counts
             self._pub.close(0)
             self._pull.close(0)
             self._zap.unregister(self._domain)
@@ -578,12 +585,14 @@ class Dispatcher:
         problem = self._layout_problem(msg)
         if problem is not None:
             r.refused = f"rank {msg.rank} (pid {msg.pid}) refused: {problem}"
+            self._counts["hello"] += 1
             self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=r.refused)
             self._tell_refused(msg.rank, msg.pid, r.refused)
             return
         if self._started:
             if msg.pid != r.joined_pid:
                 error = "hello after the group started (ranks cannot rejoin)"
+                self._counts["hello"] += 1
                 self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=error)
                 self._tell_refused(msg.rank, msg.pid,
                                    f"rank {msg.rank} (pid {msg.pid}) refused: {error}")

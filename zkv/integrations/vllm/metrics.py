@@ -19,6 +19,7 @@ every number is the minimum-over-ranks outcome zkv commits on)::
     zkv:host_blocks{state="free|used"}
     zkv:enabled                                           1; 0 once a lost rank turned zkv
                                                           off for the engine (alert on it)
+    zkv:refused_messages_total{reason=...}               see zkv.metrics (no model label)
     zkv:in_flight{what="requests|cache_requests|ops|batches|steps|store_retry"}
                                                           requests the connector tracks,
                                                           requests holding tree nodes, ops
@@ -40,7 +41,7 @@ from typing import Any
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from zkv.metrics import REGISTRY, render, serve
+from zkv.metrics import REGISTRY, render, serve, watch_refusals
 from zkv.protocol import H2S, S2H
 from zkv.scheduler.records import SAVE
 
@@ -129,4 +130,5 @@ def register_half(half: Any) -> None:
     col = _HalfCollector(half)
     REGISTRY.register(col)
     _registered.append(col)
+    watch_refusals(half.dp)
 
