@@ -1,4 +1,5 @@
-"""Shared fixtures: real L3 servers (see tests/servers.py), started once per session and
+"""Shared fixtures: ``folder`` (a short private ipc directory), ``stack`` (an ExitStack
+closed after the test), real L3 servers (see tests/servers.py), started once per session and
 always stopped. A test that kills, pauses or restarts a server starts its own instead.
 
 A failing test's report gets the stderr of the worker processes it ran (WorkerGroup), so a
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import pytest
 import structlog
@@ -15,7 +17,21 @@ import structlog
 from zkv import log as zlog
 
 from tests.servers import MooncakeServer, RedisServer, make_tls
-from tests.worker.helpers import STDERR_TAILS
+from tests.worker.helpers import STDERR_TAILS, short_ipc_dir
+
+
+@pytest.fixture
+def folder() -> Iterator[str]:
+    """A short private directory for ipc:// sockets, removed after the test."""
+    with short_ipc_dir() as d:
+        yield d
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    """Cleanups a test registers (``stack.callback``), run after it, last first."""
+    with ExitStack() as s:
+        yield s
 
 
 _FAILED = pytest.StashKey[pytest.TestReport]()

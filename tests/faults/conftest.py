@@ -1,4 +1,4 @@
-"""Fixtures of the fault tests: a short private ipc directory, a ZeroMQ context."""
+"""Fixtures of the fault tests: a ZeroMQ context (``folder``: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,6 @@ from typing import Any
 
 import pytest
 import zmq
-
-from tests.worker.helpers import short_ipc_dir
-
-
-@pytest.fixture
-def folder() -> Iterator[str]:
-    with short_ipc_dir() as d:
-        yield d
 
 
 @pytest.fixture

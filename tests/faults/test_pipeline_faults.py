@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 
 import pytest
 
-from tests.worker.helpers import WorkerGroup, short_ipc_dir
+from tests.worker.helpers import WorkerGroup
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.errors import RankLost
@@ -21,12 +20,6 @@ from zkv.scheduler.radix import HOST
 BS = 4
 LAYOUT = CacheLayout(num_layers=2, kv_heads=2, block_size=BS, head_dim=8, dtype="float16",
                      num_device_blocks=6, num_host_blocks=6, world_size=2)
-
-
-@pytest.fixture
-def folder() -> Iterator[str]:
-    with short_ipc_dir() as f:
-        yield f
 
 
 def _step(group: WorkerGroup, cm: CacheManager, rid: str, hashes: list[bytes],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 from structlog.testing import capture_logs
@@ -15,7 +14,6 @@ from tests.worker.helpers import (
     events_named,
     poll_until_done,
     reap,
-    short_ipc_dir,
 )
 from zkv import protocol as P
 from zkv.config import CacheLayout
@@ -25,12 +23,6 @@ pytest.importorskip("zkv.kernels")
 
 LAYOUT = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=8,
                      num_device_blocks=8, num_host_blocks=8, world_size=2)
-
-
-@pytest.fixture
-def folder() -> Iterator[str]:
-    with short_ipc_dir() as d:
-        yield d
 
 
 def _hold_batch_in_flight(g: WorkerGroup, rank: int) -> int:

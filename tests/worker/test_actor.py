@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from tests.worker.helpers import (
     endpoints,
     events_named,
     poll_until_done,
-    short_ipc_dir,
     wait_until,
 )
 from zkv import protocol as P
@@ -65,18 +63,6 @@ class Rig:
     def run(self, ops: list[P.Op], step: int = 0) -> BatchDone:
         seq = self.d.publish(ops, step)
         return poll_until_done(self.d, seq)[seq]
-
-
-@pytest.fixture
-def stack() -> Iterator[ExitStack]:
-    with ExitStack() as s:
-        yield s
-
-
-@pytest.fixture
-def folder() -> Iterator[str]:
-    with short_ipc_dir() as d:
-        yield d
 
 
 def _keys(n: int, salt: int = 0) -> tuple[bytes, ...]:

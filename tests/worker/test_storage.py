@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.servers import RedisServer, wait_for
-from tests.worker.helpers import digest, endpoints, short_ipc_dir
+from tests.worker.helpers import digest, endpoints
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.scheduler.dispatcher import BatchDone, Dispatcher
@@ -61,18 +61,6 @@ class Rig:
     def run(self, ops: list[P.Op]) -> BatchDone:
         seq = self.d.publish(ops, 0)
         return self.poll({seq})[seq]
-
-
-@pytest.fixture
-def stack() -> Iterator[ExitStack]:
-    with ExitStack() as s:
-        yield s
-
-
-@pytest.fixture
-def folder() -> Iterator[str]:
-    with short_ipc_dir() as d:
-        yield d
 
 
 def ids(xs: Sequence[int] | range) -> np.ndarray:
