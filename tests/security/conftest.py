@@ -1,5 +1,5 @@
-"""The fault tests' fixtures (``folder``, ``ctx``) serve here too."""
+"""The fault tests' ``ctx`` fixture serves here too (``folder``: tests/conftest.py)."""
 
-from tests.faults.conftest import ctx, folder
+from tests.faults.conftest import ctx
 
-__all__ = ["ctx", "folder"]
+__all__ = ["ctx"]
