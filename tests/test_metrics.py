@@ -94,6 +94,7 @@ def test_refused_messages_are_read_from_the_dispatcher_and_kept_once_it_closed()
         eps = endpoints(folder)
         d = Dispatcher(*eps, 1, "fp", context=ctx)
         metrics.watch_refusals(d)
+        metrics.watch_refusals(d)  # watched again (a half registered twice): counted once
         r0 = FakeRank(ctx, *eps, 0, "fp").join()
         other = FakeRank(ctx, *eps, 0, "other-fp", pid=777).join()
         try:

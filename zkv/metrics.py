@@ -101,8 +101,10 @@ REGISTRY.register(_REFUSALS)
 
 def watch_refusals(dispatcher: Any) -> None:
     """Export ``dispatcher.refusals()`` (added up over every dispatcher watched and still
-    alive) as ``zkv:refused_messages_total{reason}``."""
-    _REFUSALS.sources.append(weakref.WeakMethod(dispatcher.refusals))
+    alive) as ``zkv:refused_messages_total{reason}``; watching one again changes nothing."""
+    ref = weakref.WeakMethod(dispatcher.refusals)
+    if ref not in _REFUSALS.sources:  # (a vLLM scheduler half may be registered again)
+        _REFUSALS.sources.append(ref)
 
 
 def record_move(direction: str, num_blocks: int, num_bytes: int) -> None:

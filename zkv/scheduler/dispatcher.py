@@ -578,24 +578,17 @@ class Dispatcher:
 
     def _on_hello(self, msg: P.Hello) -> None:
         r = self._rank_of(msg.rank, "hello")
-        if r is None:
-            self._tell_refused(msg.rank, msg.pid, f"rank {msg.rank} (pid {msg.pid}) refused: "
-                               f"rank {msg.rank} is not below world size {self.world_size}")
+        if r is None:  # counted (unknown_rank) and logged by _rank_of
+            self._tell_refused(msg, f"rank {msg.rank} is not below world size "
+                                    f"{self.world_size}")
             return
         problem = self._layout_problem(msg)
         if problem is not None:
-            r.refused = f"rank {msg.rank} (pid {msg.pid}) refused: {problem}"
-            self._counts["hello"] += 1
-            self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=r.refused)
-            self._tell_refused(msg.rank, msg.pid, r.refused)
+            r.refused = self._refuse_hello(msg, problem)
             return
         if self._started:
             if msg.pid != r.joined_pid:
-                error = "hello after the group started (ranks cannot rejoin)"
-                self._counts["hello"] += 1
-                self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=error)
-                self._tell_refused(msg.rank, msg.pid,
-                                   f"rank {msg.rank} (pid {msg.pid}) refused: {error}")
+                self._refuse_hello(msg, "hello after the group started (ranks cannot rejoin)")
             return
         r.hello_pid = msg.pid
         r.refused = None
@@ -604,16 +597,27 @@ class Dispatcher:
         r.last_seen = time.monotonic()
         self._maybe_join(r)
 
-    def _tell_refused(self, rank: int, pid: int, reason: str) -> None:
-        """Tell process ``pid`` of ``rank`` that it is refused (it stops). Published now;
-        unless its ready marker came already (then its SUB gets this), again when it comes."""
+    def _refuse_hello(self, msg: P.Hello, problem: str) -> str:
+        """Count (``hello``), log and tell a refused hello; returns the reason."""
+        self._counts["hello"] += 1
+        reason = self._tell_refused(msg, problem)
+        self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=reason)
+        return reason
+
+    def _tell_refused(self, msg: P.Hello, problem: str) -> str:
+        """Tell the process that sent ``msg`` that it is refused (it stops); returns the
+        reason it is told. Published now; unless its ready marker came already (then its
+        SUB gets this), again when it comes."""
+        rank, pid = msg.rank, msg.pid
+        reason = f"rank {rank} (pid {pid}) refused: {problem}"
         self._publish_refused(rank, pid, reason)
         if rank < self.world_size and pid in self._ranks[rank].sub_pids:
-            return
+            return reason
         untold = self._untold
         untold[(rank, pid)] = reason
         if len(untold) > _MAX_UNTOLD:
             del untold[next(iter(untold))]
+        return reason
 
     def _refused_untold(self) -> bool:
         """Whether a process refused for a layout (``wait_for_ranks`` is about to raise)

@@ -38,8 +38,9 @@ Errors in a batch::
 Trust: with :class:`~zkv.security.ClientKeys` both sockets authenticate as this rank
 (CURVE pinning the scheduler's key on tcp, the rank's ipc token on ipc, where the private
 socket directory vouches for the scheduler), so only this rank can ack as this rank.
-Refusals are counted (``num_refused``) and logged at most a few lines a second. A scheduler that restarts (a new connection after the first) is joined
-again: the actor starts over at seq 0 and says hello, the new scheduler's tree is empty.
+Refusals are counted (``num_refused``) and logged at most a few lines a second. A
+scheduler that restarts (a new connection after the first) is joined again: the actor
+starts over at seq 0 and says hello, the new scheduler's tree is empty.
 """
 
 from __future__ import annotations
