@@ -28,6 +28,8 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _args import positive_int  # noqa: E402
+
 from zkv import log as zlog  # noqa: E402
 from zkv.config import CacheLayout  # noqa: E402
 from zkv.integrations.vllm.config import parse_extra_config  # noqa: E402
@@ -70,8 +72,8 @@ def step_output(rid: str, blocks: list[int], computed: int, scheduled: int) -> A
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--docs", type=int, default=200)
-    ap.add_argument("--doc-tokens", type=int, default=2048)
+    ap.add_argument("--docs", type=positive_int, default=200)
+    ap.add_argument("--doc-tokens", type=positive_int, default=2048)
     args = ap.parse_args()
     zlog.configure("bench", level="warning")
     blocks_per_doc = args.doc_tokens // BS + 1

@@ -43,6 +43,8 @@ import orjson
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _args import nonneg_int, positive_int, positive_ints  # noqa: E402
+
 from zkv import log as zlog  # noqa: E402
 from zkv import protocol as P  # noqa: E402
 from zkv.config import CacheLayout  # noqa: E402
@@ -315,9 +317,11 @@ def pipelined(d: Dispatcher, n: int, depth: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", default="1,2,4")
-    ap.add_argument("--empty", type=int, default=3000)
-    ap.add_argument("--copies", type=int, default=300)
+    ap.add_argument("--ranks", type=positive_ints, default=[1, 2, 4],
+                    help="world sizes, comma-separated (default 1,2,4)")
+    ap.add_argument("--empty", type=positive_int, default=3000, help="empty batches per group")
+    ap.add_argument("--copies", type=nonneg_int, default=300,
+                    help="copy batches per world size (0: no copy row)")
     ap.add_argument("--keys", action="store_true",
                     help="per-rank keys (zkvrun's default; on ipc: a token per rank, no "
                          "encryption) instead of the keyless ipc path")
@@ -326,7 +330,7 @@ def main() -> int:
     rows: list[Row] = []
     rates: list[tuple[int, float]] = []
     t_start = time.monotonic()
-    for world_size in [int(x) for x in args.ranks.split(",")]:
+    for world_size in args.ranks:
         folder = tempfile.mkdtemp(prefix="zkv-bench-")
         os.chmod(folder, 0o700)
         try:
@@ -344,11 +348,12 @@ def main() -> int:
                     for name, (lat, cpu) in zip(names, measured):
                         rows.append(Row(world_size, name, len(lat), lat,
                                         None if lat is measured[0][0] else floor_p50, cpu))
-                    layout = bench_layout(world_size)
-                    label = f"copy {NUM_COPY_BLOCKS}x{layout.block_bytes >> 10}KiB d2h+h2d"
-                    rows.append(Row(world_size, label, args.copies,
-                                    one_at_a_time(d, copy_batches(layout), args.copies,
-                                                  warmup=20)))
+                    if args.copies:
+                        layout = bench_layout(world_size)
+                        label = f"copy {NUM_COPY_BLOCKS}x{layout.block_bytes >> 10}KiB d2h+h2d"
+                        rows.append(Row(world_size, label, args.copies,
+                                        one_at_a_time(d, copy_batches(layout), args.copies,
+                                                      warmup=20)))
                     rates.append((world_size, pipelined(d, args.empty, depth=8)))
                 finally:
                     stop_group(d, procs)

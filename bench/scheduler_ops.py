@@ -54,6 +54,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _args import existing_file, positive_int  # noqa: E402
 from _sched_baseline import (  # noqa: E402
     chain_hashes_ids,
     chain_hashes_tokens,
@@ -271,11 +272,13 @@ def hashing_line(w: Workload) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=DEFAULT_TRACE, help="mooncake-style JSONL trace")
+    ap.add_argument("--trace", type=existing_file, default=DEFAULT_TRACE,
+                    help="mooncake-style JSONL trace")
     ap.add_argument("--quick", action="store_true", help="fewer requests, one replay (smoke)")
-    ap.add_argument("--repeat", type=int, default=None, help="replays per config (default 5)")
+    ap.add_argument("--repeat", type=positive_int, default=None,
+                    help="replays per config (default 5, 1 with --quick)")
     args = ap.parse_args()
-    repeat = max(1, args.repeat or (1 if args.quick else 5))
+    repeat = args.repeat or (1 if args.quick else 5)
     zlog.configure("bench", level="warning")  # the scheduler's per-step debug lines off
     t_start = time.perf_counter()
     workloads = [make_chat(400 if args.quick else CHAT_REQUESTS),

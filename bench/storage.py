@@ -39,6 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _args import directory, dtype, positive_int, store_url  # noqa: E402
+
 from zkv.config import CacheLayout  # noqa: E402
 from zkv.storage import Store, file_url, open_store, pack_key  # noqa: E402
 from zkv.storage.mooncake_store import MooncakeStore  # noqa: E402
@@ -47,18 +49,19 @@ from zkv.storage.mooncake_store import MooncakeStore  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="float16")
-    p.add_argument("--blocks", type=int, default=1024, help="blocks per rep")
-    p.add_argument("--batch", type=int, default=32, help="blocks per store call")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--dir", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None,
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--kv-heads", type=positive_int, default=2)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--dtype", type=dtype, default="float16")
+    p.add_argument("--blocks", type=positive_int, default=1024, help="blocks per rep")
+    p.add_argument("--batch", type=positive_int, default=32, help="blocks per store call")
+    p.add_argument("--reps", type=positive_int, default=5)
+    p.add_argument("--dir", type=directory,
+                   default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None,
                    help="where the plain file and file:// live (default /dev/shm)")
-    p.add_argument("--redis", default=None, help="an existing redis:// URL")
-    p.add_argument("--mooncake", default=None, help="an existing mooncake:// URL")
+    p.add_argument("--redis", type=store_url, default=None, help="an existing redis:// URL")
+    p.add_argument("--mooncake", type=store_url, default=None, help="an existing mooncake:// URL")
     return p.parse_args(argv)
 
 

@@ -38,6 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _args import directory, positive_int  # noqa: E402
+
 from zkv.storage import Store, file_url, leading_present, open_store, pack_key  # noqa: E402
 
 
@@ -64,9 +66,10 @@ def timed(fns: list[Callable[[], int]], reps: int) -> list[tuple[float, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--blocks", type=int, default=256, help="blocks per prompt")
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--dir", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    p.add_argument("--blocks", type=positive_int, default=256, help="blocks per prompt")
+    p.add_argument("--reps", type=positive_int, default=15)
+    p.add_argument("--dir", type=directory,
+                   default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     args = p.parse_args(argv)
     from tests.servers import MooncakeServer, RedisServer
 

@@ -39,6 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _args import dtype, nonneg_int, positive_int  # noqa: E402
+
 from zkv.config import CacheLayout
 from zkv.kernels import TorchCpuBackend, cuda_available
 from zkv.kernels.base import CopyBackend, torch_dtype
@@ -50,33 +52,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="float16")
-    p.add_argument("--blocks", type=int, default=256, help="blocks moved per copy")
-    p.add_argument("--device-blocks", type=int, default=512)
-    p.add_argument("--host-blocks", type=int, default=384)
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--dtype", type=dtype, default="float16")
+    p.add_argument("--blocks", type=positive_int, default=256,
+                   help="blocks moved per copy (at most the smaller pool's size)")
+    p.add_argument("--device-blocks", type=positive_int, default=512)
+    p.add_argument("--host-blocks", type=positive_int, default=384)
+    p.add_argument("--reps", type=positive_int, default=7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-oracle", action="store_true", help="skip the per-block Python loop row")
     p.add_argument("--cpu-only", action="store_true")
     p.add_argument("--gpu-only", action="store_true", help="skip the CPU table")
-    p.add_argument("--ctas", type=int, nargs="*", default=None,
+    p.add_argument("--ctas", type=nonneg_int, nargs="*", default=None,
                    help="CuPy: also sweep the copy kernels' thread-block cap over these values "
                         "(bandwidth and layer-wise overlap per cap; 0 = one per SM x 4)")
-    p.add_argument("--device", type=int, default=0, help="CUDA device of the CuPy part")
-    p.add_argument("--compute-dim", type=int, default=4096,
+    p.add_argument("--device", type=nonneg_int, default=0, help="CUDA device of the CuPy part")
+    p.add_argument("--compute-dim", type=positive_int, default=4096,
                    help="matmul size of the simulated per-layer forward (layer-wise overlap)")
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         nargs="*",
         default=None,
         help="torch intra-op thread counts to run the CPU table with (default: torch's)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.cpu_only and args.gpu_only:
+        p.error("--cpu-only and --gpu-only leave nothing to run")
+    if args.blocks > min(args.device_blocks, args.host_blocks):
+        p.error(f"--blocks {args.blocks} is more than the smaller pool holds "
+                f"({min(args.device_blocks, args.host_blocks)}); raise --device-blocks / "
+                f"--host-blocks")
+    if args.gpu_only and not cuda_available():
+        p.error("--gpu-only needs CUDA, and this machine has none")
+    return args
 
 
 class Table:
@@ -422,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         num_device_blocks=args.device_blocks,
         num_host_blocks=args.host_blocks,
     )
-    n = min(args.blocks, lay.num_device_blocks, lay.num_host_blocks)
+    n = args.blocks
     t0 = time.perf_counter()
     for threads in [] if args.gpu_only else args.threads or [torch.get_num_threads()]:
         # The benchmark is its own process: it may choose the thread count; the library never does.

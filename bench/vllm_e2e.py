@@ -36,9 +36,12 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _args import choices, positive_int  # noqa: E402
+
 from tests.integration.vllm_runner import build_smollm2, build_tiny_llama  # noqa: E402
 
 BLOCK = 32
+MAX_POSITIONS = 8192  # both models' max_position_embeddings
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
@@ -145,22 +148,26 @@ def bench_model(label: str, model: str, vocab: int, args: argparse.Namespace,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="tiny,smollm2")
-    ap.add_argument("--docs", type=int, default=6)
-    ap.add_argument("--doc-tokens", type=int, default=2048)
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=5,
+    ap.add_argument("--models", type=choices(("tiny", "smollm2")), default=["tiny", "smollm2"],
+                    help="comma-separated: tiny, smollm2 (default both)")
+    ap.add_argument("--docs", type=positive_int, default=6)
+    ap.add_argument("--doc-tokens", type=positive_int, default=2048)
+    ap.add_argument("--max-tokens", type=positive_int, default=4)
+    ap.add_argument("--repeat", type=positive_int, default=5,
                     help="measured rounds (median; with 3 the tiny model's ~0.1 s phases "
                          "stay within this VM's noise)")
-    ap.add_argument("--batch", type=int, default=2, help="prompts per generate call")
+    ap.add_argument("--batch", type=positive_int, default=2, help="prompts per generate call")
     ap.add_argument("--mode", choices=("both", "inprocess", "deployed"), default="both",
                     help="vLLM in one process and/or as deployed (3 processes on this VM's "
                          "2 cores: the copies then compete with the forward for a core)")
     ap.add_argument("--workdir", default=None, help="keep models and results here")
     args = ap.parse_args()
+    if args.doc_tokens + 256 > MAX_POSITIONS:
+        ap.error(f"--doc-tokens must be <= {MAX_POSITIONS - 256} (the models' {MAX_POSITIONS} "
+                 f"positions, less the prompts' suffixes), got {args.doc_tokens}")
     tmp = args.workdir or tempfile.mkdtemp(prefix="zkv-bench-vllm-")
     os.makedirs(tmp, exist_ok=True)
-    for label in args.models.split(","):
+    for label in args.models:
         if label == "tiny":
             model, vocab = build_tiny_llama(os.path.join(tmp, "tiny")), 2000
         elif label == "smollm2":

@@ -33,7 +33,10 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _args import positive_int  # noqa: E402
+
 from tests.integration.vllm_runner import build_smollm2, build_tiny_llama, scrape  # noqa: E402
+from tests.integration.vllm_server import MAX_MODEL_LEN as SERVER_MAX_MODEL_LEN  # noqa: E402
 from tests.integration.vllm_server import VllmServer  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 
@@ -100,10 +103,13 @@ def run_pd(tmp: Path, model: str, prompts: list[list[int]], args: list[str]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
-    ap.add_argument("--docs", type=int, default=6)
-    ap.add_argument("--doc-tokens", type=int, default=1900)
+    ap.add_argument("--docs", type=positive_int, default=6)
+    ap.add_argument("--doc-tokens", type=positive_int, default=1900)
     ap.add_argument("--workdir", default=None, help="keep the model and logs here")
     args = ap.parse_args()
+    if args.doc_tokens >= SERVER_MAX_MODEL_LEN:
+        ap.error(f"--doc-tokens must be < {SERVER_MAX_MODEL_LEN} (the servers' --max-model-len, "
+                 f"with one token answered), got {args.doc_tokens}")
     tmp = Path(args.workdir or tempfile.mkdtemp(prefix="zkv-bench-pd-"))
     tmp.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("ZKV_TEST_CACHE", Path.home() / ".cache" / "zkv-tests"))

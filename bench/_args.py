@@ -1,0 +1,97 @@
+"""Flag types the bench scripts share: a bad value is argparse's one ``prog: error: ...``
+line and status 2 before anything starts (a server, a worker, a model build), never a
+traceback from deep inside the run or a silent fallback to a default."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+from zkv.config import CacheLayout
+from zkv.errors import ConfigError
+from zkv.storage.url import parse_url
+
+
+def positive_int(s: str) -> int:
+    n = _int(s)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {n}")
+    return n
+
+
+def nonneg_int(s: str) -> int:
+    n = _int(s)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def positive_float(s: str) -> float:
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not x > 0 or x == float("inf"):  # NaN and inf too
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    return x
+
+
+def positive_ints(s: str) -> list[int]:
+    """``1,2,4``: a comma-separated list of ints > 0."""
+    parts = [p.strip() for p in s.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {s!r}")
+    return [positive_int(p) for p in parts]
+
+
+def choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """A comma-separated list of names out of ``allowed``."""
+    def parse(s: str) -> list[str]:
+        names = [p.strip() for p in s.split(",")]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, bad or names))}; choose from {', '.join(allowed)}")
+        return names
+    parse.__name__ = "names"
+    return parse
+
+
+def dtype(s: str) -> str:
+    """A dtype zkv's layouts take (as ``CacheLayout`` checks it)."""
+    try:
+        CacheLayout(1, 1, 1, 1, s)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def store_url(s: str) -> str:
+    """A store URL zkv can parse (the server is reached later, by the run)."""
+    try:
+        parse_url(s)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def existing_file(s: str) -> str:
+    if not os.path.isfile(s):
+        raise argparse.ArgumentTypeError(f"no such file: {s}")
+    if not os.access(s, os.R_OK):
+        raise argparse.ArgumentTypeError(f"not readable: {s}")
+    return s
+
+
+def directory(s: str) -> str:
+    if not os.path.isdir(s):
+        raise argparse.ArgumentTypeError(f"no such directory: {s}")
+    return s
+
+
+def _int(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {s!r}") from None

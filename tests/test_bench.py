@@ -1,0 +1,84 @@
+"""The bench scripts as a user runs them: a bad flag is one ``error:`` line and status 2
+before anything starts; the quick scheduler bench passes its own checks (LRU equal to the
+independent reference, the baseline's hashes equal to zkv's, the invariants after every
+replay); the pipeline bench runs without its copy row."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BAD_FLAGS = [
+    ("pipeline.py", ["--ranks", "0"], "argument --ranks: must be > 0, got 0"),
+    ("pipeline.py", ["--ranks", "1,x"], "argument --ranks: not an int: 'x'"),
+    ("pipeline.py", ["--ranks", "1,,2"], "argument --ranks: expected a comma-separated"),
+    ("pipeline.py", ["--empty", "0"], "argument --empty: must be > 0, got 0"),
+    ("pipeline.py", ["--copies", "-1"], "argument --copies: must be >= 0, got -1"),
+    ("scheduler_ops.py", ["--repeat", "0"], "argument --repeat: must be > 0, got 0"),
+    ("scheduler_ops.py", ["--trace", "/nonexistent/t.jsonl"],
+     "argument --trace: no such file: /nonexistent/t.jsonl"),
+    ("storage.py", ["--batch", "0"], "argument --batch: must be > 0, got 0"),
+    ("storage.py", ["--dtype", "float13"], "argument --dtype: unsupported dtype 'float13'"),
+    ("storage.py", ["--redis", "localhost:6379"], "argument --redis: bad store URL"),
+    ("storage.py", ["--dir", "/nonexistent"], "argument --dir: no such directory"),
+    ("store_query.py", ["--reps", "0"], "argument --reps: must be > 0, got 0"),
+    ("transfer.py", ["--blocks", "0"], "argument --blocks: must be > 0, got 0"),
+    ("transfer.py", ["--blocks", "1000"], "--blocks 1000 is more than the smaller pool holds"),
+    ("transfer.py", ["--cpu-only", "--gpu-only"], "leave nothing to run"),
+    ("connector_sched.py", ["--doc-tokens", "-1"], "argument --doc-tokens: must be > 0"),
+    ("vllm_e2e.py", ["--models", "tiny,llama"], "argument --models: unknown 'llama'"),
+    ("vllm_e2e.py", ["--doc-tokens", "9000"], "--doc-tokens must be <= 7936"),
+    ("vllm_pd.py", ["--docs", "0"], "argument --docs: must be > 0, got 0"),
+    ("vllm_pd.py", ["--doc-tokens", "2048"], "--doc-tokens must be < 2048"),
+    ("vllm_store_hang.py", ["--seconds", "nan"], "argument --seconds: must be a finite number"),
+]
+
+
+def _bench(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script,args,message", BAD_FLAGS,
+                         ids=[f"{s}:{' '.join(a)}" for s, a, _ in BAD_FLAGS])
+def test_a_bad_flag_is_one_line_and_status_2(script: str, args: list[str],
+                                             message: str) -> None:
+    r = _bench(script, *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # argparse's usage lines, then the one error
+    assert last.startswith(f"{script}: error: ") and message in last, r.stderr
+
+
+def test_transfer_gpu_only_without_cuda_says_so() -> None:
+    from zkv.kernels import cuda_available
+
+    if cuda_available():
+        pytest.skip("this machine has CUDA: --gpu-only runs")
+    r = _bench("transfer.py", "--gpu-only")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1] == (
+        "transfer.py: error: --gpu-only needs CUDA, and this machine has none")
+
+
+def test_scheduler_bench_quick_passes_its_checks() -> None:
+    r = _bench("scheduler_ops.py", "--quick", timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    policy_rows = [ln for ln in r.stdout.splitlines() if "lru == reference" in ln]
+    assert len(policy_rows) == 7, r.stdout  # chat and trace at every capacity
+    assert "chat, 20,000 device blocks, hashing included:" in r.stdout
+
+
+def test_pipeline_bench_without_copies() -> None:
+    r = _bench("pipeline.py", "--ranks", "1", "--empty", "40", "--copies", "0", timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    workloads = [ln[7:33].strip() for ln in r.stdout.splitlines() if ln.startswith("    1  ")]
+    assert workloads == [
+        "bare pyzmq echo (floor)", "echo + orjson parse only", "echo + zkv codec", "empty"]
+    assert "copy" not in r.stdout and "target empty p50 <= 1.2x floor: 1 ranks" in r.stdout
