@@ -128,3 +128,20 @@ def pools_fit(need_bytes: int) -> tuple[bool, int | None]:
     available now (True where that is unknown), and the bytes available."""
     free = available_memory()
     return free is None or need_bytes <= POOL_MEMORY_SHARE * free, free
+
+
+def pools_shortfall(layout: CacheLayout, *, device: bool = True) -> str | None:
+    """None when every rank's host pool (and device pool, with ``device``) of ``layout``
+    fits (:func:`pools_fit`); else what they need against what there is, the start of the
+    caller's one error line (the caller says what to lower)."""
+    blocks = layout.num_host_blocks + (layout.num_device_blocks if device else 0)
+    need = layout.world_size * blocks * layout.block_bytes
+    fits, free = pools_fit(need)
+    if fits:
+        return None
+    assert free is not None
+    counts = (f"{layout.num_device_blocks}+{layout.num_host_blocks}" if device
+              else f"{layout.num_host_blocks}")
+    return (f"the {'pools' if device else 'host pools'} need {need / 2**30:.1f} GiB "
+            f"({layout.world_size} ranks x {counts} blocks x {layout.block_bytes >> 10} KiB) "
+            f"and {free / 2**30:.1f} GiB is available")

@@ -36,7 +36,7 @@ import orjson
 from tqdm import tqdm
 
 from zkv import metrics as M
-from zkv.config import CacheLayout, pools_fit
+from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_log_dir
 from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
@@ -580,14 +580,9 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
     if args.ranks > max_local_ranks():
         raise ConfigError(f"--ranks {args.ranks} is more than 4 per core ({max_local_ranks()} "
                           "here); pass --force if you mean it")
-    need = args.ranks * (args.device_blocks + args.host_blocks) * layout.block_bytes
-    fits, free = pools_fit(need)
-    if not fits:
-        assert free is not None
-        raise ConfigError(f"the pools need {need / 2**30:.1f} GiB ({args.ranks} ranks x "
-                          f"{args.device_blocks}+{args.host_blocks} blocks x "
-                          f"{layout.block_bytes >> 10} KiB), {free / 2**30:.1f} GiB is "
-                          "available; lower them or pass --force")
+    short = pools_shortfall(layout)
+    if short:
+        raise ConfigError(f"{short}; lower them or pass --force")
     return layout
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import zmq
 
 from zkv import protocol as P
-from zkv.config import CacheLayout
+from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_log_dir
 from zkv.replay import chat_max_prompt_blocks
@@ -159,8 +159,7 @@ class Soak:
 
         self.args = args
         self.rng = random.Random(args.seed)
-        self.layout = CacheLayout(2, 2, BLOCK_SIZE, 32, "float16", args.device_blocks, args.host_blocks,
-                                  world_size=args.ranks)
+        self.layout = soak_layout(args)
         self.run_dir = run_dir
         self.store_dir = os.path.join(run_dir, "l3")
         os.mkdir(self.store_dir, 0o700)
@@ -440,6 +439,11 @@ class Soak:
         self.confirm.append(("restart", self.report.epochs - 1))
 
 
+def soak_layout(args: argparse.Namespace) -> CacheLayout:
+    return CacheLayout(2, 2, BLOCK_SIZE, 32, "float16", args.device_blocks, args.host_blocks,
+                       world_size=args.ranks)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="zkv soak", description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=120.0)
@@ -453,11 +457,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-blocks", type=int, default=256)
     p.add_argument("--store-mb", type=int, default=256, help="L3 byte budget (all ranks)")
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--force", action="store_true",
+                   help="more ranks than 4 per core, or pools past the memory there is")
     args = p.parse_args(argv)
     args.faults = [f for f in args.faults.split(",") if f]
     bad = set(args.faults) - set(FAULTS)
     if bad or not args.faults:
-        p.error(f"unknown faults {sorted(bad)}; choose from {','.join(FAULTS)}")
+        p.error(f"unknown faults {sorted(bad)}; choose from {','.join(FAULTS)}" if bad else
+                f"--faults names none; choose from {','.join(FAULTS)}")
     if (args.ranks < 1 or args.check_every < 1
             or not all(0 < x < math.inf for x in (args.seconds, args.fault_every))):  # not NaN
         p.error("--ranks, --seconds, --fault-every and --check-every must be positive "
@@ -468,6 +475,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                 f"alone), got {args.device_blocks}")
     if args.host_blocks < 0 or args.store_mb < 1:
         p.error("--host-blocks must be >= 0 and --store-mb >= 1")
+    if not args.force:  # as zkv replay and zkvrun bound them
+        from launch.env import max_local_ranks
+
+        if args.ranks > max_local_ranks():
+            p.error(f"--ranks {args.ranks} is more than 4 per core ({max_local_ranks()} "
+                    "here); pass --force if you mean it")
+        short = pools_shortfall(soak_layout(args))
+        if short:
+            p.error(f"{short}; lower them or pass --force")
     if args.log_dir:
         try:
             check_log_dir(args.log_dir)

@@ -66,6 +66,39 @@ def test_pools_that_carry_no_traffic_are_refused(args: list[str], message: str,
     assert capsys.readouterr().err.splitlines()[-1] == f"zkv soak: error: {message}"
 
 
+def test_ranks_and_pools_past_the_machine_are_refused_unless_forced(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """As zkv replay and zkvrun bound them: before, ``--ranks 99`` started 99 workers on
+    this 2-core VM and ran far past its --seconds."""
+    from launch.env import max_local_ranks
+    from zkv.soak import _parse
+
+    too_many = max_local_ranks() + 1
+    with pytest.raises(SystemExit) as e:
+        _parse(["--ranks", str(too_many)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"zkv soak: error: --ranks {too_many} is more than 4 per core ({max_local_ranks()} "
+        "here); pass --force if you mean it")
+    with pytest.raises(SystemExit) as e:
+        _parse(["--device-blocks", str(10**12)])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert re.fullmatch(r"zkv soak: error: the pools need [\d.]+ GiB \(2 ranks x "
+                        r"1000000000000\+256 blocks x \d+ KiB\) and [\d.]+ GiB is available; "
+                        r"lower them or pass --force", last), last
+    assert _parse(["--ranks", str(too_many), "--device-blocks", str(10**12), "--force"]).force
+
+
+def test_no_faults_named_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from zkv.soak import FAULTS, _parse
+
+    with pytest.raises(SystemExit):
+        _parse(["--faults", ","])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"zkv soak: error: --faults names none; choose from {','.join(FAULTS)}")
+
+
 def test_a_log_dir_that_cannot_be_one_is_refused(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     from zkv.soak import _parse

@@ -52,11 +52,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zkv.config import CacheLayout, pools_fit
+from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError
 from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy
 from zkv.scheduler.records import WRITE_POLICIES, WRITE_THROUGH
 from zkv.storage.url import parse_url
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -236,11 +237,6 @@ def check_host_memory(layout: CacheLayout) -> None:
     the machine: zkv's sockets are ipc://) within ``POOL_MEMORY_SHARE`` of the memory
     available. A pool past that would be allocated lazily and run the machine out of
     memory while serving, not at start."""
-    need = layout.world_size * layout.num_host_blocks * layout.block_bytes
-    fits, free = pools_fit(need)
-    if not fits:
-        assert free is not None
-        raise ConfigError(
-            f"zkv: the host pools need {need / 2**30:.1f} GiB ({layout.world_size} ranks x "
-            f"{layout.num_host_blocks} blocks x {layout.block_bytes >> 10} KiB) and "
-            f"{free / 2**30:.1f} GiB is available; lower host_bytes or host_blocks")
+    short = pools_shortfall(layout, device=False)
+    if short:
+        raise ConfigError(f"zkv: {short}; lower host_bytes or host_blocks")
