@@ -3,6 +3,9 @@ of bad block refused, deleted and counted, never served."""
 
 from __future__ import annotations
 
+import uuid
+from typing import Any
+
 import numpy as np
 import pytest
 import xxhash
@@ -153,3 +156,31 @@ def test_empty_batches_and_bad_keys(backend: Backend) -> None:
     assert store.exists([]) == []
     with pytest.raises(ValueError):
         store.put(b"short", b"x")
+
+
+def test_redis_gets_are_one_mget_and_a_non_string_key_is_a_miss(redis_server: Any) -> None:
+    """Gets are one MGET (one command whatever the batch); a key of the store's that holds
+    something else than a string (another client's list) is a miss, the rest are served."""
+    from zkv.storage import open_store
+
+    store = open_store(redis_server.url, f"t{uuid.uuid4().hex[:12]}")
+    try:
+        src = blocks(3, 8)
+        ks = keys(3, "mget")
+        assert store.put_many(ks, list(src)) == [True] * 3
+        client = redis_server.client()
+        client.delete(store.name(ks[1]))
+        client.rpush(store.name(ks[1]), b"not a block")
+        before = client.info("commandstats")
+        dst = np.zeros((3, BLOCK), np.uint8)
+        assert store.get_many_into(ks, list(dst)) == [True, False, True]
+        after = client.info("commandstats")
+        assert dst[0].tobytes() == src[0].tobytes() and dst[2].tobytes() == src[2].tobytes()
+        assert not dst[1].any()
+        calls = {c: after[c]["calls"] - before.get(c, {"calls": 0})["calls"]
+                 for c in ("cmdstat_mget", "cmdstat_get") if c in after}
+        assert (calls["cmdstat_mget"], calls.get("cmdstat_get", 0)) == (1, 0), calls
+        s = store.stats
+        assert (s.hits, s.misses, s.errors) == (2, 1, 0)
+    finally:
+        store.close()
