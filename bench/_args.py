@@ -1,6 +1,7 @@
-"""Flag types the bench scripts share: a bad value is argparse's one ``prog: error: ...``
-line and status 2 before anything starts (a server, a worker, a model build), never a
-traceback from deep inside the run or a silent fallback to a default."""
+"""Flag types the bench scripts share (the generic ones from ``zkv.argtypes``): a bad value
+is argparse's one ``prog: error: ...`` line and status 2 before anything starts (a server,
+a worker, a model build), never a traceback from deep inside the run or a silent fallback
+to a default."""
 
 from __future__ import annotations
 
@@ -8,33 +9,13 @@ import argparse
 import os
 from collections.abc import Callable
 
+from zkv.argtypes import nonneg_int, positive_float, positive_int
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
 from zkv.storage.url import parse_url
 
-
-def positive_int(s: str) -> int:
-    n = _int(s)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {n}")
-    return n
-
-
-def nonneg_int(s: str) -> int:
-    n = _int(s)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
-def positive_float(s: str) -> float:
-    try:
-        x = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not x > 0 or x == float("inf"):  # NaN and inf too
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
-    return x
+__all__ = ["choices", "directory", "dtype", "existing_file", "nonneg_int", "positive_float",
+           "positive_int", "positive_ints", "store_url"]
 
 
 def positive_ints(s: str) -> list[int]:
@@ -88,10 +69,3 @@ def directory(s: str) -> str:
     if not os.path.isdir(s):
         raise argparse.ArgumentTypeError(f"no such directory: {s}")
     return s
-
-
-def _int(s: str) -> int:
-    try:
-        return int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an int: {s!r}") from None

@@ -122,6 +122,20 @@ def test_cli_logs_subcommand(run_dir: Path, capsys: pytest.CaptureFixture[str]) 
     assert capsys.readouterr().err == f"zkv logs: {run_dir / 'empty'}: no *.jsonl log files in it\n"
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--seq", "-1"], "argument --seq: must be >= 0, got -1"),
+    (["--rank", "0", "-2"], "argument --rank: must be >= 0, got -2"),
+    (["--rank", "x"], "argument --rank: not an int: 'x'"),
+    (["--poll-s", "0"], "argument --poll-s: must be a finite number > 0, got 0"),
+])
+def test_filters_that_match_nothing_are_bad_flags(run_dir: Path, args: list[str], message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:  # was: no output and status 0 (or a busy loop)
+        cli.main(["logs", str(run_dir), *args])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"zkv logs: error: {message}"
+
+
 def test_cli_replay_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
     fake = types.ModuleType("zkv.replay")

@@ -26,6 +26,8 @@ from typing import Any, TextIO
 
 import orjson
 
+from zkv.argtypes import nonneg_int, positive_float
+
 DEFAULT_POLL_S = 0.25
 _LEVEL_NUM = {"debug": 10, "info": 20, "warn": 30, "warning": 30, "error": 40,
               "exception": 40, "critical": 50, "fatal": 50}
@@ -242,15 +244,16 @@ def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="log directory of a run (or one .jsonl file)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    p.add_argument("--rank", type=int, nargs="+", action="extend", default=None, metavar="R",
-                   help="only events of these ranks")
-    p.add_argument("--seq", type=int, default=None, metavar="N", help="only events of batch N")
+    p.add_argument("--rank", type=nonneg_int, nargs="+", action="extend", default=None,
+                   metavar="R", help="only events of these ranks")
+    p.add_argument("--seq", type=nonneg_int, default=None, metavar="N",
+                   help="only events of batch N")
     p.add_argument("--level", default=None, choices=["debug", "info", "warning", "error",
                    "critical"], help="minimum level")
     p.add_argument("--event", default=None, metavar="SUBSTR",
                    help="only events whose name contains SUBSTR (case-insensitive)")
     p.add_argument("--json", action="store_true", help="print the raw JSON lines")
-    p.add_argument("--poll-s", type=float, default=DEFAULT_POLL_S, help=argparse.SUPPRESS)
+    p.add_argument("--poll-s", type=positive_float, default=DEFAULT_POLL_S, help=argparse.SUPPRESS)
 
 
 def run_args(ns: argparse.Namespace) -> int:

@@ -1,0 +1,40 @@
+"""argparse ``type=`` callables for zkv's commands and the bench scripts: a bad value is
+argparse's one ``prog: error: argument --flag: ...`` line and status 2, before anything
+starts, instead of a value that fails deep in the run or silently matches nothing."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive_int(s: str) -> int:
+    n = _int(s)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {n}")
+    return n
+
+
+def nonneg_int(s: str) -> int:
+    n = _int(s)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def positive_float(s: str) -> float:
+    """A finite number > 0 (NaN and inf are refused)."""
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not 0 < x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    return x
+
+
+def _int(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {s!r}") from None
