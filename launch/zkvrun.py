@@ -16,6 +16,8 @@ reaches the whole tree under it; on Linux each also gets ``PR_SET_PDEATHSIG=SIGK
 so a SIGKILLed zkvrun leaves no orphans. Exit codes: 0 (scheduler exited 0, or every
 rank exited 0 on a node without one), the scheduler's code, 1 (a rank failed with no
 restarts left), 2 (usage / refused configuration), 128+signum (SIGINT / SIGTERM / SIGHUP).
+A child's exit is reported as ``code N``; for ranks that run ``-m zkv.worker`` with what N
+means there (``code 4 (refused by the scheduler)``, ``zkv.exit_codes``).
 
 Restarts (``--max-restarts N``) restart the whole group, like torchrun: a scheduler that
 lost a rank cannot take it back (the rank's cache died with it and the scheduler's tree
@@ -44,7 +46,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from launch.env import (
@@ -66,21 +68,31 @@ from launch.env import (
 from zkv import log as zlog
 from zkv import security
 from zkv.errors import ConfigError
+from zkv.exit_codes import WORKER_EXITS
 
-__all__ = ["Endpoints", "LaunchConfig", "describe_exit", "main", "make_endpoints",
+__all__ = ["Endpoints", "LaunchConfig", "describe_exit", "exit_meanings", "main", "make_endpoints",
            "max_local_ranks", "parse_args", "rank_env", "resolve_cmd", "run", "scheduler_env"]
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def describe_exit(code: int) -> str:
-    """``code 3`` or ``code -9 (SIGKILL)``."""
+def describe_exit(code: int, meanings: Mapping[int, str] | None = None) -> str:
+    """``code 3``, ``code -9 (SIGKILL)``, or with the program's own ``meanings`` of its
+    codes ``code 4 (refused by the scheduler)``."""
     if code < 0:
         try:
             return f"code {code} ({signal.Signals(-code).name})"
         except ValueError:
             return f"code {code} (signal {-code})"
-    return f"code {code}"
+    meaning = meanings.get(code) if meanings else None
+    return f"code {code} ({meaning})" if meaning else f"code {code}"
+
+
+def exit_meanings(cmd: list[str]) -> Mapping[int, str] | None:
+    """What the exit codes of ``cmd`` mean where zkvrun knows the program: ``-m zkv.worker``
+    (zkv's own rank); None for any other command (its codes are its own)."""
+    return WORKER_EXITS if any(a == "-m" and b == "zkv.worker"
+                               for a, b in zip(cmd, cmd[1:])) else None
 
 
 def _make_pdeathsig() -> Callable[[], None] | None:
@@ -120,6 +132,10 @@ class _Child:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    def how(self, code: int) -> str:
+        """Its exit ``code`` in words (with zkv.worker's meanings where it runs that)."""
+        return describe_exit(code, exit_meanings(self.cmd))
 
     def fields(self) -> dict[str, object]:
         """Log fields naming this child (no ``rank`` on the scheduler: it is not one)."""
@@ -208,7 +224,7 @@ class _Group:
         _killpg(child.pid, signal.SIGKILL)  # whatever it left behind in its group
         event = zlog.SCHEDULER_EXITED if child.role == SCHEDULER else zlog.RANK_EXITED
         self.log.info(event, **child.fields(), child_pid=child.pid, code=code,
-                      how=describe_exit(code))
+                      how=child.how(code))
 
     def _live(self) -> list[_Child]:
         return [c for c in self.children if c.alive()]
@@ -246,7 +262,7 @@ class _Group:
         self.failed = True
         live = self._live()
         left = self.config.max_restarts - self.attempt
-        head = f"zkvrun: {child.name} (pid {child.pid}) exited with {describe_exit(code)}"
+        head = f"zkvrun: {child.name} (pid {child.pid}) exited with {child.how(code)}"
         if left > 0:
             tail = (f"; tearing down {len(live)} processes, then restarting the group "
                     f"({self.attempt + 1}/{self.config.max_restarts})")
@@ -255,7 +271,7 @@ class _Group:
                     else "") + f"; tearing down {len(live)} processes"
         print(head + tail, file=sys.stderr, flush=True)
         self.log.error(zlog.GROUP_FAILED, **child.fields(), child_pid=child.pid, code=code,
-                       how=describe_exit(code), restarts=self.attempt,
+                       how=child.how(code), restarts=self.attempt,
                        num_torn_down=len(live))
         self.teardown(signal.SIGTERM)
         if child.role == SCHEDULER:

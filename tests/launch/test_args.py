@@ -14,6 +14,7 @@ from launch.zkvrun import (
     Endpoints,
     LaunchConfig,
     describe_exit,
+    exit_meanings,
     main,
     make_endpoints,
     parse_args,
@@ -111,6 +112,13 @@ def test_resolve_cmd_and_describe_exit() -> None:
         resolve_cmd([])
     assert describe_exit(3) == "code 3"
     assert describe_exit(-9) == "code -9 (SIGKILL)"
+    worker = exit_meanings([sys.executable, "-m", "zkv.worker"])
+    assert describe_exit(3, worker) == "code 3 (missed batches)"
+    assert describe_exit(4, worker) == "code 4 (refused by the scheduler)"
+    assert describe_exit(7, worker) == "code 7"  # not one of zkv.worker's
+    assert describe_exit(-15, worker) == "code -15 (SIGTERM)"
+    assert exit_meanings([sys.executable, "-m", "my_engine.worker", "zkv.worker"]) is None
+    assert exit_meanings(["/usr/bin/zkv.worker"]) is None
 
 
 def test_run_in_process_restores_signal_handlers(tmp_path: Path) -> None:

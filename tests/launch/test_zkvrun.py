@@ -484,3 +484,36 @@ def test_the_commands_it_logs_hide_url_passwords(tmp_path: Path) -> None:
     assert started[zlog.SCHEDULER_STARTED][-2:] == ["--storage", "redis://***@127.0.0.1:6379/0"]
     assert started[zlog.RANK_STARTED][-1] == "redis://***@h:1/0"
     assert "s3cret" not in "".join(p.read_text() for p in logs.iterdir()) + r.stderr
+
+
+def test_a_refused_zkv_worker_rank_is_reported_with_what_its_code_means(tmp_path: Path) -> None:
+    """A real ``-m zkv.worker`` rank whose layout the scheduler refuses exits 4 on its own;
+    zkvrun says what 4 means for zkv.worker (another program's 4 stays a plain ``code 4``:
+    test_restarts_run_out)."""
+    sched = script(tmp_path, "sched.py", r'''
+import dataclasses
+from zkv import security
+from zkv.config import CacheLayout
+from zkv.errors import ConfigError
+from zkv.scheduler.dispatcher import Dispatcher
+ours = CacheLayout.from_env()
+theirs = dataclasses.replace(ours, head_dim=ours.head_dim * 2)  # not what the ranks have
+d = Dispatcher(os.environ["ZKV_PUB_ENDPOINT"], os.environ["ZKV_PULL_ENDPOINT"],
+               ours.world_size, theirs, keys=security.keyring_from_env())
+try:
+    d.wait_for_ranks(20.0)
+except ConfigError:
+    put("refused", "")
+    time.sleep(20)  # the rank's own exit is what zkvrun reports first
+d.close()
+''')
+    layout = CacheLayout(2, 2, 16, 32, "float16", 8, 8)
+    r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs"), "--config", layout.to_json(),
+                   "--scheduler", sched, "-m", "zkv.worker", ZKV_BACKEND="cpu")
+    assert r.returncode == 1, r.stderr
+    assert (tmp_path / "refused").exists(), r.stderr
+    assert "zkv.worker: rank 0: refused by the scheduler: " in r.stderr
+    assert ("exited with code 4 (refused by the scheduler); no restarts left; tearing down 1 "
+            "processes") in r.stderr, r.stderr
+    (exited,) = [e for e in events(tmp_path / "logs") if e["event"] == zlog.RANK_EXITED]
+    assert exited["how"] == "code 4 (refused by the scheduler)"

@@ -31,8 +31,9 @@ import threading
 from zkv import log as zlog
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
+from zkv.exit_codes import EXIT_CONFIG, EXIT_FATAL, EXIT_REFUSED
 from zkv.storage import Store, file_url, open_store
-from zkv.worker.actor import EXIT_FATAL, EXIT_REFUSED, WorkerActor
+from zkv.worker.actor import WorkerActor
 from zkv.worker.sidecar import (
     endpoints_from_env,
     rank_from_env,
@@ -40,7 +41,6 @@ from zkv.worker.sidecar import (
     security_from_env,
 )
 
-EXIT_CONFIG = 2
 _PARENT_CHECK_S = 0.5
 
 

@@ -60,16 +60,12 @@ from zkv import protocol as P
 from zkv import security
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError, DeviceFault, ProtocolError
+from zkv.exit_codes import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, EXIT_SEQ_GAP
 from zkv.kernels.layout import describe_for_layout
 from zkv.storage import Store
 from zkv.worker.layers import LayerDoneCounter
 from zkv.worker.storage_io import IO_KINDS, StorageIO
 from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
-
-EXIT_OK = 0
-EXIT_FATAL = 1
-EXIT_SEQ_GAP = 3
-EXIT_REFUSED = 4
 
 #: How often the actor looks at its connection monitor (a scheduler restart) between batches.
 _MONITOR_EVERY_S = 0.1
