@@ -92,15 +92,19 @@ def test_refused_messages_are_read_from_the_dispatcher_and_kept_once_it_closed()
     ctx: zmq.Context[object] = zmq.Context()
     with short_ipc_dir() as folder:
         eps = endpoints(folder)
-        d = Dispatcher(*eps, 1, "fp", context=ctx)
+        d = Dispatcher(*eps, 2, "fp", context=ctx)
         metrics.watch_refusals(d)
         metrics.watch_refusals(d)  # watched again (a half registered twice): counted once
         r0 = FakeRank(ctx, *eps, 0, "fp").join()
-        other = FakeRank(ctx, *eps, 0, "other-fp", pid=777).join()
+        # Rank 1 with another layout (rank 0's own hello would clear a refusal of rank 0's
+        # record if it came second: its order against r0's is not fixed), then as it fits.
+        other = FakeRank(ctx, *eps, 1, "other-fp", pid=777).join()
+        r1 = None
         try:
             with pytest.raises(ConfigError):
                 d.wait_for_ranks(5)
-            d.wait_for_ranks(5)  # r0 joins
+            r1 = FakeRank(ctx, *eps, 1, "fp").join()
+            d.wait_for_ranks(5)  # r0 and r1 join
             r0.send_raw([b"junk", b"{"])
             r0.send(P.BlocksCopied(42, 0, True, ()))  # no batch 42 was published
             assert holds_within(lambda: d.refusals()["unknown_seq"] == 1, 5, lambda: d.poll(0.01))
@@ -109,8 +113,9 @@ def test_refused_messages_are_read_from_the_dispatcher_and_kept_once_it_closed()
             assert got == {r: want.get(r, 0) for r in metrics.REFUSAL_REASONS}, got
         finally:
             d.close(shutdown=False)
-            r0.close()
-            other.close()
+            for r in (r0, other, r1):
+                if r is not None:
+                    r.close()
         got = {k: v - base[k] for k, v in _refused().items()}
         assert {k: v for k, v in got.items() if v} == want  # kept once closed
         d = None  # type: ignore[assignment]  # the last reference

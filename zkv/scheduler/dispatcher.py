@@ -5,25 +5,11 @@
     Dispatcher ── XPUB ─ CopyBlocks(seq), Shutdown, Refused ──────► SUB   rank 0..W-1
                ◄─ PULL ─ BlocksCopied, Hello, Heartbeat, Bye ─────── PUSH
 
-Joining. A rank counts as joined when (a) its ``Hello`` carried the scheduler's layout
-fingerprint and (b) the XPUB reported the rank's :func:`~zkv.protocol.ready_topic`
-subscription for the same pid. The worker's SUB subscribes to everything (``b""``) before
-that marker, and a SUB sends its subscriptions in order over one pipe, so (b) proves that
-every later batch reaches the rank: no slow-joiner drop. No batch is published before
-every rank joined.
-
-Refusing. A hello the dispatcher does not take is answered with ``Refused(rank, pid,
-reason)`` on the XPUB, so that process stops at once with the reason (exit code 4)
-instead of waiting for batches that never come::
-
-    hello ─┬─ layout differs ─────────► Refused("... refused: <fields>"), and
-           │                            wait_for_ranks raises ConfigError naming them
-           ├─ rank >= world size ─────► Refused("rank R is not below world size W")
-           └─ a new pid after start ──► Refused("... cannot rejoin"); the running rank
-                                        (another pid) reads past it
-    its ready marker comes later ─────► Refused again (the SUB may not have been connected
-                                        at the hello; ``_MAX_UNTOLD`` are kept), and
-                                        wait_for_ranks waits up to ``_TELL_S`` for it
+Joining and refusing (:mod:`zkv.scheduler.membership`, drawn there). A rank joins with a
+``Hello`` carrying the scheduler's layout and its ready-topic subscription (proof that
+every later batch reaches it); no batch is published before every rank joined. A hello
+that is not taken is answered with ``Refused(rank, pid, reason)`` on the XPUB (the
+process exits 4), and ``wait_for_ranks`` raises ``ConfigError`` for a layout that differs.
 
 Acks. Every in-flight batch keeps a bitmask of the ranks that acked it; an ack does
 ``acked |= 1 << rank`` and the batch completes when ``acked == all_mask`` (O(ops) per
@@ -62,10 +48,8 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
-import orjson
 import zmq
 
 from zkv import log as ev
@@ -73,10 +57,9 @@ from zkv import protocol as P
 from zkv import security
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError, ProtocolError, RankLost
+from zkv.scheduler.membership import RANK_REFUSED, TELL_S, Membership
 from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
 
-RANK_REFUSED = "dispatcher.rank_refused"
-RANK_LEFT = "dispatcher.rank_left"
 DISPATCHER_STOPPED = "dispatcher.stopped"
 
 #: How often ``poll`` checks deadlines (heartbeats, acks, disconnects); it wakes at least
@@ -88,11 +71,6 @@ _SUBS_EVERY_S = 0.01
 #: A rank whose subscriber disconnected is declared lost this long after (unless its Bye
 #: arrives first and gives the reason).
 _BYE_GRACE_S = 0.05
-#: Refusals kept to tell again when that process's subscriber shows up (bounded: one
-#: rank could say hello from many pids).
-_MAX_UNTOLD = 64
-#: How long ``wait_for_ranks`` waits for a refused process's subscriber before it raises.
-_TELL_S = 1.0
 #: Messages taken per drain before deadlines are looked at again.
 _MAX_DRAIN = 256
 #: ``_drain`` rounds to read a backlog before judging deadlines (8 ranks beating every
@@ -144,18 +122,6 @@ class _InFlight:
         self.acked = 0  # bit per rank
         self.results: dict[int, P.OpResult] = {}
         self.waiting: dict[int, frozenset[int]] = {}  # rank -> ops still pending
-
-
-@dataclass(slots=True)
-class _Rank:
-    rank: int
-    hello_pid: int | None = None
-    sub_pids: set[int] = field(default_factory=set)
-    joined_pid: int | None = None
-    last_seen: float = 0.0
-    last_seq: int = -1
-    refused: str | None = None
-    disconnected_at: float | None = None
 
 
 class Dispatcher:
@@ -219,8 +185,6 @@ class Dispatcher:
                         "unknown_rank": 0, "hello": 0}
         self._final_counts: dict[str, int] | None = None  # refusals() once closed
         self.num_received = 0
-        # (rank, pid) -> reason: refused, its subscriber not seen yet (see _tell_refused)
-        self._untold: dict[tuple[int, int], str] = {}
         # With keys every connection's User-Id is its rank; messages come as zmq.Frames.
         self._authenticated = keys is not None
         self._user_rank = {str(r): r for r in range(world_size)}
@@ -247,7 +211,10 @@ class Dispatcher:
         self._pull_only = [(self._pull, POLLIN)]
         self._next_subs = 0.0
         self._max_wait_ms = 100  # longest poll; shorter once a rank's SUB went away
-        self._ranks = [_Rank(r) for r in range(world_size)]
+        self._members = Membership(world_size, self.layout, self.layout_fingerprint,
+                                   counts=self._counts, log=self._log, refuse=self._refuse,
+                                   forged=self._forged_log, tell=self._publish_refused)
+        self._ranks = self._members.ranks  # the same records (acks update them)
         self._lost: dict[int, str] = {}
         self._in_flight: dict[int, _InFlight] = {}
         self._completed: list[BatchDone] = []
@@ -315,26 +282,24 @@ class Dispatcher:
         deadline = time.monotonic() + timeout_s
         while True:
             self._drain()
-            refused = [r.refused for r in self._ranks if r.refused]
-            if refused:
+            members = self._members
+            if members.any_refused():
                 # Let the refused processes hear it (their subscribers may be on the way).
-                tell_until = min(deadline, time.monotonic() + _TELL_S)
-                while self._refused_untold() and time.monotonic() < tell_until:
+                tell_until = min(deadline, time.monotonic() + TELL_S)
+                while members.refused_untold() and time.monotonic() < tell_until:
                     self._poller.poll(10)
                     self._drain(acks=False)
-                for r in self._ranks:
-                    r.refused = None  # reported once; a later hello may fix it
-                raise ConfigError("; ".join(refused))
-            if all(r.joined_pid is not None for r in self._ranks):
+                raise ConfigError("; ".join(members.take_refused()))
+            if members.all_joined():
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(self._missing_message(timeout_s))
+                raise TimeoutError(members.missing(timeout_s))
             self._poller.poll(max(1, min(100, int(left * 1000))))
         now = time.monotonic()
         for r in self._ranks:
             r.last_seen = now
-        self._started = True
+        self._started = self._members.started = True
         self._hot_log = self._log.bind()
         self._info = ev.enabled(logging.INFO)
         self._log.info(ev.RANK_JOINED, num_ranks=self.world_size, all_joined=True)
@@ -515,6 +480,12 @@ class Dispatcher:
             else:
                 self._on_subscription(frame.bytes, self._sender(frame))
 
+    def _on_subscription(self, sub: bytes, sender: int | None) -> None:
+        if self._members.on_subscription(sub, sender, self._authenticated):
+            # A joined rank's SUB went away: declared lost after a short grace, so that a
+            # Bye sent just before the disconnect (say, a seq gap) gives the reason.
+            self._max_wait_ms = int(_BYE_GRACE_S * 1000)  # wake to declare it lost
+
     def _take_message(self) -> None:
         """Receive and handle one queued message from a rank (there is one: a poll or an
         EVENTS check said so, and only this thread reads)."""
@@ -561,76 +532,13 @@ class Dispatcher:
         elif isinstance(msg, P.Heartbeat):
             self._on_heartbeat(msg)
         elif isinstance(msg, P.Hello):
-            self._on_hello(msg)
+            self._members.on_hello(msg)
         elif isinstance(msg, P.Bye):
             self._on_bye(msg)
 
     def _refuse(self, reason: str, **fields: Any) -> None:
         self._counts[reason] += 1
         self._refused_log(**fields)
-
-    def _rank_of(self, rank: int, what: str) -> _Rank | None:
-        if rank >= self.world_size:
-            self._refuse("unknown_rank", error=f"{what} from rank {rank} >= world size "
-                         f"{self.world_size}", rank=rank)
-            return None
-        return self._ranks[rank]
-
-    def _on_hello(self, msg: P.Hello) -> None:
-        r = self._rank_of(msg.rank, "hello")
-        if r is None:  # counted (unknown_rank) and logged by _rank_of
-            self._tell_refused(msg, f"rank {msg.rank} is not below world size "
-                                    f"{self.world_size}")
-            return
-        problem = self._layout_problem(msg)
-        if problem is not None:
-            r.refused = self._refuse_hello(msg, problem)
-            return
-        if self._started:
-            if msg.pid != r.joined_pid:
-                self._refuse_hello(msg, "hello after the group started (ranks cannot rejoin)")
-            return
-        r.hello_pid = msg.pid
-        r.refused = None
-        if self._untold:  # refused before, fits now: never tell it otherwise
-            self._untold.pop((msg.rank, msg.pid), None)
-        r.last_seen = time.monotonic()
-        self._maybe_join(r)
-
-    def _refuse_hello(self, msg: P.Hello, problem: str) -> str:
-        """Count (``hello``), log and tell a refused hello; returns the reason."""
-        self._counts["hello"] += 1
-        reason = self._tell_refused(msg, problem)
-        self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=reason)
-        return reason
-
-    def _tell_refused(self, msg: P.Hello, problem: str) -> str:
-        """Tell the process that sent ``msg`` that it is refused (it stops); returns the
-        reason it is told. Published now; unless its ready marker came already (then its
-        SUB gets this), again when it comes."""
-        rank, pid = msg.rank, msg.pid
-        reason = f"rank {rank} (pid {pid}) refused: {problem}"
-        self._publish_refused(rank, pid, reason)
-        if rank < self.world_size and pid in self._ranks[rank].sub_pids:
-            return reason
-        untold = self._untold
-        untold[(rank, pid)] = reason
-        if len(untold) > _MAX_UNTOLD:
-            del untold[next(iter(untold))]
-        return reason
-
-    def _refused_untold(self) -> bool:
-        """Whether a process refused for a layout (``wait_for_ranks`` is about to raise)
-        has not been told for sure yet."""
-        return any(rank < self.world_size and self._ranks[rank].refused
-                   for rank, _pid in self._untold)
-
-    def _retell(self, rank: int, pid: int) -> None:
-        """The ready marker of ``pid`` came: tell it now if it was refused before."""
-        if self._untold:
-            reason = self._untold.pop((rank, pid), None)
-            if reason is not None:
-                self._publish_refused(rank, pid, reason)
 
     def _publish_refused(self, rank: int, pid: int, reason: str) -> None:
         try:
@@ -639,75 +547,18 @@ class Dispatcher:
             self._log.warning(RANK_REFUSED, rank=rank, worker_pid=pid,
                               error="could not tell the process (a rank's queue is full)")
 
-    def _layout_problem(self, msg: P.Hello) -> str | None:
-        """Why a rank's layout does not fit, naming the differing fields; None if it fits."""
-        if self.layout is not None and msg.geometry:
-            return layout_diff(self.layout, msg.geometry)
-        if msg.layout != self.layout_fingerprint:
-            return (f"layout fingerprint {msg.layout} differs from the scheduler's "
-                    f"{self.layout_fingerprint} (model, dtype or geometry)")
-        return None
-
-    def _on_subscription(self, sub: bytes, sender: int | None) -> None:
-        if not sub:
-            return
-        marker = P.parse_ready_topic(sub[1:])
-        if marker is None:
-            return
-        rank, pid = marker
-        if rank >= self.world_size:
-            if sub[0] == 1:
-                self._retell(rank, pid)
-            return
-        # An unsubscription needs no identity: only the connection that holds a marker can
-        # drop it (libzmq counts subscriptions per connection), and a closed connection's
-        # come from libzmq itself.
-        if self._authenticated and sub[0] == 1 and rank != sender:
-            self._counts["forged"] += 1
-            self._forged_log(rank=rank, sender=sender, type="subscription",
-                             num_forged=self._counts["forged"])
-            return
-        r = self._ranks[rank]
-        if sub[0] == 1:
-            self._retell(rank, pid)
-            r.sub_pids.add(pid)
-            self._maybe_join(r)
-            return
-        r.sub_pids.discard(pid)
-        if pid != r.joined_pid:
-            return
-        if self._started:
-            # Declared lost after a short grace, so that a Bye sent just before the
-            # disconnect (say, a seq gap) gives the reason.
-            if r.disconnected_at is None:
-                r.disconnected_at = time.monotonic()
-                self._max_wait_ms = int(_BYE_GRACE_S * 1000)  # wake to declare it lost
-        else:
-            r.joined_pid = None
-            r.hello_pid = None
-            self._log.warning(RANK_LEFT, rank=rank, worker_pid=pid,
-                              reason="subscriber disconnected")
-
-    def _maybe_join(self, r: _Rank) -> None:
-        if self._started or r.hello_pid is None or r.hello_pid not in r.sub_pids:
-            return
-        if r.joined_pid != r.hello_pid:
-            r.joined_pid = r.hello_pid
-            self._log.info(ev.RANK_JOINED, rank=r.rank, worker_pid=r.joined_pid)
-
     def _on_heartbeat(self, msg: P.Heartbeat) -> None:
-        r = self._rank_of(msg.rank, "heartbeat")
+        r = self._members.rank_of(msg.rank, "heartbeat")
         if r is not None and msg.pid == (r.joined_pid or r.hello_pid):
             r.last_seen = time.monotonic()
             r.last_seq = msg.last_seq
 
     def _on_bye(self, msg: P.Bye) -> None:
-        r = self._rank_of(msg.rank, "bye")
+        r = self._members.rank_of(msg.rank, "bye")
         if r is None or msg.pid != (r.joined_pid or r.hello_pid):
             return
         if not self._started:
-            r.joined_pid = r.hello_pid = None
-            self._log.warning(RANK_LEFT, rank=msg.rank, worker_pid=msg.pid, reason=msg.reason)
+            self._members.forget(r, msg.pid, msg.reason)
         elif not self._closing:
             self._declare_lost(msg.rank, f"it said bye: {msg.reason}")
 
@@ -716,7 +567,7 @@ class Dispatcher:
         if rank < self.world_size:
             r = self._ranks[rank]
         else:
-            self._rank_of(rank, "ack")  # refused, counted and logged
+            self._members.rank_of(rank, "ack")  # refused, counted and logged
             return
         r.last_seen = time.monotonic()
         batch = self._in_flight.get(ack.seq)
@@ -870,39 +721,6 @@ class Dispatcher:
                 continue
             if copy or self._sender(frames[0]) == msg.rank:
                 waiting.discard(msg.rank)
-
-    def _missing_message(self, timeout_s: float) -> str:
-        parts = []
-        for r in self._ranks:
-            if r.joined_pid is not None:
-                continue
-            if r.refused:
-                parts.append(f"rank {r.rank}: refused ({r.refused})")
-            elif r.hello_pid is not None:
-                parts.append(f"rank {r.rank}: said hello (pid {r.hello_pid}) but its "
-                             "subscription never arrived")
-            else:
-                parts.append(f"rank {r.rank}: no hello")
-        missing = [r.rank for r in self._ranks if r.joined_pid is None]
-        return (f"ranks {missing} of {self.world_size} did not join within {timeout_s} s: "
-                + "; ".join(parts))
-
-
-def layout_diff(layout: CacheLayout, geometry: str) -> str | None:
-    """The fields in which a rank's layout (``geometry``: its JSON) differs from ``layout``,
-    as ``"num_host_blocks: rank has 16, scheduler has 8; ..."``; None when equal."""
-    try:
-        theirs = orjson.loads(geometry)
-    except orjson.JSONDecodeError:
-        return "its layout description is not JSON"
-    if not isinstance(theirs, dict):
-        return "its layout description is not a JSON object"
-    ours = asdict(layout)
-    diffs = [f"{k}: rank has {theirs.get(k, '(missing)')!r}, scheduler has {v!r}"
-             for k, v in ours.items() if theirs.get(k, object()) != v]
-    diffs += [f"{k}: unknown field" for k in theirs.keys() - ours.keys()]
-    return "layout differs: " + "; ".join(diffs) if diffs else None
-
 
 def _tag(frames: Sequence[Any]) -> str:
     if not frames:
