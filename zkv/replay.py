@@ -36,6 +36,7 @@ import orjson
 from tqdm import tqdm
 
 from zkv import metrics as M
+from zkv.argtypes import nonneg_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_log_dir
@@ -533,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timeout policy: budget = base + per-ki-token x prompt tokens / 1024")
     p.add_argument("--prefetch-per-ki-token-ms", type=float, default=50.0)
     p.add_argument("--log-dir", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any)")
     p.add_argument("--metrics-file", default=None, help="write the final metrics here")

@@ -44,6 +44,7 @@ from typing import Any
 import zmq
 
 from zkv import protocol as P
+from zkv.argtypes import nonneg_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_log_dir
@@ -448,7 +449,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="zkv soak", description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=120.0)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--fault-every", type=float, default=1.0, help="seconds between faults")
     p.add_argument("--faults", default=",".join(FAULTS),
                    help=f"comma-separated subset of {','.join(FAULTS)}")

@@ -34,6 +34,16 @@ def test_short_soak_survives_every_fault() -> None:
     assert re.search(r"scheduler\s+fds \d+ -> \d+\s+RSS \d+ -> \d+ MiB", out)
 
 
+def test_a_negative_seed_is_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from zkv.soak import _parse
+
+    with pytest.raises(SystemExit) as e:  # was: a traceback from numpy at the first batch
+        _parse(["--seed", "-1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zkv soak: error: argument --seed: must be >= 0, got -1")
+
+
 @pytest.mark.parametrize("args", [["--seconds", "nan"], ["--seconds", "0"],
                                   ["--fault-every", "inf"], ["--ranks", "0"]])
 def test_bad_flags_are_one_line_and_start_nothing(args: list[str],

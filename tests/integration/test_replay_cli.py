@@ -29,6 +29,8 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--device-blocks", "100000000"], "the pools need"),
     (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "trace not found"),
     (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535]"),
+    # the chat workload's seed (numpy's generator): was a traceback from the scheduler
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["--prefetch-base-ms", "-1"], "--prefetch-base-ms must be a finite number >= 0, got -1.0"),
     (["--prefetch-per-ki-token-ms", "nan"], "--prefetch-per-ki-token-ms must be a finite"),
     (["--metrics-file", "{tmp}/no/m.prom"], "--metrics-file {tmp}/no/m.prom: no directory "
