@@ -11,8 +11,8 @@ One value per block, ``64-byte header ‖ payload`` (see base.py), under the key
 
 Gets are one ``MGET``, not a pipeline of ``GET``: redis-py builds and parses one command
 instead of one per key (bench/storage.py, 32 blocks of 32 KiB a call on loopback: 0.67 ->
-0.78 GB/s). A key
-that is missing, or holds something that is not a string, is nil there: a miss.
+0.78 GB/s). A key that is missing, or holds something that is not a string, is nil there:
+a miss.
 
 redis-py hands values back as ``bytes``, so a get costs one copy into the host block and a
 put one join; zero copy is not possible with this client. Eviction is the server's: run
