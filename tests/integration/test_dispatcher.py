@@ -17,6 +17,7 @@ from tests.worker.helpers import (
     endpoints,
     events_named,
     holds_within,
+    joined_fakes,
     poll_until_done,
     short_ipc_dir,
 )
@@ -44,15 +45,8 @@ def eps() -> Iterator[tuple[str, str]]:
 def group(ctx: zmq.Context[Any],
           eps: tuple[str, str]) -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
     """A dispatcher with 3 joined fake ranks."""
-    d = Dispatcher(*eps, 3, FP, context=ctx)
-    ranks = [FakeRank(ctx, *eps, r, FP).join() for r in range(3)]
-    try:
-        d.wait_for_ranks(5)
-        yield d, ranks
-    finally:
-        d.close(shutdown=False)
-        for r in ranks:
-            r.close()
+    with joined_fakes(ctx, eps, 3, FP) as group:
+        yield group
 
 
 def _op(i: int, n: int = 2) -> P.Op:
@@ -283,10 +277,7 @@ def test_no_hello_names_missing_ranks(ctx: zmq.Context[Any], eps: tuple[str, str
 
 
 def test_close_publishes_shutdown(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
-    d = Dispatcher(*eps, 2, FP, context=ctx)
-    ranks = [FakeRank(ctx, *eps, r, FP).join() for r in range(2)]
-    try:
-        d.wait_for_ranks(5)
+    with joined_fakes(ctx, eps, 2, FP) as (d, ranks):
         for r in ranks:
             r.send(P.Bye(r.rank, r.pid, "shutdown"))  # early byes: close must not wait long
         d.close(shutdown=True)
@@ -295,9 +286,6 @@ def test_close_publishes_shutdown(ctx: zmq.Context[Any], eps: tuple[str, str]) -
         with pytest.raises(RuntimeError):
             d.publish([], step=0)
         d.close()  # idempotent
-    finally:
-        for r in ranks:
-            r.close()
 
 
 def test_rank_loss_fails_in_flight_and_later_publish(
@@ -340,10 +328,7 @@ def _idle_gap(ranks: list[FakeRank], seconds: float) -> None:
 
 def test_an_idle_gap_without_polls_loses_no_rank(ctx: zmq.Context[Any],
                                                   eps: tuple[str, str]) -> None:
-    d = Dispatcher(*eps, 2, FP, context=ctx, heartbeat_timeout_s=0.3)
-    ranks = [FakeRank(ctx, *eps, r, FP).join() for r in range(2)]
-    try:
-        d.wait_for_ranks(5)
+    with joined_fakes(ctx, eps, 2, FP, heartbeat_timeout_s=0.3) as (d, ranks):
         _idle_gap(ranks, 0.9)  # 3 timeouts; every heartbeat of it still queued
         with capture_logs() as logs:
             assert d.poll(0) == []
@@ -362,7 +347,3 @@ def test_an_idle_gap_without_polls_loses_no_rank(ctx: zmq.Context[Any],
         assert d.lost_ranks == frozenset({1})
         (lost,) = events_named(logs, "dispatcher.rank_lost")
         assert lost["rank"] == 1 and "no heartbeat" in lost["reason"]
-    finally:
-        d.close(shutdown=False)
-        for r in ranks:
-            r.close()

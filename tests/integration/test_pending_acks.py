@@ -12,7 +12,14 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from tests.worker.helpers import FakeRank, endpoints, events_named, poll_until_done, short_ipc_dir
+from tests.worker.helpers import (
+    FakeRank,
+    endpoints,
+    events_named,
+    joined_fakes,
+    poll_until_done,
+    short_ipc_dir,
+)
 from zkv import protocol as P
 from zkv.scheduler.dispatcher import BatchDone, Dispatcher
 
@@ -25,16 +32,11 @@ LOAD = P.Op(1, P.S2H, dst=P.as_ids([4, 5, 6]), keys=(b"a" * 16, b"b" * 16, b"c" 
 def group() -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
     ctx: zmq.Context[Any] = zmq.Context()
     with short_ipc_dir() as folder:
-        eps = endpoints(folder)
-        d = Dispatcher(*eps, 2, FP, context=ctx, heartbeat_timeout_s=30.0, ack_timeout_s=0.3)
-        ranks = [FakeRank(ctx, *eps, r, FP).join() for r in range(2)]
         try:
-            d.wait_for_ranks(5)
-            yield d, ranks
+            with joined_fakes(ctx, endpoints(folder), 2, FP, heartbeat_timeout_s=30.0,
+                              ack_timeout_s=0.3) as group:
+                yield group
         finally:
-            d.close(shutdown=False)
-            for r in ranks:
-                r.close()
             ctx.term()
 
 

@@ -17,7 +17,14 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from tests.worker.helpers import FakeRank, poll_until_done, reap, short_ipc_dir, worker_env
+from tests.worker.helpers import (
+    FakeRank,
+    joined_fakes,
+    poll_until_done,
+    reap,
+    short_ipc_dir,
+    worker_env,
+)
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
@@ -57,19 +64,9 @@ def transport(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def group(ctx: zmq.Context[Any], keyring: Keyring, transport: str,
           folder: str) -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
-    d = Dispatcher(*_endpoints(transport, folder), 2, FP, context=ctx, keys=keyring,
-                   heartbeat_timeout_s=60.0)
-    ranks = [FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, r, FP, keys=keyring.for_rank(r))
-             for r in range(2)]
-    try:
-        for r in ranks:
-            r.join()
-        d.wait_for_ranks(10)
-        yield d, ranks
-    finally:
-        d.close(shutdown=False)
-        for r in ranks:
-            r.close()
+    with joined_fakes(ctx, _endpoints(transport, folder), 2, FP, keys=keyring,
+                      join_timeout_s=10, heartbeat_timeout_s=60.0) as group:
+        yield group
 
 
 def test_rogue_without_a_rank_key_reads_no_batch_and_gets_nothing_counted(

@@ -145,6 +145,28 @@ class FakeRank:
         self.push.close(0)
 
 
+@contextmanager
+def joined_fakes(ctx: zmq.Context[Any], eps: tuple[str, str], world_size: int, fingerprint: str,
+                 keys: Any = None, join_timeout_s: float = 5.0,
+                 **dispatcher_kw: Any) -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
+    """A Dispatcher bound on ``eps`` with ``world_size`` joined FakeRanks (ranks 0..n-1, each
+    with its own key of the ``keys`` keyring, if any); the dispatcher (without a Shutdown)
+    and the ranks are closed after."""
+    d = Dispatcher(*eps, world_size, fingerprint, context=ctx, keys=keys, **dispatcher_kw)
+    ranks = [FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, r, fingerprint,
+                      keys=keys.for_rank(r) if keys is not None else None)
+             for r in range(world_size)]
+    try:
+        for r in ranks:
+            r.join()
+        d.wait_for_ranks(join_timeout_s)
+        yield d, ranks
+    finally:
+        d.close(shutdown=False)
+        for r in ranks:
+            r.close()
+
+
 def events_named(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in logs if e.get("event") == name]
 
