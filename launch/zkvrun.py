@@ -71,7 +71,8 @@ from zkv.errors import ConfigError
 from zkv.exit_codes import WORKER_EXITS
 
 __all__ = ["Endpoints", "LaunchConfig", "describe_exit", "exit_meanings", "main", "make_endpoints",
-           "max_local_ranks", "parse_args", "rank_env", "resolve_cmd", "run", "scheduler_env"]
+           "max_local_ranks", "parse_args", "pdeathsig_preexec", "rank_env", "resolve_cmd", "run",
+           "scheduler_env"]
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -95,8 +96,11 @@ def exit_meanings(cmd: list[str]) -> Mapping[int, str] | None:
                                for a, b in zip(cmd, cmd[1:])) else None
 
 
-def _make_pdeathsig() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGKILL the child when zkvrun dies (no orphans)."""
+def pdeathsig_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to send ``sig`` to the child when this process dies
+    (no orphans; zkvrun's children get SIGKILL). Linux sends it when the *thread* that
+    started the child exits: start children from a thread that lives as long as they should
+    (zkvrun's main thread). None where there is no ``prctl``."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -107,9 +111,9 @@ def _make_pdeathsig() -> Callable[[], None] | None:
     parent = os.getpid()
 
     def preexec() -> None:  # runs in the forked child: no locks, no allocation-heavy work
-        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # zkvrun died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
+        prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
 
     return preexec
 
@@ -185,7 +189,7 @@ class _Group:
         self.wake = self.sig.wake
         self.attempt = attempt
         self.failed = False  # a child failed (rather than: done, or a signal to zkvrun)
-        self._preexec = _make_pdeathsig()
+        self._preexec = pdeathsig_preexec()
 
     def on_signal(self, signum: int, _frame: object = None) -> None:
         self.sig.on_signal(signum, _frame)

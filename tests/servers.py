@@ -118,6 +118,20 @@ def port_open(port: int) -> bool:
         return False
 
 
+def dies_with_us(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` so that a server gets ``sig`` when the process that started it dies,
+    however it dies (a test run or a bench killed by a timeout's SIGTERM runs no cleanup:
+    its servers and a `vllm serve` kept running for the rest of the session). Only from the
+    main thread: Linux sends it when the starting *thread* exits."""
+    import threading
+
+    from launch.zkvrun import pdeathsig_preexec
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return pdeathsig_preexec(sig)
+
+
 def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -141,7 +155,8 @@ class _Server:
         log = open(os.path.join(self.folder, f"{name}.log"), "ab")  # noqa: SIM115
         self._logs.append(log)
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True,
+                                preexec_fn=dies_with_us(signal.SIGKILL))
 
     def log_text(self, name: str) -> str:
         with open(os.path.join(self.folder, f"{name}.log"), "rb") as f:

@@ -1,10 +1,12 @@
 """The bench scripts as a user runs them: a bad flag is one ``error:`` line and status 2
 before anything starts; the quick scheduler bench passes its own checks (LRU equal to the
 independent reference, the baseline's hashes equal to zkv's, the invariants after every
-replay); the pipeline bench runs without its copy row."""
+replay); the pipeline bench runs without its copy row; small runs of the storage, store
+query, transfer and connector benches pass theirs."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +84,29 @@ def test_pipeline_bench_without_copies() -> None:
     assert workloads == [
         "bare pyzmq echo (floor)", "echo + orjson parse only", "echo + zkv codec", "empty"]
     assert "copy" not in r.stdout and "target empty p50 <= 1.2x floor: 1 ranks" in r.stdout
+
+
+# Small runs of the other CPU benches: each checks its own results (bytes read back equal
+# to bytes written, the existence query's count equal to the baseline's, the oracle's bytes)
+# and exits non-zero when one differs; these keep them from rotting. The vLLM benches start
+# engines (minutes) and are left to their own commands.
+SMOKE = [
+    ("storage.py", ["--blocks", "32", "--reps", "1"],
+     [r"^file://\s+[\d.]+", r"^redis://\s+[\d.]+", r"^mooncake://\s+[\d.]+"]),
+    ("store_query.py", ["--blocks", "16", "--reps", "1"],
+     [r"^file://\s+1 miss ", r"^redis://\s+8 hit all ", r"^mooncake://\s+8 hit 3/4 "]),
+    ("transfer.py", ["--cpu-only", "--blocks", "16", "--layers", "2", "--reps", "1",
+                     "--device-blocks", "32", "--host-blocks", "32"],
+     [r"cpu d2h ext \(16 scattered blocks\)\s+[\d.]+", r"oracle d2h"]),
+    ("connector_sched.py", ["--docs", "4", "--doc-tokens", "256"],
+     [r"saved blocks 32, loaded blocks 32, tokens served from zkv 1024 of 2048"]),
+]
+
+
+@pytest.mark.parametrize("script,args,lines", SMOKE, ids=[s for s, _, _ in SMOKE])
+def test_small_bench_runs_pass_their_checks(script: str, args: list[str],
+                                            lines: list[str]) -> None:
+    r = _bench(script, *args, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for pattern in lines:
+        assert re.search(pattern, r.stdout, re.MULTILINE), (pattern, r.stdout)

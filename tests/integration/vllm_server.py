@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ class VllmServer:
     def __init__(self, tmp: Path, model: str, kv_config: dict[str, Any] | None, *,
                  name: str = "vllm-serve", kv_bytes: int = 96 << 20,
                  args: tuple[str, ...] = ()) -> None:
-        from tests.servers import free_port
+        from tests.servers import dies_with_us, free_port
 
         self.port = free_port()
         self.model = model
@@ -43,6 +44,9 @@ class VllmServer:
         self.out = open(self.out_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.out,
                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                     # SIGTERM: vLLM then stops its EngineCore (after a
+                                     # SIGKILL that one would stay, an orphan)
+                                     preexec_fn=dies_with_us(signal.SIGTERM),
                                      env=dict(os.environ, PYTHONPATH=str(ROOT),
                                               HF_HUB_OFFLINE="1"))
 
