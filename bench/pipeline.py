@@ -45,6 +45,7 @@ sys.path.insert(0, ROOT)
 
 from _args import nonneg_int, positive_int, positive_ints  # noqa: E402
 
+from launch.zkvrun import pdeathsig_preexec  # noqa: E402
 from zkv import log as zlog  # noqa: E402
 from zkv import protocol as P  # noqa: E402
 from zkv.config import CacheLayout  # noqa: E402
@@ -203,7 +204,10 @@ class EchoGroup:
         self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
         self.pub.bind(pub_ep)
         self.pull.bind(pull_ep)
-        self.procs = [subprocess.Popen([sys.executable, "-c", *child], stdin=subprocess.DEVNULL)
+        # They die with this process (a SIGTERMed bench runs no cleanup; zkv.worker watches
+        # its parent itself, these bare loops would not).
+        self.procs = [subprocess.Popen([sys.executable, "-c", *child], stdin=subprocess.DEVNULL,
+                                       preexec_fn=pdeathsig_preexec())
                       for _ in range(world_size)]
         try:
             self._sync()

@@ -110,3 +110,42 @@ def test_small_bench_runs_pass_their_checks(script: str, args: list[str],
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for pattern in lines:
         assert re.search(pattern, r.stdout, re.MULTILINE), (pattern, r.stdout)
+
+
+def test_a_sigtermed_pipeline_bench_leaves_no_echo_process() -> None:
+    """A bench killed by a timeout's SIGTERM runs no cleanup: its echo processes (bare
+    loops, unlike zkv.worker, which watches its parent) die with it instead of spinning on."""
+    import os
+    import signal
+    import time
+
+    from tests.worker.helpers import children_of, cmdline
+
+    p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "pipeline.py"), "--ranks", "2",
+                          "--empty", "1000000", "--copies", "0"], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    echoes: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(echoes) < 6:  # 3 echo groups x 2 ranks
+            assert time.monotonic() < deadline and p.poll() is None, echoes
+            echoes = [c for c in children_of(p.pid) if "mode = sys.argv[3]" in cmdline(c)]
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        p.wait(10)
+        deadline = time.monotonic() + 10
+        while True:
+            left = [c for c in echoes if os.path.exists(f"/proc/{c}") and
+                    "mode = sys.argv[3]" in cmdline(c)]
+            if not left:
+                break
+            assert time.monotonic() < deadline, f"echo processes left: {left}"
+            time.sleep(0.05)
+    finally:
+        p.kill()
+        p.wait()
+        for c in echoes:
+            try:
+                os.kill(c, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
