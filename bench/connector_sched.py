@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import positive_int  # noqa: E402
+from _cleanup import exit_on_sigterm  # noqa: E402
 
+from launch.zkvrun import pdeathsig_preexec  # noqa: E402
 from zkv import log as zlog  # noqa: E402
 from zkv.config import CacheLayout  # noqa: E402
 from zkv.integrations.vllm.config import parse_extra_config  # noqa: E402
@@ -75,6 +78,7 @@ def main() -> int:
     ap.add_argument("--docs", type=positive_int, default=200)
     ap.add_argument("--doc-tokens", type=positive_int, default=2048)
     args = ap.parse_args()
+    exit_on_sigterm()
     zlog.configure("bench", level="warning")
     blocks_per_doc = args.doc_tokens // BS + 1
     layout = CacheLayout(4, 2, BS, 64, "float16", num_device_blocks=4 * blocks_per_doc,
@@ -84,7 +88,8 @@ def main() -> int:
     env = dict(os.environ, RANK="0", ZKV_CONFIG=layout.to_json(), ZKV_PUB_ENDPOINT=pub,
                ZKV_PULL_ENDPOINT=pull, ZKV_BACKEND="cpu", PYTHONPATH=ROOT,
                ZKV_LOG_LEVEL="warning", OMP_NUM_THREADS="1")
-    worker = subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env, cwd=ROOT)
+    worker = subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env, cwd=ROOT,
+                              preexec_fn=pdeathsig_preexec())
     try:
         cfg = parse_extra_config({"host_blocks": layout.num_host_blocks, "storage": "none"})
         half = SchedulerHalf(cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
@@ -122,6 +127,7 @@ def main() -> int:
     finally:
         worker.terminate()
         worker.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
     reqs = 2 * args.docs
     print(f"connector scheduler half: {reqs} requests of {args.doc_tokens} tokens "
           f"({args.docs} documents, each computed once then loaded from zkv's host pool)")

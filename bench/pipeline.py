@@ -44,6 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import nonneg_int, positive_int, positive_ints  # noqa: E402
+from _cleanup import exit_on_sigterm  # noqa: E402
 
 from launch.zkvrun import pdeathsig_preexec  # noqa: E402
 from zkv import log as zlog  # noqa: E402
@@ -147,7 +148,7 @@ def start_group(folder: str, world_size: int,
             env["ZKV_KEYS"] = keys_dir
         env.setdefault("OMP_NUM_THREADS", "1")  # as zkvrun / torchrun set it
         procs.append(subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env,
-                                      stdin=subprocess.DEVNULL))
+                                      stdin=subprocess.DEVNULL, preexec_fn=pdeathsig_preexec()))
     try:
         d.wait_for_ranks(120)
     except BaseException:
@@ -330,6 +331,7 @@ def main() -> int:
                     help="per-rank keys (zkvrun's default; on ipc: a token per rank, no "
                          "encryption) instead of the keyless ipc path")
     args = ap.parse_args()
+    exit_on_sigterm()
     zlog.configure("bench", level="warning")
     rows: list[Row] = []
     rates: list[tuple[int, float]] = []

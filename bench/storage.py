@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _args import directory, dtype, positive_int, store_url  # noqa: E402
+from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
 
 from zkv.config import CacheLayout  # noqa: E402
 from zkv.storage import Store, file_url, open_store, pack_key  # noqa: E402
@@ -147,6 +148,7 @@ def row(name: str, times: list[tuple[float, float]], nbytes: int, n: int,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    exit_on_sigterm()
     layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype)
     size, n = layout.block_bytes, args.blocks
     rng = np.random.default_rng(0)
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     dst = np.zeros_like(src)
     ns = f"bench{uuid.uuid4().hex[:8]}"
     with ExitStack() as stack, tempfile.TemporaryDirectory(dir=args.dir) as folder:
-        redis_url, mc_url = start_servers(args, stack, tempfile.mkdtemp(prefix="zkv-bench-"))
+        redis_url, mc_url = start_servers(args, stack,
+                                          stack.enter_context(scratch_dir("zkv-bench-")))
         stores: dict[str, Store] = {
             "file://": open_store(file_url(os.path.join(folder, "l3")), ns),
             "redis://": open_store(redis_url, ns),

@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _args import directory, positive_int  # noqa: E402
+from _cleanup import exit_on_sigterm  # noqa: E402
 
 from zkv.storage import Store, file_url, leading_present, open_store, pack_key  # noqa: E402
 
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=directory,
                    default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     args = p.parse_args(argv)
+    exit_on_sigterm()
     from tests.servers import MooncakeServer, RedisServer
 
     n = args.blocks

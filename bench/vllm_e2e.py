@@ -30,13 +30,13 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import choices, positive_int  # noqa: E402
+from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
 
 from tests.integration.vllm_runner import build_smollm2, build_tiny_llama  # noqa: E402
 
@@ -165,17 +165,16 @@ def main() -> int:
     if args.doc_tokens + 256 > MAX_POSITIONS:
         ap.error(f"--doc-tokens must be <= {MAX_POSITIONS - 256} (the models' {MAX_POSITIONS} "
                  f"positions, less the prompts' suffixes), got {args.doc_tokens}")
-    tmp = args.workdir or tempfile.mkdtemp(prefix="zkv-bench-vllm-")
-    os.makedirs(tmp, exist_ok=True)
-    for label in args.models:
-        if label == "tiny":
-            model, vocab = build_tiny_llama(os.path.join(tmp, "tiny")), 2000
-        elif label == "smollm2":
-            model, vocab = build_smollm2(os.path.join(tmp, "smollm2"), tmp), 49000
-        else:
-            sys.exit(f"bench: unknown model {label!r} (tiny, smollm2)")
-        for mp in {"both": (False, True), "inprocess": (False,), "deployed": (True,)}[args.mode]:
-            bench_model(label, model, vocab, args, tmp, mp)
+    exit_on_sigterm()
+    with scratch_dir("zkv-bench-vllm-", args.workdir) as tmp:  # models: ~0.5 GB
+        for label in args.models:
+            if label == "tiny":
+                model, vocab = build_tiny_llama(os.path.join(tmp, "tiny")), 2000
+            else:
+                model, vocab = build_smollm2(os.path.join(tmp, "smollm2"), tmp), 49000
+            modes = {"both": (False, True), "inprocess": (False,), "deployed": (True,)}
+            for mp in modes[args.mode]:
+                bench_model(label, model, vocab, args, tmp, mp)
     return 0
 
 

@@ -25,7 +25,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import positive_int  # noqa: E402
+from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
 
 from tests.integration.vllm_runner import build_smollm2, build_tiny_llama, scrape  # noqa: E402
 from tests.integration.vllm_server import MAX_MODEL_LEN as SERVER_MAX_MODEL_LEN  # noqa: E402
@@ -110,8 +110,12 @@ def main() -> int:
     if args.doc_tokens >= SERVER_MAX_MODEL_LEN:
         ap.error(f"--doc-tokens must be < {SERVER_MAX_MODEL_LEN} (the servers' --max-model-len, "
                  f"with one token answered), got {args.doc_tokens}")
-    tmp = Path(args.workdir or tempfile.mkdtemp(prefix="zkv-bench-pd-"))
-    tmp.mkdir(parents=True, exist_ok=True)
+    exit_on_sigterm()
+    with scratch_dir("zkv-bench-pd-", args.workdir) as d:
+        return _run(args, Path(d))
+
+
+def _run(args: argparse.Namespace, tmp: Path) -> int:
     cache = Path(os.environ.get("ZKV_TEST_CACHE", Path.home() / ".cache" / "zkv-tests"))
     if args.model == "smollm2":
         cache.mkdir(parents=True, exist_ok=True)

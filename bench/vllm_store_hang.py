@@ -36,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import positive_float  # noqa: E402
+from _cleanup import exit_on_sigterm  # noqa: E402
 
 from tests.integration.vllm_runner import build_tiny_llama  # noqa: E402
 from tests.integration.vllm_server import VllmServer  # noqa: E402
@@ -107,6 +108,7 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=positive_float, default=30.0, help="length of the hung phase")
     args = ap.parse_args()
+    exit_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="zkv-hang-") as d:
         tmp = Path(d)
         model = build_tiny_llama(str(tmp / "model"))

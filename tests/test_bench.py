@@ -112,9 +112,12 @@ def test_small_bench_runs_pass_their_checks(script: str, args: list[str],
         assert re.search(pattern, r.stdout, re.MULTILINE), (pattern, r.stdout)
 
 
-def test_a_sigtermed_pipeline_bench_leaves_no_echo_process() -> None:
-    """A bench killed by a timeout's SIGTERM runs no cleanup: its echo processes (bare
-    loops, unlike zkv.worker, which watches its parent) die with it instead of spinning on."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_killed_pipeline_bench_leaves_no_process(tmp_path: Path, sig: str) -> None:
+    """A bench stopped by a timeout's SIGTERM exits through its cleanup (echo groups and
+    ranks stopped, its socket folder removed: ``exit_on_sigterm``); SIGKILLed, it runs
+    none, and its echo processes (bare loops, unlike zkv.worker, which watches its parent)
+    die with it all the same (``PR_SET_PDEATHSIG``): none spins on."""
     import os
     import signal
     import time
@@ -123,28 +126,32 @@ def test_a_sigtermed_pipeline_bench_leaves_no_echo_process() -> None:
 
     p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "pipeline.py"), "--ranks", "2",
                           "--empty", "1000000", "--copies", "0"], cwd=ROOT,
+                         env=dict(os.environ, TMPDIR=str(tmp_path)),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    echoes: list[int] = []
+    kids: list[int] = []
     try:
         deadline = time.monotonic() + 60
-        while len(echoes) < 6:  # 3 echo groups x 2 ranks
-            assert time.monotonic() < deadline and p.poll() is None, echoes
-            echoes = [c for c in children_of(p.pid) if "mode = sys.argv[3]" in cmdline(c)]
+        while len(kids) < 8:  # 3 echo groups x 2 ranks, and zkv's 2 ranks
+            assert time.monotonic() < deadline and p.poll() is None, kids
+            kids = [c for c in children_of(p.pid)
+                    if "mode = sys.argv[3]" in cmdline(c) or "zkv.worker" in cmdline(c)]
             time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
-        p.wait(10)
+        p.send_signal(getattr(signal, sig))
+        assert p.wait(30) == (143 if sig == "SIGTERM" else -signal.SIGKILL)
         deadline = time.monotonic() + 10
         while True:
-            left = [c for c in echoes if os.path.exists(f"/proc/{c}") and
-                    "mode = sys.argv[3]" in cmdline(c)]
+            left = [c for c in kids if "mode = sys.argv[3]" in cmdline(c) or
+                    "zkv.worker" in cmdline(c)]  # a zombie's cmdline is empty
             if not left:
                 break
-            assert time.monotonic() < deadline, f"echo processes left: {left}"
+            assert time.monotonic() < deadline, f"processes left: {left}"
             time.sleep(0.05)
+        if sig == "SIGTERM":
+            assert list(tmp_path.glob("zkv-bench-*")) == []
     finally:
         p.kill()
         p.wait()
-        for c in echoes:
+        for c in kids:
             try:
                 os.kill(c, signal.SIGKILL)
             except ProcessLookupError:

@@ -35,6 +35,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -186,6 +187,12 @@ class Soak:
 
     def _spawn(self) -> None:
         from launch.env import Endpoints, LaunchConfig, rank_env
+        from launch.zkvrun import pdeathsig_preexec
+
+        # The ranks die with the soak however it dies (they also watch their parent, but
+        # only from their first line on); from the main thread only (see pdeathsig_preexec).
+        main = threading.current_thread() is threading.main_thread()
+        preexec = pdeathsig_preexec() if main else None
 
         cfg = LaunchConfig(nproc_per_node=self.args.ranks, config=self.layout.to_json(),
                            log_dir=self.log_dir)
@@ -197,7 +204,8 @@ class Soak:
                        ZKV_LOG_LEVEL="warning")
             self.procs.append(subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env,
                                                stdin=subprocess.DEVNULL,
-                                               stdout=subprocess.DEVNULL))
+                                               stdout=subprocess.DEVNULL,
+                                               preexec_fn=preexec))
 
     def _new_scheduler(self) -> None:
         from zkv.replay import Replayer

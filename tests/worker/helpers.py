@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from tests.servers import dies_with_us
 from zkv import protocol as P
 from zkv.scheduler.dispatcher import BatchDone, Dispatcher
 
@@ -272,7 +274,8 @@ class WorkerGroup:
                     self.procs.append(subprocess.Popen(
                         [sys.executable, "-m", "zkv.worker"],
                         env=worker_env(rank, layout.to_json(), pub, pull, **extra),
-                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err))
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                        preexec_fn=dies_with_us(signal.SIGKILL)))
                 finally:
                     err.close()
             try:

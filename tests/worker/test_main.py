@@ -45,3 +45,58 @@ def test_a_configuration_it_cannot_serve_is_one_line(tmp_path: Path, extra: dict
                        text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == 2, r.stderr
     assert r.stderr == message + "\n"
+
+
+def test_a_rank_whose_parent_dies_while_it_starts_stops(tmp_path: Path) -> None:
+    """The launcher exits while the rank still loads torch: the rank stops by itself
+    (``worker.stopped``, "parent process exited"). Before, its parent watcher read the
+    parent's pid after those imports (~1 s), saw init's, and the orphan waited for a
+    scheduler forever. (A parent gone before the rank's first line runs, ~30 ms, is not
+    told apart from a rank that init started.)"""
+    import json
+    import time
+
+    import orjson
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKV_", "RANK"))}
+    env.update(ZKV_CONFIG=LAYOUT.to_json(), RANK="0", ZKV_BACKEND="cpu",
+               ZKV_PUB_ENDPOINT=f"ipc://{run_dir}/pub", ZKV_PULL_ENDPOINT=f"ipc://{run_dir}/pull",
+               ZKV_LOG_DIR=str(tmp_path / "logs"), PYTHONPATH=ROOT)
+    # It exits once torch is loading in the rank (its library mapped: the rank's first
+    # lines, which read the parent's pid, ran), long before the rank's actor starts.
+    launcher = ("import json, os, subprocess, sys, time\n"
+                "p = subprocess.Popen([sys.executable, '-m', 'zkv.worker'], "
+                "env=json.loads(sys.argv[1]), stdin=subprocess.DEVNULL, "
+                "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+                "deadline = time.monotonic() + 60\n"
+                "while b'libtorch' not in open(f'/proc/{p.pid}/maps', 'rb').read():\n"
+                "    assert time.monotonic() < deadline and p.poll() is None\n"
+                "    time.sleep(0.002)\n"
+                "print(p.pid, flush=True)\n"
+                "os._exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", launcher, json.dumps(env)], capture_output=True,
+                       text=True, timeout=60)
+    pid = int(r.stdout)
+    deadline = time.monotonic() + 60
+    try:
+        while os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "X"):
+            assert time.monotonic() < deadline, "the orphaned rank is still running"
+            time.sleep(0.05)
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    lines = [orjson.loads(x) for x in (tmp_path / "logs" / "worker-0.jsonl").read_bytes()
+             .splitlines()]
+    assert any("parent process exited" in str(e.get("reason", "")) for e in lines), lines[-3:]
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"

@@ -21,12 +21,18 @@ goes away, so an orphan never lingers.
 
 from __future__ import annotations
 
-import faulthandler
-import math
 import os
-import signal
-import sys
-import threading
+
+#: Read before anything heavy loads (torch, the kernels: a second or more): a parent that
+#: exits while this process starts is still seen as gone by the watcher. (Read later, the
+#: pid would be init's or a subreaper's already, and the worker would wait forever.)
+_PARENT_PID = os.getppid()
+
+import faulthandler  # noqa: E402
+import math  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
 
 from zkv import log as zlog
 from zkv.config import CacheLayout
@@ -45,10 +51,11 @@ _PARENT_CHECK_S = 0.5
 
 
 def _watch_parent(actor: WorkerActor, stopped: threading.Event) -> None:
-    parent = os.getppid()
-    while not stopped.wait(_PARENT_CHECK_S):
-        if os.getppid() != parent:
+    while True:
+        if os.getppid() != _PARENT_PID:
             actor.stop("parent process exited")
+            return
+        if stopped.wait(_PARENT_CHECK_S):
             return
 
 
