@@ -9,10 +9,12 @@ that marker, and a SUB sends its subscriptions in order over one pipe, so (b) pr
 every later batch reaches the rank: no slow-joiner drop. No batch is published before
 every rank joined. Per rank, until the group starts::
 
-    (none) ── hello, layout fits ──► hello_pid ── its ready marker ──► joined_pid
-      ▲   ▲                             │                                 │
-      │   └── hello, layout differs: refused (told), wait_for_ranks raises ConfigError
-      └────── Bye, or its subscriber went away: forgotten (it may say hello again)
+    (none) ─── hello, layout fits ───► hello_pid ── its ready marker ──► joined_pid
+      │  ▲                                  │                                │
+      │  └──── a Bye, or its subscriber went away: forgotten ◄───────────────┘
+      │        (it may say hello again)
+      └─ hello, layout differs ──► refused: told; wait_for_ranks raises ConfigError
+                                   (once); a later hello that fits clears it
 
 Once started a joined rank stays joined; its subscriber going away sets
 ``disconnected_at`` (the dispatcher declares it lost after a short grace, so that a Bye
