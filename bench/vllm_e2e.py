@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import choices, positive_int  # noqa: E402
-from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
+from _cleanup import exit_on_sigterm, scratch_dir, vllm_sockets_here  # noqa: E402
 
 from tests.integration.vllm_runner import build_smollm2, build_tiny_llama  # noqa: E402
 
@@ -166,7 +166,7 @@ def main() -> int:
         ap.error(f"--doc-tokens must be <= {MAX_POSITIONS - 256} (the models' {MAX_POSITIONS} "
                  f"positions, less the prompts' suffixes), got {args.doc_tokens}")
     exit_on_sigterm()
-    with scratch_dir("zkv-bench-vllm-", args.workdir) as tmp:  # models: ~0.5 GB
+    with scratch_dir("zkv-bench-vllm-", args.workdir) as tmp, vllm_sockets_here():
         for label in args.models:
             if label == "tiny":
                 model, vocab = build_tiny_llama(os.path.join(tmp, "tiny")), 2000

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import positive_int  # noqa: E402
-from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
+from _cleanup import exit_on_sigterm, scratch_dir, vllm_sockets_here  # noqa: E402
 
 from tests.integration.vllm_runner import build_smollm2, build_tiny_llama, scrape  # noqa: E402
 from tests.integration.vllm_server import MAX_MODEL_LEN as SERVER_MAX_MODEL_LEN  # noqa: E402
@@ -111,7 +111,7 @@ def main() -> int:
         ap.error(f"--doc-tokens must be < {SERVER_MAX_MODEL_LEN} (the servers' --max-model-len, "
                  f"with one token answered), got {args.doc_tokens}")
     exit_on_sigterm()
-    with scratch_dir("zkv-bench-pd-", args.workdir) as d:
+    with scratch_dir("zkv-bench-pd-", args.workdir) as d, vllm_sockets_here():
         return _run(args, Path(d))
 
 

@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import positive_float  # noqa: E402
-from _cleanup import exit_on_sigterm  # noqa: E402
+from _cleanup import exit_on_sigterm, vllm_sockets_here  # noqa: E402
 
 from tests.integration.vllm_runner import build_tiny_llama  # noqa: E402
 from tests.integration.vllm_server import VllmServer  # noqa: E402
@@ -109,7 +109,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=positive_float, default=30.0, help="length of the hung phase")
     args = ap.parse_args()
     exit_on_sigterm()
-    with tempfile.TemporaryDirectory(prefix="zkv-hang-") as d:
+    with tempfile.TemporaryDirectory(prefix="zkv-hang-") as d, vllm_sockets_here():
         tmp = Path(d)
         model = build_tiny_llama(str(tmp / "model"))
         with RedisServer(str(tmp)) as srv:
