@@ -219,7 +219,6 @@ class Dispatcher:
         self._in_flight: dict[int, _InFlight] = {}
         self._completed: list[BatchDone] = []
         self._next_seq = 0
-        self._started = False
         self._closing = False
         self._closed = False
         self._next_check = 0.0
@@ -259,7 +258,7 @@ class Dispatcher:
 
     @property
     def joined(self) -> bool:
-        return self._started
+        return self._members.started
 
     def refusals(self) -> dict[str, int]:
         """Messages refused so far, by reason (``unauthenticated``: connections the ZAP
@@ -277,7 +276,7 @@ class Dispatcher:
         Raises :class:`~zkv.errors.ConfigError` at once when a rank's layout differs
         (naming the fields), ``TimeoutError`` naming the missing ranks.
         """
-        if self._started:
+        if self._members.started:
             return
         deadline = time.monotonic() + timeout_s
         while True:
@@ -299,7 +298,7 @@ class Dispatcher:
         now = time.monotonic()
         for r in self._ranks:
             r.last_seen = now
-        self._started = self._members.started = True
+        self._members.started = True
         self._hot_log = self._log.bind()
         self._info = ev.enabled(logging.INFO)
         self._log.info(ev.RANK_JOINED, num_ranks=self.world_size, all_joined=True)
@@ -313,7 +312,7 @@ class Dispatcher:
         before :meth:`wait_for_ranks`, ``ValueError`` for duplicate op ids or a batch
         over the protocol's limits.
         """
-        if not self._started or self._closed:
+        if not self._members.started or self._closed:
             raise RuntimeError("publish before wait_for_ranks() or after close()")
         if self._lost:
             rank, reason = next(iter(self._lost.items()))
@@ -557,7 +556,7 @@ class Dispatcher:
         r = self._members.rank_of(msg.rank, "bye")
         if r is None or msg.pid != (r.joined_pid or r.hello_pid):
             return
-        if not self._started:
+        if not self._members.started:
             self._members.forget(r, msg.pid, msg.reason)
         elif not self._closing:
             self._declare_lost(msg.rank, f"it said bye: {msg.reason}")
@@ -642,7 +641,7 @@ class Dispatcher:
 
     def _check_deadlines(self, now: float) -> None:
         self._next_check = now + _CHECK_INTERVAL_S
-        if not self._started or self._closing:
+        if not self._members.started or self._closing:
             return
         if self._overdue(now) and self._drain_backlog():
             now = time.monotonic()  # judged by what they said last, not by the queue
