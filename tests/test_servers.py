@@ -16,12 +16,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 START = """
-import sys, time
+import signal, sys
 from tests.servers import MooncakeServer, RedisServer
 redis = RedisServer(sys.argv[1] + "/redis")
 mc = MooncakeServer(sys.argv[1] + "/mc")
 print(redis.proc.pid, mc.master.pid, mc.holder.pid, flush=True)
-time.sleep(120)
+signal.pause()  # until the test's signal
 """
 
 
