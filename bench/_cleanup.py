@@ -3,9 +3,8 @@ the ``finally`` blocks and context managers, so servers, worker groups and scrat
 directories are stopped and removed (Python's default dies at once; the servers also die
 with the bench, by ``PR_SET_PDEATHSIG``, for a SIGKILL). ``scratch_dir``: removed after a
 run that ended well, kept (and named on stderr) after one that failed, for the logs in it;
-a ``--workdir`` is the caller's and stays. ``vllm_sockets_here``: the vLLM engines a bench
-starts put their ipc sockets (``VLLM_RPC_BASE_PATH``, which vLLM never cleans: a dozen
-``/tmp/<uuid>`` files a run) in a directory of the bench's own, removed with it."""
+a ``--workdir`` is the caller's and stays. (vLLM's ipc sockets: ``vllm_sockets_here`` in
+tests/integration/vllm_server.py, shared with the tests.)"""
 
 from __future__ import annotations
 
@@ -20,21 +19,6 @@ from contextlib import contextmanager
 
 def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-
-
-@contextmanager
-def vllm_sockets_here() -> Iterator[None]:
-    """Unless the caller chose a ``VLLM_RPC_BASE_PATH``; the engines' processes inherit it."""
-    if os.environ.get("VLLM_RPC_BASE_PATH"):
-        yield
-        return
-    d = tempfile.mkdtemp(prefix="zkv-vllm-rpc-")
-    os.environ["VLLM_RPC_BASE_PATH"] = d
-    try:
-        yield
-    finally:
-        del os.environ["VLLM_RPC_BASE_PATH"]
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @contextmanager

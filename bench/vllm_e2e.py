@@ -36,9 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import choices, positive_int  # noqa: E402
-from _cleanup import exit_on_sigterm, scratch_dir, vllm_sockets_here  # noqa: E402
+from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
 
 from tests.integration.vllm_runner import build_smollm2, build_tiny_llama  # noqa: E402
+from tests.integration.vllm_server import vllm_sockets_here  # noqa: E402
 
 BLOCK = 32
 MAX_POSITIONS = 8192  # both models' max_position_embeddings

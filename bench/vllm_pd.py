@@ -33,11 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import positive_int  # noqa: E402
-from _cleanup import exit_on_sigterm, scratch_dir, vllm_sockets_here  # noqa: E402
+from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
 
 from tests.integration.vllm_runner import build_smollm2, build_tiny_llama, scrape  # noqa: E402
 from tests.integration.vllm_server import MAX_MODEL_LEN as SERVER_MAX_MODEL_LEN  # noqa: E402
-from tests.integration.vllm_server import VllmServer  # noqa: E402
+from tests.integration.vllm_server import VllmServer, vllm_sockets_here  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 
 KV_BYTES = 96 << 20  # vLLM's own cache: about one document of SmolLM2's

@@ -36,10 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _args import positive_float  # noqa: E402
-from _cleanup import exit_on_sigterm, vllm_sockets_here  # noqa: E402
+from _cleanup import exit_on_sigterm  # noqa: E402
 
 from tests.integration.vllm_runner import build_tiny_llama  # noqa: E402
-from tests.integration.vllm_server import VllmServer  # noqa: E402
+from tests.integration.vllm_server import VllmServer, vllm_sockets_here  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
 CLIENTS = 2

@@ -98,10 +98,12 @@ def exit_meanings(cmd: list[str]) -> Mapping[int, str] | None:
 
 def pdeathsig_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A ``preexec_fn`` asking Linux to send ``sig`` to the child when this process dies
-    (no orphans; zkvrun's children get SIGKILL). Linux sends it when the *thread* that
-    started the child exits: start children from a thread that lives as long as they should
-    (zkvrun's main thread). None where there is no ``prctl``."""
+    (no orphans; zkvrun's children get SIGKILL). None where there is no ``prctl``, and off
+    the main thread: Linux sends it when the *thread* that started the child exits, which
+    for another thread can be long before the process does."""
     if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
         return None
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl

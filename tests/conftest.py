@@ -8,14 +8,13 @@ failure in CI says what the ranks saw."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
 import structlog
 
+from tests.integration.vllm_server import vllm_sockets_here
 from tests.servers import MooncakeServer, RedisServer, make_tls
 from tests.worker.helpers import STDERR_TAILS, short_ipc_dir
 from zkv import log as zlog
@@ -37,15 +36,13 @@ def stack() -> Iterator[ExitStack]:
 
 _FAILED = pytest.StashKey[pytest.TestReport]()
 
-# vLLM names its engines' ipc sockets /tmp/<uuid> (VLLM_RPC_BASE_PATH) and never removes
-# them: ~100 files a run. The engines the tests start (children: they inherit this) put
-# them in one directory of the session's instead, removed at its end.
-_VLLM_RPC = tempfile.mkdtemp(prefix="zkv-vllm-rpc-")
-os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_RPC)
+# The session's vLLM engines put their ipc sockets in one directory, removed at its end.
+_SESSION = ExitStack()
+_SESSION.enter_context(vllm_sockets_here())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(_VLLM_RPC, ignore_errors=True)
+    _SESSION.close()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -36,6 +36,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import IO, Any, NamedTuple
 
+from launch.zkvrun import pdeathsig_preexec
+
 HOST = "127.0.0.1"
 _START_TIMEOUT_S = 20.0
 
@@ -118,20 +120,6 @@ def port_open(port: int) -> bool:
         return False
 
 
-def dies_with_us(sig: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` so that a server gets ``sig`` when the process that started it dies,
-    however it dies (a test run or a bench killed by a timeout's SIGTERM runs no cleanup:
-    its servers and a `vllm serve` kept running for the rest of the session). Only from the
-    main thread: Linux sends it when the starting *thread* exits."""
-    import threading
-
-    from launch.zkvrun import pdeathsig_preexec
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return pdeathsig_preexec(sig)
-
-
 def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -154,9 +142,11 @@ class _Server:
                ) -> subprocess.Popen[bytes]:
         log = open(os.path.join(self.folder, f"{name}.log"), "ab")  # noqa: SIM115
         self._logs.append(log)
+        # It dies with the process that started it, however that dies: a test run or a
+        # bench killed by a timeout's SIGTERM runs no cleanup.
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 env=env, start_new_session=True,
-                                preexec_fn=dies_with_us(signal.SIGKILL))
+                                preexec_fn=pdeathsig_preexec(signal.SIGKILL))
 
     def log_text(self, name: str) -> str:
         with open(os.path.join(self.folder, f"{name}.log"), "rb") as f:

@@ -35,7 +35,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -190,9 +189,8 @@ class Soak:
         from launch.zkvrun import pdeathsig_preexec
 
         # The ranks die with the soak however it dies (they also watch their parent, but
-        # only from their first line on); from the main thread only (see pdeathsig_preexec).
-        main = threading.current_thread() is threading.main_thread()
-        preexec = pdeathsig_preexec() if main else None
+        # only from their first line on).
+        preexec = pdeathsig_preexec()
 
         cfg = LaunchConfig(nproc_per_node=self.args.ranks, config=self.layout.to_json(),
                            log_dir=self.log_dir)

@@ -6,16 +6,38 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The servers' --max-model-len (prompt + answer, in tokens).
 MAX_MODEL_LEN = 2048
+
+
+@contextmanager
+def vllm_sockets_here() -> Iterator[None]:
+    """vLLM names its engines' ipc sockets ``/tmp/<uuid>`` (``VLLM_RPC_BASE_PATH``) and never
+    removes them: ~100 files a test run, a dozen a bench run. Meanwhile the engines started
+    from here (children inherit it) put them in a directory of their own, removed after;
+    a ``VLLM_RPC_BASE_PATH`` the caller set is kept."""
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        yield
+        return
+    d = tempfile.mkdtemp(prefix="zkv-vllm-rpc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = d
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_RPC_BASE_PATH"]
+        shutil.rmtree(d, ignore_errors=True)
 
 
 class VllmServer:
@@ -25,7 +47,8 @@ class VllmServer:
     def __init__(self, tmp: Path, model: str, kv_config: dict[str, Any] | None, *,
                  name: str = "vllm-serve", kv_bytes: int = 96 << 20,
                  args: tuple[str, ...] = ()) -> None:
-        from tests.servers import dies_with_us, free_port
+        from launch.zkvrun import pdeathsig_preexec
+        from tests.servers import free_port
 
         self.port = free_port()
         self.model = model
@@ -46,7 +69,7 @@ class VllmServer:
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      # SIGTERM: vLLM then stops its EngineCore (after a
                                      # SIGKILL that one would stay, an orphan)
-                                     preexec_fn=dies_with_us(signal.SIGTERM),
+                                     preexec_fn=pdeathsig_preexec(signal.SIGTERM),
                                      env=dict(os.environ, PYTHONPATH=str(ROOT),
                                               HF_HUB_OFFLINE="1"))
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from tests.servers import dies_with_us
+from launch.zkvrun import pdeathsig_preexec
 from zkv import protocol as P
 from zkv.scheduler.dispatcher import BatchDone, Dispatcher
 
@@ -275,7 +275,7 @@ class WorkerGroup:
                         [sys.executable, "-m", "zkv.worker"],
                         env=worker_env(rank, layout.to_json(), pub, pull, **extra),
                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                        preexec_fn=dies_with_us(signal.SIGKILL)))
+                        preexec_fn=pdeathsig_preexec(signal.SIGKILL)))
                 finally:
                     err.close()
             try:
