@@ -65,13 +65,17 @@ class LaunchConfig:
 
     def check(self) -> str | None:
         """The reason this configuration is refused, or None."""
-        if self.nnodes < 1 or self.nproc_per_node < 1:
-            return "--nnodes and --nproc-per-node must be >= 1"
+        for flag, n in (("--nnodes", self.nnodes), ("--nproc-per-node", self.nproc_per_node)):
+            if n < 1:
+                return f"{flag} must be >= 1, got {n}"
         if not 0 <= self.node_rank < self.nnodes:
             return f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"
-        if (self.max_restarts < 0 or not 0 <= self.grace_s < math.inf  # NaN fails too
-                or self.monitor_interval_s <= 0):
-            return "--max-restarts and --grace-s must be >= 0 (and finite)"
+        if self.max_restarts < 0:
+            return f"--max-restarts must be >= 0, got {self.max_restarts}"
+        if not 0 <= self.grace_s < math.inf:  # NaN fails too
+            return f"--grace-s must be a finite number >= 0, got {self.grace_s}"
+        if not 0 < self.monitor_interval_s < math.inf:  # no flag: set by code
+            return f"monitor_interval_s must be a finite number > 0, got {self.monitor_interval_s}"
         if self.run_id is not None and not _RUN_ID.fullmatch(self.run_id):
             return ("--run-id must be 1-64 letters, digits, '_', '.' or '-', not starting "
                     f"with '.' (it names the log directory), got {self.run_id!r}")

@@ -469,10 +469,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "CMD starts at the first argument that is not a zkvrun option (or after "
                     "'--'); 'x.py ...', '-m mod ...' and '-c code' run with this Python.",
         epilog="Example: zkvrun --nproc-per-node 2 --scheduler '-m my.scheduler' -m my.worker")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines in the group (default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                   help="ranks (worker processes) on this machine (default 1)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0,
+                   help="this machine's index; node 0 runs the scheduler (default 0)")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+                   help="node 0's address, where the scheduler listens (default 127.0.0.1)")
     p.add_argument("--master-port", "--master_port", type=int, default=29511,
                    help="PUB port with --nnodes > 1; PULL is port+1; exported as "
                         "MASTER_PORT (default 29511)")
@@ -481,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "a child fails (default 0)")
     p.add_argument("--log-dir", "--log_dir", default=None,
                    help="default $ZKV_LOG_DIR, else {tmp}/zkv-logs/{run_id}")
-    p.add_argument("--run-id", "--run_id", default=None)
+    p.add_argument("--run-id", "--run_id", default=None,
+                   help="names the log directory (default: a fresh one per run)")
     p.add_argument("--insecure-tcp", "--insecure", action="store_true",
                    help="allow plain tcp:// between nodes (no CURVE keys)")
     p.add_argument("--keys", default=None, metavar="DIR",

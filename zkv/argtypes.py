@@ -24,13 +24,33 @@ def nonneg_int(s: str) -> int:
 
 def positive_float(s: str) -> float:
     """A finite number > 0 (NaN and inf are refused)."""
-    try:
-        x = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    x = _float(s)
     if not 0 < x < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
     return x
+
+
+def nonneg_float(s: str) -> float:
+    """A finite number >= 0 (NaN and inf are refused)."""
+    x = _float(s)
+    if not 0 <= x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return x
+
+
+def port(s: str) -> int:
+    """A TCP port, or 0 for any free one."""
+    n = _int(s)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {n}")
+    return n
+
+
+def _float(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
 
 
 def _int(s: str) -> int:

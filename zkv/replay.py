@@ -22,7 +22,6 @@ summary). With ``--max-restarts`` a lost rank restarts the whole group (zkvrun).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import orjson
 from tqdm import tqdm
 
 from zkv import metrics as M
-from zkv.argtypes import nonneg_int
+from zkv.argtypes import nonneg_float, nonneg_int, port, positive_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_log_dir
@@ -505,23 +504,37 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zkv replay", description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=("chat", "trace"), default="chat")
-    p.add_argument("--trace", default=os.path.normpath(DEFAULT_TRACE), help="Mooncake trace JSONL")
-    p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--batch", type=int, default=2, help="requests per scheduling step")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="float16")
-    p.add_argument("--device-blocks", type=int, default=768)
-    p.add_argument("--host-blocks", type=int, default=1024)
-    p.add_argument("--policy", choices=WRITE_POLICIES, default="write_back")
-    p.add_argument("--threshold", type=int, default=2, help="write_through_selective hit threshold")
+    p.add_argument("--workload", choices=("chat", "trace"), default="chat",
+                   help="chat: multi-turn conversations sharing a system prompt; trace: the "
+                        "Mooncake trace's block ids (default: %(default)s)")
+    p.add_argument("--trace", default=os.path.normpath(DEFAULT_TRACE),
+                   help="Mooncake trace JSONL (default: %(default)s)")
+    p.add_argument("--requests", type=nonneg_int, default=300,
+                   help="requests to replay (default: %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=2,
+                   help="requests per scheduling step (default: %(default)s)")
+    p.add_argument("--ranks", type=positive_int, default=2,
+                   help="worker processes, one per rank (default: %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=4,
+                   help="model layers (default: %(default)s)")
+    p.add_argument("--kv-heads", type=positive_int, default=2,
+                   help="KV heads per rank (default: %(default)s)")
+    p.add_argument("--head-dim", type=positive_int, default=64,
+                   help="elements per head and token (default: %(default)s)")
+    p.add_argument("--block-size", type=positive_int, default=16,
+                   help="tokens per block (default: %(default)s)")
+    p.add_argument("--dtype", default="float16", help="KV dtype (default: %(default)s)")
+    p.add_argument("--device-blocks", type=positive_int, default=768,
+                   help="L1 blocks per rank (default: %(default)s)")
+    p.add_argument("--host-blocks", type=nonneg_int, default=1024,
+                   help="L2 blocks per rank, 0 for none (default: %(default)s)")
+    p.add_argument("--policy", choices=WRITE_POLICIES, default="write_back",
+                   help="when blocks are written to the host tier (default: %(default)s)")
+    p.add_argument("--threshold", type=positive_int, default=2,
+                   help="write_through_selective hit threshold (default: %(default)s)")
     p.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
                    help="eviction order in each tier (lru, or slru: segmented, with a ghost "
-                        "memory of recent evictions)")
+                        "memory of recent evictions; default: %(default)s)")
     p.add_argument("--storage", default=None, metavar="URL",
                    help="L3 store: file:///path, redis://HOST:PORT/DB (rediss:// over TLS), "
                         "mooncake://HOST:PORT, "
@@ -529,19 +542,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-dir", default=None,
                    help="local-directory L3 (= --storage file://DIR; 'none' disables L3)")
     p.add_argument("--prefetch", choices=PREFETCH_POLICIES, default="wait_complete",
-                   help="how long a request waits for its L3 loads")
-    p.add_argument("--prefetch-base-ms", type=float, default=50.0,
-                   help="timeout policy: budget = base + per-ki-token x prompt tokens / 1024")
-    p.add_argument("--prefetch-per-ki-token-ms", type=float, default=50.0)
-    p.add_argument("--log-dir", default=None)
-    p.add_argument("--seed", type=nonneg_int, default=0)
-    p.add_argument("--metrics-port", type=int, default=None,
+                   help="how long a request waits for its L3 loads (default: %(default)s)")
+    p.add_argument("--prefetch-base-ms", type=nonneg_float, default=50.0,
+                   help="timeout policy: budget = base + per-ki-token x prompt tokens / 1024 "
+                        "(default: %(default)s)")
+    p.add_argument("--prefetch-per-ki-token-ms", type=nonneg_float, default=50.0,
+                   help="the timeout budget's part per 1,024 prompt tokens (default: "
+                        "%(default)s)")
+    p.add_argument("--log-dir", default=None,
+                   help="where the JSON logs go (default: $ZKV_LOG_DIR, else "
+                        "{tmp}/zkv-logs/{run_id})")
+    p.add_argument("--seed", type=nonneg_int, default=0,
+                   help="the chat workload's random seed (default: %(default)s)")
+    p.add_argument("--metrics-port", type=port, default=None,
                    help="serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any)")
     p.add_argument("--metrics-file", default=None, help="write the final metrics here")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is one only when stderr is a terminal)")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="start the whole group again after a failure, this many times")
+    p.add_argument("--max-restarts", type=nonneg_int, default=0,
+                   help="start the whole group again after a failure, this many times "
+                        "(default: %(default)s)")
     p.add_argument("--force", action="store_true",
                    help="allow more ranks than 4 per core, or pools larger than free memory")
     p.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
@@ -552,17 +572,6 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
     """The layout, or ConfigError naming the first argument that makes no sense."""
     from launch.env import max_local_ranks
 
-    for name, low in (("requests", 0), ("batch", 1), ("ranks", 1), ("device_blocks", 1),
-                      ("host_blocks", 0), ("threshold", 1), ("max_restarts", 0)):
-        if getattr(args, name) < low:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got "
-                              f"{getattr(args, name)}")
-    for name in ("prefetch_base_ms", "prefetch_per_ki_token_ms"):
-        if not 0 <= getattr(args, name) < math.inf:  # NaN fails too
-            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got "
-                              f"{getattr(args, name)}")
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
     if args.metrics_port:  # taken now: one line before anything starts (the scheduler
         M.serve(args.metrics_port).shutdown()  # says so too if it is taken meanwhile)
     if args.metrics_file is not None:

@@ -29,7 +29,6 @@ survived, nothing leaked and every untouched check verified; 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import signal
@@ -44,7 +43,7 @@ from typing import Any
 import zmq
 
 from zkv import protocol as P
-from zkv.argtypes import nonneg_int
+from zkv.argtypes import nonneg_int, positive_float, positive_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_log_dir
@@ -453,17 +452,27 @@ def soak_layout(args: argparse.Namespace) -> CacheLayout:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="zkv soak", description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=120.0)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--seed", type=nonneg_int, default=0)
-    p.add_argument("--fault-every", type=float, default=1.0, help="seconds between faults")
+    p.add_argument("--seconds", type=positive_float, default=120.0,
+                   help="how long to replay (default: %(default)s)")
+    p.add_argument("--ranks", type=positive_int, default=2,
+                   help="worker processes (default: %(default)s)")
+    p.add_argument("--seed", type=nonneg_int, default=0,
+                   help="seed of the workload and of the faults' order (default: %(default)s)")
+    p.add_argument("--fault-every", type=positive_float, default=1.0,
+                   help="seconds between faults (default: %(default)s)")
     p.add_argument("--faults", default=",".join(FAULTS),
-                   help=f"comma-separated subset of {','.join(FAULTS)}")
-    p.add_argument("--check-every", type=int, default=10, help="steps between invariant checks")
-    p.add_argument("--device-blocks", type=int, default=512)
-    p.add_argument("--host-blocks", type=int, default=256)
-    p.add_argument("--store-mb", type=int, default=256, help="L3 byte budget (all ranks)")
-    p.add_argument("--log-dir", default=None)
+                   help="comma-separated subset of %(default)s (default: all)")
+    p.add_argument("--check-every", type=positive_int, default=10,
+                   help="steps between invariant checks (default: %(default)s)")
+    p.add_argument("--device-blocks", type=int, default=512,
+                   help=f"device blocks per rank, >= {MIN_DEVICE_BLOCKS} (default: %(default)s)")
+    p.add_argument("--host-blocks", type=nonneg_int, default=256,
+                   help="host blocks per rank (default: %(default)s)")
+    p.add_argument("--store-mb", type=positive_int, default=256,
+                   help="L3 byte budget, all ranks together (default: %(default)s)")
+    p.add_argument("--log-dir", default=None,
+                   help="where the JSON logs go (default: in the soak's run directory, "
+                        "removed at the end)")
     p.add_argument("--force", action="store_true",
                    help="more ranks than 4 per core, or pools past the memory there is")
     args = p.parse_args(argv)
@@ -472,16 +481,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if bad or not args.faults:
         p.error(f"unknown faults {sorted(bad)}; choose from {','.join(FAULTS)}" if bad else
                 f"--faults names none; choose from {','.join(FAULTS)}")
-    if (args.ranks < 1 or args.check_every < 1
-            or not all(0 < x < math.inf for x in (args.seconds, args.fault_every))):  # not NaN
-        p.error("--ranks, --seconds, --fault-every and --check-every must be positive "
-                "(and finite)")
     if args.device_blocks < MIN_DEVICE_BLOCKS:  # else every request is dropped: no batch is
         # sent, and a fault that only traffic shows (a killed rank) goes unseen
         p.error(f"--device-blocks must be >= {MIN_DEVICE_BLOCKS} (the longest chat prompt "
                 f"alone), got {args.device_blocks}")
-    if args.host_blocks < 0 or args.store_mb < 1:
-        p.error("--host-blocks must be >= 0 and --store-mb >= 1")
     if not args.force:  # as zkv replay and zkvrun bound them
         from launch.env import max_local_ranks
 

@@ -20,19 +20,23 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--batch", "-1"], "--batch must be >= 1, got -1"),
-    (["--batch", "x"], "argument --batch: invalid int value: 'x'"),
+    (["--batch", "-1"], "argument --batch: must be > 0, got -1"),
+    (["--batch", "x"], "argument --batch: not an int: 'x'"),
     (["--ranks", "5000"], "--ranks 5000 is more than 4 per core"),
-    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
-    (["--layers", "0"], "num_layers must be > 0, got 0"),
+    (["--ranks", "0"], "argument --ranks: must be > 0, got 0"),
+    (["--layers", "0"], "argument --layers: must be > 0, got 0"),
+    (["--host-blocks", "-1"], "argument --host-blocks: must be >= 0, got -1"),
+    (["--threshold", "0"], "argument --threshold: must be > 0, got 0"),
     (["--dtype", "float64"], "unsupported dtype 'float64'"),
     (["--device-blocks", "100000000"], "the pools need"),
     (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "trace not found"),
-    (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535]"),
+    (["--metrics-port", "70000"], "argument --metrics-port: must be in [0, 65535], got 70000"),
     # the chat workload's seed (numpy's generator): was a traceback from the scheduler
     (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
-    (["--prefetch-base-ms", "-1"], "--prefetch-base-ms must be a finite number >= 0, got -1.0"),
-    (["--prefetch-per-ki-token-ms", "nan"], "--prefetch-per-ki-token-ms must be a finite"),
+    (["--prefetch-base-ms", "-1"],
+     "argument --prefetch-base-ms: must be a finite number >= 0, got -1"),
+    (["--prefetch-per-ki-token-ms", "nan"],
+     "argument --prefetch-per-ki-token-ms: must be a finite number >= 0, got nan"),
     (["--metrics-file", "{tmp}/no/m.prom"], "--metrics-file {tmp}/no/m.prom: no directory "
                                              "{tmp}/no"),
     (["--metrics-file", "{tmp}"], "--metrics-file {tmp}: is a directory"),

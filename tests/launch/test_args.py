@@ -75,14 +75,17 @@ def test_config_checks() -> None:
     assert "--keys DIR" in (LaunchConfig(nnodes=2).check() or "")
     assert LaunchConfig(nnodes=2, keys="/k").check() is None  # loopback master: no flag
     assert "--node-rank" in (LaunchConfig(nnodes=2, node_rank=2, insecure_tcp=True).check() or "")
-    assert LaunchConfig(nproc_per_node=0).check() is not None
-    assert LaunchConfig(max_restarts=-1).check() is not None
+    assert LaunchConfig(nnodes=0).check() == "--nnodes must be >= 1, got 0"
+    assert LaunchConfig(nproc_per_node=0).check() == "--nproc-per-node must be >= 1, got 0"
+    assert LaunchConfig(max_restarts=-1).check() == "--max-restarts must be >= 0, got -1"
+    assert "monitor_interval_s must be" in (LaunchConfig(monitor_interval_s=0).check() or "")
     for port, one_node, two in ((0, False, False), (65535, True, False), (65536, False, False),
                                 (-1, False, False), (1, True, True), (65534, True, True)):
         assert (LaunchConfig(master_port=port).check() is None) is one_node, port
         assert (LaunchConfig(nnodes=2, keys="/k", master_port=port).check() is None) is two, port
     assert "exported as MASTER_PORT" in (LaunchConfig(master_port=70000).check() or "")
-    assert "--grace-s must be >= 0 (and finite)" in (LaunchConfig(grace_s=math.nan).check() or "")
+    assert LaunchConfig(grace_s=math.nan).check() == \
+        "--grace-s must be a finite number >= 0, got nan"
     for bad in ("../../etc", "a/b", ".", "..", ".hidden", "", "x" * 65, "r 1"):
         assert "--run-id must be" in (LaunchConfig(run_id=bad).check() or ""), bad
     for good in ("r1", "exp-3_b.2", "0" * 64):
