@@ -31,12 +31,12 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from typing import IO, Any, NamedTuple
 
 from launch.zkvrun import pdeathsig_preexec
+from tests.waiting import holds_within
 
 HOST = "127.0.0.1"
 _START_TIMEOUT_S = 20.0
@@ -103,13 +103,13 @@ def binary(name: str) -> str:
 
 def wait_for(pred: Callable[[], bool], what: str, proc: subprocess.Popen[bytes] | None = None,
              timeout_s: float = _START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
+    def ready() -> bool:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{what}: process exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not ready within {timeout_s} s")
-        time.sleep(0.02)  # a polling interval, not synchronization
+        return pred()
+
+    if not holds_within(ready, timeout_s, interval=0.02):
+        raise RuntimeError(f"{what}: not ready within {timeout_s} s")
 
 
 def port_open(port: int) -> bool:

@@ -120,8 +120,8 @@ def test_a_killed_pipeline_bench_leaves_no_process(tmp_path: Path, sig: str) -> 
     die with it all the same (``PR_SET_PDEATHSIG``): none spins on."""
     import os
     import signal
-    import time
 
+    from tests.waiting import wait_exited, wait_until
     from tests.worker.helpers import children_of, cmdline
 
     p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "pipeline.py"), "--ranks", "2",
@@ -129,23 +129,18 @@ def test_a_killed_pipeline_bench_leaves_no_process(tmp_path: Path, sig: str) -> 
                          env=dict(os.environ, TMPDIR=str(tmp_path)),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kids: list[int] = []
+
+    def started() -> bool:  # 3 echo groups x 2 ranks, and zkv's 2 ranks
+        assert p.poll() is None, kids
+        kids[:] = [c for c in children_of(p.pid)
+                   if "mode = sys.argv[3]" in cmdline(c) or "zkv.worker" in cmdline(c)]
+        return len(kids) >= 8
+
     try:
-        deadline = time.monotonic() + 60
-        while len(kids) < 8:  # 3 echo groups x 2 ranks, and zkv's 2 ranks
-            assert time.monotonic() < deadline and p.poll() is None, kids
-            kids = [c for c in children_of(p.pid)
-                    if "mode = sys.argv[3]" in cmdline(c) or "zkv.worker" in cmdline(c)]
-            time.sleep(0.05)
+        wait_until(started, 60, "the bench's 8 processes")
         p.send_signal(getattr(signal, sig))
         assert p.wait(30) == (143 if sig == "SIGTERM" else -signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while True:
-            left = [c for c in kids if "mode = sys.argv[3]" in cmdline(c) or
-                    "zkv.worker" in cmdline(c)]  # a zombie's cmdline is empty
-            if not left:
-                break
-            assert time.monotonic() < deadline, f"processes left: {left}"
-            time.sleep(0.05)
+        wait_exited(kids, 10, "the bench's processes")
         if sig == "SIGTERM":
             assert list(tmp_path.glob("zkv-bench-*")) == []
     finally:

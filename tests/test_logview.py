@@ -18,6 +18,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from tests.waiting import wait_until
 from zkv import cli, logview
 from zkv.logview import Filters, Record, format_record, format_ts
 
@@ -161,13 +162,6 @@ class Lines(io.StringIO):
             return events(self.getvalue())
 
 
-def wait_until(pred: object, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 @contextlib.contextmanager
 def following(path: Path, poll_s: float = 0.02) -> Iterator[tuple[Lines, Lines]]:
     """``logview.follow(path)`` on a thread; yields its (stdout, stderr); stops and joins it."""
@@ -186,22 +180,22 @@ def following(path: Path, poll_s: float = 0.02) -> Iterator[tuple[Lines, Lines]]
 def test_follow_picks_up_new_lines_and_new_files(tmp_path: Path) -> None:
     write(tmp_path / "a.jsonl", ev(1.0, "a.one"))
     with following(tmp_path) as (out, _):
-        wait_until(lambda: out.events() == ["a.one"])
+        wait_until(lambda: out.events() == ["a.one"], 10)
         write(tmp_path / "a.jsonl", ev(2.0, "a.two")[:10])  # half a line: held back
         write(tmp_path / "b.jsonl", ev(1.5, "b.new_file"))
-        wait_until(lambda: out.events() == ["a.one", "b.new_file"])
+        wait_until(lambda: out.events() == ["a.one", "b.new_file"], 10)
         write(tmp_path / "a.jsonl", ev(2.0, "a.two")[10:])
-        wait_until(lambda: out.events() == ["a.one", "b.new_file", "a.two"])
+        wait_until(lambda: out.events() == ["a.one", "b.new_file", "a.two"], 10)
 
 
 def test_follow_waits_for_a_directory_that_does_not_exist_yet_and_says_so(
         tmp_path: Path) -> None:
     run = tmp_path / "run-1"
     with following(run) as (out, err):
-        wait_until(lambda: "waiting" in err.getvalue())
+        wait_until(lambda: "waiting" in err.getvalue(), 10)
         run.mkdir()
         write(run / "s.jsonl", ev(1.0, "scheduler.started"))
-        wait_until(lambda: out.events() == ["scheduler.started"])
+        wait_until(lambda: out.events() == ["scheduler.started"], 10)
     assert err.getvalue() == f"zkv logs: {run}: waiting for it to appear (Ctrl-C stops)\n"
 
 
@@ -211,9 +205,9 @@ def test_follow_says_once_that_a_directory_has_no_logs_yet(
     real = logview.log_files
     monkeypatch.setattr(logview, "log_files", lambda p: polls.append(p) or real(p))
     with following(tmp_path, poll_s=0.01) as (out, err):
-        wait_until(lambda: len(polls) >= 10)  # ten polls of an empty directory
+        wait_until(lambda: len(polls) >= 10, 10)  # ten polls of an empty directory
         write(tmp_path / "w-0.jsonl", ev(1.0, "worker.started"))
-        wait_until(lambda: out.events() == ["worker.started"])
+        wait_until(lambda: out.events() == ["worker.started"], 10)
     assert err.getvalue().splitlines() == [
         f"zkv logs: {tmp_path}: waiting for *.jsonl log files in it (Ctrl-C stops)"]
 

@@ -84,7 +84,8 @@ def test_refused_messages_are_read_from_the_dispatcher_and_kept_once_it_closed()
 
     import zmq
 
-    from tests.worker.helpers import FakeRank, endpoints, holds_within, short_ipc_dir
+    from tests.waiting import holds_within
+    from tests.worker.helpers import FakeRank, endpoints, short_ipc_dir
     from zkv import protocol as P
     from zkv.scheduler.dispatcher import Dispatcher
 

@@ -8,10 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import exited, wait_exited
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,15 +26,6 @@ signal.pause()  # until the test's signal
 """
 
 
-def _gone(pid: int) -> bool:
-    """Exited (a zombie counts: its parent died, and init reaps it when it will)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_servers_die_with_the_process_that_started_them(tmp_path: Path, sig: int) -> None:
     p = subprocess.Popen([sys.executable, "-c", START, str(tmp_path)], cwd=ROOT,
@@ -42,13 +34,10 @@ def test_servers_die_with_the_process_that_started_them(tmp_path: Path, sig: int
     try:
         assert p.stdout is not None
         pids = [int(x) for x in p.stdout.readline().split()]
-        assert len(pids) == 3 and not any(_gone(pid) for pid in pids), pids
+        assert len(pids) == 3 and not any(exited(pid) for pid in pids), pids
         p.send_signal(sig)
         p.wait(10)
-        deadline = time.monotonic() + 10
-        while not all(_gone(pid) for pid in pids):
-            assert time.monotonic() < deadline, [pid for pid in pids if not _gone(pid)]
-            time.sleep(0.02)
+        wait_exited(pids, 10, "the servers")
     finally:
         p.kill()
         p.wait()

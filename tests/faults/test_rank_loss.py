@@ -9,6 +9,7 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
+from tests.waiting import idle_for
 from tests.worker.helpers import (
     WorkerGroup,
     events_named,
@@ -79,7 +80,7 @@ def test_an_idle_gap_without_polls_loses_no_rank(folder: str) -> None:
     g = WorkerGroup(folder, 2, LAYOUT, heartbeat_timeout_s=1.0)
     try:
         assert g.run([]).ok
-        time.sleep(2.5)  # the idle gap itself: nothing to wait for
+        idle_for(2.5)  # the idle gap itself, past two heartbeat timeouts
         with capture_logs() as logs:
             done = g.run([P.Op(0, P.D2H, P.as_ids([0]), P.as_ids([0]))])
         assert done.ok and done.lost_ranks == frozenset()

@@ -10,12 +10,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
 import pytest
 
+from tests.waiting import wait_until
 from tests.worker.helpers import (
     children_of,
     cmdline,
@@ -33,7 +33,7 @@ LAYOUT = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=8,
 ROOT = str(Path(__file__).resolve().parents[2])
 
 SCHEDULER = r'''
-import sys, time
+import signal, sys
 from zkv import log, protocol as P
 from zkv.config import CacheLayout
 from zkv.scheduler.dispatcher import Dispatcher
@@ -46,7 +46,7 @@ seq = d.publish([P.Op(1, P.FILL, dst=ids, keys=keys)], step=0)
 while not any(b.seq == seq and b.ok for b in d.poll(1.0)):
     pass
 print("ready", flush=True)
-time.sleep(120)
+signal.pause()  # until the test kills it
 '''
 
 
@@ -96,17 +96,18 @@ def test_replay_with_a_rank_killed_restarts_the_group_and_finishes(tmp_path: Pat
         [sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests", "80",
          "--max-restarts", "1", "--log-dir", str(logs), "--store-dir", str(tmp_path / "l3")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    ranks: list[int] = []
+
+    def flowing() -> bool:  # the ranks of the first group, once batches flow
+        assert proc.poll() is None
+        sched = logs / "scheduler.jsonl"
+        if sched.exists() and sched.read_text().count("dispatcher.batch_acked") >= 5:
+            ranks[:] = [c for c in children_of(proc.pid) if "zkv.worker" in cmdline(c)]
+        return bool(ranks)
+
     try:
-        deadline = time.monotonic() + 120
-        victim = None
-        while victim is None:  # a rank of the first group, once batches flow
-            assert time.monotonic() < deadline and proc.poll() is None
-            sched = logs / "scheduler.jsonl"
-            if sched.exists() and sched.read_text().count("dispatcher.batch_acked") >= 5:
-                ranks = [c for c in children_of(proc.pid) if "zkv.worker" in cmdline(c)]
-                victim = ranks[-1] if ranks else None
-            time.sleep(0.02)  # a polling interval
-        os.kill(victim, signal.SIGKILL)
+        wait_until(flowing, 120, "batches acked by the first group", interval=0.02)
+        os.kill(ranks[-1], signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,11 +11,11 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
+from tests.waiting import holds_within, idle_for
 from tests.worker.helpers import (
     FakeRank,
     endpoints,
     events_named,
-    holds_within,
     joined_fakes,
     poll_until_done,
     short_ipc_dir,
@@ -319,11 +318,7 @@ def test_rank_loss_fails_in_flight_and_later_publish(
 def _idle_gap(ranks: list[FakeRank], seconds: float) -> None:
     """Time passes without a poll (an idle engine schedules nothing); ``ranks`` keep
     beating the way a worker's heartbeat thread does."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        for r in ranks:
-            r.heartbeat()
-        time.sleep(0.05)  # the gap itself: nothing here waits for anything
+    idle_for(seconds, beat=lambda: [r.heartbeat() for r in ranks], every=0.05)
 
 
 def test_an_idle_gap_without_polls_loses_no_rank(ctx: zmq.Context[Any],

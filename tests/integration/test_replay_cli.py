@@ -112,22 +112,24 @@ def test_dropped_requests_are_counted_and_fail_the_status(tmp_path: Path) -> Non
 def test_sigkilled_replay_leaves_an_l3_dir_the_next_replay_removes(tmp_path: Path) -> None:
     import os
     import signal
-    import time
 
     from launch.zkvrun import run_base
+    from tests.waiting import wait_until
 
     base = "/dev/shm" if os.path.isdir("/dev/shm") else run_base()
     root = Path(base) / f"zkv-{os.geteuid()}"
     proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "replay", "--no-progress",
                              "--requests", "2000", "--log-dir", str(tmp_path / "logs")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    mine: list[Path] = []
+
+    def made() -> bool:  # its default L3 directory, named after its pid
+        assert proc.poll() is None
+        mine[:] = root.glob(f"l3-{proc.pid}-*") if root.is_dir() else []
+        return bool(mine)
+
     try:
-        deadline = time.monotonic() + 60
-        mine: list[Path] = []
-        while not mine:  # its default L3 directory, named after its pid
-            assert time.monotonic() < deadline and proc.poll() is None
-            mine = list(root.glob(f"l3-{proc.pid}-*")) if root.is_dir() else []
-            time.sleep(0.02)  # a polling interval
+        wait_until(made, 60, "the replay's L3 directory")
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:

@@ -11,7 +11,6 @@ whatever tier still holds their blocks or computed again.
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,26 +40,30 @@ def _flushed(port: int, store_up: bool = True) -> dict[str, Any]:
     writes of an idle engine, and tries failed ones again); with the store down, the
     writes that failed wait (``store_retry``) and are not waited for."""
     from tests.integration.vllm_runner import scrape
+    from tests.waiting import holds_within
 
-    deadline = time.monotonic() + FLUSH_S
-    while True:
-        z = scrape(port)
-        left = {k: v for k, v in z["in_flight"].items() if store_up or k != "store_retry"}
-        if not any(left.values()) or time.monotonic() > deadline:
-            return z
-        time.sleep(0.2)
+    z: dict[str, Any] = {}
+
+    def flushed() -> bool:
+        z.update(scrape(port))
+        return not any(v for k, v in z["in_flight"].items() if store_up or k != "store_retry")
+
+    holds_within(flushed, FLUSH_S, interval=0.2)  # the caller checks what is left
+    return z
 
 
 def _keys(store: Any) -> int:
     """Blocks in the store, once its count held for a second."""
-    deadline, last = time.monotonic() + FLUSH_S, -1
-    while time.monotonic() < deadline:
-        n = store.num_keys()
-        if n == last:
-            return n
-        last = n
-        time.sleep(1.0)
-    return last
+    from tests.waiting import holds_within
+
+    counts: list[int] = []
+
+    def held() -> bool:
+        counts.append(store.num_keys())
+        return len(counts) > 1 and counts[-1] == counts[-2]
+
+    holds_within(held, FLUSH_S, interval=1.0)
+    return counts[-1]
 
 
 def _events(log_dir: Path, name: str) -> list[dict[str, Any]]:

@@ -57,6 +57,8 @@ import sys
 import time
 from typing import Any
 
+from tests.waiting import idle_for
+
 
 def build_tiny_llama(path: str, *, layers: int = 4, hidden: int = 256, heads: int = 4,
                      kv_heads: int = 2, vocab: int = 2048, seed: int = 0) -> str:
@@ -426,7 +428,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             prompts = _with_embeds(spec["model"], ph["prompts"], ph["embeds"])
         lora = _lora_request(ph.get("lora"))
         if ph.get("idle_s"):
-            time.sleep(ph["idle_s"])  # an idle server: no request, so no step, no poll
+            idle_for(ph["idle_s"])  # an idle server: no request, so no step, no poll
         t = time.perf_counter()
         where: list[str] = []
         group = 1 if ph.get("one_by_one") else ph.get("group", 0)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
 
 from tests.integrations.test_vllm_rank_loss import BS, DOC, Group
+from tests.waiting import holds_within, wait_until
 from tests.worker.helpers import short_ipc_dir
 from zkv.scheduler.hashing import ROOT_HASH, hash_tokens
 from zkv.storage import leading_present
@@ -36,13 +36,8 @@ def group(tmp_path: Path) -> Iterator[Group]:
             g.close()
 
 
-def _until(what: object, deadline_s: float = DEADLINE_S) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if what():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)  # the pump's own pace is milliseconds
-    return False
+def _until(what: Callable[[], bool]) -> bool:
+    return holds_within(what, DEADLINE_S, interval=0.01)  # the pump's pace is milliseconds
 
 
 def test_a_finished_requests_blocks_reach_l3_with_no_further_call(group: Group) -> None:
@@ -81,7 +76,9 @@ def test_the_pump_leaves_loads_to_the_step(group: Group) -> None:
         assert ext == 8 * BS
         blocks = list(range(20, 29))
         group.half.update_state_after_alloc(req, blocks, ext)
-        time.sleep(0.1)  # idle, a batch in flight: the pump's turn, many times over
+        batches = group.half.in_flight()["batches"]  # idle, a batch in flight: the pump's
+        # turn, many times over, and it publishes no batch (the load's)
+        assert not holds_within(lambda: group.half.in_flight()["batches"] > batches, 0.1)
     finally:
         os.kill(group.proc.pid, signal.SIGCONT)
     meta = group.half.build_connector_meta(group.step(req, blocks, ext))
@@ -95,11 +92,12 @@ def test_l3_writes_opened_by_an_engine_call_are_published_once_it_is_idle(group:
     opens wait for no step (vLLM's last call of a request publishes nothing more)."""
     hashes = hash_tokens(DOC, BS, parent=ROOT_HASH)
     group.compute_and_save(wait=False)
-    end = time.monotonic() + DEADLINE_S
-    while group.half.snapshot()["cm_saved_external"] < 8:  # vLLM calls, ~every ms
-        assert time.monotonic() < end, "the save was never acked"
+
+    def acked() -> bool:  # vLLM calls, ~every ms
         group.half.update_connector_output(())
-        time.sleep(0.001)
+        return group.half.snapshot()["cm_saved_external"] >= 8
+
+    wait_until(acked, DEADLINE_S, "the save's ack", interval=0.001)
     assert group.half.in_flight()["batches"] == 0  # committed by that call: the pump idle
     assert _until(lambda: leading_present(group.store, hashes, 1) == 8), \
         f"{leading_present(group.store, hashes, 1)} of 8 blocks in L3 while idle"

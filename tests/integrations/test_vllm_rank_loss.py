@@ -15,13 +15,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tests.waiting import holds_within, idle_for
 from tests.worker.helpers import endpoints, short_ipc_dir, worker_env
 from zkv.config import CacheLayout
 from zkv.integrations.vllm import metrics
@@ -88,14 +88,15 @@ class Group:
     def ask_until_matched(self, req: Any, deadline_s: float = 10.0) -> tuple[int, int]:
         """vLLM's scheduler asking again each step while the half answers None (a lookup
         still in flight): (tokens matched, times asked)."""
-        end, n = time.monotonic() + deadline_s, 0
-        while time.monotonic() < end:
-            n += 1
-            ext, _ = self.half.get_num_new_matched_tokens(req, 0)
-            if ext is not None:
-                return ext, n
-            time.sleep(0.005)
-        raise AssertionError(f"still asked to ask again after {deadline_s} s")
+        asked: list[int | None] = []
+
+        def matched() -> bool:
+            asked.append(self.half.get_num_new_matched_tokens(req, 0)[0])
+            return asked[-1] is not None
+
+        if not holds_within(matched, deadline_s):
+            raise AssertionError(f"still asked to ask again after {deadline_s} s")
+        return asked[-1], len(asked)  # type: ignore[return-value]
 
     def compute_and_save(self, wait: bool = True, params: dict[str, Any] | None = None
                          ) -> dict[str, Any] | None:
@@ -125,7 +126,7 @@ class Group:
         nothing polled: the next call that polls finds the rank lost."""
         os.kill(self.proc.pid, signal.SIGSTOP)
         self.half.update_connector_output(())  # a poll: what was queued is read now
-        time.sleep(1.5 * TIMEOUT_S)  # the frozen rank's silence itself
+        idle_for(1.5 * TIMEOUT_S)  # the frozen rank's silence itself
 
     def close(self) -> None:
         try:

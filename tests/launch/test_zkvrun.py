@@ -6,6 +6,7 @@ rename); the tests poll for those files with a deadline, never sleep to synchron
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -14,12 +15,12 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import orjson
 import pytest
 
+from tests.waiting import holds_within, wait_exited, wait_until
 from zkv import log as zlog
 from zkv.config import CacheLayout
 
@@ -27,6 +28,7 @@ TIMEOUT_S = 30
 
 PRELUDE = r'''
 import json, os, signal, sys, time
+from tests.waiting import wait_until
 OUT = os.environ["T_OUT"]
 RANK = os.environ.get("RANK")
 
@@ -37,11 +39,15 @@ def put(name, text):
     os.replace(tmp, os.path.join(OUT, name))
 
 def wait_for(*names, timeout=20):
-    deadline = time.monotonic() + timeout
-    while not all(os.path.exists(os.path.join(OUT, n)) for n in names):
-        if time.monotonic() > deadline:
-            sys.exit(99)
-        time.sleep(0.01)
+    try:
+        wait_until(lambda: all(os.path.exists(os.path.join(OUT, n)) for n in names), timeout)
+    except AssertionError:
+        sys.exit(99)
+
+def park():
+    """Until a signal ends this process (zkvrun's, or the test's)."""
+    while True:
+        signal.pause()
 
 def record_signal(tag):
     def handler(signum, frame):
@@ -79,10 +85,7 @@ def run_zkvrun(tmp_path: Path, *args: str, **extra_env: str) -> subprocess.Compl
 
 
 def wait_files(d: Path, *names: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not all((d / n).exists() for n in names):
-        assert time.monotonic() < deadline, f"timed out waiting for {names} in {d}"
-        time.sleep(0.01)
+    wait_until(lambda: all((d / n).exists() for n in names), timeout, f"{names} in {d}")
 
 
 def pid_gone(pid: int) -> bool:
@@ -151,7 +154,7 @@ if RANK == "1":
     sys.exit(3)
 if RANK == "2":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # needs the SIGKILL after grace
-time.sleep(60)
+park()
 ''')
     logs = tmp_path / "logs"
     r = run_zkvrun(tmp_path, "--nproc-per-node", "3", "--grace-s", "0.5", "--log-dir", str(logs),
@@ -185,13 +188,9 @@ with open(os.path.join(OUT, f"attempt-{RANK}"), "a") as f:
 if RANK == "1" and first:
     # fail once the others of this group are up: one torn down before it wrote its line
     # would start only once
-    deadline = time.monotonic() + 20
-    while not all(os.path.exists(os.path.join(OUT, f"attempt-{n}")) for n in ("0", "sched")):
-        if time.monotonic() > deadline:
-            sys.exit(98)
-        time.sleep(0.01)
+    wait_for("attempt-0", "attempt-sched")
     sys.exit(5)
-time.sleep(60)
+park()
 ''')
     sched = script(tmp_path, "sched.py", r'''
 with open(os.path.join(OUT, "attempt-sched"), "a") as f:
@@ -200,13 +199,12 @@ def lines(name):
     path = os.path.join(OUT, name)
     return len(open(path).read().split()) if os.path.exists(path) else 0
 if lines("attempt-sched") == 2:
-    deadline = time.monotonic() + 20
-    while lines("attempt-0") < 2 or lines("attempt-1") < 2:  # the restarted ranks are up
-        if time.monotonic() > deadline:
-            sys.exit(99)
-        time.sleep(0.01)
+    try:  # the restarted ranks are up
+        wait_until(lambda: lines("attempt-0") >= 2 and lines("attempt-1") >= 2, 20)
+    except AssertionError:
+        sys.exit(99)
     sys.exit(0)
-time.sleep(60)
+park()
 ''')
     logs = tmp_path / "logs"
     r = run_zkvrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--grace-s", "2",
@@ -243,7 +241,7 @@ def test_scheduler_exit_zero_ends_the_group(tmp_path: Path) -> None:
 assert sys.argv[1:] == ["--flag", "a b"], sys.argv
 wait_for("env-0.json", "env-1.json")
 ''')
-    worker = script(tmp_path, "worker.py", WRITE_ENV + "time.sleep(60)\n")
+    worker = script(tmp_path, "worker.py", WRITE_ENV + "park()\n")
     logs = tmp_path / "logs"
     # RANK in zkvrun's own env must not leak into the scheduler's.
     r = run_zkvrun(tmp_path, "--nproc-per-node", "2", "--log-dir", str(logs),
@@ -263,9 +261,10 @@ wait_for("env-0.json", "env-1.json")
 
 
 def test_scheduler_failure_exits_with_its_code(tmp_path: Path) -> None:
-    worker = script(tmp_path, "worker.py", WRITE_ENV + "time.sleep(60)\n")
-    code = ('import os,sys,time\n'
-            'while not os.path.exists(os.environ["T_OUT"]+"/env-0.json"): time.sleep(0.01)\n'
+    worker = script(tmp_path, "worker.py", WRITE_ENV + "park()\n")
+    code = ('import os,sys\n'
+            'from tests.waiting import wait_until\n'
+            'wait_until(lambda: os.path.exists(os.environ["T_OUT"]+"/env-0.json"), 20)\n'
             'sys.exit(7)')
     r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs"),
                    "--scheduler", f"-c '{code}'", worker)
@@ -277,7 +276,7 @@ def test_scheduler_failure_exits_with_its_code(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_is_forwarded_to_every_child(tmp_path: Path, sig: signal.Signals) -> None:
-    body = 'record_signal(TAG)\nput("ready-" + TAG, "")\ntime.sleep(60)\n'
+    body = 'record_signal(TAG)\nput("ready-" + TAG, "")\npark()\n'
     worker = script(tmp_path, "worker.py", "TAG = RANK\n" + body)
     sched = script(tmp_path, "sched.py", 'TAG = "sched"\n' + body)
     with subprocess.Popen(zkvrun_cmd("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
@@ -300,7 +299,7 @@ def test_second_signal_skips_the_grace_period(tmp_path: Path) -> None:
     worker = script(tmp_path, "worker.py", r'''
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 put(f"pid-{RANK}", str(os.getpid()))
-time.sleep(60)
+park()
 ''')
     logs = tmp_path / "logs"
     with subprocess.Popen(zkvrun_cmd("--grace-s", "60", "--log-dir", str(logs), worker),
@@ -308,10 +307,8 @@ time.sleep(60)
         try:
             wait_files(tmp_path, "pid-0")
             p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 20
-            while not any(e["event"] == zlog.SIGNAL_FORWARDED for e in events(logs)):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_until(lambda: any(e["event"] == zlog.SIGNAL_FORWARDED for e in events(logs)),
+                       20, "the first signal forwarded")
             p.send_signal(signal.SIGTERM)
             p.communicate(timeout=TIMEOUT_S)
         finally:
@@ -370,33 +367,22 @@ def test_missing_command_is_a_usage_error(tmp_path: Path) -> None:
     assert r.returncode == 1 and "cannot start rank 0" in r.stderr
 
 
-def dead_or_zombie(pid: int) -> bool:
-    """Gone, or a zombie waiting for whoever adopted it (an orphan's reaper may be slow)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def wait_dead(pid: int, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not dead_or_zombie(pid):
-        assert time.monotonic() < deadline, f"pid {pid} still running"
-        time.sleep(0.01)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
 def test_what_an_exited_rank_left_behind_is_killed(tmp_path: Path) -> None:
     worker = script(tmp_path, "worker.py", r'''
 import subprocess
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
 put("grandchild", str(child.pid))
 os._exit(0)
 ''')
     r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs"), worker)
     assert r.returncode == 0, r.stderr
-    wait_dead(int((tmp_path / "grandchild").read_text()))
+    grandchild = int((tmp_path / "grandchild").read_text())
+    try:
+        wait_exited([grandchild], 10, "the exited rank's child")
+    finally:  # whatever a failure left
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(grandchild, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
@@ -405,7 +391,7 @@ def test_sigkilled_zkvrun_leaves_nothing_the_next_start_does_not_clean(tmp_path:
     the next zkvrun removes it. A live run's directory is never touched."""
     base = tempfile.mkdtemp(prefix="zkv-t")  # $TMPDIR of both runs: short, ours alone
     try:
-        worker = script(tmp_path, "worker.py", WRITE_ENV + "time.sleep(60)\n")
+        worker = script(tmp_path, "worker.py", WRITE_ENV + "park()\n")
         with subprocess.Popen(zkvrun_cmd("--nproc-per-node", "2", "--log-dir",
                                          str(tmp_path / "logs"), worker),
                               env=env_for(tmp_path, TMPDIR=base), cwd=tmp_path) as p:
@@ -417,8 +403,7 @@ def test_sigkilled_zkvrun_leaves_nothing_the_next_start_does_not_clean(tmp_path:
         run_dir = os.path.dirname(infos[0]["ZKV_PUB_ENDPOINT"][len("ipc://"):])
         assert os.path.dirname(run_dir) == os.path.join(base, f"zkv-{os.geteuid()}")
         assert sorted(os.listdir(run_dir)) == ["keys", "owner"]  # no scheduler: no sockets
-        for info in infos:
-            wait_dead(info["pid"])
+        wait_exited([info["pid"] for info in infos], 10, "the ranks of the SIGKILLed zkvrun")
         live = security_run_dir(base)  # a run whose owner (this process) is alive
         r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs2"), "-c", "pass",
                        TMPDIR=base)
@@ -451,13 +436,9 @@ def test_sigterm_while_ranks_start_stops_the_starting(tmp_path: Path) -> None:
     others = set(children_of(me))  # (a session's servers, say)
 
     def signal_after_first_child() -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if set(children_of(me)) - others:
-                os.kill(me, signal.SIGTERM)
-                sent.set()
-                return
-            time.sleep(0.001)  # polling interval
+        if holds_within(lambda: set(children_of(me)) - others, 30, interval=0.001):
+            os.kill(me, signal.SIGTERM)
+            sent.set()
 
     before = signal.getsignal(signal.SIGTERM)
     watcher = threading.Thread(target=signal_after_first_child, daemon=True)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.waiting import wait_exited
 from zkv import protocol as P
 from zkv import security
 from zkv.errors import ConfigError
@@ -77,16 +78,14 @@ def _as_nobody(body: Any) -> int:
             code = 0 if body() else 1
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 30
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            raise AssertionError("the child as nobody did not finish")
-        time.sleep(0.01)  # a polling interval, not synchronization
+    try:
+        wait_exited([pid], 30, "the child as nobody")
+    except AssertionError:
+        os.kill(pid, 9)
+        raise
+    finally:
+        _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 @needs_root

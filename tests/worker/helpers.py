@@ -11,13 +11,14 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import zmq
 
 from launch.zkvrun import pdeathsig_preexec
+from tests.waiting import wait_until
 from zkv import protocol as P
 from zkv.scheduler.dispatcher import BatchDone, Dispatcher
 
@@ -43,28 +44,6 @@ def digest(*parts: int) -> bytes:
     import xxhash
 
     return xxhash.xxh3_128_digest(repr(parts).encode())
-
-
-def holds_within(pred: Callable[[], bool], timeout: float,
-                 step: Callable[[], Any] | None = None) -> bool:
-    """Poll ``pred`` (running ``step`` between checks, e.g. ``dispatcher.poll``) until it
-    holds or ``timeout`` passes; whether it held."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        if step is not None:
-            step()
-        else:
-            time.sleep(0.005)  # a polling interval, not synchronization
-    return True
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition",
-               step: Callable[[], Any] | None = None) -> None:
-    """Poll ``pred`` (as :func:`holds_within`) until it holds; AssertionError after ``timeout``."""
-    if not holds_within(pred, timeout, step):
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def poll_until_done(d: Dispatcher, seqs: set[int] | int,

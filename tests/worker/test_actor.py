@@ -15,13 +15,13 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
+from tests.waiting import wait_until
 from tests.worker.helpers import (
     FakeScheduler,
     digest,
     endpoints,
     events_named,
     poll_until_done,
-    wait_until,
 )
 from zkv import protocol as P
 from zkv.config import CacheLayout

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker.helpers import endpoints, holds_within, poll_until_done, short_ipc_dir
+from tests.waiting import holds_within
+from tests.worker.helpers import endpoints, poll_until_done, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.kernels import cuda_available

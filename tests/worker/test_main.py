@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_exited
 from zkv.config import CacheLayout
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -54,7 +55,6 @@ def test_a_rank_whose_parent_dies_while_it_starts_stops(tmp_path: Path) -> None:
     scheduler forever. (A parent gone before the rank's first line runs, ~30 ms, is not
     told apart from a rank that init started.)"""
     import json
-    import time
 
     import orjson
 
@@ -66,24 +66,22 @@ def test_a_rank_whose_parent_dies_while_it_starts_stops(tmp_path: Path) -> None:
                ZKV_LOG_DIR=str(tmp_path / "logs"), PYTHONPATH=ROOT)
     # It exits once torch is loading in the rank (its library mapped: the rank's first
     # lines, which read the parent's pid, ran), long before the rank's actor starts.
-    launcher = ("import json, os, subprocess, sys, time\n"
+    launcher = ("import json, os, subprocess, sys\n"
+                "from tests.waiting import wait_until\n"
                 "p = subprocess.Popen([sys.executable, '-m', 'zkv.worker'], "
                 "env=json.loads(sys.argv[1]), stdin=subprocess.DEVNULL, "
                 "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
-                "deadline = time.monotonic() + 60\n"
-                "while b'libtorch' not in open(f'/proc/{p.pid}/maps', 'rb').read():\n"
-                "    assert time.monotonic() < deadline and p.poll() is None\n"
-                "    time.sleep(0.002)\n"
+                "def loading():\n"
+                "    assert p.poll() is None\n"
+                "    return b'libtorch' in open(f'/proc/{p.pid}/maps', 'rb').read()\n"
+                "wait_until(loading, 60, 'torch loading in the rank', interval=0.002)\n"
                 "print(p.pid, flush=True)\n"
                 "os._exit(0)\n")
     r = subprocess.run([sys.executable, "-c", launcher, json.dumps(env)], capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=60, cwd=ROOT)
     pid = int(r.stdout)
-    deadline = time.monotonic() + 60
     try:
-        while os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "X"):
-            assert time.monotonic() < deadline, "the orphaned rank is still running"
-            time.sleep(0.05)
+        wait_exited([pid], 60, "the orphaned rank")
     finally:
         try:
             os.kill(pid, 9)
@@ -92,11 +90,3 @@ def test_a_rank_whose_parent_dies_while_it_starts_stops(tmp_path: Path) -> None:
     lines = [orjson.loads(x) for x in (tmp_path / "logs" / "worker-0.jsonl").read_bytes()
              .splitlines()]
     assert any("parent process exited" in str(e.get("reason", "")) for e in lines), lines[-3:]
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"
