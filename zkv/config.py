@@ -9,6 +9,7 @@ the L3 namespace, so incompatible caches never mix in a shared store.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import orjson
@@ -99,7 +100,7 @@ class CacheLayout:
             raise ConfigError(f"bad cache layout JSON: {e}") from e
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> CacheLayout:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CacheLayout:
         env = os.environ if env is None else env
         text = env.get("ZKV_CONFIG")
         if not text:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NewType, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 import orjson
@@ -71,8 +71,6 @@ MAX_REASON_CHARS = 2048
 #: queue means that rank stopped reading), anything else on the other sockets.
 SEND_HWM = 1000
 RECV_HWM = 10000
-
-BlockHash = NewType("BlockHash", bytes)
 
 D2H, BACKUP, H2D, S2H, H2S = "d2h", "backup", "h2d", "s2h", "h2s"
 FILL, CHECK = "fill", "check"
@@ -407,7 +405,8 @@ def _idle(tag: bytes, h: dict[str, Any]) -> CopyBlocks | BlocksCopied | None:
         rank, ok, t_recv, t_done = h.get("rank"), h.get("ok"), h.get("t_recv"), h.get("t_done")
         if (type(rank) is int and rank >= 0 and type(ok) is bool and "pending" not in h
                 and type(t_recv) in _NUMBER and type(t_done) in _NUMBER):
-            return _new(BlocksCopied, (seq, rank, ok, (), float(t_recv), float(t_done), ()))
+            return _new(BlocksCopied, (seq, rank, ok, (), float(t_recv),  # type: ignore[arg-type]
+                                       float(t_done), ()))  # type: ignore[arg-type]
     elif tag == T_BATCH:
         step = h.get("step")
         if type(step) is int and step >= 0:
@@ -538,4 +537,4 @@ def _num(d: dict[str, Any], name: str) -> float:
     val = d.get(name)
     if type(val) not in (int, float):
         raise ProtocolError(f"field {name!r} must be a number, got {type(val).__name__}")
-    return float(val)
+    return float(val)  # type: ignore[arg-type]  # (an int or a float: checked above)

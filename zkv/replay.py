@@ -42,7 +42,7 @@ from zkv.log import check_log_dir
 from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
 from zkv.scheduler.dispatcher import BatchDone
 from zkv.scheduler.eviction import POLICIES as EVICTION_POLICIES
-from zkv.scheduler.hashing import hash_ids_chain, hash_tokens
+from zkv.scheduler.hashing import BlockHash, hash_ids_chain, hash_tokens
 from zkv.scheduler.manager import WRITE_POLICIES, CacheConfig, CacheManager
 from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy, PrefetchTracker
 
@@ -64,7 +64,8 @@ def chat_max_prompt_blocks(block_size: int) -> int:
     return (CHAT_HISTORY_MAX_TOKENS + CHAT_TURN_MAX_TOKENS) // block_size
 
 
-def chat_workload(num_requests: int, block_size: int, seed: int = 0) -> Iterator[tuple[str, list[bytes]]]:
+def chat_workload(num_requests: int, block_size: int, seed: int = 0
+                  ) -> Iterator[tuple[str, list[BlockHash]]]:
     """Multi-turn chat: a shared system prompt, conversations whose history grows by a
     user and an assistant turn per request. Deterministic for a seed."""
     rng = np.random.default_rng(seed)
@@ -83,7 +84,7 @@ def chat_workload(num_requests: int, block_size: int, seed: int = 0) -> Iterator
         yield f"chat-{i}", hash_tokens(prompt, block_size)
 
 
-def trace_workload(path: str, num_requests: int) -> Iterator[tuple[str, list[bytes]]]:
+def trace_workload(path: str, num_requests: int) -> Iterator[tuple[str, list[BlockHash]]]:
     """The Mooncake trace: one zkv block per trace hash id (equal paths, equal hashes).
     A line that is not ``{"hash_ids": [int, ...], ...}`` is a ConfigError naming it."""
     with open(path, "rb") as f:
@@ -157,7 +158,7 @@ class Replayer:
         self.running: list[str] = []  # requests of the step in progress (aborted on failure)
         self.failed_sim: set[int] = set()  # sim ops (fill / check) that failed on some rank
 
-    def run(self, workload: Sequence[tuple[str, list[bytes]]]) -> Summary:
+    def run(self, workload: Sequence[tuple[str, Sequence[bytes]]]) -> Summary:
         t0 = time.perf_counter()
         # On a terminal only (tqdm's disable=None): piped, stderr stays one line per event.
         with tqdm(total=len(workload), desc="replay", unit="req", file=sys.stderr,
@@ -176,7 +177,7 @@ class Replayer:
         self.s.wall_s = time.perf_counter() - t0
         return self.s
 
-    def run_step(self, reqs: Sequence[tuple[str, list[bytes]]]) -> None:
+    def run_step(self, reqs: Sequence[tuple[str, Sequence[bytes]]]) -> None:
         """One scheduling step: match, allocate, one batch (the manager's ops and the
         simulated forward), commit. A request whose forward failed on some rank is aborted:
         blocks that were never written are never cached. Raises RankLost (rolled back)."""
@@ -268,7 +269,7 @@ class Replayer:
         M.FREE_BLOCKS.labels(pool="device").set(self.cm.device.num_free)
         M.FREE_BLOCKS.labels(pool="host").set(self.cm.host.num_free)
 
-    def _sim(self, kind: str, ids: list[int], keys: list[bytes]) -> Op:
+    def _sim(self, kind: str, ids: list[int], keys: Sequence[bytes]) -> Op:
         self.sim_id += 1
         if kind == CHECK:
             return Op(self.sim_id, CHECK, src=as_ids(ids), keys=tuple(keys))

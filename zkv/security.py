@@ -59,6 +59,7 @@ import stat
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,15 +202,15 @@ def _read_cert(folder: str, name: str) -> tuple[bytes | None, bytes | None]:
     return public, secret
 
 
-def client_keys_from_env(rank: int, env: dict[str, str] | None = None) -> ClientKeys | None:
+def client_keys_from_env(rank: int, env: Mapping[str, str] | None = None) -> ClientKeys | None:
     """Rank ``rank``'s keys from the keyring named by ``$ZKV_KEYS``; None when unset."""
-    env = os.environ if env is None else env  # type: ignore[assignment]
+    env = os.environ if env is None else env
     path = env.get(KEYS_ENV)
     return Keyring.load(path).for_rank(rank) if path else None
 
 
-def keyring_from_env(env: dict[str, str] | None = None) -> Keyring | None:
-    env = os.environ if env is None else env  # type: ignore[assignment]
+def keyring_from_env(env: Mapping[str, str] | None = None) -> Keyring | None:
+    env = os.environ if env is None else env
     path = env.get(KEYS_ENV)
     return Keyring.load(path) if path else None
 

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -307,7 +307,7 @@ class Soak:
         """A fault may make the current step fail (tampered batch, store away, dead rank)."""
         return self.tampered or self.pending is not None or bool(self.confirm)
 
-    def _one_step(self, reqs: list[tuple[str, list[bytes]]]) -> None:
+    def _one_step(self, reqs: Sequence[tuple[str, Sequence[bytes]]]) -> None:
         rp = self.rp
         before = (rp.s.mismatched, rp.s.failed_ops)
         touched = self.touched

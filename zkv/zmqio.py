@@ -50,4 +50,4 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy: bool = True) -> lis
 
 def readable(sock: zmq.Socket[Any]) -> bool:
     """A message is queued (cheaper than a ``DONTWAIT`` receive that raises ``Again``)."""
-    return bool(sock.get(_EVENTS) & POLLIN)
+    return bool(sock.get(_EVENTS) & POLLIN)  # type: ignore[operator]  # (EVENTS is an int)

@@ -183,7 +183,7 @@ class CopyBackend(abc.ABC):
             raise ValueError("host pool must be contiguous (page-first)")
         # uint8 view first: numpy has no bfloat16 / float8.
         arr = host_pool[host_id].view(torch.uint8).numpy().reshape(-1)
-        return memoryview(arr)
+        return memoryview(arr)  # type: ignore[arg-type]  # (numpy's stubs: ndarray is a buffer)
 
     # ---------------------------------------------------------------- ordering
 

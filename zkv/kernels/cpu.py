@@ -60,7 +60,7 @@ from zkv.kernels.layout import KVSpec, block_runs, host_chunk_offset
 try:
     from zkv.kernels import _blockcopy
 except ImportError:  # not built (no compiler at install time): the memmove loop
-    _blockcopy = None
+    _blockcopy = None  # type: ignore[assignment]
 
 IMPLS = ("ext", "memmove")
 

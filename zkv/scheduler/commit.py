@@ -245,10 +245,10 @@ def _commit_save(core: Core, p: PendingOp, done: int) -> None:
     st = core.requests.get(p.req_ids[0] or "")
     first = failed[0]
     if st is not None and first.ref and st.num_held > first.depth:
-        n = st.tail
-        while n is not first.parent:  # the request's path from its tail up to `first`
-            n.ref -= 1  # type: ignore[union-attr]
-            n = n.parent  # type: ignore[union-attr]
+        m = st.tail
+        while m is not first.parent:  # the request's path from its tail up to `first`
+            m.ref -= 1  # type: ignore[union-attr]
+            m = m.parent  # type: ignore[union-attr]
         st.tail = first.parent if first.parent is not core.tree.root else None
         st.num_held = first.depth
     parent = first.parent

@@ -473,7 +473,7 @@ class Dispatcher:
         for _ in range(_MAX_DRAIN if subscriptions else 0):
             if not readable(pub):
                 break
-            frame = pub.recv(DONTWAIT, copy=copy)
+            frame: Any = pub.recv(DONTWAIT, copy=copy)  # bytes when copied, else a Frame
             if copy:
                 self._on_subscription(frame, None)
             else:

@@ -100,12 +100,12 @@ def hash_tokens(
     if type(token_ids) is list or type(token_ids) is tuple:
         out = _native.hash_tokens(token_ids, block_size, parent, extras)
         if out is not None:
-            return out  # type: ignore[no-any-return]
+            return out
         # an element the native path leaves to the reference (it raises or converts)
         return hash_tokens_py(token_ids, block_size, parent=parent, start_token=start_token,
                               mm_items=mm_items)
-    return _native.hash_tokens(_token_bytes(token_ids), block_size, parent,  # type: ignore[no-any-return]
-                               extras)
+    return _native.hash_tokens(_token_bytes(token_ids), block_size, parent,  # type: ignore[return-value]
+                               extras)  # (never None for bytes)
 
 
 def _check_args(block_size: int, start_token: int, parent: bytes) -> None:
@@ -199,7 +199,7 @@ def hash_ids_chain(ids: Sequence[int], *, parent: bytes = ROOT_HASH) -> list[Blo
     if _native is not None:
         out = _native.hash_id_list(ids, parent)
         if out is not None:
-            return out  # type: ignore[no-any-return]
+            return out
     return hash_ids_chain_py(ids, parent=parent)
 
 

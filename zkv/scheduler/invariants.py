@@ -66,7 +66,7 @@ def check(core: Core) -> None:
 
 def _walk(tree: RadixTree) -> list[Node]:
     out: list[Node] = []
-    stack = list(tree.root.children.values())  # type: ignore[union-attr]
+    stack: list[Node] = list((tree.root.children or {}).values())
     while stack:
         n = stack.pop()
         p = n.parent

@@ -94,7 +94,7 @@ class Node:
         self.host = host
         self.parent = parent
         self.children: dict[bytes, Node] | None = None
-        self.depth = 0 if parent is None else parent.depth + len(parent.hashes)
+        self.depth: int = 0 if parent is None else parent.depth + len(parent.hashes)
         self.status = status
         self.ref = self.busy = self.hits = self.last_access = self.dpin = self.hpin = 0
         self.host_ok = self.in_store = self.reused = self.dlisted = self.hlisted = False

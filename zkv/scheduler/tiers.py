@@ -62,19 +62,19 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
             out += ids[::-1]
             stats.dropped += len(ids)
             continue
-        v = tree.pop_device(need, v)  # type: ignore[assignment]
+        t: Node = tree.pop_device(need, v)  # type: ignore[assignment]  # v, or its tail
         if note_evicted is not None:
-            note_evicted(v.hashes)
-        ids: list[int] = v.dev  # type: ignore[assignment]
+            note_evicted(t.hashes)
+        ids = t.dev  # type: ignore[assignment]
         need -= len(ids)
         out += ids[::-1]  # chain tails first, as one block at a time would give them
-        v.dev = None
-        if v.host_ok:
-            v.status = HOST  # backed up: metadata only
-            tree.became_host(v)
+        t.dev = None
+        if t.host_ok:
+            t.status = HOST  # backed up: metadata only
+            tree.became_host(t)
         else:
-            v.status = SWAP_TO_HOST  # off the device for the tree's counts
-            moving.append((v, ids))
+            t.status = SWAP_TO_HOST  # off the device for the tree's counts
+            moving.append((t, ids))
             num_moving += len(ids)
     stats.evicted_device += n_blocks
     if moving:
@@ -144,11 +144,11 @@ def take_host_blocks(core: Core, k: int) -> list[int]:
         tree.pop_host()  # a DEVICE node's backup: forgotten, all of it
         if note_evicted is not None:
             note_evicted(v.hashes)
-        ids = v.host  # type: ignore[assignment]
+        backup: list[int] = v.host  # type: ignore[assignment]
         v.host = None
         v.host_ok = False
-        stats.evicted_host += len(ids)
-        out += ids
+        stats.evicted_host += len(backup)
+        out += backup
     if len(out) > k:
         host.free(out[k:])
         del out[k:]

@@ -104,6 +104,8 @@ class MooncakeStore(Store):
     """Blocks in a Mooncake Store (see the module docstring). Thread-safe: the client is
     shared; each I/O thread has its own header arena."""
 
+    link: Link  # always one (made in __init__): a networked store
+
     def __init__(self, host: str, port: int, namespace: str, *, segment_bytes: int = 0,
                  buffer_bytes: int = 16 << 20, timeout_s: float = 2.0,
                  local_hostname: str | None = None, protocol: str = "tcp",

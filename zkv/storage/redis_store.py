@@ -60,6 +60,8 @@ class RedisStore(Store):
     """Blocks in one Redis database (see the module docstring). Thread-safe: redis-py's
     connection pool hands each concurrent pipeline its own connection."""
 
+    link: Link  # always one (made in __init__): a networked store
+
     def __init__(self, host: str, port: int, db: int, namespace: str, *, timeout_s: float = 2.0,
                  connect_timeout_s: float = 0.5, ttl_s: int | None = None,
                  password: str | None = None, username: str | None = None, tls: bool = False,

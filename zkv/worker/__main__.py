@@ -33,6 +33,7 @@ import math  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
 
 from zkv import log as zlog
 from zkv.config import CacheLayout
@@ -59,9 +60,9 @@ def _watch_parent(actor: WorkerActor, stopped: threading.Event) -> None:
             return
 
 
-def store_from_env(layout: CacheLayout, env: dict[str, str] | None = None) -> Store | None:
+def store_from_env(layout: CacheLayout, env: Mapping[str, str] | None = None) -> Store | None:
     """The rank's L3 store from ``ZKV_STORE_URL`` (or ``ZKV_STORE_DIR``); None without."""
-    env = os.environ if env is None else env  # type: ignore[assignment]
+    env = os.environ if env is None else env
     url = env.get("ZKV_STORE_URL") or None
     if url is None and env.get("ZKV_STORE_DIR"):
         url = file_url(env["ZKV_STORE_DIR"])

@@ -575,7 +575,8 @@ class WorkerActor:
         for layer in range(self.layout.num_layers):
             live = [op for op in h2d if op.id not in failed]
             if live:
-                self._copy(seq, live, lambda s, d, i=layer: b.copy_h2d(host, kv, s, d, i),
+                self._copy(seq, live,
+                           lambda s, d, i=layer: b.copy_h2d(host, kv, s, d, i),  # type: ignore[misc]
                            failed, layer=layer)
             handle = b.record_event()
             if not failed:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zkv import security
@@ -60,12 +60,12 @@ def resolve_backend(backend: Any, device: int | None = None) -> Any:
     return backend
 
 
-def device_from_env(env: dict[str, str] | None = None) -> int:
+def device_from_env(env: Mapping[str, str] | None = None) -> int:
     """The CUDA device of this rank: ``LOCAL_RANK`` (checked against the visible devices),
     else torch's current device (one visible device per process)."""
     import torch
 
-    env = os.environ if env is None else env  # type: ignore[assignment]
+    env = os.environ if env is None else env
     count = torch.cuda.device_count()
     text = env.get("LOCAL_RANK")
     if text is None:
@@ -99,8 +99,8 @@ def _tensors(kv_caches: Any) -> Any:
         yield from (t for t in parts if isinstance(t, torch.Tensor))
 
 
-def endpoints_from_env(env: dict[str, str] | None = None) -> tuple[str, str]:
-    env = os.environ if env is None else env  # type: ignore[assignment]
+def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    env = os.environ if env is None else env
     try:
         return env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"]
     except KeyError as e:
@@ -108,10 +108,11 @@ def endpoints_from_env(env: dict[str, str] | None = None) -> tuple[str, str]:
 
 
 def security_from_env(rank: int, keys: security.ClientKeys | str | None = None,
-                      env: dict[str, str] | None = None) -> tuple[security.ClientKeys | None, bool]:
+                      env: Mapping[str, str] | None = None
+                      ) -> tuple[security.ClientKeys | None, bool]:
     """``(keys, insecure)`` for rank ``rank``: ``keys`` as given (a keyring directory is
     loaded), else the keyring named by ``$ZKV_KEYS``; ``$ZKV_INSECURE=1`` allows plain tcp."""
-    env = os.environ if env is None else env  # type: ignore[assignment]
+    env = os.environ if env is None else env
     if isinstance(keys, str):
         keys = security.Keyring.load(keys).for_rank(rank)
     elif keys is None:
@@ -119,8 +120,8 @@ def security_from_env(rank: int, keys: security.ClientKeys | str | None = None,
     return keys, env.get("ZKV_INSECURE") == "1"
 
 
-def rank_from_env(env: dict[str, str] | None = None) -> int:
-    env = os.environ if env is None else env  # type: ignore[assignment]
+def rank_from_env(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
     text = env.get("RANK")
     if text is None or not text.isdigit():
         raise ConfigError(f"RANK must be a non-negative integer, got {text!r}")

@@ -148,6 +148,7 @@ class ZkvConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         tc = vllm_config.kv_transfer_config
+        assert tc is not None  # vLLM makes a connector only from a kv_transfer_config
         self.cfg: ZkvVllmConfig = parse_extra_config(tc.kv_connector_extra_config)
         if kv_cache_config is None:
             raise ConfigError("zkv: this vLLM does not pass kv_cache_config to connectors")
@@ -191,6 +192,7 @@ class ZkvConnector(KVConnectorBase_V1):
 
             exists = StorageQuery(store, self.world_size)
         tc = vllm_config.kv_transfer_config
+        assert tc is not None
         self.sched = SchedulerHalf(self.cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
                                    store=store, storage_exists=exists,
                                    loads=tc.is_kv_consumer, saves=tc.is_kv_producer)

@@ -62,7 +62,7 @@ from zkv.integrations.vllm.request_hashes import (
 )
 from zkv.protocol import BACKUP, D2H, H2D
 from zkv.scheduler.dispatcher import Dispatcher
-from zkv.scheduler.hashing import MultiModalItem, hash_tokens
+from zkv.scheduler.hashing import BlockHash, MultiModalItem, hash_tokens
 from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 from zkv.scheduler.manager import (
     LOAD,
@@ -118,7 +118,7 @@ class _Req:
     request: Any
     root: bytes
     mm_items: tuple[MultiModalItem, ...]
-    hashes: list[bytes]
+    hashes: list[BlockHash]
     num_prompt_blocks: int
     epoch: int = 0
     local: int = 0              # vLLM's own hit (tokens) at the last match
@@ -396,7 +396,7 @@ class SchedulerHalf:
                 rec[new.req_id] = (r.epoch, new.num_computed_tokens
                                    + so.num_scheduled_tokens.get(new.req_id, 0))
         cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             r = self._reqs.get(rid)
             if r is None:
@@ -686,7 +686,7 @@ class SchedulerHalf:
         return _Req(request, root, mm, hashes, n, generation=self._generation)
 
     def _hash_prompt(self, request: Any, mm: tuple[MultiModalItem, ...]
-                     ) -> tuple[bytes, list[bytes], int]:
+                     ) -> tuple[bytes, list[BlockHash], int]:
         root = request_root(request, self._generation)
         hashes = hash_tokens(request_tokens(request), self.bs, parent=root, mm_items=mm)
         return root, hashes, len(hashes)
