@@ -21,7 +21,7 @@ from zkv.config import CacheLayout
 from zkv.errors import StorageError
 from zkv.scheduler.hashing import hash_ids_chain
 from zkv.scheduler.manager import CacheConfig, CacheManager
-from zkv.storage import Store, StorageQuery, open_store
+from zkv.storage import StorageQuery, Store, open_store
 
 BS = 4
 LAYOUT = CacheLayout(num_layers=2, kv_heads=2, block_size=BS, head_dim=8, dtype="float16",

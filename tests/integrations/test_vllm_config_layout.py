@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zkv.errors import ConfigError
 from zkv.config import CacheLayout, available_memory
+from zkv.errors import ConfigError
 from zkv.integrations.vllm.config import (
     DEFAULT_HOST_BYTES,
     check_host_memory,

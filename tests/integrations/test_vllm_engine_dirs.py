@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-
 from zkv.errors import ConfigError
 from zkv.integrations.vllm.ipc import claim_engine_dir, engine_dir_name, ipc_endpoints
 

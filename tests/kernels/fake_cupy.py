@@ -19,7 +19,6 @@ import types
 from typing import Any
 
 import numpy as np
-
 from cupy_backends.cuda.api.driver import CUDADriverError  # not constructible without libcuda
 
 from tests.kernels.fake_cuda import (

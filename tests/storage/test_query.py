@@ -15,7 +15,7 @@ from tests.servers import free_port
 from tests.storage.conftest import Backend
 from zkv.scheduler.hashing import hash_ids_chain
 from zkv.scheduler.manager import CacheConfig, CacheManager
-from zkv.storage import Store, StorageQuery, open_store, pack_key
+from zkv.storage import StorageQuery, Store, open_store, pack_key
 from zkv.storage.base import FIRST_BLOCKS
 
 

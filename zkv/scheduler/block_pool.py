@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import repeat
 
-
 _INT = {int}
 
 

@@ -33,7 +33,6 @@ from zkv.scheduler.tiers import (
     store_succeeded,
 )
 
-
 _log = ev.get_logger("scheduler")
 _IO_KINDS = frozenset((S2H, H2S))  # a store that is down fails them every step: rate-limited
 

@@ -21,11 +21,10 @@ The reference functions stay public: tests check that both paths give identical 
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
-
-import struct
 
 import numpy as np
 import xxhash

@@ -44,7 +44,6 @@ from zkv.storage.base import (
     payload_ok,
 )
 
-
 # KEYS: the keys of n blocks, ARGV[1] (ranks) keys a block; returns the leading blocks
 # whose keys are all there.
 _COUNT_LEADING = """

@@ -63,7 +63,6 @@ from zkv.integrations.vllm.request_hashes import (
 from zkv.protocol import BACKUP, D2H, H2D
 from zkv.scheduler.dispatcher import Dispatcher
 from zkv.scheduler.hashing import BlockHash, MultiModalItem, hash_tokens
-from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 from zkv.scheduler.manager import (
     LOAD,
     SAVE,
@@ -72,6 +71,7 @@ from zkv.scheduler.manager import (
     CacheConfig,
     CacheManager,
 )
+from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 
 CONNECTOR_DISABLED = "connector.disabled"
 CONNECTOR_CLOSED = "connector.closed"
