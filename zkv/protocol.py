@@ -405,8 +405,8 @@ def _idle(tag: bytes, h: dict[str, Any]) -> CopyBlocks | BlocksCopied | None:
         rank, ok, t_recv, t_done = h.get("rank"), h.get("ok"), h.get("t_recv"), h.get("t_done")
         if (type(rank) is int and rank >= 0 and type(ok) is bool and "pending" not in h
                 and type(t_recv) in _NUMBER and type(t_done) in _NUMBER):
-            return _new(BlocksCopied, (seq, rank, ok, (), float(t_recv),  # type: ignore[arg-type]
-                                       float(t_done), ()))  # type: ignore[arg-type]
+            t0, t1 = float(t_recv), float(t_done)  # type: ignore[arg-type]  # (numbers)
+            return _new(BlocksCopied, (seq, rank, ok, (), t0, t1, ()))
     elif tag == T_BATCH:
         step = h.get("step")
         if type(step) is int and step >= 0:
