@@ -4,6 +4,8 @@ the benchmarks: started on a free loopback port, its output in a file, always st
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
@@ -27,17 +29,26 @@ def vllm_sockets_here() -> Iterator[None]:
     """vLLM names its engines' ipc sockets ``/tmp/<uuid>`` (``VLLM_RPC_BASE_PATH``) and never
     removes them: ~100 files a test run, a dozen a bench run. Meanwhile the engines started
     from here (children inherit it) put them in a directory of their own, removed after;
-    a ``VLLM_RPC_BASE_PATH`` the caller set is kept."""
-    if os.environ.get("VLLM_RPC_BASE_PATH"):
-        yield
-        return
-    d = tempfile.mkdtemp(prefix="zkv-vllm-rpc-")
-    os.environ["VLLM_RPC_BASE_PATH"] = d
+    a ``VLLM_RPC_BASE_PATH`` the caller set is kept. Its engines with worker processes also
+    leave their torch rendezvous file, ``/tmp/vllm_dist_<uuid>`` (four a test run): those
+    that appeared meanwhile are removed after too."""
+    dist = os.path.join(tempfile.gettempdir(), "vllm_dist_*")
+    before = set(glob.glob(dist))
     try:
-        yield
+        if os.environ.get("VLLM_RPC_BASE_PATH"):
+            yield
+            return
+        d = tempfile.mkdtemp(prefix="zkv-vllm-rpc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = d
+        try:
+            yield
+        finally:
+            del os.environ["VLLM_RPC_BASE_PATH"]
+            shutil.rmtree(d, ignore_errors=True)
     finally:
-        del os.environ["VLLM_RPC_BASE_PATH"]
-        shutil.rmtree(d, ignore_errors=True)
+        for path in set(glob.glob(dist)) - before:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 class VllmServer:
