@@ -505,68 +505,88 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zkv replay", description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=("chat", "trace"), default="chat",
+    _workload_args(p)
+    _cache_args(p)
+    _storage_args(p)
+    _run_args(p)
+    return p
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload", "what is replayed")
+    g.add_argument("--workload", choices=("chat", "trace"), default="chat",
                    help="chat: multi-turn conversations sharing a system prompt; trace: the "
                         "Mooncake trace's block ids (default: %(default)s)")
-    p.add_argument("--trace", default=os.path.normpath(DEFAULT_TRACE),
+    g.add_argument("--trace", default=os.path.normpath(DEFAULT_TRACE),
                    help="Mooncake trace JSONL (default: %(default)s)")
-    p.add_argument("--requests", type=nonneg_int, default=300,
+    g.add_argument("--requests", type=nonneg_int, default=300,
                    help="requests to replay (default: %(default)s)")
-    p.add_argument("--batch", type=positive_int, default=2,
+    g.add_argument("--batch", type=positive_int, default=2,
                    help="requests per scheduling step (default: %(default)s)")
-    p.add_argument("--ranks", type=positive_int, default=2,
+    g.add_argument("--seed", type=nonneg_int, default=0,
+                   help="the chat workload's random seed (default: %(default)s)")
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cache", "the ranks, their KV geometry and pools, the policies")
+    g.add_argument("--ranks", type=positive_int, default=2,
                    help="worker processes, one per rank (default: %(default)s)")
-    p.add_argument("--layers", type=positive_int, default=4,
+    g.add_argument("--layers", type=positive_int, default=4,
                    help="model layers (default: %(default)s)")
-    p.add_argument("--kv-heads", type=positive_int, default=2,
+    g.add_argument("--kv-heads", type=positive_int, default=2,
                    help="KV heads per rank (default: %(default)s)")
-    p.add_argument("--head-dim", type=positive_int, default=64,
+    g.add_argument("--head-dim", type=positive_int, default=64,
                    help="elements per head and token (default: %(default)s)")
-    p.add_argument("--block-size", type=positive_int, default=16,
+    g.add_argument("--block-size", type=positive_int, default=16,
                    help="tokens per block (default: %(default)s)")
-    p.add_argument("--dtype", default="float16", help="KV dtype (default: %(default)s)")
-    p.add_argument("--device-blocks", type=positive_int, default=768,
+    g.add_argument("--dtype", default="float16", help="KV dtype (default: %(default)s)")
+    g.add_argument("--device-blocks", type=positive_int, default=768,
                    help="L1 blocks per rank (default: %(default)s)")
-    p.add_argument("--host-blocks", type=nonneg_int, default=1024,
+    g.add_argument("--host-blocks", type=nonneg_int, default=1024,
                    help="L2 blocks per rank, 0 for none (default: %(default)s)")
-    p.add_argument("--policy", choices=WRITE_POLICIES, default="write_back",
+    g.add_argument("--policy", choices=WRITE_POLICIES, default="write_back",
                    help="when blocks are written to the host tier (default: %(default)s)")
-    p.add_argument("--threshold", type=positive_int, default=2,
+    g.add_argument("--threshold", type=positive_int, default=2,
                    help="write_through_selective hit threshold (default: %(default)s)")
-    p.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
+    g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
                    help="eviction order in each tier (lru, or slru: segmented, with a ghost "
                         "memory of recent evictions; default: %(default)s)")
-    p.add_argument("--storage", default=None, metavar="URL",
+
+
+def _storage_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("storage", "L3, and how long a request waits for it")
+    g.add_argument("--storage", default=None, metavar="URL",
                    help="L3 store: file:///path, redis://HOST:PORT/DB (rediss:// over TLS), "
                         "mooncake://HOST:PORT, "
                         "or 'none' (default: a fresh local directory, in /dev/shm if present)")
-    p.add_argument("--store-dir", default=None,
+    g.add_argument("--store-dir", default=None,
                    help="local-directory L3 (= --storage file://DIR; 'none' disables L3)")
-    p.add_argument("--prefetch", choices=PREFETCH_POLICIES, default="wait_complete",
+    g.add_argument("--prefetch", choices=PREFETCH_POLICIES, default="wait_complete",
                    help="how long a request waits for its L3 loads (default: %(default)s)")
-    p.add_argument("--prefetch-base-ms", type=nonneg_float, default=50.0,
+    g.add_argument("--prefetch-base-ms", type=nonneg_float, default=50.0,
                    help="timeout policy: budget = base + per-ki-token x prompt tokens / 1024 "
                         "(default: %(default)s)")
-    p.add_argument("--prefetch-per-ki-token-ms", type=nonneg_float, default=50.0,
+    g.add_argument("--prefetch-per-ki-token-ms", type=nonneg_float, default=50.0,
                    help="the timeout budget's part per 1,024 prompt tokens (default: "
                         "%(default)s)")
-    p.add_argument("--log-dir", default=None,
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run", "logs, metrics, supervision")
+    g.add_argument("--log-dir", default=None,
                    help="where the JSON logs go (default: $ZKV_LOG_DIR, else "
                         "{tmp}/zkv-logs/{run_id})")
-    p.add_argument("--seed", type=nonneg_int, default=0,
-                   help="the chat workload's random seed (default: %(default)s)")
-    p.add_argument("--metrics-port", type=port, default=None,
+    g.add_argument("--metrics-port", type=port, default=None,
                    help="serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any)")
-    p.add_argument("--metrics-file", default=None, help="write the final metrics here")
-    p.add_argument("--no-progress", action="store_true",
+    g.add_argument("--metrics-file", default=None, help="write the final metrics here")
+    g.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is one only when stderr is a terminal)")
-    p.add_argument("--max-restarts", type=nonneg_int, default=0,
+    g.add_argument("--max-restarts", type=nonneg_int, default=0,
                    help="start the whole group again after a failure, this many times "
                         "(default: %(default)s)")
-    p.add_argument("--force", action="store_true",
+    g.add_argument("--force", action="store_true",
                    help="allow more ranks than 4 per core, or pools larger than free memory")
-    p.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
-    return p
+    g.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
 
 
 def check_args(args: argparse.Namespace) -> CacheLayout:
