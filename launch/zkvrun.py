@@ -65,8 +65,8 @@ from launch.env import (
     run_base,
     scheduler_env,
 )
+from zkv import __version__, security
 from zkv import log as zlog
-from zkv import security
 from zkv.errors import ConfigError
 from zkv.exit_codes import WORKER_EXITS
 
@@ -469,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "CMD starts at the first argument that is not a zkvrun option (or after "
                     "'--'); 'x.py ...', '-m mod ...' and '-c code' run with this Python.",
         epilog="Example: zkvrun --nproc-per-node 2 --scheduler '-m my.scheduler' -m my.worker")
+    p.add_argument("--version", action="version", version=f"zkvrun (zkv {__version__})")
     p.add_argument("--nnodes", type=int, default=1,
                    help="machines in the group (default 1)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
@@ -538,10 +539,15 @@ def split_argv(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[s
 def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, list[str], list[str] | None]:
     """``(config, worker_cmd, scheduler_cmd)``; usage errors raise SystemExit(2)."""
     parser = build_parser()
-    opts, cmd = split_argv(parser, list(sys.argv[1:] if argv is None else argv))
+    args = list(sys.argv[1:] if argv is None else argv)
+    opts, cmd = split_argv(parser, args)
     ns = parser.parse_args(opts)
     if not cmd:
         parser.error("missing the per-rank command CMD")
+    if cmd[0].startswith("--") and "--" not in args[: len(args) - len(cmd)]:
+        # not one of zkvrun's options: a typo of one, far more often than a command
+        parser.error(f"unknown option {cmd[0].split('=', 1)[0]} (a command that starts with "
+                     f"'--' goes after a '--' of its own)")
     if ns.module:
         cmd = ["-m", *cmd]
     scheduler = shlex.split(ns.scheduler) if ns.scheduler else None

@@ -112,6 +112,14 @@ def test_malformed_lines_are_shown_and_never_crash(tmp_path: Path,
     assert capsys.readouterr().out == ""
 
 
+def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import zkv
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"zkv {zkv.__version__}\n"
+
+
 def test_cli_logs_subcommand(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["logs", str(run_dir), "--rank", "0", "--rank", "1", "--seq", "1",
                      "--json"]) == 0

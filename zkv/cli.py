@@ -14,11 +14,12 @@ import argparse
 import os
 import sys
 
-from zkv import logview
+from zkv import __version__, logview
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zkv", description="zkv: hierarchical KV-cache manager.")
+    p.add_argument("--version", action="version", version=f"zkv {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     logs = sub.add_parser("logs", help="merge, filter and follow the logs of a run",
                           description="Merge the *.jsonl logs of DIR by time and print them.")

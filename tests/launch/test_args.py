@@ -49,6 +49,22 @@ def test_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "CMD [ARGS ...]" in capsys.readouterr().out
 
 
+def test_version_and_mistyped_options(capsys: pytest.CaptureFixture[str]) -> None:
+    import zkv
+
+    assert main(["--version"]) == 0  # was: `python --version` run as every rank's command
+    assert capsys.readouterr().out == f"zkvrun (zkv {zkv.__version__})\n"
+    # a mistyped option is not taken for the command (it was: `python --nproc_per_nod 2`)
+    assert main(["--nproc_per_nod", "2", "w.py"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zkvrun: error: unknown option --nproc_per_nod (a command that starts with '--' goes "
+        "after a '--' of its own)")
+    assert main(["--grace-s", "1", "--bogus=3"]) == 2
+    assert "unknown option --bogus" in capsys.readouterr().err
+    _, cmd, _ = parse_args(["--", "--version"])  # after a '--' of its own: a command
+    assert cmd == ["--version"]
+
+
 def test_rank_env_multi_node() -> None:
     cfg = LaunchConfig(nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1",
                        master_port=4000, insecure_tcp=True, log_dir="/l", run_id="r", allow_remote=True)
