@@ -48,6 +48,20 @@ def test_a_configuration_it_cannot_serve_is_one_line(tmp_path: Path, extra: dict
     assert r.stderr == message + "\n"
 
 
+def test_help_and_arguments() -> None:
+    """Its environment configures it; before, ``--help`` said RANK was not set, and any
+    argument was ignored."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKV_", "RANK"))}
+    r = subprocess.run([sys.executable, "-m", "zkv.worker", "--help"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Environment (zkvrun sets it): ``RANK``" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "zkv.worker", "--rank", "0"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr == ("zkv.worker: error: takes no arguments (its environment configures "
+                        "it; see --help), got '--rank'\n")
+
+
 def test_a_rank_whose_parent_dies_while_it_starts_stops(tmp_path: Path) -> None:
     """The launcher exits while the rank still loads torch: the rank stops by itself
     (``worker.stopped``, "parent process exited"). Before, its parent watcher read the

@@ -71,7 +71,15 @@ def store_from_env(layout: CacheLayout, env: Mapping[str, str] | None = None) ->
     return open_store(url, layout.fingerprint(), writers=layout.world_size)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args:  # configured by its environment alone (zkvrun sets it)
+        if args[0] in ("-h", "--help"):
+            print(__doc__.strip())
+            return 0
+        print(f"zkv.worker: error: takes no arguments (its environment configures it; see "
+              f"--help), got {args[0]!r}", file=sys.stderr)
+        return EXIT_CONFIG
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
