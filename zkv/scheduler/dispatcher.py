@@ -188,23 +188,7 @@ class Dispatcher:
         # With keys every connection's User-Id is its rank; messages come as zmq.Frames.
         self._authenticated = keys is not None
         self._user_rank = {str(r): r for r in range(world_size)}
-        self._domain = f"zkv-{uuid.uuid4().hex[:12]}"
-        self._zap = security.ZapHandler.register(self._ctx, self._domain, keys)
-        self._pub = self._ctx.socket(zmq.XPUB)
-        self._pull = self._ctx.socket(zmq.PULL)
-        try:
-            self._setup_sockets(keys, pub_endpoint, pull_endpoint)
-            self._pub.bind(pub_endpoint)
-            self._pull.bind(pull_endpoint)
-        except (zmq.ZMQError, ConfigError):
-            self._pub.close(0)
-            self._pull.close(0)
-            self._zap.unregister(self._domain)
-            if self._own_context:
-                self._ctx.term()
-            raise
-        self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.pull_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._open_sockets(keys, pub_endpoint, pull_endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
         self._poller.register(self._pub, zmq.POLLIN)
@@ -222,6 +206,28 @@ class Dispatcher:
         self._closing = False
         self._closed = False
         self._next_check = 0.0
+
+    def _open_sockets(self, keys: security.Keyring | None, pub_endpoint: str,
+                      pull_endpoint: str) -> None:
+        """The ZAP domain, the XPUB and the PULL, bound (their endpoints as bound: a port 0
+        resolved); on a failure nothing is left open."""
+        self._domain = f"zkv-{uuid.uuid4().hex[:12]}"
+        self._zap = security.ZapHandler.register(self._ctx, self._domain, keys)
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pull = self._ctx.socket(zmq.PULL)
+        try:
+            self._setup_sockets(keys, pub_endpoint, pull_endpoint)
+            self._pub.bind(pub_endpoint)
+            self._pull.bind(pull_endpoint)
+        except (zmq.ZMQError, ConfigError):
+            self._pub.close(0)
+            self._pull.close(0)
+            self._zap.unregister(self._domain)
+            if self._own_context:
+                self._ctx.term()
+            raise
+        self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pull_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _setup_sockets(self, keys: security.Keyring | None, pub_endpoint: str,
                        pull_endpoint: str) -> None:
