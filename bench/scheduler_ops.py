@@ -307,7 +307,8 @@ def main() -> int:
          wb+L3 write_back with storage writes (h2s) of every block that reaches host.""")
     print("\nwork per request (the same in every replay): victims taken per tier, ops, blocks in"
           "\ncommitted copies; steps = victims + ops; vs dev = (steps + 1) / device-only's (+1: the"
-          "\nrequest's own match / allocate / finish), the bookkeeping beside the time ratio above:")
+          "\nrequest's own match / allocate / finish), the bookkeeping beside the time ratio"
+          " above:")
     print(WORK_HEADER)
     for line in work_lines:
         print(line)
@@ -369,15 +370,18 @@ def work_row(w: Workload, dev: int, tag: str, r: Result, d: Result) -> str:
     k = r.work
     steps = (k.dev_victims + k.host_victims + k.ops) / n
     dsteps = (d.work.dev_victims + d.work.host_victims + d.work.ops) / n
-    return (f"  {w.name:<6} {dev:>6,} {tag:>5}  {k.dev_victims / n:>8.2f} {k.host_victims / n:>9.2f}"
-            f" {k.ops / n:>5.2f} {k.moved / n:>9.1f}  {steps:>6.2f} {(steps + 1) / (dsteps + 1):>5.2f}x")
+    ratio = (steps + 1) / (dsteps + 1)
+    return (f"  {w.name:<6} {dev:>6,} {tag:>5}  {k.dev_victims / n:>8.2f}"
+            f" {k.host_victims / n:>9.2f} {k.ops / n:>5.2f} {k.moved / n:>9.1f}"
+            f"  {steps:>6.2f} {ratio:>5.2f}x")
 
 
 def policy_table(workloads: list[Workload]) -> list[str]:
     """Device-only hit ratios per eviction policy, LRU checked against the reference."""
     bad = []
     print("\ndevice hit ratio by eviction policy (device only; reference = independent LRU):")
-    print(f"  {'work':<6} {'device':>7}  {'reference':>9}  " + "  ".join(f"{p:>7}" for p in POLICIES))
+    print(f"  {'work':<6} {'device':>7}  {'reference':>9}  "
+          + "  ".join(f"{p:>7}" for p in POLICIES))
     for w in workloads:
         for cap in sorted({*POLICY_CAPACITIES, *w.device}):
             ref_hits, total = reference_lru_hits(w.hashes, cap)

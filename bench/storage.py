@@ -112,12 +112,14 @@ def mooncake_raw(store: MooncakeStore, src: np.ndarray, dst: np.ndarray, batch: 
     t0 = time.perf_counter()
     for i in range(0, len(src), batch):
         n = names[i : i + batch]
-        rcs = client.batch_put_from(n, [sp + j * size for j in range(i, i + len(n))], [size] * len(n))
+        rcs = client.batch_put_from(n, [sp + j * size for j in range(i, i + len(n))],
+                                    [size] * len(n))
         assert rcs == [0] * len(n), rcs
     t1 = time.perf_counter()
     for i in range(0, len(src), batch):
         n = names[i : i + batch]
-        rcs = client.batch_get_into(n, [dp + j * size for j in range(i, i + len(n))], [size] * len(n))
+        rcs = client.batch_get_into(n, [dp + j * size for j in range(i, i + len(n))],
+                                    [size] * len(n))
         assert rcs == [size] * len(n), rcs
     t2 = time.perf_counter()
     assert dst.tobytes() == src.tobytes()
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/storage.py: {n} blocks of {size / 1024:.0f} KiB ({layout.num_layers} layers"
               f" x K,V x {layout.kv_heads} heads x {layout.block_size} tokens x "
               f"{layout.head_dim} x {layout.dtype}), {args.batch} blocks per call, one thread, "
-              f"median of {args.reps}; plain file and file:// in {args.dir or tempfile.gettempdir()}")
+              f"median of {args.reps}; plain file and file:// in "
+              f"{args.dir or tempfile.gettempdir()}")
         print(f"{'':<22}{'put GB/s':>8} {'put ops/s':>10} {'get GB/s':>8} {'get ops/s':>10}"
               f"  {'put/write':>10} {'get/read':>10}")
         base = (statistics.median(t[0] for t in times["plain file"]),

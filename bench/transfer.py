@@ -270,7 +270,8 @@ def bench_cupy_copies(args: argparse.Namespace, backend: Any, lay: CacheLayout, 
 
 
 def _copy_fns(args: argparse.Namespace, backend: Any, lay: CacheLayout, spec: Any,
-              host: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> dict[str, Callable[[], None]]:
+              host: torch.Tensor, src: np.ndarray, dst: np.ndarray
+              ) -> dict[str, Callable[[], None]]:
     """Each direction two ways, each run to completion: ``memcpy d2h`` / ``memcpy h2d``, one
     contiguous pinned cudaMemcpyAsync of the bytes of ``src``'s blocks, and ``d2h`` /
     ``h2d``, the backend's scattered copies of those blocks (h2d layer by layer)."""

@@ -99,9 +99,10 @@ def bench_model(label: str, model: str, vocab: int, args: argparse.Namespace,
             "max_num_batched_tokens": 8192, "multiprocess": multiprocess}
     zkv_cfg = {"host_blocks": (args.docs + 2) * doc_blocks, "storage": "none"}
     res = {
-        "big": run(f"{label}-{multiprocess:d}-big", dict(base, kv_cache_bytes=big, prefix_caching=True), tmp),
-        "zkv": run(f"{label}-{multiprocess:d}-zkv", dict(base, kv_cache_bytes=small, prefix_caching=True,
-                                         connector=zkv_cfg), tmp),
+        "big": run(f"{label}-{multiprocess:d}-big",
+                   dict(base, kv_cache_bytes=big, prefix_caching=True), tmp),
+        "zkv": run(f"{label}-{multiprocess:d}-zkv",
+                   dict(base, kv_cache_bytes=small, prefix_caching=True, connector=zkv_cfg), tmp),
         "recompute": run(f"{label}-{multiprocess:d}-recompute", dict(base, kv_cache_bytes=small,
                                                     prefix_caching=False), tmp),
     }

@@ -99,7 +99,8 @@ def line(name: str, r: dict[str, list[float]], seconds: float, base_rate: float 
     slow = [x for x in ttft if x > SLOW_TTFT_S]
     vs = f"{rate / base_rate:5.2f}x" if base_rate else "    - "
     return (f"{name:<5} {len(ttft):>5} {rate:>6.2f} {vs}  {max(ttft):>7.3f} {len(slow):>5}"
-            f" {sum(slow):>7.1f}   {gaps[len(gaps) // 2] * 1e3:>6.1f} {gaps[int(len(gaps) * .99)] * 1e3:>6.1f}"
+            f" {sum(slow):>7.1f}   {gaps[len(gaps) // 2] * 1e3:>6.1f}"
+            f" {gaps[int(len(gaps) * .99)] * 1e3:>6.1f}"
             f" {gaps[-1] * 1e3:>6.0f}")
 
 

@@ -1,7 +1,8 @@
 """Static checks CI holds the tree to. mypy: zkv and launch type-check clean
 (``[tool.mypy]`` in pyproject.toml; the C extensions have stubs beside them,
 ``_chainhash.pyi`` and ``_blockcopy.pyi``, so their callers are checked too). ruff: no
-unused imports or names, no undefined names, imports in order, everywhere (``[tool.ruff.lint]``)."""
+unused imports or names, no undefined names, imports in order, no line past 100 columns,
+everywhere (``[tool.ruff.lint]``)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ import xxhash
 
 from zkv.errors import ConfigError
 
-_DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1, "int8": 1}
+_DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1,
+                "int8": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +31,8 @@ class CacheLayout:
     Host pool, page-first (one host block = every layer's K and V, contiguous)::
 
         host_pool[num_host_blocks, num_layers, num_kv_parts, kv_heads, block_size, head_dim]
-        └ block b ┘ = | L0 K | L0 V | L1 K | L1 V | ... |   each chunk = kv_heads*block_size*head_dim*itemsize
+        └ block b ┘ = | L0 K | L0 V | L1 K | L1 V | ... |
+                      each chunk = kv_heads * block_size * head_dim * itemsize
     """
 
     num_layers: int

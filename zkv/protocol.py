@@ -250,7 +250,8 @@ def encode(msg: Message) -> list[bytes]:
             "seq": msg.seq,
             "rank": msg.rank,
             "ok": msg.ok,
-            "ops": [{"id": r.id, "ok": r.ok, "done": r.done, "error": r.error} for r in msg.results],
+            "ops": [{"id": r.id, "ok": r.ok, "done": r.done, "error": r.error}
+                    for r in msg.results],
             "t_recv": msg.t_recv,
             "t_done": msg.t_done,
         }
@@ -350,7 +351,8 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
     if tag == T_BATCH:
         return _decode_batch(hdr, rest, limits or Limits())
     if rest:
-        raise ProtocolError(f"{tag.decode(errors='replace')}: unexpected {len(rest)} payload frames")
+        raise ProtocolError(f"{tag.decode(errors='replace')}: unexpected {len(rest)} payload "
+                            "frames")
     if tag == T_ACK:
         results = tuple(_decode_result(r) for r in _get(hdr, "ops", list))
         ids = [r.id for r in results]
@@ -431,7 +433,8 @@ def _decode_batch(hdr: dict[str, Any], payload: Sequence[Any], limits: Limits) -
         raise ProtocolError(f"batch {seq}: {len(ops_hdr)} ops, more than {MAX_OPS}")
     if len(payload) != 3 * len(ops_hdr):
         raise ProtocolError(
-            f"batch {seq}: {len(ops_hdr)} ops need {3 * len(ops_hdr)} payload frames, got {len(payload)}"
+            f"batch {seq}: {len(ops_hdr)} ops need {3 * len(ops_hdr)} payload frames, got "
+            f"{len(payload)}"
         )
     bounds = {"device": limits.num_device_blocks, "host": limits.num_host_blocks}
     ops: list[Op] = []
@@ -468,12 +471,14 @@ def _decode_batch(hdr: dict[str, Any], payload: Sequence[Any], limits: Limits) -
 def _ids(frame: Any, n: int, seq: int, op_id: int, side: str, bound: int | None) -> np.ndarray:
     buf = _buf(frame)
     if buf.nbytes != 4 * n:
-        raise ProtocolError(f"batch {seq}: op {op_id} {side} frame has {buf.nbytes} bytes, want {4 * n}")
+        raise ProtocolError(f"batch {seq}: op {op_id} {side} frame has {buf.nbytes} bytes, "
+                            f"want {4 * n}")
     arr = np.frombuffer(buf, dtype="<i4") if n else _EMPTY_IDS
     if n and (int(arr.min()) < 0 or (bound is not None and int(arr.max()) >= bound)):
         raise ProtocolError(
             f"batch {seq}: op {op_id} {side} block id out of range "
-            f"[0, {bound if bound is not None else 'inf'}): min={int(arr.min())} max={int(arr.max())}"
+            f"[0, {bound if bound is not None else 'inf'}): min={int(arr.min())} "
+            f"max={int(arr.max())}"
         )
     return arr
 

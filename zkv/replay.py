@@ -2,9 +2,10 @@
 
 ::
 
-    zkv replay (this process) ── launch.zkvrun.run ──┬─ scheduler node: python -m zkv.replay --node
-                                                     │    CacheManager + Dispatcher, drives the steps
-                                                     └─ rank r: python -m zkv.worker (CPU backend)
+    zkv replay (this process) ── launch.zkvrun.run ──┬─ scheduler node:
+                                                     │    python -m zkv.replay --node:
+                                                     │    CacheManager + Dispatcher, the steps
+                                                     └─ rank r: python -m zkv.worker (CPU)
 
 Every step publishes one batch: the CacheManager's copies (d2h, backup, h2d, s2h, h2s)
 plus a simulated forward pass: ``check`` ops verify, on every rank, that each reused block
@@ -323,7 +324,8 @@ class Replayer:
         for o in ops:
             r = results.get(o.id)
             if o.kind in (S2H, H2S):  # storage may fail: a miss / a dropped write, counted
-                ok_key, bad_key = ("loaded", "load_failed") if o.kind == S2H else ("stored", "store_failed")
+                ok_key, bad_key = (("loaded", "load_failed") if o.kind == S2H
+                                   else ("stored", "store_failed"))
                 done_n = r.done if r is not None else 0
                 setattr(self.s, ok_key, getattr(self.s, ok_key) + done_n)
                 setattr(self.s, bad_key, getattr(self.s, bad_key) + o.num_blocks - done_n)

@@ -40,7 +40,8 @@ def group() -> Iterator[tuple[Dispatcher, list[FakeRank]]]:
             ctx.term()
 
 
-def ack(rank: FakeRank, seq: int, results: tuple[P.OpResult, ...], pending: tuple[int, ...] = ()) -> None:
+def ack(rank: FakeRank, seq: int, results: tuple[P.OpResult, ...],
+        pending: tuple[int, ...] = ()) -> None:
     rank.send(P.BlocksCopied(seq, rank.rank, all(r.ok for r in results), results, 0.0, 0.0,
                              pending))
 

@@ -700,8 +700,9 @@ def test_preempted_requests_resume_identical(env, ref_tp1) -> None:  # noqa: ANN
 def test_aborted_requests_leave_nothing_behind(env, ref_tp1) -> None:  # noqa: ANN001
     """Clients that disconnect: six of the second phase's requests are aborted, in turn
     while waiting on a prefetch from L3, while running (prefill or decode) and while
-    matched but not yet given vLLM blocks; the rest run on. The others' tokens, and every token of the next phase (the same documents
-    again, served by zkv), equal vLLM's without a cache; once the engine is idle, vLLM
+    matched but not yet given vLLM blocks; the rest run on. The others' tokens, and every
+    token of the next phase (the same documents again, served by zkv), equal vLLM's
+    without a cache; once the engine is idle, vLLM
     holds no request and every block is free again, and zkv holds no request, no op, and
     its invariants hold."""
     phases = [dict(p) for p in env["phases"]]

@@ -1,7 +1,7 @@
-"""A real ``vllm serve`` with zkv on a real redis-server (or Mooncake master) that dies mid-run and comes back
-empty: vLLM keeps serving the same tokens throughout, zkv says once that the store is
-unreachable, the host blocks whose writes failed wait, and once it is back they are
-written to it while the engine is idle (the pump) and read from it again.
+"""A real ``vllm serve`` with zkv on a real redis-server (or Mooncake master) that dies
+mid-run and comes back empty: vLLM keeps serving the same tokens throughout, zkv says once
+that the store is unreachable, the host blocks whose writes failed wait, and once it is
+back they are written to it while the engine is idle (the pump) and read from it again.
 
 The reference is the engine's own first answer to each prompt (cold: nothing in any
 cache, every token computed); the same prompts asked again must get the same tokens, from

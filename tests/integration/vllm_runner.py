@@ -26,8 +26,8 @@ every sample's tokens come back as ``samples``); ``embeds``: per prompt null or
 with their answers and N more tokens (a chat's next turn); ``async_scheduling``: vLLM's,
 null for its default (true is kept on vLLM's CPU platform, which turns it off:
 ``_keep_async_scheduling_on_cpu``); ``kv_load_failure_policy``: vLLM's, ``recompute`` by
-default; ``hf_hub_cache``: the
-Hugging Face cache a hub id in ``model`` is read from (offline); ``engine_id``: vLLM's ``kv_transfer_config.engine_id`` (null: vLLM's own);
+default; ``hf_hub_cache``: the Hugging Face cache a hub id in ``model`` is read from
+(offline); ``engine_id``: vLLM's ``kv_transfer_config.engine_id`` (null: vLLM's own);
 ``speculative``: vLLM's ``speculative_config``; ``lora_rank``: vLLM's ``max_lora_rank``
 (LoRA on; null: off) and per phase ``lora``: ``{"name", "id", "path"}``, vLLM's
 ``LoRARequest`` for every prompt of the phase (``build_lora`` makes one); ``kv_role``: vLLM's,

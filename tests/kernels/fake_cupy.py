@@ -188,7 +188,8 @@ class FakeKernel:
                     q = [int(x) for x in table[layer, p]]
                     self._slice(q, flat, n, j, layer, parts, p, z * piece, piece, geometry)
 
-        self.fake.launch(run, f"zkv_copy_{w} layer {layer} {'d2h' if to_host else 'h2d'} parts {parts}",
+        way = "d2h" if to_host else "h2d"
+        self.fake.launch(run, f"zkv_copy_{w} layer {layer} {way} parts {parts}",
                          [ids, params], tuple(grid))
 
     def _slice(self, q: list[int], flat: np.ndarray, n: int, j: int, layer: int, parts: int,
@@ -206,7 +207,8 @@ class FakeKernel:
             seg = min(end, (r + 1) * run)
             i2, rest = r % q[4], r // q[4]
             i1, i0 = rest % q[3], rest // q[3]
-            d = dev + i0 * _signed(q[5]) + i1 * _signed(q[6]) + i2 * _signed(q[7]) + (v - r * run) * w
+            d = (dev + i0 * _signed(q[5]) + i1 * _signed(q[6]) + i2 * _signed(q[7])
+                 + (v - r * run) * w)
             hv, nbytes = h + v * w, (seg - v) * w
             assert d % w == 0 and hv % w == 0, "misaligned vector access"
             if not self.fake.registered_at(hv, nbytes):

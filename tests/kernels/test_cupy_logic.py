@@ -197,7 +197,8 @@ def test_one_registration_where_host_pointers_are_not_device_pointers(
     lay = layout(num_host_blocks=2000)
     host = backend.allocate_host_pool(lay)
     regs = [e for e in f.log if e[0] == "hostRegister"]
-    assert [(e[2], e[3]) for e in regs] == [(host.data_ptr(), lay.num_host_blocks * lay.block_bytes)]
+    assert [(e[2], e[3]) for e in regs] == [(host.data_ptr(),
+                                             lay.num_host_blocks * lay.block_bytes)]
 
 
 def test_event_ring_wraps_with_generations(fake: Any, backend: Any) -> None:

@@ -67,7 +67,8 @@ def test_version_and_mistyped_options(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_rank_env_multi_node() -> None:
     cfg = LaunchConfig(nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1",
-                       master_port=4000, insecure_tcp=True, log_dir="/l", run_id="r", allow_remote=True)
+                       master_port=4000, insecure_tcp=True, log_dir="/l", run_id="r",
+                       allow_remote=True)
     ep = make_endpoints(cfg)
     assert ep == Endpoints("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4001")
     env = rank_env(cfg, 3, ep, base_env={"PATH": "/bin", "RANK": "77"})

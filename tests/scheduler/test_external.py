@@ -55,7 +55,8 @@ def test_saved_blocks_become_matchable_on_ack_not_before() -> None:
     a = H(1, 2, 3)
     assert save(cm, "r1", a, [10, 11, 12]) == 3
     ops = cm.take_ops()
-    assert [(o.kind, o.src.tolist(), o.dst.tolist()) for o in ops] == [(BACKUP, [10, 11, 12], [0, 1, 2])]
+    assert [(o.kind, o.src.tolist(), o.dst.tolist()) for o in ops] == [
+        (BACKUP, [10, 11, 12], [0, 1, 2])]
     assert [n.status for n in cm.held_blocks("r1")] == [SWAP_TO_HOST] * 3
     assert cm.match_prefix("r2", a) == Match(0, 0, 0, BS)  # in flight: not a hit
     cm.abort("r2")

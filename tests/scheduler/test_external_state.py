@@ -81,7 +81,8 @@ class ExternalMachine(RuleBasedStateMachine):
     def save(self, data):
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
         hashes, devs = self.reqs[rid]
-        if self.cm.request(rid).loading is not None or any(  # a save reads only blocks the engine trusts
+        # a save reads only blocks the engine trusts
+        if self.cm.request(rid).loading is not None or any(
                 self.engine.get(d) != h for h, d in zip(hashes, devs)):
             return
         k = data.draw(st.integers(0, len(hashes)))

@@ -141,7 +141,8 @@ class CacheMachine(RuleBasedStateMachine):
                 elif op.kind == H2S and ok:
                     assert self.host.get(int(op.src[j])) == op.keys[j], "h2s of wrong bytes"
                     self.store.add(op.keys[j])
-            self.inflight[op.id] = OpResult(op.id, done == n, done, None if done == n else "injected")
+            self.inflight[op.id] = OpResult(op.id, done == n, done,
+                                            None if done == n else "injected")
 
     def _ack(self, results):
         self.cm.on_ops_done(results)

@@ -42,7 +42,8 @@ def test_batched_round_trip_is_bit_identical(backend: Backend) -> None:
     assert dst[:6].tobytes() == src[::-1].tobytes()
     assert not dst[6].any()  # a miss leaves its buffer alone
     s = store.stats
-    assert (s.hits, s.misses, s.puts, s.bytes_read, s.bytes_written) == (6, 1, 6, 6 * BLOCK, 6 * BLOCK)
+    assert (s.hits, s.misses, s.puts, s.bytes_read, s.bytes_written) == \
+        (6, 1, 6, 6 * BLOCK, 6 * BLOCK)
     assert (s.corrupt, s.truncated, s.foreign, s.errors) == (0, 0, 0, 0)
 
 
@@ -65,7 +66,8 @@ def test_put_twice_keeps_one_good_block(backend: Backend) -> None:
     assert store.get_into(k, out) and out.tobytes() == src.tobytes()
 
 
-def _refused(backend: Backend, damage: str) -> tuple[object, dict[str, int], list[dict[str, object]]]:
+def _refused(backend: Backend, damage: str
+             ) -> tuple[object, dict[str, int], list[dict[str, object]]]:
     store = backend.open()
     k, other = keys(2, damage)
     src = blocks(2, 4)

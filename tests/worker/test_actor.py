@@ -262,7 +262,8 @@ def test_l3_round_trip_in_process(stack: ExitStack, folder: str, tmp_path: Path)
     for rank in (0, 1):
         for key in keys:
             path = Path(store.path(key + rank.to_bytes(2, "big")))
-            assert path.read_bytes()[HEADER_SIZE:] == reference.expected_block_bytes(LAYOUT, key, rank)
+            want = reference.expected_block_bytes(LAYOUT, key, rank)
+            assert path.read_bytes()[HEADER_SIZE:] == want
     done = rig.run([P.Op(0, P.S2H, dst=_ids(*range(10, 16)), keys=keys)])
     assert done.results[0] == P.OpResult(0, True, 6)
     done = rig.run([P.Op(0, P.H2D, _ids(*range(10, 16)), _ids(*range(10, 16))),

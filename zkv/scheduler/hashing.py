@@ -47,7 +47,8 @@ NATIVE = _native is not None
 
 @dataclass(frozen=True, slots=True)
 class MultiModalItem:
-    """A multimodal input occupying token positions ``[start, end)``; ``digest`` names its content."""
+    """A multimodal input occupying token positions ``[start, end)``; ``digest`` names its
+    content."""
 
     start: int
     end: int
@@ -55,7 +56,8 @@ class MultiModalItem:
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
-            raise ValueError(f"multimodal item needs 0 <= start < end, got [{self.start}, {self.end})")
+            raise ValueError(f"multimodal item needs 0 <= start < end, got "
+                             f"[{self.start}, {self.end})")
         if len(self.digest) != DIGEST_SIZE:
             raise ValueError(f"multimodal item digest must be {DIGEST_SIZE} bytes")
 

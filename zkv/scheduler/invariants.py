@@ -132,7 +132,8 @@ def _check_policy(pol: EvictionPolicy, listed: list[Node], ordered: Callable[[No
     must leave as chain tails) classes never rise from parent to child and each node comes
     before its ancestors of the same class: the oldest of the lowest class is a tail."""
     order = pol.nodes()
-    assert len(order) == len(pol) == len(listed), f"{pol.name}: {len(order)} vs {len(listed)} listed"
+    assert len(order) == len(pol) == len(listed), \
+        f"{pol.name}: {len(order)} vs {len(listed)} listed"
     assert pol.num_blocks == sum(len(n.hashes) for n in listed), f"{pol.name}: block count"
     pos = {id(n): i for i, n in enumerate(order)}
     assert all(id(n) in pos for n in listed), f"{pol.name}: a listed node is missing"
@@ -152,7 +153,8 @@ def _check_owned(pool: BlockPool, owners: Counter[int]) -> None:
     for b, c in owners.items():
         assert c == 1, f"{pool.name} block {b} has {c} owners"
         assert pool.is_allocated(b), f"{pool.name} block {b} owned but free"
-    assert len(owners) == pool.num_used, f"{pool.name}: {pool.num_used} used but {len(owners)} owned"
+    assert len(owners) == pool.num_used, \
+        f"{pool.name}: {pool.num_used} used but {len(owners)} owned"
 
 
 def _check_status(n: Node) -> None:

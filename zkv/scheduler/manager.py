@@ -304,14 +304,16 @@ class CacheManager:
                 free_node_blocks(core, n)
         core.negative.clear()
 
-    def resize(self, num_device_blocks: int | None = None, num_host_blocks: int | None = None) -> bool:
+    def resize(self, num_device_blocks: int | None = None,
+               num_host_blocks: int | None = None) -> bool:
         """Grow or shrink the pools; shrinking succeeds only when the ids past the new size
         are free (call ``reset`` or let requests finish first)."""
         core = self.core
         plan = [(pool, size) for pool, size in ((core.device, num_device_blocks),
                                                 (core.host, num_host_blocks)) if size is not None]
         for pool, size in plan:  # all or nothing: check every shrink before changing a pool
-            if size < pool.num_blocks and any(pool.is_allocated(b) for b in range(size, pool.num_blocks)):
+            if size < pool.num_blocks and any(pool.is_allocated(b)
+                                              for b in range(size, pool.num_blocks)):
                 return False
         for pool, size in plan:
             assert pool.resize(size)

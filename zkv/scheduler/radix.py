@@ -560,7 +560,8 @@ class BlockView:
         return list(n.children or ())
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, BlockView) and other.hash == self.hash and other._tree is self._tree
+        return (isinstance(other, BlockView) and other.hash == self.hash
+                and other._tree is self._tree)
 
     def __hash__(self) -> int:
         return hash(self.hash)

@@ -48,7 +48,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got "
+                             f"{self.write_policy!r}")
         if self.block_size <= 0 or self.num_device_blocks < 0 or self.num_host_blocks < 0:
             raise ValueError("block_size must be > 0 and block counts >= 0")
         if not 0 < self.store_retry_s <= self.store_retry_max_s:
@@ -56,7 +57,8 @@ class CacheConfig:
         if self.write_through_threshold < 1:
             raise ValueError("write_through_threshold must be >= 1")
         if self.eviction_policy not in POLICIES:
-            raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
+            raise ValueError(f"eviction_policy must be one of {POLICIES}, got "
+                             f"{self.eviction_policy!r}")
         thr = (None if self.write_policy == WRITE_BACK else
                1 if self.write_policy == WRITE_THROUGH else self.write_through_threshold)
         object.__setattr__(self, "backup_threshold", thr)
@@ -117,7 +119,8 @@ class PendingOp:
         self.keys: list[bytes] = []
 
     def __repr__(self) -> str:
-        return f"PendingOp({self.op_id}, {self.kind!r}, {len(self.nodes)} entries, {self.num_blocks} blocks)"
+        return (f"PendingOp({self.op_id}, {self.kind!r}, {len(self.nodes)} entries, "
+                f"{self.num_blocks} blocks)")
 
     @property
     def num_blocks(self) -> int:

@@ -7,7 +7,8 @@
     zkv/storage/local.py            file:///path          LocalDirStore (embedded default)
     zkv/storage/redis_store.py      redis://HOST:PORT/DB  RedisStore    (pip install 'zkv[redis]')
                                     (rediss://... over TLS)
-    zkv/storage/mooncake_store.py   mooncake://HOST:PORT  MooncakeStore (pip install 'zkv[mooncake]')
+    zkv/storage/mooncake_store.py   mooncake://HOST:PORT  MooncakeStore
+                                    (pip install 'zkv[mooncake]')
     zkv/storage/url.py              open_store(url, namespace, writers=1)
     zkv/storage/query.py            leading_present(store, hashes, world_size), StorageQuery
 

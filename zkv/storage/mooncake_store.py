@@ -278,7 +278,8 @@ class MooncakeStore(Store):
         while lo < len(views):
             inline = self._inline(views[lo].nbytes)
             hi, used = lo, 0
-            while hi < len(views) and hi - lo < MAX_BATCH and self._inline(views[hi].nbytes) == inline:
+            while (hi < len(views) and hi - lo < MAX_BATCH
+                   and self._inline(views[hi].nbytes) == inline):
                 size = HEADER_SIZE + views[hi].nbytes
                 if inline and hi > lo and used + size > STAGE_BYTES:
                     break

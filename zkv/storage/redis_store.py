@@ -169,7 +169,8 @@ class RedisStore(Store):
             return []
         names = [self.name(k) for k in keys]
         values = self._call("get", lambda: self._client.mget(names))
-        return [self._take(k, v, as_bytes_view(o)) for k, v, o in zip(keys, values, outs, strict=True)]
+        return [self._take(k, v, as_bytes_view(o))
+                for k, v, o in zip(keys, values, outs, strict=True)]
 
     def _take(self, key: bytes, value: Any, out: memoryview) -> bool:
         if value is None:
@@ -194,7 +195,8 @@ class RedisStore(Store):
         if not keys:
             return []
         views = [as_bytes_view(d) for d in datas]
-        values = [b"".join((pack_header(self.ns_id, k, v), v)) for k, v in zip(keys, views, strict=True)]
+        values = [b"".join((pack_header(self.ns_id, k, v), v))
+                  for k, v in zip(keys, views, strict=True)]
         names = [self.name(k) for k in keys]
 
         def build(pipe: Any) -> None:

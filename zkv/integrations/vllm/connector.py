@@ -155,8 +155,8 @@ class ZkvConnector(KVConnectorBase_V1):
         self.geo = geometry(vllm_config, kv_cache_config)
         self.world_size = world_size(vllm_config)
         self.engine_id = str(tc.engine_id)
-        self.model = model_identity(vllm_config.model_config, vllm_config.cache_config) + (f"|{self.cfg.namespace_salt}"
-                                                     if self.cfg.namespace_salt else "")
+        salt = f"|{self.cfg.namespace_salt}" if self.cfg.namespace_salt else ""
+        self.model = model_identity(vllm_config.model_config, vllm_config.cache_config) + salt
         self.sched: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         self._ipc_dir: str | None = None
@@ -171,8 +171,9 @@ class ZkvConnector(KVConnectorBase_V1):
             self.worker = WorkerHalf(self.cfg, self.rank)
 
     def _layout(self, kv_layout: str) -> Any:
+        itemsize = torch.empty(0, dtype=getattr(torch, self.geo.dtype)).element_size()
         block_bytes = 2 * self.geo.num_layers * self.geo.kv_heads * self.geo.block_size \
-            * self.geo.head_dim * torch.empty(0, dtype=getattr(torch, self.geo.dtype)).element_size()
+            * self.geo.head_dim * itemsize
         return cache_layout(self.geo, kv_layout=kv_layout,
                             num_host_blocks=self.cfg.num_host_blocks(block_bytes),
                             world_size=self.world_size, model=self.model)

@@ -406,7 +406,8 @@ class SchedulerHalf:
                 r.block_ids = list(ids[0]) if ids else []
             elif ids:
                 r.block_ids += ids[0]
-            rec[rid] = (r.epoch, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+            rec[rid] = (r.epoch,
+                        cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
         for rid in getattr(so, "preempted_req_ids", None) or ():
             self._preempted(rid)
         self._steps.append((self._step, rec))
