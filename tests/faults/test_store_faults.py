@@ -7,7 +7,6 @@ same pipeline stores and loads blocks again, bit for bit."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.servers import KillableStore, wait_for
-from tests.worker.helpers import WorkerGroup, poll_until_done, short_ipc_dir
+from tests.worker.helpers import WorkerGroup, poll_for, poll_until_done, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.errors import StorageError
@@ -101,9 +100,7 @@ def _kill_mid_prefetch(server: KillableStore, group: WorkerGroup, sched_store: S
     (load,) = cm.take_ops()
     server.pause()  # the ranks' loads hang in the store...
     seq = group.d.publish([load], step=1)
-    end = time.monotonic() + 0.3
-    while time.monotonic() < end:
-        assert group.d.poll(0.05) == []  # ...and the batch waits on them
+    assert poll_for(group.d, 0.3) == []  # ...and the batch waits on them
     server.kill()  # ...until the server dies under them
     empty = group.d.publish([], step=2)  # the ranks still take batches meanwhile
     got = poll_until_done(group.d, {seq, empty})

@@ -4,7 +4,6 @@ may complete out of seq order. Fake ranks over real ipc:// sockets."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,11 +16,12 @@ from tests.worker.helpers import (
     endpoints,
     events_named,
     joined_fakes,
+    poll_for,
     poll_until_done,
     short_ipc_dir,
 )
 from zkv import protocol as P
-from zkv.scheduler.dispatcher import BatchDone, Dispatcher
+from zkv.scheduler.dispatcher import Dispatcher
 
 FP = "layout-fp"
 COPY = P.Op(0, P.D2H, P.as_ids([0, 1]), P.as_ids([2, 3]))
@@ -46,23 +46,15 @@ def ack(rank: FakeRank, seq: int, results: tuple[P.OpResult, ...],
                              pending))
 
 
-def nothing_done(d: Dispatcher, seconds: float = 0.1) -> list[BatchDone]:
-    end = time.monotonic() + seconds
-    out: list[BatchDone] = []
-    while time.monotonic() < end:
-        out += d.poll(0.02)
-    return out
-
-
 def test_io_results_follow_the_copy_ack(group: tuple[Dispatcher, list[FakeRank]]) -> None:
     d, ranks = group
     seq = d.publish([COPY, LOAD], 0)
     for r in ranks:
         r.recv_batch()
         ack(r, seq, (P.OpResult(0, True, 2),), pending=(1,))
-    assert nothing_done(d) == [] and d.in_flight == 1
+    assert poll_for(d, 0.1) == [] and d.in_flight == 1
     ack(ranks[0], seq, (P.OpResult(1, True, 3),))
-    assert nothing_done(d) == []
+    assert poll_for(d, 0.1) == []
     ack(ranks[1], seq, (P.OpResult(1, False, 2, "s2h: block 2 is not in the store"),))
     done = poll_until_done(d, seq)[seq]
     assert done.results == {0: P.OpResult(0, True, 2),
@@ -80,7 +72,7 @@ def test_batches_complete_out_of_seq_order(group: tuple[Dispatcher, list[FakeRan
         ack(r, second, (P.OpResult(0, True, 2),))
     assert [b.seq for b in poll_until_done(d, second).values()] == [second]
     # polled past the ack deadline: the ranks acked (only I/O is pending), nobody is lost
-    assert nothing_done(d, 0.5) == [] and d.lost_ranks == frozenset()
+    assert poll_for(d, 0.5) == [] and d.lost_ranks == frozenset()
     for r in ranks:
         ack(r, first, (P.OpResult(1, True, 3),))
     assert poll_until_done(d, first)[first].results == {1: P.OpResult(1, True, 3)}
@@ -97,7 +89,7 @@ def test_bad_follow_ups_are_refused(group: tuple[Dispatcher, list[FakeRank]]) ->
         ack(ranks[1], seq, (P.OpResult(1, True, 3),))               # rank 1 had nothing pending
         ack(ranks[0], seq, (P.OpResult(0, False, 0, "late"),))      # op 0 was not pending
         ack(ranks[0], seq, (P.OpResult(1, True, 3),), pending=(0,))  # pending must shrink
-        assert nothing_done(d) == []
+        assert poll_for(d, 0.1) == []
     refused = events_named(logs, "dispatcher.ack_refused")
     assert sorted(e["rank"] for e in refused) == [0, 0, 1]  # ranks send on their own pipes
     ack(ranks[0], seq, (P.OpResult(1, True, 3),))

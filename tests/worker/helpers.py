@@ -62,6 +62,17 @@ def poll_until_done(d: Dispatcher, seqs: set[int] | int,
     return got
 
 
+def poll_for(d: Dispatcher, seconds: float) -> list[BatchDone]:
+    """Every batch the dispatcher completes within ``seconds``, polled the whole time (a
+    poll reads the acks and heartbeats, and judges silent ranks): what an engine's steps
+    do while a batch is held or the group idles."""
+    out: list[BatchDone] = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        out += d.poll(min(left, 0.05))
+    return out
+
+
 class FakeRank:
     """A worker's two sockets driven by hand, to test the dispatcher alone."""
 

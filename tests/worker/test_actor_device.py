@@ -19,7 +19,13 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.kernels import fake_cuda
-from tests.worker.helpers import endpoints, events_named, poll_until_done, short_ipc_dir
+from tests.worker.helpers import (
+    endpoints,
+    events_named,
+    poll_for,
+    poll_until_done,
+    short_ipc_dir,
+)
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError, TransferError
@@ -170,9 +176,7 @@ def test_heartbeats_continue_while_the_actor_waits_on_the_gpu(stack: ExitStack, 
     gate = fake.hold(backend.transfer_stream.ptr, "a long copy")
     stack.callback(gate.open)
     seq = d.publish([P.Op(0, P.D2H, _ids(1), _ids(1))], 0)
-    end = time.monotonic() + 1.2  # four heartbeat timeouts while the actor waits
-    while time.monotonic() < end:
-        assert d.poll(0.05) == []
+    assert poll_for(d, 1.2) == []  # four heartbeat timeouts while the actor waits
     assert d.lost_ranks == frozenset() and d.in_flight == 1
     gate.open()
     assert poll_until_done(d, seq, 10)[seq].ok

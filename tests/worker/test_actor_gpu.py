@@ -17,7 +17,6 @@ kernels once before the gate, and checks that the gate still held when it was op
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -28,7 +27,7 @@ import pytest
 import torch
 
 from tests.waiting import holds_within
-from tests.worker.helpers import endpoints, poll_until_done, short_ipc_dir
+from tests.worker.helpers import endpoints, poll_for, poll_until_done, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.kernels import cuda_available
@@ -114,15 +113,6 @@ class HostGate:
         self._flag.view(np.int32)[0] = 1
 
 
-def acks_within(d: Dispatcher, seconds: float) -> set[int]:
-    """The seqs the dispatcher completes within ``seconds`` (polled the whole time)."""
-    seqs: set[int] = set()
-    deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
-        seqs.update(b.seq for b in d.poll(min(left, 0.05)))
-    return seqs
-
-
 def test_wait_layer_orders_the_models_reads_after_the_h2d(rig: Any) -> None:
     d, sc, kv, model = rig
     n = LAYOUT.num_host_blocks
@@ -198,7 +188,7 @@ def batch_behind_model(d: Dispatcher, model: Any, queue: Callable[[], Any],
         with torch.cuda.stream(model):
             queued = queue()
         seq = d.publish([op], 0)
-        early = acks_within(d, 0.5)
+        early = {b.seq for b in poll_for(d, 0.5)}
         held = gate.holding()
     finally:
         gate.open()

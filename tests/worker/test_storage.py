@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.servers import RedisServer, wait_for
-from tests.worker.helpers import digest, endpoints
+from tests.worker.helpers import digest, endpoints, poll_for
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.scheduler.dispatcher import BatchDone, Dispatcher
@@ -157,10 +157,7 @@ def test_a_hung_store_never_delays_the_next_batch(stack: ExitStack, folder: str,
     copies = [rig.d.publish([P.Op(0, P.FILL, dst=ids([4, 5]), keys=new)], 2),
               rig.d.publish([P.Op(0, P.D2H, ids([4, 5]), ids([4, 5]))], 3)]
     rig.poll(set(copies))
-    end = time.monotonic() + 1.0  # twice the heartbeat timeout
-    while time.monotonic() < end:
-        for b in rig.d.poll(0.05):
-            rig.completed.append(b.seq)
+    rig.completed += [b.seq for b in poll_for(rig.d, 1.0)]  # twice the heartbeat timeout
     assert rig.d.lost_ranks == frozenset() and rig.completed[-2:] == copies
     assert loading not in rig.completed and rig.d.in_flight == 1
     gate.set()
