@@ -765,6 +765,11 @@ def test_deployed_engine_identical_and_clean_after_aborts(env, ref_tp1) -> None:
     (closed,) = _events(logs, "connector.closed")
     assert closed["invariants"] == "ok" and closed["requests"] == closed["cache_requests"] == 0
     assert closed["ops"] == closed["batches"] == 0, closed
+    # each half closed the L3 store it opened (connections, a reconnect thread): the
+    # scheduler's asked it (queries, no puts), the worker's wrote to it
+    stores = sorted(_events(logs, "connector.store_closed"), key=lambda e: e["puts"])
+    assert [e["store"] for e in stores] == [f"file://{env['tmp'] / 'l3-deployed'}"] * 2
+    assert stores[0]["puts"] == 0 and stores[1]["puts"] > 0, stores
 
 
 def test_async_scheduling_identical_and_every_save_lands(env, ref_tp1) -> None:  # noqa: ANN001

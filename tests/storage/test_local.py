@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -151,6 +152,78 @@ def test_budget_is_shared_by_the_writers(tmp_path: Path) -> None:
     assert s.max_bytes == 1 << 30  # type: ignore[attr-defined]
     s = open_store(file_url(tmp_path), "ns")
     assert 0 < s.max_bytes <= shutil.disk_usage(tmp_path).free  # type: ignore[attr-defined]
+
+
+def test_a_restart_keeps_every_ranks_blocks(tmp_path: Path) -> None:
+    """Two ranks share a directory and its budget, each ``max_bytes / 2``: after a restart
+    each indexes its own files alone, so its first put evicts its own oldest block, not
+    the other rank's. (Before, each indexed both ranks' files against half the budget and
+    its first put removed blocks down to its share, the other rank's among them: of 20
+    blocks, 11 were left and no prompt found whole on both ranks.)"""
+    url = file_url(tmp_path) + f"?max_bytes={20 * FILE}"
+
+    def ranks() -> list[LocalDirStore]:
+        return [open_store(url, "ns", writers=2, rank=r) for r in (0, 1)]  # type: ignore[misc]
+
+    first = ranks()
+    base = time.time() - 100
+    for i in range(10):
+        for r, s in enumerate(first):
+            s.put(key(i, r), data(i))
+            os.utime(s.path(key(i, r)), (base + i, base + i))  # block 0 the oldest
+    again = ranks()
+    assert [(s.num_blocks, s.num_bytes) for s in again] == [(10, 10 * FILE)] * 2
+    for r, s in enumerate(again):
+        s.put(key(10, r), data(10))  # over its share by one: its own oldest goes
+    for r, s in enumerate(again):
+        assert s.exists([key(i, r) for i in range(11)]) == [False] + [True] * 10
+        assert s.stats.evicted == 1
+    assert again[0].count_leading([i.to_bytes(16, "big") for i in range(1, 11)], 2) == 10
+    reader = open_store(url, "ns", writers=2)  # the scheduler's: it indexes every file
+    assert reader.num_blocks == 20  # type: ignore[attr-defined]
+
+
+def test_fsync_makes_the_rename_durable_too(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fsync=1``: the block's data, then the folder that holds its new name, and the
+    folders a put made in their parents (a crash after a put returned must find the file
+    there, not only its data on the disk)."""
+    import stat as st
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        mode = os.fstat(fd).st_mode
+        synced.append(os.readlink(f"/proc/self/fd/{fd}") + ("/" if st.S_ISDIR(mode) else ""))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    s = LocalDirStore(tmp_path / "root", "ns", fsync=True)
+    synced.clear()
+    s.put(key(1), data(1))
+    path = s.path(key(1))
+    folder = os.path.dirname(path)
+    ns = os.path.dirname(folder)  # the put made ns/ and ns/xx/: their parents' entries,
+    assert synced[:2] == [os.path.dirname(ns) + "/", ns + "/"], synced  # then the data,
+    assert synced[2] == f"{path}.{os.getpid()}.{threading.get_ident()}.tmp", synced
+    assert synced[3:] == [folder + "/"], synced  # then the name the rename gave it
+    synced.clear()
+    s.put(key(2), data(2))  # the folder is there: the data and the new name
+    assert len(synced) == 2 and synced[1] == folder + "/", synced
+    nosync = LocalDirStore(tmp_path / "other", "ns")
+    synced.clear()
+    nosync.put(key(1), data(1))
+    assert synced == []
+
+
+def test_a_symlink_loop_in_the_store_is_skipped_at_open(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path, "ns")
+    s.put(key(1), data(1))
+    loop = os.path.join(os.path.dirname(s.path(key(1))), "loop.0")
+    os.symlink(loop, loop)  # stat: ELOOP
+    again = LocalDirStore(tmp_path, "ns")
+    assert again.num_blocks == 1 and get(again, 1)
 
 
 def test_a_root_that_is_a_file_is_logged_at_open_fails_puts_and_misses_reads(

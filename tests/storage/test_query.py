@@ -4,6 +4,7 @@ error is a miss + an event."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -145,5 +146,68 @@ def test_redis_without_scripts_falls_back_to_chunks_once(tmp_path: Path) -> None
             [warning] = [e for e in logs if e["event"] == "storage.query_failed"]
             assert warning["fallback"] == "chunked EXISTS pipelines"
             assert "no permissions" in warning["error"] and store.stats.query_failures == 0
+        finally:
+            store.close()
+
+
+def test_a_busy_redis_does_not_turn_the_script_off(tmp_path: Path) -> None:
+    """``BUSY`` (another client's script ran past ``busy-reply-threshold``) passes: the
+    query in its time is a miss and an event, and once the server is free the queries run
+    the script again. (Before, any error that was not the link's turned the script off for
+    the process's life: chunked pipelines, ~34x slower at 8 ranks, from one busy moment.)"""
+    import threading
+
+    import redis
+
+    from tests.servers import RedisServer
+    from tests.waiting import wait_until
+
+    with RedisServer(str(tmp_path)) as srv:
+        admin = srv.client()
+        admin.config_set("busy-reply-threshold", 50)  # ms
+        store = open_store(srv.url + "?timeout_s=2", "ns")
+        try:
+            hashes = hash_ids_chain(list(range(1, 21)))
+            for h in hashes[:12]:
+                store.put(pack_key(h, 0), np.zeros(64, np.uint8))
+            def evalsha_calls() -> int:
+                return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+            assert StorageQuery(store, 1)(hashes) == 12  # (loads the script)
+            c0 = evalsha_calls()
+            assert StorageQuery(store, 1)(hashes) == 12
+            per_query = evalsha_calls() - c0  # the script's chunks
+            assert per_query > 0
+
+            def spin() -> None:
+                with contextlib.suppress(redis.exceptions.ResponseError):  # killed
+                    srv.client().eval("while true do end", 0)
+
+            spinner = threading.Thread(target=spin)
+            spinner.start()
+            try:
+                def busy() -> bool:
+                    try:
+                        admin.ping()
+                    except redis.exceptions.BusyLoadingError:
+                        return True
+                    except redis.exceptions.ResponseError as e:
+                        return "BUSY" in str(e)
+                    return False
+
+                wait_until(busy, 10.0, "the server answers BUSY")
+                with capture_logs() as logs:
+                    assert StorageQuery(store, 1)(hashes) == 0  # a miss, said once
+                (event,) = [e for e in logs if e["event"] == "storage.query_failed"]
+                assert "BUSY" in event["error"] and "fallback" not in event, event
+            finally:
+                admin.script_kill()
+                spinner.join(10.0)
+            assert not spinner.is_alive()
+            before = evalsha_calls()
+            with capture_logs() as logs:
+                assert StorageQuery(store, 1)(hashes) == 12
+            assert not [e for e in logs if e["event"] == "storage.query_failed"]
+            assert evalsha_calls() - before == per_query, "the query ran the script again"
         finally:
             store.close()

@@ -44,6 +44,7 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("redis://127.0.0.1:6379/0?timeout_s=0", "timeout_s must be > 0"),
     ("redis://127.0.0.1:6379/0?timeout_s=NaN", "timeout_s='NaN' is not a finite number"),
     ("mooncake://:50051", "needs HOST:PORT"),
+    ("mooncake://127.0.0.1:50051?segment_mb=-1", "segment_mb must be >= 0"),
     ("mooncake://127.0.0.1:50051/x", "master only"),
 ])
 def test_bad_url_is_one_clear_line(url: str, why: str) -> None:

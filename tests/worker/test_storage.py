@@ -217,12 +217,13 @@ def test_worker_store_from_environment(tmp_path: Any) -> None:
     from zkv.errors import ConfigError
     from zkv.worker.__main__ import store_from_env
 
-    assert store_from_env(LAYOUT, {}) is None
-    s = store_from_env(LAYOUT, {"ZKV_STORE_DIR": str(tmp_path)})
+    assert store_from_env(LAYOUT, 0, {}) is None
+    s = store_from_env(LAYOUT, 0, {"ZKV_STORE_DIR": str(tmp_path)})
     assert isinstance(s, LocalDirStore) and s.root == str(tmp_path)
-    s = store_from_env(LAYOUT, {"ZKV_STORE_URL": file_url(tmp_path) + "?max_bytes=1000",
-                                "ZKV_STORE_DIR": "/ignored"})
+    s = store_from_env(LAYOUT, 1, {"ZKV_STORE_URL": file_url(tmp_path) + "?max_bytes=1000",
+                                   "ZKV_STORE_DIR": "/ignored"})
     assert isinstance(s, LocalDirStore) and s.max_bytes == 500  # two ranks share the budget
+    assert s.rank == 1  # it indexes rank 1's files alone
     assert s.namespace == LAYOUT.fingerprint()
     with pytest.raises(ConfigError, match="bad store URL 'redis://nohost'"):
-        store_from_env(LAYOUT, {"ZKV_STORE_URL": "redis://nohost"})
+        store_from_env(LAYOUT, 0, {"ZKV_STORE_URL": "redis://nohost"})

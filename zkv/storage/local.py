@@ -25,7 +25,11 @@ then every block it writes or serves. A put that takes the indexed total past
 directory scan. A hit refreshes the file's mtime, so the order survives a restart.
 Several processes writing one directory each keep their own index: the bound holds per
 writer, so give each of ``W`` writers ``max_bytes / W`` (:func:`~zkv.storage.open_store`'s
-``writers``).
+``writers``), and each its ``rank`` (the rank its keys carry): a rank's store indexes, and
+so evicts, the files of that rank alone, at open too. (A store without a rank indexes
+every file of the namespace: one writer, or one that only reads. Ranks that indexed each
+other's files at a restart each evicted everyone's blocks down to their own share at
+their first put: a group of ``W`` kept ~1/W of its store across a restart.)
 
 A put reserves its bytes in the index before it writes (the temp file counts): the files a
 writer holds, finished or in progress, stay within its budget.
@@ -96,12 +100,19 @@ class LocalDirStore(Store):
     a reservation (unless one block alone is larger); ``_pending`` is the bytes of the
     puts in progress. put/get/evict are O(1) in the index.
     ``max_bytes=None`` takes half the free space of the file system at open (plus what
-    the namespace already holds). ``fsync=True`` makes puts durable across a crash.
+    the namespace already holds). ``fsync=True`` makes puts durable across a crash: the
+    file's data, then the directory entry the rename made (and any folder the put made).
+    ``rank``: the writer's rank, whose files alone this store indexes (module docstring).
     """
 
     def __init__(self, root: str | os.PathLike[str], namespace: str, *,
-                 max_bytes: int | None = None, fsync: bool = False) -> None:
+                 max_bytes: int | None = None, fsync: bool = False,
+                 rank: int | None = None) -> None:
         super().__init__(namespace)
+        if rank is not None and rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        self.rank = rank
+        self._suffix = None if rank is None else f".{rank}"
         self.root = os.fspath(root)
         self.url = f"file://{os.path.abspath(self.root)}"
         self.fsync = fsync
@@ -235,6 +246,8 @@ class LocalDirStore(Store):
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        if self.fsync:  # the rename itself: the folder's entry
+            _fsync_dir(os.path.dirname(path))
 
     def _make_room(self, size: int, error: OSError, gen: int, made: int) -> bool | None:
         """The disk is full (see the module docstring): remove this store's least recently
@@ -293,7 +306,10 @@ class LocalDirStore(Store):
     def _create(self, tmp: str) -> int:
         folder = os.path.dirname(tmp)
         if folder not in self._made:
-            make_private_dirs(folder)
+            made = make_private_dirs(folder)
+            if self.fsync:  # each new folder's entry in its parent
+                for d in made:
+                    _fsync_dir(os.path.dirname(d))
             with self._lock:
                 self._made.add(folder)
         return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -396,8 +412,8 @@ class LocalDirStore(Store):
                 known = True
             else:
                 known = False
-        if not known:  # written by another process: this one accounts for it from now on
-            self._remember(path, size)
+        if not known and self._owns(path):  # written by another process of this writer's
+            self._remember(path, size)       # (an earlier run): accounted for from now on
         try:
             os.utime(path)
         except OSError:
@@ -409,9 +425,14 @@ class LocalDirStore(Store):
             if size is not None:
                 self._total -= size
 
+    def _owns(self, path: str) -> bool:
+        """Whether a block file is this writer's (its rank's; every file without a rank)."""
+        return self._suffix is None or path.endswith(self._suffix)
+
     def _rebuild_index(self) -> None:
-        """One scan at open: every block file of the namespace, oldest mtime first."""
-        found = sorted(self._scan(remove_stale_tmp=True))
+        """One scan at open: every block file of the namespace that is this writer's, oldest
+        mtime first."""
+        found = sorted(f for f in self._scan(remove_stale_tmp=True) if self._owns(f[1]))
         self._lru = OrderedDict((p, s) for _, p, s in found)
         self._total = sum(s for _, _, s in found)
 
@@ -431,7 +452,7 @@ class LocalDirStore(Store):
             for e in entries:
                 try:
                     st = e.stat()
-                except FileNotFoundError:
+                except OSError:  # gone meanwhile, or unusable (a symlink loop): not a block
                     continue
                 if e.name.endswith(".tmp"):
                     if remove_stale_tmp and now - st.st_mtime > _STALE_TMP_S:
@@ -465,21 +486,32 @@ def _free_bytes(path: str) -> int:
     return shutil.disk_usage(probe).free
 
 
-def make_private_dirs(path: str) -> None:
+def make_private_dirs(path: str) -> list[str]:
     """``os.makedirs(path, exist_ok=True)``, where every directory it makes is 0700
     (``makedirs``' mode reaches the last one only): blocks hold KV, which tells what the
     prompts were. Directories that exist keep their mode. ``FileExistsError`` when
-    something that is not a directory is in the way."""
+    something that is not a directory is in the way. The directories it made, top first."""
     if os.path.isdir(path):
-        return
+        return []
+    made: list[str] = []
     parent = os.path.dirname(path)
     if parent and parent != path and not os.path.lexists(parent):
-        make_private_dirs(parent)
+        made = make_private_dirs(parent)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         if not os.path.isdir(path):
             raise
+        return made
+    return [*made, path]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def check_root(root: str) -> int:

@@ -156,8 +156,8 @@ class RedisStore(Store):
             found = int(self._call("exists",
                                    lambda: self._script(keys=names, args=[world_size])))
         except StorageError as e:
-            if self.link is not None and not self.link.up:
-                raise  # unreachable: the caller's error
+            if self.link is not None and not self.link.up or not _scripts_refused(e):
+                raise  # unreachable, or a passing error (BUSY, failover): the caller's
             self._script = None  # refused (NOPERM, scripts off): pipelines from now on
             self._log.warning(ev.QUERY_FAILED, store=self.url, error=str(e),
                               fallback="chunked EXISTS pipelines")
@@ -222,3 +222,18 @@ class RedisStore(Store):
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r}, {self.namespace!r})"
+
+
+def _scripts_refused(e: StorageError) -> bool:
+    """Whether a script call failed because this server or user runs no scripts (an ACL
+    without ``@scripting``, ``EVALSHA`` renamed or off), for good, not for this once: a
+    ``BUSY`` (another client's slow script), a failover or a loading server pass, and
+    the script must stay."""
+    from redis.exceptions import NoPermissionError, ResponseError
+
+    cause = e.__cause__
+    if isinstance(cause, NoPermissionError):
+        return True
+    text = str(cause).lower()
+    return isinstance(cause, ResponseError) and ("unknown command" in text
+                                                 or "scripting" in text and "disabled" in text)

@@ -12,7 +12,8 @@
                         [&header=auto|inline|split]             MooncakeStore (master address)
 
 ``writers``: how many processes write the same local directory (the ranks of a group);
-each gets ``max_bytes / writers`` of the budget (see zkv/storage/local.py). A bad URL
+each gets ``max_bytes / writers`` of the budget, and ``rank`` names the writer: its store
+indexes and evicts only its own rank's files (see zkv/storage/local.py). A bad URL
 raises :class:`~zkv.errors.ConfigError` with one line saying what is wrong.
 """
 
@@ -60,7 +61,10 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
             raise _bad(url, f"{name}={raw!r} is not a {kind.__name__}") from None
         if kind is float and not math.isfinite(out[name]):
             raise _bad(url, f"{name}={raw!r} is not a finite number")
-        if kind in (int, float) and out[name] <= 0 and name != "segment_mb":
+        if name == "segment_mb":  # 0: a client that mounts no segment (reads and writes
+            if out[name] < 0:     # go to other clients' segments)
+                raise _bad(url, f"{name} must be >= 0")
+        elif kind in (int, float) and out[name] <= 0:
             raise _bad(url, f"{name} must be > 0")
     return out
 
@@ -121,8 +125,10 @@ def _tls_kw(url: str, params: dict[str, Any]) -> dict[str, Any]:
             "tls_key": params.pop("key", None), **params}
 
 
-def open_store(url: str, namespace: str, *, writers: int = 1) -> Store:
-    """The store ``url`` names, in ``namespace`` (the layout fingerprint).
+def open_store(url: str, namespace: str, *, writers: int = 1, rank: int | None = None
+               ) -> Store:
+    """The store ``url`` names, in ``namespace`` (the layout fingerprint); ``rank``: the
+    rank whose blocks this process writes (a worker's), None for a reader (the scheduler).
 
     A redis or mooncake server that is down is no error here: the store starts
     disconnected, every call fails fast (a miss on the scheduler side) and it reconnects
@@ -132,7 +138,7 @@ def open_store(url: str, namespace: str, *, writers: int = 1) -> Store:
     if scheme == "file":
         from zkv.storage.local import LocalDirStore
 
-        return LocalDirStore(kw.pop("root"), namespace, **kw)
+        return LocalDirStore(kw.pop("root"), namespace, rank=rank, **kw)
     if scheme in ("redis", "rediss"):
         from zkv.storage.redis_store import RedisStore
 

@@ -60,15 +60,17 @@ def _watch_parent(actor: WorkerActor, stopped: threading.Event) -> None:
             return
 
 
-def store_from_env(layout: CacheLayout, env: Mapping[str, str] | None = None) -> Store | None:
-    """The rank's L3 store from ``ZKV_STORE_URL`` (or ``ZKV_STORE_DIR``); None without."""
+def store_from_env(layout: CacheLayout, rank: int, env: Mapping[str, str] | None = None
+                   ) -> Store | None:
+    """Rank ``rank``'s L3 store from ``ZKV_STORE_URL`` (or ``ZKV_STORE_DIR``); None
+    without."""
     env = os.environ if env is None else env
     url = env.get("ZKV_STORE_URL") or None
     if url is None and env.get("ZKV_STORE_DIR"):
         url = file_url(env["ZKV_STORE_DIR"])
     if url is None:
         return None
-    return open_store(url, layout.fingerprint(), writers=layout.world_size)
+    return open_store(url, layout.fingerprint(), writers=layout.world_size, rank=rank)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zkv.worker: rank {rank}: cannot allocate the cache: {e!r}", file=sys.stderr)
         return EXIT_FATAL
     try:
-        store = store_from_env(layout)
+        store = store_from_env(layout, rank)
         actor = WorkerActor(rank, layout, kv_caches, host_pool, backend, pub_endpoint=pub,
                             pull_endpoint=pull, store=store, heartbeat_interval_s=heartbeat_s,
                             keys=keys, insecure=insecure)

@@ -125,14 +125,15 @@ def world_size(vllm_config: VllmConfig) -> int:
     return int(pc.tensor_parallel_size)
 
 
-def open_l3(url: str | None, namespace: str, world_size: int) -> Any:
-    """The L3 store (None without one). A server that is down is no error here: the store
+def open_l3(url: str | None, namespace: str, world_size: int, rank: int | None = None) -> Any:
+    """The L3 store (None without one); ``rank``: a worker's, whose blocks it writes (None:
+    the scheduler's, which only asks). A server that is down is no error here: the store
     fails fast (misses) and reconnects when it is back."""
     if url is None:
         return None
     from zkv.storage import open_store
 
-    return open_store(url, namespace, writers=world_size)
+    return open_store(url, namespace, writers=world_size, rank=rank)
 
 
 class ZkvConnector(KVConnectorBase_V1):
@@ -160,6 +161,7 @@ class ZkvConnector(KVConnectorBase_V1):
         self.sched: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         self._ipc_dir: str | None = None
+        self._store: Any = None  # this half's L3 store: closed at shutdown, after the half
         self._stats_seen: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._start_scheduler(vllm_config)
@@ -186,7 +188,7 @@ class ZkvConnector(KVConnectorBase_V1):
         check_host_memory(layout)
         pub, pull, self._ipc_dir = ipc_endpoints(self.engine_id, create=True)
         claim_engine_dir(self._ipc_dir)
-        store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
+        store = self._store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
         exists = None
         if store is not None:
             from zkv.storage import StorageQuery
@@ -218,7 +220,8 @@ class ZkvConnector(KVConnectorBase_V1):
         layout = self._layout(kind)
         check_host_memory(layout)  # (vLLM registers the caches before it starts a scheduler)
         pub, pull, _ = ipc_endpoints(self.engine_id, create=True)
-        store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
+        store = self._store = open_l3(self.cfg.storage, layout.fingerprint(),
+                                      self.world_size, self.rank)
         gate = self.cfg.gate
         if gate == "auto":
             gate = bool(getattr(self._vllm_config.scheduler_config, "async_scheduling", True))
@@ -313,3 +316,8 @@ class ZkvConnector(KVConnectorBase_V1):
             self.sched = None
             if self._ipc_dir:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._store is not None:  # its connections and reconnect thread
+            store, self._store = self._store, None
+            store.close()
+            zlog.get_logger("connector").info("connector.store_closed", store=store.url,
+                                              **store.stats.snapshot())
