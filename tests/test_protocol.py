@@ -185,6 +185,29 @@ def test_refused_reason_is_cut_to_its_bound() -> None:
     assert msg == P.Refused(2, 7, "y" * P.MAX_REASON_CHARS)
 
 
+def test_an_ack_of_a_full_failed_batch_fits_the_schedulers_frame_limit() -> None:
+    """Every op of the largest batch failed, each with a long error of characters that
+    JSON escapes (control characters, non-ASCII): the ack still fits the frame the
+    scheduler accepts (a larger one costs the rank its connection, unreported), and each
+    error keeps its share. (Before: 65,536 ops, an ack of 8.7 MB without any error.)"""
+    pending = tuple(range(P.MAX_OPS, 2 * P.MAX_OPS))
+    worst = "\x01é→" * 1000
+    results = tuple(P.OpResult(i, False, i, f"op {i}: {worst}") for i in range(P.MAX_OPS))
+    frames = P.encode(P.BlocksCopied(7, 3, False, results, 1.0, 2.0, pending))
+    assert sum(map(len, frames)) <= P.MAX_WORKER_FRAME_BYTES
+    msg = P.decode(frames)
+    assert isinstance(msg, P.BlocksCopied) and msg.pending == pending
+    share = P.MAX_ACK_ERROR_CHARS // P.MAX_OPS
+    for i, r in enumerate(msg.results):
+        assert (r.id, r.ok, r.done) == (i, False, i)
+        assert r.error is not None and r.error.isascii() and len(r.error) == share
+        assert r.error.startswith(f"op {i}: \x01\\xe9\\u2192")  # escaped, but \x01
+    one = P.decode(P.encode(P.BlocksCopied(7, 3, False, (P.OpResult(0, False, 0, worst),))))
+    assert len(one.results[0].error) == P.MAX_ERROR_CHARS  # type: ignore[union-attr]
+    ok = (P.OpResult(1, True, 4, "plain"),)
+    assert P.decode(P.encode(P.BlocksCopied(7, 3, True, ok))).results == ok  # as it was
+
+
 def test_ack_duplicate_op_ids_refused() -> None:
     frames = P.encode(P.BlocksCopied(1, 0, True, (P.OpResult(4, True, 1), P.OpResult(4, True, 1))))
     _refused(frames, match="duplicate")

@@ -58,6 +58,7 @@ SCHEDULER_REJOINED = "worker.scheduler_rejoined"
 DEVICE_FAILED = "worker.device_failed"
 BACKEND_READY = "worker.backend_ready"
 IO_DONE = "worker.io_done"
+IO_DROPPED = "worker.io_dropped"
 # storage (L3)
 BLOCK_REFUSED = "storage.block_refused"
 STORE_UNREACHABLE = "storage.store_unreachable"

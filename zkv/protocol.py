@@ -59,10 +59,14 @@ DIGEST_SIZE = 16
 MAX_BATCH_FRAME_BYTES = 64 << 20
 #: Largest frame of a worker message (ack, hello, heartbeat, bye) the scheduler accepts.
 MAX_WORKER_FRAME_BYTES = 8 << 20
-#: Ops per batch; a batch carries 3 frames per op.
-MAX_OPS = 1 << 16
-#: An op's error text is cut to this many characters (an ack stays small).
+#: Ops per batch; a batch carries 3 frames per op. An ack of a full batch (a result per op,
+#: every one failed) must fit MAX_WORKER_FRAME_BYTES: ~140 bytes a result besides its error.
+MAX_OPS = 1 << 13
+#: An op's error text is cut to this many characters (an ack stays small) ...
 MAX_ERROR_CHARS = 512
+#: ... and an ack's errors together to this many (ASCII, escaped: at most 6 bytes a
+#: character in the JSON), each error to its share when many ops failed.
+MAX_ACK_ERROR_CHARS = 256 << 10
 #: Hello's layout description (JSON) is at most this long.
 MAX_GEOMETRY_CHARS = 4096
 #: A refusal's reason (it may name every layout field that differs) is cut to this.
@@ -250,8 +254,7 @@ def encode(msg: Message) -> list[bytes]:
             "seq": msg.seq,
             "rank": msg.rank,
             "ok": msg.ok,
-            "ops": [{"id": r.id, "ok": r.ok, "done": r.done, "error": r.error}
-                    for r in msg.results],
+            "ops": _result_headers(msg.results),
             "t_recv": msg.t_recv,
             "t_done": msg.t_done,
         }
@@ -275,6 +278,21 @@ def encode(msg: Message) -> list[bytes]:
                "reason": msg.reason[:MAX_REASON_CHARS]}
         return [T_REFUSED, orjson.dumps(hdr)]
     raise TypeError(f"not a zkv message: {type(msg).__name__}")
+
+
+def _result_headers(results: Sequence[OpResult]) -> list[dict[str, Any]]:
+    """An ack's results, errors cut so that a full batch's ack fits the scheduler's frame
+    limit whatever the errors say (a longer frame would cost the rank its connection)."""
+    num_errors = sum(r.error is not None for r in results)
+    cap = min(MAX_ERROR_CHARS, MAX_ACK_ERROR_CHARS // max(1, num_errors))
+    return [{"id": r.id, "ok": r.ok, "done": r.done,
+             "error": None if r.error is None else _cut(r.error, cap)} for r in results]
+
+
+def _cut(error: str, cap: int) -> str:
+    if error.isascii() and len(error) <= cap:
+        return error
+    return error.encode("ascii", "backslashreplace").decode("ascii")[:cap]
 
 
 def _fast_ack_header(msg: BlocksCopied) -> bytes | None:

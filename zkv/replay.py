@@ -40,7 +40,7 @@ from zkv.argtypes import nonneg_float, nonneg_int, port, positive_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_log_dir
-from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
+from zkv.protocol import CHECK, FILL, H2S, MAX_OPS, S2H, Op, OpResult, as_ids
 from zkv.scheduler.dispatcher import BatchDone
 from zkv.scheduler.eviction import POLICIES as EVICTION_POLICIES
 from zkv.scheduler.hashing import BlockHash, hash_ids_chain, hash_tokens
@@ -505,6 +505,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"{self.prog}: error: {message}\n")
 
 
+#: Requests a step: a step's batch carries an s2h op per request (and one op per other kind),
+#: at most MAX_OPS.
+MAX_BATCH = MAX_OPS // 2
+
+
+def _batch(s: str) -> int:
+    n = positive_int(s)
+    if n > MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_BATCH} (a step's batch carries an "
+                                         f"op per request), got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zkv replay", description=__doc__.split("\n")[0])
     _workload_args(p)
@@ -523,7 +536,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="Mooncake trace JSONL (default: %(default)s)")
     g.add_argument("--requests", type=nonneg_int, default=300,
                    help="requests to replay (default: %(default)s)")
-    g.add_argument("--batch", type=positive_int, default=2,
+    g.add_argument("--batch", type=_batch, default=2,
                    help="requests per scheduling step (default: %(default)s)")
     g.add_argument("--seed", type=nonneg_int, default=0,
                    help="the chat workload's random seed (default: %(default)s)")

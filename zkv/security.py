@@ -311,16 +311,19 @@ class ZapHandler:
     def __init__(self, ctx: zmq.Context[Any]) -> None:
         self._ctx = ctx
         self._domains: dict[str, _Domain] = {}
-        self._stop_ep = f"inproc://zkv-zap-stop-{uuid.uuid4().hex}"
-        self._zap = ctx.socket(zmq.REP)
-        self._stop_in = ctx.socket(zmq.PAIR)
-        try:
-            self._zap.linger = self._stop_in.linger = 0
+        stop_ep = f"inproc://zkv-zap-stop-{uuid.uuid4().hex}"
+        opened: list[zmq.Socket[Any]] = []
+        try:  # the stop socket too, now: at unregister the socket limit may be reached
+            for kind in (zmq.REP, zmq.PAIR, zmq.PAIR):
+                opened.append(ctx.socket(kind))
+                opened[-1].linger = 0
+            self._zap, self._stop_in, self._stop_out = opened
             _bind_when_free(self._zap, ZAP_ENDPOINT)
-            self._stop_in.bind(self._stop_ep)
+            self._stop_in.bind(stop_ep)
+            self._stop_out.connect(stop_ep)
         except zmq.ZMQError:
-            self._zap.close(0)
-            self._stop_in.close(0)
+            for sock in opened:
+                sock.close(0)
             raise
         self._thread = threading.Thread(target=self._serve, name="zkv-zap", daemon=True)
         self._thread.start()
@@ -342,12 +345,9 @@ class ZapHandler:
             if self._domains:
                 return
             ZapHandler._by_context.pop(id(self._ctx), None)
-        stop = self._ctx.socket(zmq.PAIR)
-        stop.linger = 0
-        stop.connect(self._stop_ep)
-        stop.send(b"stop")
+        self._stop_out.send(b"stop")  # (one caller gets here: the last domain's)
         self._thread.join(5.0)
-        stop.close(0)
+        self._stop_out.close(0)
 
     def num_refused(self, domain: str) -> int:
         d = self._domains.get(domain)

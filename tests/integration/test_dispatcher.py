@@ -342,3 +342,32 @@ def test_an_idle_gap_without_polls_loses_no_rank(ctx: zmq.Context[Any],
         assert d.lost_ranks == frozenset({1})
         (lost,) = events_named(logs, "dispatcher.rank_lost")
         assert lost["rank"] == 1 and "no heartbeat" in lost["reason"]
+
+
+@pytest.mark.parametrize("max_sockets", [1, 3, 4])
+def test_a_socket_that_cannot_be_made_leaves_nothing_open(eps: tuple[str, str],
+                                                          max_sockets: int) -> None:
+    """The context's (or the process's) socket limit reached while the dispatcher opens its
+    sockets (the ZAP handler takes 3: at 1 it fails, at 3 the XPUB, at 4 the PULL): the error, and
+    nothing left behind, neither a socket, the ZAP domain and its thread, nor a context
+    that cannot end. (Before, a failed XPUB or PULL left the ZAP thread, its domain and the
+    XPUB open: unregistering failed too, for want of a socket.)"""
+    import threading
+
+    from zkv.security import ZapHandler
+
+    def zap_threads() -> int:
+        return sum(t.name == "zkv-zap" and t.is_alive() for t in threading.enumerate())
+
+    before = zap_threads()
+    c: zmq.Context[Any] = zmq.Context()
+    c.set(zmq.MAX_SOCKETS, max_sockets)
+    try:
+        with pytest.raises(zmq.ZMQError, match="Too many open files"):
+            Dispatcher(*eps, 1, FP, context=c)
+        assert id(c) not in ZapHandler._by_context and zap_threads() == before
+    finally:
+        ender = threading.Thread(target=c.term, daemon=True)
+        ender.start()
+        ender.join(5.0)
+    assert not ender.is_alive(), "a socket left open keeps the context from ending"

@@ -22,6 +22,8 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
 @pytest.mark.parametrize("args,message", [
     (["--batch", "-1"], "argument --batch: must be > 0, got -1"),
     (["--batch", "x"], "argument --batch: not an int: 'x'"),
+    (["--batch", "4097"], "argument --batch: must be <= 4096 (a step's batch carries an op "
+                          "per request), got 4097"),
     (["--ranks", "5000"], "--ranks 5000 is more than 4 per core"),
     (["--ranks", "0"], "argument --ranks: must be > 0, got 0"),
     (["--layers", "0"], "argument --layers: must be > 0, got 0"),

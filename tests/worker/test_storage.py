@@ -201,6 +201,57 @@ def _probe(store: Store) -> bool:
         return False
 
 
+def test_a_restarted_scheduler_never_gets_the_old_ones_io_results(
+        stack: ExitStack, folder: str, tmp_path: Any) -> None:
+    """The scheduler dies while a rank's h2s hangs in the store, and a new one starts. The
+    rank rejoins only once that write ended (dropped: ``worker.io_dropped``), so the new
+    scheduler's batch 0, op 0 (an s2h of a block the store lacks) gets its own result: a
+    miss. (Before, the rank joined at once, and the old write's result, ok, went out as
+    the new batch's: an s2h that never ran committed as loaded; the real result was never
+    sent and the rank's thread spun on its wake-up pipe.)"""
+    from structlog.testing import capture_logs
+
+    from tests.waiting import holds_within, wait_until
+    from zkv.log import IO_DROPPED, SCHEDULER_REJOINED
+
+    gate = threading.Event()
+    gate.set()
+    stores = [GatedStore(LocalDirStore(tmp_path, LAYOUT.fingerprint()), gate) for _ in range(2)]
+    rig = Rig(stack, folder, stores)
+    stack.callback(gate.set)  # runs first: never leave an I/O thread waiting at close
+    old, new = digest(16, 0), digest(16, 1)
+    assert rig.run([P.Op(0, P.FILL, dst=ids([0]), keys=(old,))]).ok
+    gate.clear()
+    rig.d.publish([P.Op(0, P.H2S, src=ids([0]), keys=(old,))], 1)  # seq 1, op 0: hangs
+    wait_until(lambda: all(s.entered.is_set() for s in stores), 10.0, "I/O inside the store")
+    rig.d.close(shutdown=False)  # the scheduler dies
+    with capture_logs() as logs:
+        d2 = Dispatcher(*endpoints(folder), 2, LAYOUT.fingerprint())
+        stack.callback(d2.close)
+        wait_until(lambda: sum(e["event"] == SCHEDULER_REJOINED for e in logs) == 2, 10.0,
+                   "both ranks see the new scheduler")
+        joined = threading.Event()
+        joiner = threading.Thread(target=lambda: (d2.wait_for_ranks(20), joined.set()))
+        joiner.start()
+        try:
+            assert not holds_within(joined.is_set, 0.5), "joined with the old write running"
+        finally:
+            gate.set()
+            joiner.join(25)
+        assert joined.is_set()
+        dropped = [e for e in logs if e["event"] == IO_DROPPED]
+        assert [e["num_ops"] for e in dropped] == [1, 1], dropped
+    rig.d = d2
+    rig.completed.clear()
+    seq = d2.publish([P.Op(0, P.S2H, dst=ids([1]), keys=(new,))], 0)  # seq 0, op 0 again
+    res = rig.poll({seq})[seq].results[0]
+    assert (seq, res.ok, res.done) == (0, False, 0) and "is not in the store" in str(res.error)
+    assert poll_for(d2, 0.3) == []  # nothing else comes: no old result, no second one
+    cpu = time.process_time()
+    assert poll_for(d2, 0.5) == []
+    assert time.process_time() - cpu < 0.25, "a thread spins while the ranks are idle"
+
+
 def test_stored_files_carry_the_header(stack: ExitStack, folder: str, tmp_path: Any) -> None:
     stores = [LocalDirStore(tmp_path, LAYOUT.fingerprint()) for _ in range(2)]
     rig = Rig(stack, folder, stores)

@@ -212,17 +212,22 @@ class Dispatcher:
         """The ZAP domain, the XPUB and the PULL, bound (their endpoints as bound: a port 0
         resolved); on a failure nothing is left open."""
         self._domain = f"zkv-{uuid.uuid4().hex[:12]}"
-        self._zap = security.ZapHandler.register(self._ctx, self._domain, keys)
-        self._pub = self._ctx.socket(zmq.XPUB)
-        self._pull = self._ctx.socket(zmq.PULL)
-        try:
+        opened: list[zmq.Socket[Any]] = []
+        zap = None
+        try:  # creating a socket fails too (the process's or the context's socket limit)
+            zap = self._zap = security.ZapHandler.register(self._ctx, self._domain, keys)
+            self._pub = self._ctx.socket(zmq.XPUB)
+            opened.append(self._pub)
+            self._pull = self._ctx.socket(zmq.PULL)
+            opened.append(self._pull)
             self._setup_sockets(keys, pub_endpoint, pull_endpoint)
             self._pub.bind(pub_endpoint)
             self._pull.bind(pull_endpoint)
         except (zmq.ZMQError, ConfigError):
-            self._pub.close(0)
-            self._pull.close(0)
-            self._zap.unregister(self._domain)
+            for sock in opened:  # first: unregistering takes a socket of its own
+                sock.close(0)
+            if zap is not None:
+                zap.unregister(self._domain)
             if self._own_context:
                 self._ctx.term()
             raise

@@ -341,22 +341,25 @@ class WorkerActor:
         # (a scheduler restart) are rare, so it is looked at on a clock instead.
         items: list[tuple[Any, int]] = [(sub, POLLIN)]
         if self.store is not None:
-            self._io = StorageIO(self.store, self.rank, self.backend, self.host_pool,
-                                 io_threads=self._io_threads)
+            self._io = self._new_io()
             items.append((self._io.wake_fd, POLLIN))
         next_monitor = 0.0
         while not stop.is_set():
-            if self._io is not None and self._io.num_pending:
-                self._send_io_results()
             now = time.monotonic()
             if now >= next_monitor:
                 next_monitor = now + _MONITOR_EVERY_S
                 if readable(monitor):
                     self._on_monitor(monitor)
+                    if self._io is not None:  # a rejoin starts the I/O anew
+                        items[1] = (self._io.wake_fd, POLLIN)
             # A queued batch returns at once; else sleep until one comes (or the clock).
             ready = zmq_poll(items, int((next_monitor - now) * 1000) + 1)
-            if not ready or ready[0][0] is not sub:
+            if not ready:
                 continue
+            if ready[-1][0] is not sub:  # the I/O threads woke us: results to ack
+                self._send_io_results()  # (and the wake-up drained, so the poll sleeps)
+                if ready[0][0] is not sub:
+                    continue
             frames = recv_frames(sub, DONTWAIT)  # this thread is the only reader: it is there
             done = self._on_frames(frames)
             if done is not None:
@@ -383,7 +386,30 @@ class WorkerActor:
                 self._acks.clear()
                 if self._gate_waiting:
                     self._gate.notify_all()
+            if self._io is not None:
+                self._restart_io()
             self._hello()
+
+    def _new_io(self) -> StorageIO:
+        assert self.store is not None
+        return StorageIO(self.store, self.rank, self.backend, self.host_pool,
+                         io_threads=self._io_threads)
+
+    def _restart_io(self) -> None:
+        """(Rejoining a restarted scheduler, before the hello.) The old scheduler's s2h /
+        h2s go with it: chunks not started are dropped, running ones end (bounded by the
+        store's timeouts) and their results are no one's. The new scheduler numbers seqs
+        and op ids from 0 again, so an old result would be taken for a new op's (an s2h
+        that never ran committed as loaded); and an old s2h still writing would write host
+        blocks the new scheduler counts as free."""
+        assert self._io is not None
+        old, self._io = self._io, None
+        dropped = old.num_pending
+        old.close()
+        self._io = self._new_io()
+        if dropped:
+            self._log.warning(ev.IO_DROPPED, num_ops=dropped,
+                              reason="the scheduler restarted")
 
     def _start_heartbeats(self) -> None:
         self._hb_stop.clear()
@@ -464,11 +490,6 @@ class WorkerActor:
 
     def _ack(self, ack: P.BlocksCopied) -> None:
         self._expected = ack.seq + 1
-        if ack.results and any(r.error is not None and len(r.error) > P.MAX_ERROR_CHARS
-                               for r in ack.results):
-            ack = P.BlocksCopied(ack.seq, ack.rank, ack.ok, tuple(
-                P.OpResult(r.id, r.ok, r.done, r.error[:P.MAX_ERROR_CHARS] if r.error else None)
-                for r in ack.results), ack.t_recv, ack.t_done, ack.pending)
         with self._gate_lock:  # before the send: whoever sees the ack sees last_seq too
             self._last_seq = ack.seq
             self._acks[ack.seq] = ack
