@@ -161,9 +161,16 @@ class Keyring:
             if secret is not None:
                 secrets[len(publics)] = secret
             publics.append(public)
-        if not publics:
-            raise ConfigError(f"keyring {path!r} has no rank-0.key")
+        named = [int(m.group(1)) for m in map(_RANK_FILE.fullmatch, os.listdir(path)) if m]
+        if not publics or max(named, default=0) >= len(publics):
+            raise ConfigError(
+                f"keyring {path!r} has no rank-{len(publics)}.key: every node needs server.key "
+                "and every rank's public key (rank-N.key, from zkv keys); a rank's node also "
+                "its own rank-N.key_secret, the scheduler's node server.key_secret")
         return cls(server_public, server_secret, tuple(publics), secrets)
+
+
+_RANK_FILE = re.compile(r"rank-(\d+)\.key(?:_secret)?")
 
 
 def _write_cert(path: str, public: bytes, secret: bytes | None) -> None:

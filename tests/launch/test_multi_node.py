@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -37,6 +38,12 @@ def test_two_nodes_over_tcp_with_curve_keys(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "zkv.cli", "keys", str(keys), "--world-size", "2"],
                    check=True, capture_output=True, timeout=60)
+    # node 1 gets what the README says a rank's node needs: the public keys, and its own
+    # rank's secret alone (neither the scheduler's nor another rank's)
+    node1_keys = tmp_path / "keys-node1"
+    node1_keys.mkdir(mode=0o700)
+    for name in ("server.key", "rank-0.key", "rank-1.key", "rank-1.key_secret"):
+        shutil.copy2(keys / name, node1_keys / name)
     port = str(_port_pair())
     # Both nodes share this machine's 2 cores here: a rank per node would otherwise get
     # every core's worth of OpenMP threads, and the two spin against each other.
@@ -45,7 +52,8 @@ def test_two_nodes_over_tcp_with_curve_keys(tmp_path: Path) -> None:
 
     def node(rank: int, *extra: str) -> list[str]:
         return [sys.executable, "-m", "launch.zkvrun", "--nnodes", "2", "--node-rank", str(rank),
-                "--nproc-per-node", "1", "--keys", str(keys), "--master-port", port,
+                "--nproc-per-node", "1", "--keys", str(node1_keys if rank else keys),
+                "--master-port", port,
                 "--config", LAYOUT.to_json(), "--log-dir", str(tmp_path / f"logs{rank}"),
                 *extra, "-m", "zkv.worker"]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -232,6 +233,25 @@ def test_keyring_files_and_loading(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="whole keyring"):
             Dispatcher(f"ipc://{d}/pub", f"ipc://{d}/pull", 3, FP,
                        keys=dataclasses.replace(keyring, rank_secrets={1: keyring.rank_secrets[1]}))
+    # without every rank's public key: one line that says what a node needs (the
+    # README once said server.key and the rank's secret were enough: it failed on rank-0)
+    lean = tmp_path / "lean"
+    lean.mkdir(mode=0o700)
+    for name in ("server.key", "rank-1.key_secret"):
+        shutil.copy2(Path(path) / name, lean / name)
+    with pytest.raises(ConfigError) as info:
+        Keyring.load(str(lean))
+    assert str(info.value) == (
+        f"keyring {str(lean)!r} has no rank-0.key: every node needs server.key and every "
+        "rank's public key (rank-N.key, from zkv keys); a rank's node also its own "
+        "rank-N.key_secret, the scheduler's node server.key_secret")
+    # a gap, rank 1's files gone and rank 2's there: before, it read as a world of 1 rank
+    os.rename(node / "rank-1.key", tmp_path / "rank-1.key")
+    os.rename(node / "rank-1.key_secret", tmp_path / "rank-1.key_secret")
+    with pytest.raises(ConfigError, match="has no rank-1.key: every node needs"):
+        Keyring.load(str(node))
+    for name in ("rank-1.key", "rank-1.key_secret"):
+        os.rename(tmp_path / name, node / name)
     os.chmod(node / "rank-1.key_secret", 0o644)
     with pytest.raises(ConfigError, match="readable by others"):
         Keyring.load(str(node))
