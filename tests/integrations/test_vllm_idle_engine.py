@@ -101,3 +101,47 @@ def test_l3_writes_opened_by_an_engine_call_are_published_once_it_is_idle(group:
     assert group.half.in_flight()["batches"] == 0  # committed by that call: the pump idle
     assert _until(lambda: leading_present(group.store, hashes, 1) == 8), \
         f"{leading_present(group.store, hashes, 1)} of 8 blocks in L3 while idle"
+
+
+def test_a_save_notes_the_batch_that_carries_it_not_the_pumps(group: Group) -> None:
+    """The pump publishes storage ops alone; a save planned meanwhile waits for the step's
+    batch, and the request notes that batch as its save's: once vLLM frees its blocks the
+    next forward is fenced on it. Before, any publish stamped every request with a save
+    planned since the last one: the pump's h2s batch took the stamp and the save's own
+    batch none, so the finished request fenced the next forward on the earlier h2s batch
+    (or on nothing, once that one was acked), and an ungated worker could run that forward
+    beside the save still reading the freed blocks."""
+    half = group.half
+    req = group.request()
+    assert group.ask_until_matched(req)[0] == 0
+    blocks = list(range(9))
+    half.update_state_after_alloc(req, blocks, 0)
+    rest = req.num_tokens - 4 * BS
+    with half._lock:  # vLLM's calls back to back: the pump keeps out
+        step = half.build_connector_meta(Group.output(new=[(req, blocks, 0, 4 * BS)])).step
+        half.update_connector_output((), step=step)  # blocks 0-3 confirmed: a save planned
+        req.num_computed_tokens = 4 * BS
+        step = half.build_connector_meta(Group.output(cached=[(req, None, 4 * BS, rest)])).step
+        first_save = half.dp.next_seq - 1
+        assert half._reqs[req.request_id].last_save_seq == first_save
+        assert half.wait_idle(DEADLINE_S)  # its ack committed: the h2s of blocks 0-3 opens
+        half.update_connector_output((), step=step)  # blocks 4-7 confirmed: a save planned
+        req.num_computed_tokens = req.num_tokens
+        pumped = half.dp.next_seq
+    # vLLM quiet: the pump publishes the h2s, and the save stays for the step's batch
+    wait_until(lambda: half.dp.next_seq > pumped, DEADLINE_S, "the pump's batch")
+    with half._lock:  # (the pump's publish done)
+        assert half._reqs[req.request_id].last_save_seq == first_save
+    os.kill(group.proc.pid, signal.SIGSTOP)  # the save's batch stays in flight
+    try:
+        half.build_connector_meta(Group.output(cached=[(req, None, req.num_tokens, 1)]))
+        save = half.dp.next_seq - 1
+        assert save == pumped + 1
+        assert half._reqs[req.request_id].last_save_seq == save
+        req.status = NS(name="FINISHED_LENGTH_CAPPED")
+        half.request_finished(req)  # vLLM frees the blocks the save reads
+        assert half.build_connector_meta(Group.empty_step()).fence == save
+    finally:
+        os.kill(group.proc.pid, signal.SIGCONT)
+    assert half.wait_idle(DEADLINE_S)
+    assert half.snapshot()["saved_blocks"] == 8

@@ -10,6 +10,7 @@ the producer's writes were still in flight, found nothing and computed the whole
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.test_vllm_rank_loss import BS, Group
+from tests.integrations.test_vllm_rank_loss import BS, LAYOUT, Group
 from tests.worker.helpers import short_ipc_dir
 from zkv.integrations.vllm import pd
 from zkv.integrations.vllm.pd import AWAIT_EXPIRED, PARAM_BLOCKS, PARAM_NAMESPACE
@@ -50,6 +51,22 @@ def test_a_producer_promises_its_prompt_blocks_when_asked(pair: tuple[Group, Gro
     answer = producer.compute_and_save(params=ASK)
     assert answer is not None and answer[PARAM_BLOCKS] == 8, answer
     assert answer[PARAM_NAMESPACE] == producer.half._namespace
+
+
+def test_a_producer_promises_only_the_blocks_it_saved(tmp_path: Path) -> None:
+    """A host pool of 5 blocks for a prompt of 8: the save stops where no host block is
+    free, and the answer promises the 5 blocks saved. Before, it promised what the request
+    had computed (8): the consumer waited its whole budget for 3 blocks that never came."""
+    with short_ipc_dir() as folder:
+        producer = Group(folder, store_url=f"file://{tmp_path / 'l3'}",
+                         layout=dataclasses.replace(LAYOUT, num_host_blocks=5))
+        try:
+            answer = producer.compute_and_save(wait=False, params=ASK)
+            assert producer.half.wait_idle(10.0)
+            assert producer.half.snapshot()["saved_blocks"] == 5
+            assert answer == {PARAM_BLOCKS: 5, PARAM_NAMESPACE: producer.half._namespace}
+        finally:
+            producer.close()
 
 
 def test_the_consumer_waits_for_the_promised_blocks_and_loads_them(

@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,19 +39,21 @@ TIMEOUT_S = 1.0  # the heartbeat timeout the half runs with
 
 class Group:
     """``store_url``: an L3 store, opened by the worker process and the half alike;
-    ``extra``: more of the connector's configuration."""
+    ``extra``: more of the connector's configuration; ``layout``: the rank's (its host
+    pool's size, say)."""
 
     def __init__(self, folder: str, store_url: str | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, layout: CacheLayout = LAYOUT) -> None:
         pub, pull = endpoints(folder)
-        cfg = parse_extra_config({"host_blocks": 64, "storage": store_url or "none",
+        cfg = parse_extra_config({"host_blocks": layout.num_host_blocks,
+                                  "storage": store_url or "none",
                                   "heartbeat_timeout_s": TIMEOUT_S, **(extra or {})})
         env = {"ZKV_STORE_URL": store_url} if store_url else {}
         self.proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"],
-                                     env=worker_env(0, LAYOUT.to_json(), pub, pull, **env),
+                                     env=worker_env(0, layout.to_json(), pub, pull, **env),
                                      stdin=subprocess.DEVNULL)
-        self.store = open_store(store_url, LAYOUT.fingerprint()) if store_url else None
-        self.half = SchedulerHalf(cfg, LAYOUT, pub_endpoint=pub, pull_endpoint=pull,
+        self.store = open_store(store_url, layout.fingerprint()) if store_url else None
+        self.half = SchedulerHalf(cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
                                   store=self.store, join_timeout_s=60,
                                   storage_exists=StorageQuery(self.store, 1)
                                   if self.store else None)
@@ -66,24 +68,35 @@ class Group:
             mm_features=[])
 
     @staticmethod
+    def output(new: Sequence[tuple[Any, list[int], int, int]] = (),
+               cached: Sequence[tuple[Any, list[int] | None, int, int]] = (),
+               resumed: Collection[str] = (), preempted: Collection[str] = ()) -> Any:
+        """A step's SchedulerOutput, shaped like vLLM's. ``new``: (request, its block ids,
+        tokens computed, tokens scheduled) of requests scheduled the first time;
+        ``cached``: (request, block ids new this step or None, computed, scheduled) of
+        the others; ``resumed``: those of them back from preemption (their block ids are
+        all new); ``preempted``: vLLM's ``preempted_req_ids``."""
+        scheduled = {r.request_id: n for r, _, _, n in [*new, *cached]}
+        return SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(ids,),
+                                                num_computed_tokens=c)
+                                for r, ids, c, _ in new],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[r.request_id for r, _, _, _ in cached], resumed_req_ids=set(resumed),
+                new_block_ids=[None if ids is None else (ids,) for _, ids, _, _ in cached],
+                num_computed_tokens=[c for _, _, c, _ in cached]),
+            num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+            preempted_req_ids=set(preempted))
+
+    @staticmethod
     def step(req: Any, blocks: list[int], computed: int) -> Any:
-        new = SimpleNamespace(req_id=req.request_id, block_ids=(blocks,),
-                              num_computed_tokens=computed)
-        cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
-                                 num_computed_tokens=[])
-        return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                               num_scheduled_tokens={req.request_id: req.num_tokens - computed},
-                               total_num_scheduled_tokens=req.num_tokens - computed,
-                               preempted_req_ids=set())
+        """The step that schedules a new request's whole prompt."""
+        return Group.output(new=[(req, blocks, computed, req.num_tokens - computed)])
 
     @staticmethod
     def empty_step() -> Any:
         """A step that scheduled no token (every request waiting, e.g. on a prefetch)."""
-        cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
-                                 num_computed_tokens=[])
-        return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
-                               num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-                               preempted_req_ids=set())
+        return Group.output()
 
     def ask_until_matched(self, req: Any, deadline_s: float = 10.0) -> tuple[int, int]:
         """vLLM's scheduler asking again each step while the half answers None (a lookup

@@ -4,6 +4,9 @@ External L1: the engine owns device memory and its own prefix cache (e.g. vLLM's
 L2 / L3 behind it, with no device pool of its own (``num_device_blocks=0``)::
 
     match_prefix ─► held HOST nodes ─► load_external(first, engine ids) ─► load op (h2d)
+        └─► prefetch (s2h) ─► acked: its blocks join the held HOST nodes
+                 └─► drop_prefetch (the engine goes on without it, e.g. best_effort):
+                     the s2h still lands, unheld, for later requests
     cache_computed(device_ids=...) ─► new SWAP_TO_HOST node ─► save op (backup) ─► HOST
     finish ─► refs dropped (the engine frees its own blocks)
 
@@ -18,7 +21,7 @@ from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import Ledger
 from zkv.scheduler.radix import DEVICE, HOST, SWAP_TO_HOST
 from zkv.scheduler.records import LOAD, SAVE, RequestState
-from zkv.scheduler.requests import count_hits, hold
+from zkv.scheduler.requests import count_hits, hold, unref
 from zkv.scheduler.tiers import take_host_blocks
 
 
@@ -117,6 +120,17 @@ def load_external(core: Core, st: RequestState, first_block: int,
                    list(map(int, device_ids[off : off + len(n.hashes)])))
         planned += len(n.hashes)
     return planned
+
+
+def drop_prefetch(core: Core, st: RequestState) -> int:
+    """See ``CacheManager.drop_prefetch``."""
+    n = st.loading
+    if n is None:
+        return 0
+    unref(core.tree, n)  # busy until acked; the commit relists it, unheld
+    st.loading = None
+    st.num_storage = 0
+    return len(n.hashes)
 
 
 def go_external(core: Core, st: RequestState) -> None:

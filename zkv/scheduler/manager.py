@@ -116,6 +116,12 @@ class CacheManager:
         """
         return requests.prefetch(self.core, self._req(req_id))
 
+    def drop_prefetch(self, req_id: str) -> int:
+        """The request goes on without its storage loads in flight (``best_effort``): they
+        still land in the host tier, unheld, for later requests; it keeps its host hits.
+        Returns the blocks it let go."""
+        return external.drop_prefetch(self.core, self._req(req_id))
+
     def prefetch_done(self, req_id: str) -> bool:
         """True when none of the request's storage loads is still in flight."""
         return self._req(req_id).loading is None

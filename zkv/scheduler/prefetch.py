@@ -10,6 +10,10 @@ recomputes the rest::
     wait_complete   every load of the request was acked (done or failed)
     timeout         loads acked, or ``budget_s(prompt tokens)`` passed since the prefetch began
 
+A request scheduled with loads still in flight lets them go (``allocate``; in external-L1
+mode ``drop_prefetch``, before the engine's blocks are planned): it never loads a block
+still arriving, and what arrives is an unheld host block that later requests match.
+
 The timeout budget grows with the prompt, as recomputing a longer prompt costs more:
 ``min(max_s, base_s + per_ki_token_s * num_tokens / 1024)``.
 

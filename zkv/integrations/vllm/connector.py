@@ -145,6 +145,16 @@ class ZkvConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: a forward's attention layers wait for their loads (``wait_for_layer_load``),
+        Python that a full CUDA graph does not run when replayed: the layer would read its
+        blocks before zkv wrote them. vLLM then runs PIECEWISE graphs, which leave the
+        attention (and the wait) outside the graph. True for every configuration, since
+        loads can come with any step (a ``kv_producer`` loads nothing, but the role is not
+        in ``extra_config``)."""
+        return True
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]

@@ -8,7 +8,8 @@ Per request::
 
     get_num_new_matched_tokens ── match (host, then one L3 existence query)
         │ L3 hits: prefetch (s2h, published at once); None ("ask again") while the
-        │          prefetch policy waits (timeout / wait_complete), best_effort goes on
+        │          prefetch policy waits (timeout / wait_complete); best_effort goes on
+        │          with its host hits and lets the s2h land for later requests
         ▼
     update_state_after_alloc ──── load: host blocks → vLLM's new blocks (layerwise h2d,
         │                          in this step's batch; the forward waits per layer)
@@ -24,11 +25,18 @@ Per request::
                                    them, does not start before the save ran (fence)
 
 Saves confirmed at the end of a step travel in the next step's batch, together with its
-loads (one batch per step). vLLM may free a preempted request's blocks in that very
-``schedule()``: its planned save is cancelled before the batch is published. A finishing
-request's saves are published at once and fence the next forward like a preempted one's;
-a gated worker half runs every batch published before a step's metadata to completion
-before that step's forward anyway, and a batch's saves (d2h) before its loads (h2d).
+loads (one batch per step); a request notes the batch that carried its last save. vLLM
+may free a preempted request's blocks in that very ``schedule()``: its planned save is
+cancelled before the batch is published. A finishing request's saves are published at
+once and fence the next forward like a preempted one's; a gated worker half runs every
+batch published before a step's metadata to completion before that step's forward
+anyway, and a batch's saves (d2h) before its loads (h2d).
+
+Preempted outside ``schedule()`` (``reset_prefix_cache(reset_running_requests=True)``:
+blocks freed, ``num_computed_tokens`` 0, first in the waiting queue), a request is asked
+about again (``get_num_new_matched_tokens``) before the step's ``preempted_req_ids`` name
+it: its preemption is handled then (a new match follows), and the later mention is
+skipped, since the request may already be allocated again, with loads, in that step.
 
 vLLM calls nothing while its engine is idle, so a thread of the half's own, the pump,
 commits acks once vLLM has been quiet for ``PUMP_IDLE_S`` and publishes the L3 ops that
@@ -194,7 +202,9 @@ class SchedulerHalf:
         # output has not come back yet
         self._steps: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = \
             collections.deque()
-        self._dirty: set[str] = set()
+        # requests vLLM preempted outside schedule() whose preemption was handled when it
+        # asked about them again, in this step (see _num_matched)
+        self._preempted_early: set[str] = set()
         self._fence = -1
         self._promised: list[int] = []  # blocks whose loads vLLM was promised this step
         self._done_upto = -1         # every seq <= this completed on all ranks
@@ -265,6 +275,13 @@ class SchedulerHalf:
                 self._called(t0)
 
     def _num_matched(self, request: Any, local: int) -> tuple[int | None, bool]:
+        r = self._reqs.get(request.request_id)
+        if r is not None and r.allocated:
+            # Preempted outside schedule() (a cache reset, see the module docstring): its
+            # blocks are freed and this schedule() may allocate it again, before
+            # build_connector_meta names it preempted (that mention is then skipped).
+            self._preempted(request.request_id)
+            self._preempted_early.add(request.request_id)
         if self.disabled or (getattr(request, "prompt_token_ids", None) is None
                              and getattr(request, "prompt_embeds", None) is None):
             return 0, False
@@ -301,7 +318,12 @@ class SchedulerHalf:
                 # blocks of requests allocated before this one) stay for that batch, whose
                 # seq the worker halves wait on.
                 self._flush(keep=(LOAD,))
-                if self.cfg.prefetch != BEST_EFFORT:
+                if self.cfg.prefetch == BEST_EFFORT:
+                    # vLLM schedules it now, with the host hits it has: it lets its s2h go,
+                    # which lands in the host pool for later requests (a load is never
+                    # planned from blocks still arriving: load_external refuses it)
+                    self.cm.drop_prefetch(rid)
+                else:
                     # a P/D consumer's blocks are known to be there: its read may take
                     # as long as the wait for its producer could have
                     budget = self._await_s if r.wait is not None and r.wait.blocks else None
@@ -409,12 +431,13 @@ class SchedulerHalf:
             rec[rid] = (r.epoch,
                         cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
         for rid in getattr(so, "preempted_req_ids", None) or ():
-            self._preempted(rid)
+            if rid not in self._preempted_early:  # (that one may run again in this step)
+                self._preempted(rid)
+        self._preempted_early.clear()
         self._steps.append((self._step, rec))
         meta = ZkvMetadata(step=self._step)
         ops = self.cm.take_ops()
         seq = self._publish(ops)
-        self._saves_published(seq)
         loads = [op for op in ops if op.kind == H2D] if seq is not None else []
         if loads:
             meta.load_seq, meta.load_op = seq, loads[0].id
@@ -515,21 +538,23 @@ class SchedulerHalf:
         if r is None:
             return None
         try:
-            self._finish(r, request)
-            return self._transfer_params(r, request)
+            return self._transfer_params(r, request, self._finish(r, request))
         finally:  # after the save's batch was published: it noted its seq on the request
             del self._reqs[rid]
 
     # ------------------------------------------------------------ P/D over the store
 
-    def _transfer_params(self, r: _Req, request: Any) -> dict[str, Any] | None:
+    def _transfer_params(self, r: _Req, request: Any, held: int) -> dict[str, Any] | None:
         """A P/D producer's answer (:mod:`.pd`): the leading prompt blocks this request
-        saved, when it asked (``do_remote_decode``) and its blocks reach the store."""
+        saved, when it asked (``do_remote_decode``) and its blocks reach the store.
+        ``held``: the leading blocks zkv held for it when it finished (saved, on their way,
+        or matched). Not what it computed: a save stops where no host block is free, and
+        a consumer would wait for blocks that never come."""
         if (self.disabled or not self.saves or self.store is None or not self.cfg.storage_write
                 or r.generation != self._generation or not r.allocated):
             return None
         return pd.answer(getattr(request, "kv_transfer_params", None),
-                         min(r.num_prompt_blocks, r.confirmed // self.bs), self._namespace)
+                         min(r.num_prompt_blocks, held), self._namespace)
 
     def _awaits_producer(self, r: _Req, found: int) -> bool:
         """True while the request's producer promised more leading blocks than host and
@@ -556,13 +581,15 @@ class SchedulerHalf:
                              num_promised=w.blocks, num_found=found, waited_s=self._await_s)
         return False
 
-    def _finish(self, r: _Req, request: Any) -> None:
+    def _finish(self, r: _Req, request: Any) -> int:
+        """Save what is left and let the request go; the leading blocks zkv held for it
+        (saved, on their way, or matched), taken before they are let go."""
         rid = request.request_id
         self._poll()
         if not r.allocated or self.disabled:
             if self.cm.has_request(rid):
                 self.cm.finish(rid)
-            return
+            return 0
         if request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
             # the last step's forward is done and was not hit by a failed load (vLLM would
             # not have finished it): every token but the last sampled one has its KV
@@ -570,6 +597,7 @@ class SchedulerHalf:
                                                request.num_tokens - 1))
         self._plan_save(r, final=True)
         self._flush()
+        held = self.cm.num_held_blocks(rid)
         self.cm.finish(rid)
         seq = r.last_save_seq
         if seq is not None and not self._seq_done(seq):
@@ -580,6 +608,7 @@ class SchedulerHalf:
             # the batch ran, left a tight vLLM cache without blocks: it spun ~100k empty
             # steps while the save ran, and a 6-document warm-up took 31 s instead of 15.)
             self._fence = max(self._fence, seq)
+        return held
 
     # ------------------------------------------------------------ saves and batches
 
@@ -597,13 +626,10 @@ class SchedulerHalf:
                 k += 1
             upto = min(upto, k * self.bs)
         rid = r.request.request_id
-        try:
-            n = self.cm.cache_computed(rid, upto, block_hashes=r.hashes, device_ids=r.block_ids)
+        try:  # a save planned goes with the next batch that takes ops (see _publish)
+            self.cm.cache_computed(rid, upto, block_hashes=r.hashes, device_ids=r.block_ids)
         except ValueError as e:  # hashes of a resumed request diverged: stop saving it
             self.log.error("connector.save_refused", req_id=rid, error=str(e))
-            return
-        if n:
-            self._dirty.add(rid)
 
     def _extend_hashes(self, r: _Req, upto: int) -> None:
         full = min(upto, len(r.request.all_token_ids)) // self.bs
@@ -618,20 +644,16 @@ class SchedulerHalf:
     def _flush(self, keep: tuple[str, ...] = ()) -> None:
         """Publish the open ops now (a finishing request's saves, a prefetch), but those
         of the kinds in ``keep``."""
-        self._saves_published(self._publish(self.cm.take_ops(keep)))
-
-    def _saves_published(self, seq: int | None) -> None:
-        if seq is None:
-            return
-        for rid in self._dirty:
-            r = self._reqs.get(rid)
-            if r is not None:
-                r.last_save_seq = seq
-        self._dirty.clear()
+        self._publish(self.cm.take_ops(keep))
 
     def _publish(self, ops: list[Any]) -> int | None:
+        """Publish ``ops`` as one batch; its seq (None: nothing to publish, or zkv off). A
+        request whose save is among them notes the seq (``last_save_seq``, its fence once
+        vLLM frees its blocks): a batch without its save, such as the pump's storage ops,
+        notes nothing."""
         if not ops:
             return None
+        savers = self._savers(ops)
         try:
             seq = self.dp.publish(ops, self._step)
             self._kick.set()
@@ -639,8 +661,18 @@ class SchedulerHalf:
             self._disable(f"rank {e.rank} lost: {e.reason}")
             self.cm.fail_pending()
             return None
+        for rid in savers:
+            r = self._reqs.get(rid)
+            if r is not None:
+                r.last_save_seq = seq
         self.log.debug(STEP_PUBLISHED, seq=seq, num_ops=len(ops))
         return seq
+
+    def _savers(self, ops: list[Any]) -> list[str]:
+        """The requests whose saves are among ``ops`` (taken: pending in the ledger, which
+        keeps one save op per request)."""
+        pending = [self.cm.ledger.pending[op.id] for op in ops]
+        return [rid for p in pending if p.kind == SAVE for rid in p.req_ids[:1] if rid]
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Commit acks until no batch is in flight (shutdown, tests, benchmarks)."""
