@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.integrations.conftest import two_engines_on_one_store
 from tests.integrations.test_vllm_rank_loss import BS, LAYOUT, Group
 from tests.worker.helpers import short_ipc_dir
 from zkv.integrations.vllm import pd
@@ -32,17 +33,8 @@ ASK = {"do_remote_decode": True}  # what a P/D proxy sends the prefill instance
 
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[Group, Group]]:
-    url = f"file://{tmp_path / 'l3'}"
-    with short_ipc_dir() as one, short_ipc_dir() as two:
-        producer = Group(one, store_url=url)
-        try:
-            consumer = Group(two, store_url=url, extra={"prefetch_max_ms": AWAIT_MS})
-            try:
-                yield producer, consumer
-            finally:
-                consumer.close()
-        finally:
-            producer.close()
+    with two_engines_on_one_store(tmp_path, {"prefetch_max_ms": AWAIT_MS}) as both:
+        yield both
 
 
 def test_a_producer_promises_its_prompt_blocks_when_asked(pair: tuple[Group, Group]) -> None:

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.integrations.conftest import two_engines_on_one_store
 from tests.integrations.test_vllm_rank_loss import BS, DOC, Group
 from tests.waiting import wait_until
-from tests.worker.helpers import short_ipc_dir
 from zkv.scheduler.hashing import ROOT_HASH, hash_tokens
 from zkv.storage import leading_present
 
@@ -22,17 +22,8 @@ DEADLINE_S = 10.0
 
 @pytest.fixture
 def writer_and_best_effort(tmp_path: Path) -> Iterator[tuple[Group, Group]]:
-    url = f"file://{tmp_path / 'l3'}"
-    with short_ipc_dir() as one, short_ipc_dir() as two:
-        writer = Group(one, store_url=url)
-        try:
-            reader = Group(two, store_url=url, extra={"prefetch": "best_effort"})
-            try:
-                yield writer, reader
-            finally:
-                reader.close()
-        finally:
-            writer.close()
+    with two_engines_on_one_store(tmp_path, {"prefetch": "best_effort"}) as pair:
+        yield pair
 
 
 def test_best_effort_loads_the_host_hits_and_lets_the_prefetch_land(
