@@ -66,6 +66,7 @@ STORE_RECONNECTED = "storage.store_reconnected"
 STORE_OPENED = "storage.store_opened"
 QUERY_FAILED = "storage.query_failed"
 WRITE_FAILED = "storage.write_failed"
+READ_FAILED = "storage.read_failed"
 STORE_EVICTED = "storage.blocks_evicted"
 STORE_DISK_FULL = "storage.disk_full"
 # launcher

@@ -111,6 +111,35 @@ def test_mooncake_master_down_at_start_then_up(tmp_path: Path) -> None:
             store.close()
 
 
+def test_reads_from_a_dead_mooncake_holder_fail_in_a_few_lines(tmp_path: Path) -> None:
+    """The process whose segment held the blocks dies: every read of them fails
+    (``TRANSFER_FAIL``), a miss each, counted, and said in a few lines, the rest in one at
+    close. (Before, one error line per block, under the name of a failed query.)"""
+    from structlog.testing import capture_logs
+
+    with MooncakeServer(str(tmp_path)) as mc:
+        store = open_store(mc.url + "?segment_mb=0&timeout_s=1", "ns")  # the holder's segment
+        keys = [pack_key(i.to_bytes(16, "big"), 0) for i in range(40)]
+        try:
+            assert store.put_many(keys, [np.full(BLOCK, i, np.uint8) for i in range(40)]) \
+                == [True] * 40
+            assert mc.holder is not None
+            mc.holder.kill()
+            mc.holder.wait()
+            with capture_logs() as logs:
+                assert store.get_many_into(keys, [np.zeros(BLOCK, np.uint8) for _ in keys]) \
+                    == [False] * 40
+                lines = [e for e in logs if e["event"] == "storage.read_failed"]
+                assert 1 <= len(lines) <= 3 and "get returned" in lines[0]["error"], lines
+                store.close()
+            assert (store.stats.errors, store.stats.misses, store.stats.hits) == (40, 40, 0)
+            lines = [e for e in logs if e["event"] == "storage.read_failed"]
+            assert lines[-1]["summary"] is True and lines[-1]["num_total"] == 40
+            assert lines[-1]["num_suppressed"] + len(lines) - 1 == 40, lines
+        finally:
+            store.close()
+
+
 def test_mooncake_master_killed_and_restarted(tmp_path: Path) -> None:
     with MooncakeServer(str(tmp_path)) as mc:
         store = open_store(mc.url + "?timeout_s=1", "ns")

@@ -311,6 +311,8 @@ class Store(abc.ABC):
         self._log = ev.get_logger("storage", namespace=namespace)
         # A full store declines every put of every step: a few lines, then counts.
         self._write_failed_log = ev.repeating(self._log, ev.WRITE_FAILED)
+        # ... and a holder gone fails every read of its blocks: the same
+        self._read_failed_log = ev.repeating(self._log, ev.READ_FAILED)
 
     # ---------------------------------------------------------------- the interface
 
@@ -362,8 +364,10 @@ class Store(abc.ABC):
         """Memory that blocks will be read into / written from (zero copy where the
         backend needs registration, e.g. Mooncake's RDMA). Default: nothing to do."""
 
-    def close(self) -> None:  # noqa: B027
-        """Release connections. Idempotent."""
+    def close(self) -> None:
+        """Release connections (a backend's own close calls this last). Idempotent."""
+        self._write_failed_log.flush()  # what the rate limit held back: its count
+        self._read_failed_log.flush()
 
     def retry_now(self) -> None:
         """Another client just reached the store (``Link.retry_now``); nothing to do for

@@ -374,8 +374,8 @@ class MooncakeStore(Store):
             self._refuse(key, TRUNCATED if size < want else CORRUPT,
                          f"object {size} bytes, block {want} bytes")
             return
-        self._count(errors=1, misses=1)
-        self._log.error(ev.QUERY_FAILED, key=name, error=f"get returned {rc}", store=self.url)
+        self._count(errors=1, misses=1)  # a line per failed block (before): rate-limited
+        self._read_failed_log(key=name, error=f"get returned {rc}", store=self.url)
 
     def _size_of(self, name: str) -> int:
         try:
@@ -406,6 +406,7 @@ class MooncakeStore(Store):
             client, self._client = self._client, None
         if client is not None:
             client.close()
+        super().close()
 
     def __repr__(self) -> str:
         return f"MooncakeStore({self.url!r}, {self.namespace!r})"

@@ -219,6 +219,7 @@ class RedisStore(Store):
     def close(self) -> None:
         self.link.close()
         self._client.close()
+        super().close()
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r}, {self.namespace!r})"
