@@ -17,6 +17,7 @@ import xxhash
 
 from zkv.errors import ConfigError
 
+KV_LAYOUTS = ("HND", "NHD", "HNC", "NHC")
 _DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1,
                 "int8": 1}
 
@@ -45,7 +46,10 @@ class CacheLayout:
     world_size: int = 1
     model: str = "zkv-synthetic"
     #: Byte order of one K (or V) chunk of a host block: "HND" = [heads, block, dim],
-    #: "NHD" = [block, heads, dim] (what the engine's device layout gives without a transpose).
+    #: "NHD" = [block, heads, dim] (what the engine's device layout gives without a transpose);
+    #: "HNC" / "NHC": vLLM 0.32's GPU blocks, [heads][block][K|V] or [block][heads][K|V],
+    #: kept as they are, their first half as the "K" chunk and the second as "V" (the
+    #: copies see an HND-shaped chunk; the name keeps them apart in a store).
     kv_layout: str = "HND"
     #: Parts per layer: 2 (K and V) or 1 (an MLA latent cache).
     num_kv_parts: int = 2
@@ -59,10 +63,16 @@ class CacheLayout:
                               f"{self.num_kv_parts}")
         if self.num_device_blocks < 0 or self.num_host_blocks < 0:
             raise ConfigError("block counts must be >= 0")
-        if self.kv_layout not in ("HND", "NHD"):
-            raise ConfigError(f"kv_layout must be HND or NHD, got {self.kv_layout!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got "
+                              f"{self.kv_layout!r}")
         if self.dtype not in _DTYPE_SIZES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; one of {sorted(_DTYPE_SIZES)}")
+
+    @property
+    def host_order(self) -> str:
+        """The chunk order the copies write to host blocks: NHD, else HND (see kv_layout)."""
+        return "NHD" if self.kv_layout == "NHD" else "HND"
 
     @property
     def itemsize(self) -> int:

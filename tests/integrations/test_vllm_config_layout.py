@@ -141,3 +141,89 @@ def test_unknown_layout_refused_naming_the_layer() -> None:
         kv_views({"a": torch.randn(5, 3, 4, 16)}, GEO)
     with pytest.raises(ConfigError, match="dtype torch.float16, spec says float32"):
         kv_views({"a": torch.randn(5, 3, 4, 16).half(), "b": torch.randn(5, 3, 4, 16)}, GEO)
+
+
+def _vllm_views(layout_name: str, geo: Geometry) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """vLLM 0.32's per-layer KV tensors for a resolved layout, built by vLLM's own code
+    (``create_kv_cache_views``: what a GPU worker hands ``register_kv_caches``), over
+    random bytes."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[layout_name]
+    spec = FullAttentionSpec(geo.block_size, num_kv_heads=geo.kv_heads,
+                             head_size=geo.head_dim, dtype=getattr(torch, geo.dtype))
+    page, nb, n = spec.page_size_bytes, geo.num_blocks, geo.num_layers
+    raw = torch.randint(-128, 128, (n * nb * page,), dtype=torch.int8)
+    layer_stride, block_stride = (nb * page, page) if layout.is_layer_compact else (page, n * page)
+    tensor = KVCacheTensor(size=n * nb * page, layers=[f"l{i}" for i in range(n)],
+                           layer_stride=layer_stride, block_stride=block_stride)
+    return raw, create_kv_cache_views(raw, spec, nb, layout, tensor)
+
+
+@pytest.mark.parametrize("name", ["LBNHC", "LBHNC", "BLNHC", "BLHNC"])
+def test_vllm_032_gpu_tensors_move_whole_blocks(name: str) -> None:
+    """vLLM 0.32 hands every backend [blocks, heads, block, 2*dim] tensors in the layout
+    the engine resolved (flash-attn and Triton: LBNHC; FlashInfer on SM100: LBHNC). On a
+    GPU the worker half takes each layer's block as two dense halves and names it HNC /
+    NHC, as the scheduler half names it from the resolved layout (the two must agree, or
+    the rank is refused). A block moved device -> host -> another device block is the
+    same bytes, every layer, both halves. (Before, only 5-D tensors were GPU ones: every
+    layout of vLLM 0.32 was refused at registration, or named HND by the worker half and
+    NHD by the scheduler's, so the engine could not start.)"""
+    pytest.importorskip("vllm")
+    from zkv.integrations.vllm.layout import cache_layout, expected_kv_layout
+    from zkv.kernels import get_backend
+    from zkv.kernels.layout import describe_for_layout
+    from zkv.protocol import as_ids
+
+    geo = Geometry(num_layers=3, kv_heads=4, block_size=16, head_dim=8, dtype="float16",
+                   num_blocks=6)
+    _, tensors = _vllm_views(name, geo)
+    names, views, kind = kv_views({f"l{i}": t for i, t in enumerate(tensors)}, geo, cpu=False)
+    assert kind == expected_kv_layout(False, name) == ("NHC" if "NH" in name else "HNC")
+    for (k, v), t in zip(views, tensors):  # the halves cover each block once
+        assert k.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        block = torch.as_strided(t, (t[0].numel(),), (1,), t.storage_offset() + 2 * t.stride(0))
+        assert _bytes(torch.cat([k[2].flatten(), v[2].flatten()])) == _bytes(block)
+    layout = cache_layout(geo, kv_layout=kind, num_host_blocks=4, world_size=1, model="m")
+    assert layout.fingerprint() != cache_layout(geo, kv_layout="HND", num_host_blocks=4,
+                                                world_size=1, model="m").fingerprint()
+    cpu = get_backend("cpu")
+    host = cpu.allocate_host_pool(layout)
+    spec = describe_for_layout(views, layout)
+    cpu.prepare(spec)
+    cpu.copy_d2h(spec, host, as_ids([1, 4]), as_ids([0, 3]))
+    for layer in range(geo.num_layers):
+        cpu.copy_h2d(host, spec, as_ids([0, 3]), as_ids([2, 5]), layer)
+    cpu.synchronize()
+    for t in tensors:
+        assert _bytes(t[2]) == _bytes(t[1]) and _bytes(t[5]) == _bytes(t[4])
+        assert _bytes(t[0]) != _bytes(t[1])  # (random bytes: the copy did it)
+
+
+def test_vllm_032_layouts_without_dense_blocks_are_refused() -> None:
+    """A layout whose heads are outside the blocks (LHBNC: [heads][blocks][block][C] per
+    layer) leaves a block in pieces: refused at registration, naming the way out."""
+    h, nb, bs, c = 4, 6, 16, 16
+    t = torch.zeros(h, nb, bs, c, dtype=torch.float16).permute(1, 0, 2, 3)
+    geo = Geometry(num_layers=1, kv_heads=h, block_size=bs, head_dim=c // 2,
+                   dtype="float16", num_blocks=nb)
+    with pytest.raises(ConfigError, match=r"layer l0: .*not dense per layer; run vLLM with "
+                                          r"VLLM_KV_CACHE_LAYOUT=LBNHC"):
+        kv_views({"l0": t}, geo, cpu=False)
+
+
+def test_vllm_032_cpu_tensors_stay_hnd() -> None:
+    """vLLM's CPU attention reads the same LBHNC tensor as K then V per head: the worker
+    half keeps HND for it, and the scheduler half says so too."""
+    pytest.importorskip("vllm")
+    from zkv.integrations.vllm.layout import expected_kv_layout
+
+    _, tensors = _vllm_views("LBHNC", GEO)
+    *_, kind = kv_views({f"l{i}": t for i, t in enumerate(tensors)}, GEO)
+    assert kind == expected_kv_layout(True, "LBHNC") == "HND"

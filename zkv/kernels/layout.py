@@ -264,7 +264,7 @@ def describe_for_layout(kv_caches: Any, layout: CacheLayout, **kw: Any) -> KVSpe
     """:func:`describe_kv_caches` against ``layout`` (layers, heads, block, dim, dtype, parts)."""
     spec = describe_kv_caches(kv_caches, kv_heads=layout.kv_heads, block_size=layout.block_size,
                               head_dim=layout.head_dim, num_kv_parts=layout.num_kv_parts,
-                              dtype=torch_dtype(layout), host_order=layout.kv_layout, **kw)
+                              dtype=torch_dtype(layout), host_order=layout.host_order, **kw)
     if spec.num_layers != layout.num_layers:
         raise ConfigError(f"kv_caches has {spec.num_layers} layers, layout has "
                           f"{layout.num_layers}")

@@ -42,7 +42,13 @@ from zkv.integrations.vllm.config import (
 )
 from zkv.integrations.vllm.identity import model_identity
 from zkv.integrations.vllm.ipc import claim_engine_dir, ipc_endpoints
-from zkv.integrations.vllm.layout import Geometry, cache_layout, dtype_name, kv_views
+from zkv.integrations.vllm.layout import (
+    Geometry,
+    cache_layout,
+    dtype_name,
+    expected_kv_layout,
+    kv_views,
+)
 from zkv.integrations.vllm.scheduler import SchedulerHalf, ZkvMetadata
 from zkv.integrations.vllm.worker import WorkerHalf
 
@@ -164,6 +170,7 @@ class ZkvConnector(KVConnectorBase_V1):
         if kv_cache_config is None:
             raise ConfigError("zkv: this vLLM does not pass kv_cache_config to connectors")
         self.geo = geometry(vllm_config, kv_cache_config)
+        self._kv_cache_config = kv_cache_config
         self.world_size = world_size(vllm_config)
         self.engine_id = str(tc.engine_id)
         salt = f"|{self.cfg.namespace_salt}" if self.cfg.namespace_salt else ""
@@ -182,6 +189,11 @@ class ZkvConnector(KVConnectorBase_V1):
             zlog.configure("connector", self.rank, self.cfg.log_dir, self.cfg.log_level)
             self.worker = WorkerHalf(self.cfg, self.rank)
 
+    def _resolved_layout(self, vllm_config: VllmConfig) -> str | None:
+        """The KV cache layout the engine resolved (vLLM 0.32 on; None before)."""
+        return (getattr(self._kv_cache_config, "kv_cache_layout", None)
+                or getattr(vllm_config.cache_config, "kv_cache_layout", None))
+
     def _layout(self, kv_layout: str) -> Any:
         itemsize = torch.empty(0, dtype=getattr(torch, self.geo.dtype)).element_size()
         block_bytes = 2 * self.geo.num_layers * self.geo.kv_heads * self.geo.block_size \
@@ -194,7 +206,8 @@ class ZkvConnector(KVConnectorBase_V1):
         from vllm.platforms import current_platform
 
         zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level)
-        layout = self._layout("HND" if current_platform.is_cpu() else "NHD")
+        layout = self._layout(expected_kv_layout(current_platform.is_cpu(),
+                                                 self._resolved_layout(vllm_config)))
         check_host_memory(layout)
         pub, pull, self._ipc_dir = ipc_endpoints(self.engine_id, create=True)
         claim_engine_dir(self._ipc_dir)
@@ -225,8 +238,16 @@ class ZkvConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.platforms import current_platform
+
         assert self.worker is not None
-        names, views, kind = kv_views(kv_caches, self.geo)
+        cpu = current_platform.is_cpu()
+        names, views, kind = kv_views(kv_caches, self.geo, cpu=cpu)
+        resolved = self._resolved_layout(self._vllm_config)
+        if resolved is not None and kind != expected_kv_layout(cpu, resolved):
+            # (the scheduler half would refuse the rank: its layout differs, less clearly)
+            raise ConfigError(f"zkv: vLLM's KV tensors are {kind}, but vLLM resolved the "
+                              f"layout {resolved}")
         layout = self._layout(kind)
         check_host_memory(layout)  # (vLLM registers the caches before it starts a scheduler)
         pub, pull, _ = ipc_endpoints(self.engine_id, create=True)

@@ -5,15 +5,28 @@ copies per layer a K and a V view whose first dimension is the block id and whos
 slice has ``kv_heads * block_size * head_dim`` elements, in the byte order the
 :class:`~zkv.config.CacheLayout` names (``kv_layout``). Accepted tensors::
 
-    CPU attention   [blocks, heads, block, 2*dim]   viewed [blocks, heads, 2*block, dim]:
-                    K = [:, :, :block], V = [:, :, block:]  -> HND, one dense run per head
-    flash-attn      [2, blocks, block, heads, dim]   K = t[0], V = t[1]        -> NHD
-    HND split       [2, blocks, heads, block, dim]   K = t[0], V = t[1]        -> HND
-    flashinfer      [blocks, 2, block, heads, dim]   K = t[:, 0], V = t[:, 1]  -> NHD
+    vLLM 0.32, every backend: [blocks, heads, block, 2*dim] with the strides of the layout
+    the engine resolved (``KVCacheConfig.kv_cache_layout``); C = the last dimension
+      CPU attention   contiguous, viewed [blocks, heads, 2*block, dim]:
+                      K = [:, :, :block], V = [:, :, block:]   -> HND, a dense run per head
+      GPU backends    a layer's block dense as [heads][block][C] -> HNC (LBHNC, BLHNC)
+                                        or as [block][heads][C] -> NHC (LBNHC, BLNHC):
+                      K = the block's first half, V = its second -> one dense run each
+    vLLM before 0.32 (5-D):
+      flash-attn      [2, blocks, block, heads, dim]   K = t[0], V = t[1]        -> NHD
+      HND split       [2, blocks, heads, block, dim]   K = t[0], V = t[1]        -> HND
+      flashinfer      [blocks, 2, block, heads, dim]   K = t[:, 0], V = t[:, 1]  -> NHD
 
 An NHD block is contiguous, so its K view is *reinterpreted* as ``[blocks, heads, block,
 dim]`` (same bytes, no transpose): host and L3 hold NHD bytes and the namespace says so.
-Anything else is refused at registration with the layer name, shape and strides.
+The GPU backends of vLLM 0.32 read K and V interleaved on C (``split(dim, -1)``), so a
+block's halves are not its K and V; zkv moves bytes and never reads them, and the
+namespace says ``HNC`` / ``NHC``, never ``HND``: a CPU engine's blocks (K then V per
+head) and a GPU engine's never meet in a store. The scheduler half, which sees no tensor,
+names the same from the resolved layout (:func:`expected_kv_layout`); a layout whose
+blocks are not dense per layer (LHBNC, BHLNC) is refused at registration, naming
+``VLLM_KV_CACHE_LAYOUT=LBNHC``. Anything else is refused with the layer name, shape and
+strides.
 """
 
 from __future__ import annotations
@@ -50,13 +63,33 @@ def dtype_name(dtype: torch.dtype) -> str:
                           f"(one of {sorted(_DTYPE_NAMES.values())})") from None
 
 
-def split_kv(name: str, t: torch.Tensor, geo: Geometry) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(K, V, kv_layout) of one layer's tensor; ConfigError naming it when not understood."""
+#: vLLM 0.32's layouts (``KVCacheConfig.kv_cache_layout``) whose per-layer blocks are dense,
+#: by the order inside one: heads before tokens (HNC) or after (NHC).
+_DENSE_BLOCKS = {"LBHNC": "HNC", "BLHNC": "HNC", "LBNHC": "NHC", "BLNHC": "NHC"}
+
+
+def expected_kv_layout(cpu: bool, vllm_layout: str | None) -> str:
+    """The ``kv_layout`` the worker half finds in vLLM's tensors, from what the scheduler
+    half knows: the platform and the layout the engine resolved (None: a vLLM before 0.32,
+    whose GPU backends gave 5-D NHD tensors)."""
+    if cpu:
+        return "HND"
+    if vllm_layout is None:
+        return "NHD"
+    return _DENSE_BLOCKS.get(vllm_layout, vllm_layout)
+
+
+def split_kv(name: str, t: torch.Tensor, geo: Geometry, *, cpu: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(K, V, kv_layout) of one layer's tensor; ConfigError naming it when not understood.
+    ``cpu``: vLLM's CPU attention reads the tensors (else a GPU backend's)."""
     nb, h, bs, d = geo.num_blocks, geo.kv_heads, geo.block_size, geo.head_dim
     shape = tuple(t.shape)
-    if shape == (nb, h, bs, 2 * d) and t.is_contiguous():
+    if shape == (nb, h, bs, 2 * d) and cpu and t.is_contiguous():
         v = t.view(nb, h, 2 * bs, d)
         return v[:, :, :bs], v[:, :, bs:], "HND"
+    if shape == (nb, h, bs, 2 * d) and not cpu:
+        return _block_halves(name, t, geo)
     if shape == (2, nb, h, bs, d):
         return t[0], t[1], "HND"
     if shape in ((2, nb, bs, h, d), (nb, 2, bs, h, d)):
@@ -71,15 +104,39 @@ def split_kv(name: str, t: torch.Tensor, geo: Geometry) -> tuple[torch.Tensor, t
         f"tokens x {d} dims")
 
 
+def _block_halves(name: str, t: torch.Tensor, geo: Geometry
+                  ) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """vLLM 0.32 on a GPU: each block of the layer one dense run, as [heads][block][C] or
+    [block][heads][C]; K and V views of its two halves (see the module docstring)."""
+    h, bs, d = geo.kv_heads, geo.block_size, geo.head_dim
+    c = 2 * d
+    _, s_head, s_tok, s_c = t.stride()
+    if s_c == 1 and (s_head, s_tok) == (bs * c, c):
+        order = "HNC"
+    elif s_c == 1 and (s_head, s_tok) == (c, h * c):
+        order = "NHC"
+    else:
+        raise ConfigError(
+            f"zkv: layer {name}: KV tensor of shape {tuple(t.shape)}, strides "
+            f"{tuple(t.stride())}: its blocks are not dense per layer; run vLLM with "
+            "VLLM_KV_CACHE_LAYOUT=LBNHC")
+    half = h * bs * d
+    size, stride = (geo.num_blocks, h, bs, d), (t.stride(0), bs * d, d, 1)
+    k = torch.as_strided(t, size, stride, t.storage_offset())
+    v = torch.as_strided(t, size, stride, t.storage_offset() + half)
+    return k, v, order
+
+
 def _as_hnd(t: torch.Tensor, geo: Geometry) -> torch.Tensor:
     """A [blocks, block, heads, dim] view with contiguous blocks, reinterpreted (no copy)."""
     return torch.as_strided(t, (geo.num_blocks, geo.kv_heads, geo.block_size, geo.head_dim),
                             (t.stride(0), geo.block_size * geo.head_dim, geo.head_dim, 1))
 
 
-def kv_views(kv_caches: Mapping[str, torch.Tensor], geo: Geometry
+def kv_views(kv_caches: Mapping[str, torch.Tensor], geo: Geometry, *, cpu: bool = True
              ) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]], str]:
-    """Layer names in model order, their (K, V) views and the one kv_layout they share."""
+    """Layer names in model order, their (K, V) views and the one kv_layout they share
+    (``cpu``: as :func:`split_kv`)."""
     if len(kv_caches) != geo.num_layers:
         raise ConfigError(f"zkv: vLLM registered {len(kv_caches)} KV layers, its KV cache "
                           f"spec has {geo.num_layers}")
@@ -87,7 +144,7 @@ def kv_views(kv_caches: Mapping[str, torch.Tensor], geo: Geometry
     for name, t in kv_caches.items():
         if dtype_name(t.dtype) != geo.dtype:
             raise ConfigError(f"zkv: layer {name}: dtype {t.dtype}, spec says {geo.dtype}")
-        k, v, kind = split_kv(name, t, geo)
+        k, v, kind = split_kv(name, t, geo, cpu=cpu)
         names.append(name)
         views.append((k, v))
         layouts.add(kind)
