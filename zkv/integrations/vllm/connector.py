@@ -328,7 +328,7 @@ class ZkvConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.sched is None:
             return None
-        snap = self.sched.snapshot()
+        snap = self.sched.counters()  # every step: no tree walk (snapshot() walks it)
         now = {k: snap[k] for k in STAT_KEYS}
         delta = {k: v - self._stats_seen.get(k, 0) for k, v in now.items()}
         self._stats_seen = now

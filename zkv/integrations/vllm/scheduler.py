@@ -740,15 +740,23 @@ class SchedulerHalf:
         with self._lock:
             return self._snapshot()
 
+    def counters(self) -> dict[str, int]:
+        """The running totals alone: O(1), for what reads them every step (vLLM's
+        ``get_kv_connector_stats``). :meth:`snapshot` adds the cache's, which walk the tree
+        (~5 ms at 25,000 nodes)."""
+        with self._lock:
+            c = self.counts
+            return {"requests": c.requests, "vllm_local_tokens": c.vllm_local,
+                    "zkv_host_tokens": c.zkv_host, "zkv_store_tokens": c.zkv_store,
+                    "computed_tokens": c.computed, "failed_load_blocks": c.failed_load_blocks,
+                    "preempted": c.preempted, "aborted": c.aborted,
+                    "awaited": c.awaited, "await_expired": c.await_expired,
+                    "saved_blocks": self.cm.stats.saved_external,
+                    "loaded_blocks": self.cm.stats.loaded_external}
+
     def _snapshot(self) -> dict[str, Any]:
         c = self.counts
-        return {"requests": c.requests, "vllm_local_tokens": c.vllm_local,
-                "zkv_host_tokens": c.zkv_host, "zkv_store_tokens": c.zkv_store,
-                "computed_tokens": c.computed, "failed_load_blocks": c.failed_load_blocks,
-                "preempted": c.preempted, "aborted": c.aborted,
-                "awaited": c.awaited, "await_expired": c.await_expired,
-                "saved_blocks": self.cm.stats.saved_external,
-                "loaded_blocks": self.cm.stats.loaded_external,
+        return {**self.counters(),
                 "sched_us_per_request": 1e6 * c.sched_s / max(1, c.requests),
                 "disabled": self.disabled, **{f"cm_{k}": v for k, v in self.cm.snapshot().items()
                                               if isinstance(v, int)}}
