@@ -113,3 +113,29 @@ def test_the_stats_vllm_reads_every_step_walk_no_tree(group: Group) -> None:
     snap = half.snapshot()
     assert totals["requests"] == 1 and totals == {k: snap[k] for k in totals}
     assert {"requests", "zkv_host_tokens", "saved_blocks", "loaded_blocks"} <= totals.keys()
+
+
+def test_a_step_of_an_aborted_request_confirms_nothing_of_a_new_one_with_its_id(
+        group: Group) -> None:
+    """A client's request ids can come back (vLLM keeps them with
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``): a request aborted while its step ran, then
+    a new one under its id, scheduled before that step's output came. The output confirms
+    the aborted request's tokens, not the new one's: nothing of the new request, which has
+    computed nothing yet, is saved. (Before, every request started at epoch 0, so the old
+    step's record matched the new request and its uncomputed blocks were saved under its
+    hashes: garbage KV in the host tier and the store.)"""
+    half = group.half
+    old = group.request()
+    half.get_num_new_matched_tokens(old, 0)
+    half.update_state_after_alloc(old, list(range(10, 19)), 0)
+    step = half.build_connector_meta(Group.step(old, list(range(10, 19)), 0)).step
+    old.status = SimpleNamespace(name="FINISHED_ABORTED")
+    half.request_finished(old)  # gone before its step's output
+    new = group.request()
+    new.request_id = old.request_id
+    assert half.get_num_new_matched_tokens(new, 0) == (0, False)
+    half.update_state_after_alloc(new, list(range(30, 39)), 0)
+    half.update_connector_output((), step=step)  # the aborted request's step ran
+    half.build_connector_meta(Group.empty_step())  # publishes whatever was planned
+    assert half.wait_idle(10.0)
+    assert half.snapshot()["saved_blocks"] == 0

@@ -48,6 +48,7 @@ vLLM's calls. One lock orders the pump, vLLM's calls and the metrics scrapes.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import threading
 import time
@@ -205,6 +206,10 @@ class SchedulerHalf:
         # requests vLLM preempted outside schedule() whose preemption was handled when it
         # asked about them again, in this step (see _num_matched)
         self._preempted_early: set[str] = set()
+        # a request's epoch, new at each start and preemption and never reused: a step's
+        # output confirms only the epoch it scheduled (an id can come back: a client's
+        # own ids with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
+        self._epochs = itertools.count()
         self._fence = -1
         self._promised: list[int] = []  # blocks whose loads vLLM was promised this step
         self._done_upto = -1         # every seq <= this completed on all ranks
@@ -467,7 +472,7 @@ class SchedulerHalf:
             self.cm.finish(rid)
         if r.last_save_seq is not None and not self._seq_done(r.last_save_seq):
             self._fence = max(self._fence, r.last_save_seq)  # its blocks may be reused now
-        r.epoch += 1
+        r.epoch = next(self._epochs)
         r.allocated, r.block_ids, r.confirmed = False, [], 0
         r.prefetched, r.local, r.ext = False, 0, 0
         self.prefetch.forget(rid)
@@ -716,7 +721,8 @@ class SchedulerHalf:
     def _new_req(self, request: Any) -> _Req:
         mm = request_mm_items(request) + request_embeds_items(request, self.bs)
         root, hashes, n = self._hash_prompt(request, mm)
-        return _Req(request, root, mm, hashes, n, generation=self._generation)
+        return _Req(request, root, mm, hashes, n, epoch=next(self._epochs),
+                    generation=self._generation)
 
     def _hash_prompt(self, request: Any, mm: tuple[MultiModalItem, ...]
                      ) -> tuple[bytes, list[BlockHash], int]:
