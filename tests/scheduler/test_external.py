@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from zkv.protocol import BACKUP, H2D, H2S, S2H, OpResult
+from zkv.scheduler.eviction import SLRU
 from zkv.scheduler.hashing import hash_ids_chain
 from zkv.scheduler.manager import CacheConfig, CacheManager, Match
 from zkv.scheduler.radix import HOST, LOADING_FROM_STORAGE, SWAP_TO_HOST
@@ -109,6 +110,56 @@ def test_failed_load_is_reported_for_recompute_and_cache_stays() -> None:
     assert cm.match_prefix("r3", a) == Match(0, 3, 0, BS)  # host copies are intact
 
 
+def test_a_partial_load_over_host_blocks_loaded_twice_settles_both() -> None:
+    """Two requests of one step load overlapping host blocks (one load op holds a node
+    twice) and the op fails inside the second one's run: the node split at the boundary
+    settles for both entries (no busy count left without an op), exactly the second
+    request's later block is reported, and every host block is evictable again."""
+    cm = make(8)
+    h = H(1, 2, 3, 4)
+    save(cm, "w", h, [100, 101, 102, 103])
+    ack(cm, cm.take_ops())
+    cm.finish("w")
+    cm.match_prefix("a", h)
+    assert cm.load_external("a", 1, [11, 12, 13]) == 3  # the engine had block 0 itself
+    cm.match_prefix("b", h[:3])
+    assert cm.load_external("b", 1, [21, 22]) == 2
+    ops = cm.take_ops()
+    assert [(o.kind, o.src.tolist(), o.dst.tolist()) for o in ops] == [
+        (H2D, [1, 2, 3, 1, 2], [11, 12, 13, 21, 22])]
+    ack(cm, ops, done={0: 4})  # engine block 22 failed on some rank
+    assert cm.take_load_failures() == {"b": [22]}
+    cm.finish("a")
+    cm.finish("b")
+    cm.check_invariants()
+    assert cm.num_pending_ops == 0 and cm.tree.num_hlru == 4
+
+
+def test_a_failed_load_of_a_preempted_request_is_not_its_next_incarnations() -> None:
+    """vLLM preempts a request whose load is in flight (the connector cancels its saves
+    and finishes it) and schedules it again under the same id, into other engine blocks:
+    the old load's failure names blocks the new incarnation does not use."""
+    cm = make(8)
+    h = H(1, 2)
+    save(cm, "w", h, [100, 101])
+    ack(cm, cm.take_ops())
+    cm.finish("w")
+    cm.match_prefix("r", h)
+    cm.load_external("r", 0, [10, 11])
+    old = cm.take_ops()
+    assert cm.cancel_saves("r") == 0
+    cm.finish("r")  # the engine freed 10, 11
+    cm.match_prefix("r", h)
+    cm.load_external("r", 0, [20, 21])
+    new = cm.take_ops()
+    ack(cm, old + new, done={0: 0})
+    assert cm.take_load_failures() == {}
+    assert cm.stats.loaded_external == 2  # the new load
+    cm.finish("r")
+    cm.check_invariants()
+    assert cm.tree.num_hlru == 2
+
+
 def test_failed_save_drops_the_tail_and_frees_its_host_blocks() -> None:
     cm = make(8)
     a = H(1, 2, 3, 4)
@@ -202,6 +253,26 @@ def test_a_request_gone_while_its_prefetch_runs_leaves_the_blocks_cached() -> No
     assert cm.match_prefix("r2", H(1, 2, 3)).num_host == 2
     cm.finish("r2")
     cm.check_invariants()
+
+
+def test_a_request_matched_again_after_its_prefetch_uses_its_blocks_once() -> None:
+    """The connector's flow: prefetch, the loads land (one use: the request holds them),
+    vLLM asks again: still one use, so SLRU keeps the blocks on probation."""
+    a = H(1, 2)
+    cm = make(8, storage=set(a), eviction_policy="slru")
+    assert cm.match_prefix("r1", a) == Match(0, 0, 2, BS)
+    assert cm.prefetch("r1") == 2
+    ack(cm, cm.take_ops())
+    assert cm.match_prefix("r1", a) == Match(0, 2, 0, BS)
+    assert cm.load_external("r1", 0, [10, 11]) == 2
+    ack(cm, cm.take_ops())
+    cm.finish("r1")
+    cm.check_invariants()
+    assert [cm.tree.block(h).hits for h in a] == [1, 1]
+    pol = cm.tree.hpol
+    assert isinstance(pol, SLRU)
+    probation, protected = pol.queues()
+    assert (len(probation), len(protected)) == (1, 0)
 
 
 def test_storage_write_after_save() -> None:

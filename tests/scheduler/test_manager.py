@@ -7,11 +7,14 @@ from the pools handing out low ids first and reusing the most recently freed id 
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 
 import pytest
 
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op, OpResult
+from zkv.scheduler import commit, requests
+from zkv.scheduler.core import NegativeCache
 from zkv.scheduler.hashing import hash_ids_chain
 from zkv.scheduler.manager import (
     WRITE_BACK,
@@ -341,6 +344,74 @@ def test_write_back_without_free_host_evicts_the_host_lru() -> None:
     assert (cm.stats.evicted_host, cm.stats.dropped) == (1, 1)
 
 
+def test_write_back_short_of_host_blocks_keeps_the_root_side_of_a_chain() -> None:
+    """A chain leaves the device whole, tail first, with host blocks for half of it: they
+    go to the parent (a tail kept under a dropped parent would go with it, its d2h
+    wasted); the tail is dropped."""
+    cm = make(4, 2)
+    a = H(1, 2)
+    b = H(1, 2, 3, 4)
+    assert cached(cm, "r1", a) == [0, 1]
+    assert cached(cm, "r2", b) == [0, 1, 2, 3]  # [a0 a1] -> [b2 b3]
+    assert run(cm, "r3", H(9, 9, 9, 9)) is not None  # every device block
+    (op,) = take(cm)
+    assert shape(op) == (D2H, [0, 1], [0, 1], ())
+    assert [status(cm, h) for h in b] == [SWAP_TO_HOST] * 2 + [None] * 2
+    assert not cm.core.deleting
+    ack(cm, op)
+    assert [status(cm, h) for h in b] == [HOST, HOST, None, None]
+    assert [node(cm, h).host for h in a] == [0, 1]
+    assert (cm.stats.swapped_out, cm.stats.dropped) == (2, 2)
+
+
+def test_write_back_with_one_host_block_keeps_a_chains_first_block() -> None:
+    """The parent keeps its first block; the rest of it goes, and the tail with it (not
+    dropped a second time)."""
+    cm = make(4, 1)
+    b = H(1, 2, 3, 4)
+    cached(cm, "r1", b[:2])
+    cached(cm, "r2", b)
+    assert run(cm, "r3", H(9, 9, 9, 9)) is not None
+    (op,) = take(cm)
+    assert shape(op) == (D2H, [0], [0], ())
+    ack(cm, op)
+    assert [status(cm, h) for h in b] == [HOST, None, None, None]
+    assert (cm.stats.swapped_out, cm.stats.dropped) == (1, 3)
+
+
+def test_a_waiting_request_matched_again_is_one_use_of_its_blocks() -> None:
+    """vLLM asks about a waiting request every step: hits count uses, so the threshold
+    of write_through_selective (3 here) is not reached by two requests."""
+    cm = make(4, 4, WRITE_THROUGH_SELECTIVE, 3)
+    g = H(5)
+    cached(cm, "r1", g)  # computed: one use
+    for _ in range(3):  # waits, matched again each step
+        assert match(cm, "r2", g) == Match(1, 0, 0, BS)
+    alloc(cm, "r2", 8)
+    finish(cm, "r2")
+    assert node(cm, g[0]).hits == 2 and take(cm) == []  # no backup
+
+
+def test_a_request_counts_once_in_its_nodes_hits_when_it_uses_them() -> None:
+    """Hits are counted at use (allocate), along the held path from the root: what an
+    earlier match of the request held does not count, nor a request that never ran."""
+    cm = make(8)
+    a, b = H(1, 2), H(1, 2, 3)
+    cached(cm, "r1", a)
+    cached(cm, "r2", b)
+    assert [node(cm, h).hits for h in b] == [2, 2, 1]
+    match(cm, "r3", b)
+    cm.abort("r3")  # waited, then gone
+    match(cm, "r4", b)
+    match(cm, "r4", a)  # the prompt changed while it waited
+    match(cm, "r4", b)
+    assert [node(cm, h).hits for h in b] == [2, 2, 1]
+    alloc(cm, "r4", 16)
+    assert [node(cm, h).hits for h in b] == [3, 3, 2]
+    finish(cm, "r4")
+    assert [node(cm, h).hits for h in b] == [3, 3, 2]
+
+
 # ================================================================ swap-in
 
 
@@ -605,6 +676,53 @@ def test_negative_cache_expires() -> None:
     assert [status(cm, x) for x in h] == [HOST, None, None]
     assert match(cm, "r2", h) == Match(0, 1, 2, BS)  # expired at once: asked again
     assert store.queries[-1] == h[1:]
+
+
+def test_negative_cache_forgets_expired_hashes_while_the_store_stays_flaky(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that says it has every block and fails every read: each failed hash is
+    refused for the TTL and then let go, whether or not a lookup meets it again (the
+    cache holds a TTL's worth of failures, not every failure since the start)."""
+    now = [1000.0]
+    clock = types.SimpleNamespace(monotonic=lambda: now[0])
+    monkeypatch.setattr(commit, "time", clock)
+    monkeypatch.setattr(requests, "time", clock)
+    prompts = [H(i, 1, 2, 3) for i in range(10)]
+    cm = make(0, 8, WRITE_THROUGH, store=Store(*H(99), *(h for p in prompts for h in p)),
+              negative_cache_s=5.0)
+    for i, p in enumerate(prompts):  # one failure a second
+        now[0] = 1000.0 + i
+        assert match(cm, f"r{i}", p) == Match(0, 0, 4, BS)
+        assert cm.prefetch(f"r{i}") == 4
+        (op,) = take(cm)
+        fail(cm, op)
+        finish(cm, f"r{i}")
+    assert len(cm.core.negative) == 5 * 4  # failed at 1005 .. 1009: refused until 1010 ..
+    assert match(cm, "a", prompts[5]) == Match(0, 0, 0, BS)
+    cm.abort("a")
+    now[0] = 1010.0  # the one of 1005 expired
+    assert match(cm, "b", prompts[5]) == Match(0, 0, 4, BS)
+    cm.abort("b")
+    assert match(cm, "c", prompts[6]) == Match(0, 0, 0, BS)
+    cm.abort("c")
+    assert len(cm.core.negative) == 4 * 4
+    now[0] = 1014.0  # every one expired: a lookup of another prompt finds it empty
+    assert match(cm, "d", H(99)) == Match(0, 0, 1, BS)
+    assert len(cm.core.negative) == 0
+
+
+def test_negative_cache_moves_a_hash_that_failed_again_to_the_end() -> None:
+    """Kept in expiry order: a hash that fails again before it expired is refused until
+    its new expiry, and does not hold back the trim of those that expired before."""
+    a, b, c = H(1, 2, 3)
+    neg = NegativeCache()
+    neg.add([a, b], 0.0, 5.0)
+    neg.add([c], 1.0, 5.0)
+    neg.add([a], 2.0, 5.0)
+    assert neg.prefix([b, c], 5.5) == [b]  # b expired at 5, c refused until 6, a until 7
+    neg.trim(6.0)
+    assert len(neg) == 1 and neg.prefix([c, a], 6.0) == [c]
+    assert neg.prefix([c, a], 7.0) == [c, a] and len(neg) == 0
 
 
 def test_prefetch_is_bounded_by_host_space() -> None:

@@ -1,7 +1,7 @@
 """Commit on ack: how each acked (or failed) op moves the tree and the pools.
 
 ``done`` is the number of leading blocks of an op that succeeded on every rank; the rest
-roll back. ``ledger.settled_pieces`` hands out the op's nodes split at that boundary::
+roll back. ``ledger.outcomes`` hands out the op's nodes split at that boundary::
 
     d2h     SWAP_TO_HOST ──ok──► HOST (then h2s if storage writes)   fail ──► dropped
     backup  DEVICE ──ok──► DEVICE + host copy                        fail ──► host blocks freed
@@ -24,7 +24,7 @@ from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, OpResult
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import outcomes
 from zkv.scheduler.radix import DELETING, DEVICE, HOST, Node
-from zkv.scheduler.records import LOAD, SAVE, PendingOp
+from zkv.scheduler.records import LOAD, SAVE, PendingOp, RequestState
 from zkv.scheduler.tiers import (
     drop_subtree,
     free_node_blocks,
@@ -56,7 +56,7 @@ def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
             stats.failed_ops += 1
             stats.failed_blocks += total - done
             stats.failed_by_kind[p.kind] = stats.failed_by_kind.get(p.kind, 0) + total - done
-            req_ids = sorted({q for q in p.req_ids if q is not None})
+            req_ids = sorted({st.req_id for st in p.reqs if st is not None})
             fields = {"op_id": p.op_id, "kind": p.kind, "num_blocks": total, "done": done,
                       "error": r.error, "req_ids": req_ids[:16]}
             if p.kind in _IO_KINDS:
@@ -92,6 +92,13 @@ def settle_deleting(core: Core, n: Node) -> None:
         free_node_blocks(core, n)
 
 
+def running(core: Core, st: RequestState | None) -> RequestState | None:
+    """The request an op entry was made for, while it still runs: not when it finished,
+    nor when it finished and was matched again under its id (the engine preempted it):
+    the new incarnation holds other blocks and must not get the old one's outcome."""
+    return st if st is not None and core.requests.get(st.req_id) is st else None
+
+
 def relist_all(core: Core, nodes: list[Node]) -> None:
     """Make settled nodes evictable where they qualify, leaf first (``nodes`` in chain
     order, root side first, are pushed reversed)."""
@@ -116,7 +123,7 @@ def _commit_d2h(core: Core, p: PendingOp, done: int) -> None:
         committed += len(n.hashes)
         if store and not n.in_store:
             maybe_store(core, n)
-        elif not n.ref and not n.busy:  # d2h entries list chain tails first
+        elif not n.ref and not n.busy:  # (a parent before its child: listed with it)
             relist(n)
     for n, _e, _pos in failed:
         if not settle(core, n):
@@ -153,7 +160,7 @@ def _commit_h2d(core: Core, p: PendingOp, done: int) -> None:
         n.dev = None
         n.status = HOST
         core.tree.dev_left(n)
-        st = core.requests.get(p.req_ids[e] or "")
+        st = running(core, p.reqs[e])
         d = n.depth
         if st is not None and st.table[d : d + len(ids)] == ids:
             st.fresh.update(zip(range(d, d + len(ids)), ids))
@@ -167,14 +174,15 @@ def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
     # One entry: a request's loads are one op (``done`` counts a prefix of its keys).
     ok, failed_at = outcomes(core.tree, p, done)
     failed = [n for n, _e, _pos in failed_at]
-    st = core.requests.get(p.req_ids[0] or "")
+    st = running(core, p.reqs[0])
     adopt = st is not None and st.loading is p.nodes[0]
     settled = live(core, ok)
     for n in settled:
         if adopt:  # the request keeps its ref; swapped in at allocate
             st.tail = n  # type: ignore[union-attr]
             st.num_held += len(n.hashes)  # type: ignore[union-attr]
-            n.hits += 1  # a use, like a match (a parent is hit whenever its child)
+            if st.counted:  # type: ignore[union-attr]  # (else counted with its path at use)
+                n.hits += 1
         n.status = HOST
         n.host_ok = True
         core.stats.loaded += len(n.hashes)
@@ -184,9 +192,9 @@ def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
             n.ref -= 1
         st.loading = None  # type: ignore[union-attr]
         st.num_storage = 0  # type: ignore[union-attr]
-    expiry = time.monotonic() + core.config.negative_cache_s
+    now = time.monotonic()
     for n in failed:
-        core.negative.update(dict.fromkeys(n.hashes, expiry))
+        core.negative.add(n.hashes, now, core.config.negative_cache_s)
     for n in reversed(failed):  # deepest first; a failed node's children failed too
         if n.status is not DELETING and n.hashes[0] in core.tree.index and n.ref == 0:
             drop_subtree(core, n)
@@ -220,7 +228,7 @@ def _commit_load(core: Core, p: PendingOp, done: int) -> None:
         if settle(core, n):
             continue
         settled.append(n)
-        st = core.requests.get(p.req_ids[e] or "")
+        st = running(core, p.reqs[e])
         if st is not None:
             st.failed_loads += p.dst[pos : pos + len(n.hashes)]
     relist_all(core, settled)
@@ -241,7 +249,7 @@ def _commit_save(core: Core, p: PendingOp, done: int) -> None:
     if not failed:
         relist_all(core, ok_nodes)
         return
-    st = core.requests.get(p.req_ids[0] or "")
+    st = running(core, p.reqs[0])
     first = failed[0]
     if st is not None and first.ref and st.num_held > first.depth:
         m = st.tail

@@ -18,7 +18,10 @@ manager or each other in a circle (``tiers`` is the one they share).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import indexOf
 
 from zkv import log as ev
 from zkv.scheduler.block_pool import BlockPool
@@ -26,6 +29,53 @@ from zkv.scheduler.eviction import EvictionPolicy, make_policy
 from zkv.scheduler.ledger import Ledger
 from zkv.scheduler.radix import Node, RadixTree
 from zkv.scheduler.records import CacheConfig, CacheStats, RequestState, StorageExists
+
+
+class NegativeCache:
+    """Hashes storage failed to deliver (a store that said it has them), each until it
+    expires. Entries are in expiry order (one TTL, a monotonic clock, a hash added again
+    moved to the end), so the expired ones are trimmed from the front: amortized O(1) per
+    hash added, and a store that stays flaky does not grow it past a TTL's worth. What a
+    trim leaves is unexpired, so a lookup is a C-level membership test per block (none
+    at all once it is empty). The caller's clock is ``now``."""
+
+    __slots__ = ("_until",)
+
+    def __init__(self) -> None:
+        self._until: OrderedDict[bytes, float] = OrderedDict()  # O(1) front, unlike dict
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def add(self, hashes: Sequence[bytes], now: float, ttl_s: float) -> None:
+        self.trim(now)
+        until = self._until
+        if until:
+            for h in until.keys() & hashes:  # rare: a hash failed again before it expired
+                del until[h]
+        until.update(dict.fromkeys(hashes, now + ttl_s))
+
+    def prefix(self, hashes: list[bytes], now: float) -> list[bytes]:
+        """``hashes`` up to the first one still negative."""
+        self.trim(now)
+        until = self._until
+        if not until:
+            return hashes
+        try:
+            return hashes[: indexOf(map(until.__contains__, hashes), True)]
+        except ValueError:  # none of them
+            return hashes
+
+    def trim(self, now: float) -> None:
+        until = self._until
+        while until:
+            h = next(iter(until))
+            if until[h] > now:
+                return
+            del until[h]
+
+    def clear(self) -> None:
+        self._until.clear()
 
 
 @dataclass(eq=False, slots=True)
@@ -36,7 +86,7 @@ class Core:
     an op was in flight (freed when it settles); ``unstored`` nodes whose storage write
     failed, written again at ``store_retry_at`` (``tiers.retry_stores``; the backoff
     doubles once per round with a failure: ``store_round_failed``); ``negative``
-    hashes storage failed to deliver, with expiry; ``clock`` one tick per match;
+    hashes storage failed to deliver, until they expire; ``clock`` one tick per match;
     ``io_failed_log`` the warning for failed s2h / h2s ops, rate-limited (a store that is
     down fails them every step)."""
 
@@ -53,7 +103,7 @@ class Core:
     store_retry_at: float = 0.0
     store_backoff_s: float = 0.0
     store_round_failed: bool = False
-    negative: dict[bytes, float] = field(default_factory=dict)
+    negative: NegativeCache = field(default_factory=NegativeCache)
     clock: int = 0
     io_failed_log: ev.RateLimited = field(default_factory=lambda: ev.repeating(
         ev.get_logger("scheduler"), ev.OP_FAILED, level="warning"))

@@ -23,11 +23,12 @@ the tree takes the last blocks it needs of that victim and leaves the rest where
               │ over its share of the tier: its oldest is demoted to probation's young end
               └─────────────────────────►
 
-SLRU's class is the queue. A node is pushed into protected when ``hits >= 2`` (matched
-again after it was cached) or ``reused`` (set by the ghost when a block this tier evicted
-recently is inserted again, only under a protected parent or the root); hits never
-decrease and a parent is hit whenever its child is, and no ancestor of a node being
-pushed is in the policy (closed subtrees), so classes are monotone along every chain.
+SLRU's class is the queue. A node is pushed into protected when ``hits >= 2`` (used by
+another request after the one that cached it) or ``reused`` (set by the ghost when a
+block this tier evicted recently is inserted again, only under a protected parent or the
+root); hits never decrease and a parent is hit whenever its child is (a request counts
+its whole path), and no ancestor of a node being pushed is in the policy (closed
+subtrees), so classes are monotone along every chain.
 Demotion takes protected's oldest entry, whose protected descendants (older) are gone
 already, and no ancestor of it is in probation. The two rules still hold.
 """

@@ -77,7 +77,7 @@ def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence
             n.ref = n.hits = 1
             n.last_access = now
             n.reused = tree.hpol.note_inserted(n) > 0  # (a node in flight is not split)
-            Ledger.add(core.ledger.op(SAVE, f"{SAVE}:{st.req_id}"), n, st.req_id,
+            Ledger.add(core.ledger.op(SAVE, f"{SAVE}:{st.req_id}"), n, st,
                        list(map(int, device_ids[i : i + len(hb)])), hb)
             parent = n
             i += len(hb)
@@ -116,7 +116,7 @@ def load_external(core: Core, st: RequestState, first_block: int,
         if n.depth + len(n.hashes) > end:
             n = tree.split(n, end - n.depth)
         off = n.depth - first_block
-        Ledger.add(core.ledger.op(LOAD), n, st.req_id, n.host,  # type: ignore[arg-type]
+        Ledger.add(core.ledger.op(LOAD), n, st, n.host,  # type: ignore[arg-type]
                    list(map(int, device_ids[off : off + len(n.hashes)])))
         planned += len(n.hashes)
     return planned

@@ -44,7 +44,7 @@ def check(core: Core) -> None:
     _check_owned(core.host, owners_host)
     busy: Counter[int] = Counter()
     for p in list(core.ledger.pending.values()) + list(core.ledger.open.values()):
-        assert len(p.nodes) == len(p.counts) == len(p.req_ids)
+        assert len(p.nodes) == len(p.counts) == len(p.reqs)
         for node, count in zip(p.nodes, p.counts):
             for piece in pieces(node, count):
                 busy[id(piece)] += 1

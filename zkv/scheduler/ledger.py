@@ -18,7 +18,7 @@ import numpy as np
 
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op
 from zkv.scheduler.radix import DELETING, Node, RadixTree
-from zkv.scheduler.records import LOAD, SAVE, WIRE_KIND, PendingOp
+from zkv.scheduler.records import LOAD, SAVE, WIRE_KIND, PendingOp, RequestState
 
 _KIND_ORDER = {D2H: 0, BACKUP: 1, SAVE: 1, H2D: 2, LOAD: 2, S2H: 3, H2S: 4}
 
@@ -44,13 +44,14 @@ class Ledger:
         return op
 
     @staticmethod
-    def add(op: PendingOp, n: Node, req_id: str | None = None, src: Sequence[int] = (),
+    def add(op: PendingOp, n: Node, st: RequestState | None = None, src: Sequence[int] = (),
             dst: Sequence[int] = (), keys: Sequence[bytes] = ()) -> None:
-        """Put node ``n`` (all its blocks) in ``op``; ``n`` is busy until the op settles."""
+        """Put node ``n`` (all its blocks) in ``op`` for request ``st`` (None: for none);
+        ``n`` is busy until the op settles."""
         n.busy += 1
         op.nodes.append(n)
         op.counts.append(len(n.hashes))
-        op.req_ids.append(req_id)
+        op.reqs.append(st)
         op.src += src
         op.dst += dst
         op.keys += keys
@@ -106,7 +107,8 @@ def outcomes(tree: RadixTree, p: PendingOp, done: int
              ) -> tuple[list[Node], list[tuple[Node, int, int]]]:
     """The nodes of ``p`` whose blocks are among the first ``done`` (succeeded), and the
     others as (node, entry index, position of its first block in the op), both in block
-    order. An attached node across the boundary is split there first (a DELETING one only
+    order; a node held by two entries (two loads of one host block) is in the lists twice.
+    An attached node across the boundary is split there first (a DELETING one only
     settles: its outcome does not matter)."""
     if done >= sum(p.counts):  # the common case: every block made it
         ok = []
@@ -116,20 +118,35 @@ def outcomes(tree: RadixTree, p: PendingOp, done: int
             else:
                 ok += pieces(node, count)
         return ok, []
+    _split_at(tree, p, done)
     ok, failed = [], []
     pos = 0
     for e, (node, count) in enumerate(zip(p.nodes, p.counts)):
         for piece in pieces(node, count):
-            k = len(piece.hashes)
-            if pos < done < pos + k and piece.status is not DELETING:
-                ok.append(tree.split(piece, done - pos))
-                failed.append((piece, e, done))
-            elif pos < done:
+            if pos < done:
                 ok.append(piece)
             else:
                 failed.append((piece, e, pos))
-            pos += k
+            pos += len(piece.hashes)
     return ok, failed
+
+
+def _split_at(tree: RadixTree, p: PendingOp, done: int) -> None:
+    """Split the attached piece that block ``done`` of ``p`` falls inside, before any entry
+    is cut into pieces: an earlier entry over the same node must see the new head too
+    (else it settles the node's busy count but not the head's)."""
+    pos = 0
+    for node, count in zip(p.nodes, p.counts):
+        if pos + count <= done:
+            pos += count
+            continue
+        for piece in pieces(node, count):
+            k = len(piece.hashes)
+            if pos < done < pos + k and piece.status is not DELETING:
+                tree.split(piece, done - pos)
+                return
+            pos += k
+        return
 
 
 _I4 = np.dtype("<i4")

@@ -93,27 +93,27 @@ class RequestState:
     table: list[int] = field(default_factory=list)       # device block per logical block
     allocated: bool = False
     num_storage: int = 0
-    num_hit: int = 0  # blocks matched (and counted in their hits) by match_prefix
     valid_blocks: int | None = None  # set when a swap-in failed: recompute from here
     match: Match | None = None        # the last match_prefix result (hits count once, at use)
-    counted: bool = False             # this request's hits are in CacheStats
+    counted: bool = False             # its hits are in CacheStats and its nodes' hits
     external: bool = False            # external-L1 mode: device blocks belong to the engine
     failed_loads: list[int] = field(default_factory=list)  # engine block ids, external mode
 
 
 class PendingOp:
-    """One op: entries (a node and how many blocks it had when added: a later split puts
-    the first ones in new nodes above it, ``ledger.pieces``) and per-block src / dst / keys.
-    A plain class: one is built per op kind every step."""
+    """One op: entries (a node, how many blocks it had when added: a later split puts the
+    first ones in new nodes above it, ``ledger.pieces``; and the request it serves, the
+    object: a request finished and matched again under its id is a new one) and per-block
+    src / dst / keys. A plain class: one is built per op kind every step."""
 
-    __slots__ = ("op_id", "kind", "nodes", "counts", "req_ids", "src", "dst", "keys")
+    __slots__ = ("op_id", "kind", "nodes", "counts", "reqs", "src", "dst", "keys")
 
     def __init__(self, op_id: int, kind: str) -> None:
         self.op_id = op_id
         self.kind = kind
         self.nodes: list[Node] = []
         self.counts: list[int] = []
-        self.req_ids: list[str | None] = []
+        self.reqs: list[RequestState | None] = []
         self.src: list[int] = []
         self.dst: list[int] = []
         self.keys: list[bytes] = []
@@ -125,6 +125,11 @@ class PendingOp:
     @property
     def num_blocks(self) -> int:
         return sum(self.counts)
+
+    @property
+    def req_ids(self) -> list[str | None]:
+        """The request id per entry (None: no request's)."""
+        return [None if st is None else st.req_id for st in self.reqs]
 
 
 @dataclass(slots=True)

@@ -31,11 +31,11 @@ from zkv.scheduler.records import Match, RequestState
 from zkv.scheduler.tiers import backup, evict_device, take_host_blocks
 
 
-def hold(tree: RadixTree, n: Node, now: int, count_hit: bool = True) -> None:
-    """One more request holds ``n`` (it stops being evictable)."""
+def hold(tree: RadixTree, n: Node, now: int) -> None:
+    """One more request holds ``n`` (it stops being evictable) and uses it: the running
+    request caches into ``n`` what another one put there meanwhile (``count_hits``)."""
     tree.hold(n)
-    if count_hit:
-        n.hits += 1
+    n.hits += 1
     n.last_access = now
 
 
@@ -115,8 +115,7 @@ def match_prefix(core: Core, req_id: str, block_hashes: Sequence[bytes]) -> Matc
                 n = tree.split(n, c)  # hold whole nodes: the matched part only
             else:
                 c = len(n.hashes)
-            tree.hold(n)
-            n.hits += 1
+            tree.hold(n)  # (its hits count the request once it is used: count_hits)
             n.last_access = now
             if s is DEVICE:
                 num_dev += c
@@ -124,7 +123,7 @@ def match_prefix(core: Core, req_id: str, block_hashes: Sequence[bytes]) -> Matc
                 num_host += c
             tail = n
         st.tail = tail
-        st.num_held = st.num_hit = num_dev + num_host
+        st.num_held = num_dev + num_host
     num_storage = 0
     held = st.num_held
     # A next block that is in the tree but not matchable is in flight (e.g. another
@@ -140,16 +139,8 @@ def match_prefix(core: Core, req_id: str, block_hashes: Sequence[bytes]) -> Matc
 
 
 def storage_lookup(core: Core, rest: list[bytes]) -> int:
-    negative = core.negative
-    if negative:
-        now = time.monotonic()
-        for i, h in enumerate(rest):
-            exp = negative.get(h)
-            if exp is not None:
-                if exp > now:
-                    rest = rest[:i]
-                    break
-                del negative[h]
+    if core.negative:
+        rest = core.negative.prefix(rest, time.monotonic())
     if not rest:
         return 0
     n = int(core.storage_exists(rest))  # type: ignore[misc]
@@ -158,12 +149,19 @@ def storage_lookup(core: Core, rest: list[bytes]) -> int:
     return n
 
 
-def count_hits(core: Core, st: RequestState, used: int) -> None:
-    """Add the request's hits to the stats once, when its first ``used`` matched blocks
-    are put to use (a request re-matched while it waits is not counted again)."""
+def count_hits(core: Core, st: RequestState, used: int, path: list[Node] | None = None
+               ) -> None:
+    """Count the request's hits once, when its first ``used`` matched blocks (its held
+    path) are put to use: in the stats, and in each held node's ``hits`` (the write
+    policy's threshold, SLRU's protected class). Not at match: a waiting request is
+    matched again every step. The whole path from the root, so a parent always has at
+    least its child's hits; blocks the request holds later count as they join. ``path``:
+    the held path, when the caller has it."""
     if st.counted or st.match is None:
         return
     st.counted = True
+    for n in core.tree.path(st.tail) if path is None else path:
+        n.hits += 1
     m = st.match
     dev = min(m.num_device, used)
     host = min(m.num_host, used - dev)
@@ -192,7 +190,7 @@ def prefetch(core: Core, st: RequestState) -> int:
     n.in_store = True
     n.last_access = core.clock
     n.reused = tree.hpol.note_inserted(n) > 0  # (a node in flight is not split)
-    Ledger.add(core.ledger.op(S2H, f"{S2H}:{st.req_id}"), n, st.req_id, (), hb, n.hashes)
+    Ledger.add(core.ledger.op(S2H, f"{S2H}:{st.req_id}"), n, st, (), hb, n.hashes)
     st.loading = n
     return len(hb)
 
@@ -241,7 +239,7 @@ def allocate(core: Core, st: RequestState, num_tokens: int) -> list[int] | None:
         if k < st.num_held:
             cut_path(tree, st, k)
             path = tree.path(st.tail)
-        count_hits(core, st, st.num_held)
+        count_hits(core, st, st.num_held, path)
         for n in path:  # type: ignore[union-attr]
             if n.status is HOST:
                 _swap_in(core, st, n, evicted)
@@ -275,7 +273,7 @@ def _swap_in(core: Core, st: RequestState, n: Node, evicted: list[int]) -> None:
     n.dev = ids
     n.status = SWAP_TO_DEVICE
     core.tree.dev_entered(n)
-    Ledger.add(core.ledger.op(H2D), n, st.req_id, n.host, ids)  # type: ignore[arg-type]
+    Ledger.add(core.ledger.op(H2D), n, st, n.host, ids)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- finish
@@ -367,15 +365,13 @@ def _insert_new(core: Core, st: RequestState, full: int) -> tuple[int, list[int]
         if s is not DEVICE and (s is not HOST or m.busy):
             break  # in flight: stop caching here
         c = tree.common_run(m, hashes, i, full)
-        if i < st.num_hit < i + c:
-            c = st.num_hit - i  # blocks this request counted at match, and the rest
         if c < len(m.hashes):
             m = tree.split(m, c)
         if s is DEVICE:
             to_free += table[i : i + c]  # cached meanwhile by another request
         else:
             _attach_device(tree, m, table[i : i + c])
-        hold(tree, m, now, count_hit=i >= st.num_hit)
+        hold(tree, m, now)
         if s is not DEVICE:
             tree.relist(m)  # attached: a held DEVICE node's backup is droppable
         parent = m

@@ -85,9 +85,15 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
 def _write_back_or_drop(core: Core, moving: list[tuple[Node, list[int]]], num: int,
                         write_back: bool) -> None:
     """Victims without a host copy (``num`` blocks): d2h into host blocks under write_back
-    (as far as host blocks go: a victim keeps its first blocks), dropped otherwise."""
+    (as far as host blocks go: a victim keeps its first blocks), dropped otherwise.
+
+    ``moving`` lists chain tails first. When host blocks run short they go root side
+    first instead: a victim kept under a parent that gets none would be dropped with it
+    (its d2h wasted), and victims below a dropped one are gone already."""
     hb = take_host_blocks(core, num) if write_back else []
     tree = core.tree
+    if 0 < len(hb) < num:
+        moving.sort(key=_depth_of_victim)  # stable: eviction order among equals
     d2h = core.ledger.op(D2H) if hb else None
     add = Ledger.add
     pos = 0
@@ -95,6 +101,8 @@ def _write_back_or_drop(core: Core, moving: list[tuple[Node, list[int]]], num: i
         k = len(ids)
         m = min(k, len(hb) - pos)
         if m < k:  # keep what host blocks allow (the first blocks), drop the rest
+            if tree.index.get(v.hashes[0]) is not v:
+                continue  # dropped with a victim above it (root side first)
             keep = tree.split(v, m) if m else None
             v.status = HOST
             if v.children:
@@ -110,6 +118,10 @@ def _write_back_or_drop(core: Core, moving: list[tuple[Node, list[int]]], num: i
         v.host = host = hb[pos : pos + m]
         pos += m
         add(d2h, v, None, ids, host)  # type: ignore[arg-type]
+
+
+def _depth_of_victim(victim: tuple[Node, list[int]]) -> int:
+    return victim[0].depth
 
 
 def take_host_blocks(core: Core, k: int) -> list[int]:
