@@ -51,17 +51,47 @@ def test_get_logger_binds_per_logger_so_threads_have_their_fields(tmp_path: Path
 
     def in_thread() -> None:
         zlog.get_logger("sidecar", rank=1).info(zlog.WORKER_STARTED)
-        structlog.get_logger().info("bare.logged")  # contextvars do not reach threads
+        structlog.get_logger().info("bare.logged")  # contextvars do not reach threads...
+        zlog.get_logger("storage", namespace="ns").error(zlog.STORE_UNREACHABLE)
 
     t = threading.Thread(target=in_thread)
     t.start()
     t.join(timeout=10)
     early.info(zlog.WORKER_STOPPED, seq=3)
     recs = lines(tmp_path / "model-1.jsonl")
+    # ... the process's fields do: a store's I/O thread's lines name the rank (before, they
+    # had none, and `zkv logs --rank R` hid a rank's store outage)
     assert [(r["event"], r.get("component"), r.get("rank")) for r in recs] == [
-        (zlog.WORKER_STARTED, "sidecar", 1), ("bare.logged", None, None),
-        (zlog.WORKER_STOPPED, "sidecar", 1)]
-    assert recs[0]["pid"] == recs[2]["pid"] == os.getpid()
+        (zlog.WORKER_STARTED, "sidecar", 1), ("bare.logged", "model", 1),
+        (zlog.STORE_UNREACHABLE, "storage", 1), (zlog.WORKER_STOPPED, "sidecar", 1)]
+    assert all(r["pid"] == os.getpid() for r in recs)
+
+
+@pytest.mark.parametrize("name, seen", [("warn", ["warning", "critical"]),
+                                        ("WARNING", ["warning", "critical"]),
+                                        ("fatal", ["critical"])])
+def test_log_levels_by_their_usual_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          name: str, seen: list[str]) -> None:
+    monkeypatch.setenv("ZKV_LOG_LEVEL", name)
+    zlog.check_level()
+    zlog.configure("scheduler", log_dir=str(tmp_path))
+    for lv in ("info", "warning", "critical"):
+        getattr(structlog.get_logger(), lv)(f"x.{lv}")
+    got = [r["event"] for r in lines(tmp_path / "scheduler.jsonl")]
+    assert got == [f"x.{lv}" for lv in seen]
+
+
+def test_a_log_level_typo_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It logged at info, silently (``ZKV_LOG_LEVEL=nonsense``)."""
+    from zkv.errors import ConfigError
+
+    monkeypatch.setenv("ZKV_LOG_LEVEL", "nonsense")
+    with pytest.raises(ConfigError) as info:
+        zlog.check_level()
+    assert str(info.value) == ("ZKV_LOG_LEVEL must be one of debug, info, warning, error, "
+                               "critical, got 'nonsense'")
+    with pytest.raises(ConfigError, match="^log level must be one of .*, got 'loud'$"):
+        zlog.check_level("loud")
 
 
 def test_reconfigure_closes_the_old_file_and_bound_loggers_follow(tmp_path: Path) -> None:

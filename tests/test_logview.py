@@ -97,16 +97,18 @@ def test_malformed_lines_are_shown_and_never_crash(tmp_path: Path,
     write(tmp_path / "a.jsonl", ev(1.0, "a.one"), b"garbage {\n", b"[1, 2]\n",
           b'{"ts": "soon", "event": "x"}\n', b"\xff\xfe\n", b"\n", ev(3.0, "a.two"))
     write(tmp_path / "b.jsonl", ev(2.0, "b.one"), b'{"ts": 2.5, "ev')  # writer died mid-line
+    write(tmp_path / "c.jsonl", b'{"ts": 1e300, "event": "c.far", "level": "info"}\n')
     assert logview.main([str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [x.split("  ")[-1] for x in lines] == [
         "a.one", "garbage {", "[1, 2]", '{"ts": "soon", "event": "x"}', "\ufffd\ufffd",
-        "b.one", '{"ts": 2.5, "ev', "a.two"]
+        "b.one", '{"ts": 2.5, "ev', "a.two", "c.far"]
+    assert lines[-1].startswith("1e+300  ")  # no clock shows it (it was an OverflowError)
     assert lines[1] == "--:--:--.---  MALFORMED  a.jsonl:2  garbage {"
     assert lines[6].startswith("--:--:--.---  MALFORMED  b.jsonl:2  ")
     assert logview.main([str(tmp_path), "--json"]) == 0
     captured = capsys.readouterr()
-    assert events(captured.out) == ["a.one", "b.one", "a.two"]
+    assert events(captured.out) == ["a.one", "b.one", "a.two", "c.far"]
     assert "zkv logs: malformed line a.jsonl:2: garbage {" in captured.err
     assert logview.main([str(tmp_path), "--rank", "0"]) == 0  # filters hide what they can't read
     assert capsys.readouterr().out == ""

@@ -101,8 +101,20 @@ def _dumps(obj: Any, **_: Any) -> str:
     return orjson.dumps(obj, default=str).decode()
 
 
+#: The configured process's fields (component, pid, rank), for lines of threads that did not
+#: inherit the contextvars :func:`configure` bound (a store's I/O and reconnect threads).
+_PROCESS: dict[str, Any] = {}
+
+
+def _add_process(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    for k, v in _PROCESS.items():
+        event_dict.setdefault(k, v)  # a logger's own binds win (component="storage")
+    return event_dict
+
+
 def _processors(contextvars: bool) -> list[Any]:
-    procs: list[Any] = [structlog.contextvars.merge_contextvars] if contextvars else []
+    procs: list[Any] = [structlog.contextvars.merge_contextvars, _add_process] \
+        if contextvars else []
     return procs + [
         structlog.processors.add_log_level,
         _add_ts,
@@ -113,7 +125,19 @@ def _processors(contextvars: bool) -> list[Any]:
 
 def _level_no(level: str | None) -> int:
     level = (level or os.environ.get("ZKV_LOG_LEVEL") or "info").lower()
-    return LEVELS.get(level, logging.INFO)
+    return LEVELS.get(_LEVEL_ALIASES.get(level, level), logging.INFO)
+
+
+_LEVEL_ALIASES = {"warn": "warning", "fatal": "critical"}
+
+
+def check_level(level: str | None = None) -> None:
+    """``level`` (default ``$ZKV_LOG_LEVEL``) names a level, or ConfigError (one line): a
+    typo used to log at info, silently."""
+    name = level if level is not None else os.environ.get("ZKV_LOG_LEVEL")
+    if name and _LEVEL_ALIASES.get(name.lower(), name.lower()) not in LEVELS:
+        what = "log level" if level is not None else "ZKV_LOG_LEVEL"
+        raise ConfigError(f"{what} must be one of {', '.join(LEVELS)}, got {name!r}")
 
 
 ROTATE_CHECK_S = 1.0  # how often a log file's writer looks for a rotation by rename
@@ -337,6 +361,8 @@ def configure(
     if rank is not None:
         binds["rank"] = rank
     structlog.contextvars.bind_contextvars(**binds)
+    _PROCESS.clear()
+    _PROCESS.update(binds)
     return path
 
 

@@ -159,9 +159,12 @@ def _fmt_value(v: Any) -> str:
 
 
 def format_ts(ts: float) -> str:
-    """Local ``HH:MM:SS.mmm``."""
-    ms = int((ts - int(ts)) * 1000)
-    return f"{time.strftime('%H:%M:%S', time.localtime(ts))}.{ms:03d}"
+    """Local ``HH:MM:SS.mmm``; a stamp no clock can show (1e300, inf) as it is written."""
+    try:
+        ms = int((ts - int(ts)) * 1000)
+        return f"{time.strftime('%H:%M:%S', time.localtime(ts))}.{ms:03d}"
+    except (OverflowError, OSError, ValueError):
+        return repr(ts)
 
 
 def format_record(rec: Record) -> str:

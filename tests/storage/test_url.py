@@ -40,6 +40,7 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("file:///tmp?colour=red", "unknown parameter 'colour'"),
     ("redis://127.0.0.1", "needs HOST:PORT"),
     ("redis://127.0.0.1:99999/0", "Port out of range"),
+    ("redis://[::1", "Invalid IPv6 URL"),
     ("redis://127.0.0.1:6379/zero", "database must be a number"),
     ("redis://127.0.0.1:6379/0?timeout_s=0", "timeout_s must be > 0"),
     ("redis://127.0.0.1:6379/0?timeout_s=NaN", "timeout_s='NaN' is not a finite number"),

@@ -84,7 +84,10 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
     :class:`ConfigError` (one line) if it is bad."""
     if not isinstance(url, str) or "://" not in url:
         raise _bad(str(url), f"expected SCHEME://..., one of {', '.join(SCHEMES)}")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # "Invalid IPv6 URL" ("redis://[::1")
+        raise _bad(url, str(e)) from None
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
         raise _bad(url, f"unknown scheme {scheme!r} (one of {', '.join(SCHEMES)})")

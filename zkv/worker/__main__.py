@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        zlog.check_level()  # ZKV_LOG_LEVEL
         rank = rank_from_env()
         layout = CacheLayout.from_env()
         if rank >= layout.world_size:
