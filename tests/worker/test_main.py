@@ -28,6 +28,8 @@ LAYOUT = CacheLayout(2, 2, 16, 32, "float16", 16, 16, world_size=2)
                                 "got '-1'"),
     ({"ZKV_HEARTBEAT_S": "soon"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number > 0, "
                                   "got 'soon'"),
+    ({"ZKV_LOG_LEVEL": "verbose"}, "zkv.worker: ZKV_LOG_LEVEL must be one of debug, info, "
+                                   "warning, error, critical, got 'verbose'"),
     ({"ZKV_BACKEND": "tpu"}, "zkv.worker: rank 1: unknown copy backend 'tpu'; one of 'auto', "
                              "'cupy', 'cpu', 'torch', 'torch-cpu'"),
     ({"ZKV_STORE_URL": "ftp://x"}, "zkv.worker: rank 1: bad store URL 'ftp://x': unknown "
