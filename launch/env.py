@@ -41,7 +41,7 @@ def max_local_ranks() -> int:
 @dataclass(slots=True)
 class LaunchConfig:
     """The flags of ``zkvrun``. ``run_id`` / ``log_dir`` left ``None`` are filled by
-    :func:`run` (a random id; ``$ZKV_LOG_DIR`` or ``{tmp}/zkv-logs/{run_id}``)."""
+    :func:`run` (a random id; ``$ZKV_LOG_DIR`` or ``{tmp}/zkv-logs-{uid}/{run_id}``)."""
 
     nnodes: int = 1
     nproc_per_node: int = 1
@@ -58,6 +58,9 @@ class LaunchConfig:
     keys: str | None = None  # keyring directory (zkv keys); default: one per run (one node)
     allow_remote: bool = False  # the scheduler may bind a non-loopback --master-addr
     force_ranks: bool = False  # allow more than max_local_ranks() ranks
+    # The scheduler's exit codes that are results, not failures: no restart after them
+    # (2: usage / configuration error, by convention; a rerun cannot succeed).
+    final_codes: tuple[int, ...] = (2,)
 
     @property
     def world_size(self) -> int:
@@ -72,6 +75,9 @@ class LaunchConfig:
             return f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"
         if self.max_restarts < 0:
             return f"--max-restarts must be >= 0, got {self.max_restarts}"
+        for code in self.final_codes:
+            if not 0 < code < 256:
+                return f"--final-codes must be exit codes in [1, 255], got {code}"
         if not 0 <= self.grace_s < math.inf:  # NaN fails too
             return f"--grace-s must be a finite number >= 0, got {self.grace_s}"
         if not 0 < self.monitor_interval_s < math.inf:  # no flag: set by code

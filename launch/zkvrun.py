@@ -22,7 +22,13 @@ means there (``code 4 (refused by the scheduler)``, ``zkv.exit_codes``).
 Restarts (``--max-restarts N``) restart the whole group, like torchrun: a scheduler that
 lost a rank cannot take it back (the rank's cache died with it and the scheduler's tree
 still points into it), so any child's failure tears every child down and starts all of
-them again, up to N times; a fresh scheduler starts from an empty tree.
+them again, up to N times; a fresh scheduler starts from an empty tree. Not after an exit
+that a rerun cannot change: a ``-m zkv.worker`` rank's 2 (bad configuration) or 4 (refused
+by the scheduler), or a scheduler code named by ``--final-codes`` (default 2: a usage or
+configuration error, by convention).
+
+Logs: ``--log-dir``, else ``$ZKV_LOG_DIR``, else ``{tmp}/zkv-logs-{uid}/{run_id}`` (the
+per-user directory is made 0700, and refused if it is not this user's private directory).
 
 Files (single node): ``{tmp}/zkv-{uid}/run-{pid}-{random}/`` (0700) holds the ipc
 sockets and, unless ``--keys`` names a keyring, a fresh per-run CURVE keyring (every
@@ -68,13 +74,15 @@ from launch.env import (
 from zkv import __version__, security
 from zkv import log as zlog
 from zkv.errors import ConfigError
-from zkv.exit_codes import WORKER_EXITS
+from zkv.exit_codes import EXIT_CONFIG, EXIT_REFUSED, WORKER_EXITS
 
 __all__ = ["Endpoints", "LaunchConfig", "describe_exit", "exit_meanings", "main", "make_endpoints",
            "max_local_ranks", "parse_args", "pdeathsig_preexec", "rank_env", "resolve_cmd", "run",
            "scheduler_env"]
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# A zkv.worker rank's exits that a rerun cannot change: no restart after them.
+FINAL_WORKER_EXITS = frozenset({EXIT_CONFIG, EXIT_REFUSED})
 
 
 def describe_exit(code: int, meanings: Mapping[int, str] | None = None) -> str:
@@ -149,6 +157,13 @@ class _Child:
             return {"role": SCHEDULER}
         return {"rank": self.rank, "local_rank": self.local_rank}
 
+    def is_final(self, code: int, final_codes: tuple[int, ...]) -> bool:
+        """Whether exit ``code`` is one no restart can change: a zkv.worker rank's bad
+        configuration or refusal, or a scheduler code in ``final_codes``."""
+        if self.role == SCHEDULER:
+            return code in final_codes
+        return code in FINAL_WORKER_EXITS and exit_meanings(self.cmd) is not None
+
     def alive(self) -> bool:
         return self.proc is not None and not self.done and self.proc.returncode is None
 
@@ -191,6 +206,7 @@ class _Group:
         self.wake = self.sig.wake
         self.attempt = attempt
         self.failed = False  # a child failed (rather than: done, or a signal to zkvrun)
+        self.final = False  # ... with an exit no restart can change
         self._preexec = pdeathsig_preexec()
 
     def on_signal(self, signum: int, _frame: object = None) -> None:
@@ -266,10 +282,14 @@ class _Group:
         if child.role == WORKER and code == 0:
             return None
         self.failed = True
+        self.final = child.is_final(code, self.config.final_codes)
         live = self._live()
         left = self.config.max_restarts - self.attempt
         head = f"zkvrun: {child.name} (pid {child.pid}) exited with {child.how(code)}"
-        if left > 0:
+        if left > 0 and self.final:
+            which = ", one of --final-codes" if child.role == SCHEDULER else ""
+            tail = f"{which}: not restarting; tearing down {len(live)} processes"
+        elif left > 0:
             tail = (f"; tearing down {len(live)} processes, then restarting the group "
                     f"({self.attempt + 1}/{self.config.max_restarts})")
         else:
@@ -278,7 +298,7 @@ class _Group:
         print(head + tail, file=sys.stderr, flush=True)
         self.log.error(zlog.GROUP_FAILED, **child.fields(), child_pid=child.pid, code=code,
                        how=child.how(code), restarts=self.attempt,
-                       num_torn_down=len(live))
+                       num_torn_down=len(live), final=self.final)
         self.teardown(signal.SIGTERM)
         if child.role == SCHEDULER:
             return code if code > 0 else 1
@@ -350,13 +370,26 @@ def _given_log_dir(config: LaunchConfig) -> str | None:
     return config.log_dir or os.environ.get("ZKV_LOG_DIR") or None
 
 
+def _default_log_root() -> str:
+    """``{tmp}/zkv-logs-{uid}``, where runs without a given log directory log."""
+    return os.path.join(tempfile.gettempdir(), f"zkv-logs-{os.geteuid()}")
+
+
+def _make_default_log_root() -> str:
+    """:func:`_default_log_root`, made 0700; ConfigError (one line) unless it is, or can
+    be made, this user's private directory (not a file, not another user's)."""
+    root = _default_log_root()
+    zlog.check_log_dir(root)  # a file in the way: "not a directory"
+    return security.make_private_dir(root, what="log directory", holds="read the logs")
+
+
 def _resolve_defaults(config: LaunchConfig) -> tuple[LaunchConfig, bool]:
     """Fill run_id and log_dir; True when the log dir was chosen here (so we say where)."""
     run_id = config.run_id or f"{uuid.uuid4().hex[:12]}"
     log_dir = _given_log_dir(config)
     chosen = log_dir is None
     if log_dir is None:
-        log_dir = os.path.join(tempfile.gettempdir(), "zkv-logs", run_id)
+        log_dir = os.path.join(_default_log_root(), run_id)
     return dataclasses.replace(config, run_id=run_id, log_dir=os.path.abspath(log_dir)), chosen
 
 
@@ -367,7 +400,8 @@ def _install_handlers(handler: Callable[[int, object], None]) -> dict[int, objec
 
 
 def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig, str | None]:
-    """Validate; the config with ``--config`` parsed once into canonical JSON."""
+    """Validate (the default log root made here: it is checked as it is made); the config
+    with ``--config`` parsed once into canonical JSON."""
     problem = config.check() or (None if worker_cmd else "no per-rank command given")
     try:
         if problem is None and config.config is not None:
@@ -377,6 +411,10 @@ def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig,
         log_dir = _given_log_dir(config)
         if problem is None and log_dir is not None:
             zlog.check_log_dir(log_dir)
+        elif problem is None:
+            _make_default_log_root()
+        if problem is None:
+            zlog.check_level()  # ZKV_LOG_LEVEL, which every child reads
     except ConfigError as e:
         problem = str(e)
     return config, problem
@@ -407,9 +445,9 @@ def run(config: LaunchConfig, worker_cmd: list[str], scheduler_cmd: list[str] | 
         try:
             _clean_stale_runs(log)
             for attempt in range(config.max_restarts + 1):
-                code, failed = _run_group(config, log, signals, attempt, worker_cmd,
-                                          scheduler_cmd)
-                if not failed or attempt == config.max_restarts or signals.received:
+                code, restart = _run_group(config, log, signals, attempt, worker_cmd,
+                                           scheduler_cmd)
+                if not restart or attempt == config.max_restarts or signals.received:
                     return code
                 log.warning(zlog.GROUP_RESTARTED, restart=attempt + 1, code=code,
                             max_restarts=config.max_restarts)
@@ -435,7 +473,8 @@ def _clean_stale_runs(log: zlog.FileLogger) -> None:
 
 def _run_group(config: LaunchConfig, log: zlog.FileLogger, signals: _Signals, attempt: int,
                worker_cmd: list[str], scheduler_cmd: list[str] | None) -> tuple[int, bool]:
-    """One start of the group: ``(exit code, whether a child failed)``."""
+    """One start of the group: ``(exit code, whether a restart may help)``: a child failed,
+    with an exit that is not final."""
     endpoints: Endpoints | None = None
     group: _Group | None = None
     try:
@@ -450,7 +489,7 @@ def _run_group(config: LaunchConfig, log: zlog.FileLogger, signals: _Signals, at
         code = group.start_all()
         if code is None:
             code = group.supervise()
-        return code, group.failed
+        return code, group.failed and not group.final
     except ConfigError as e:
         print(f"zkvrun: error: {e}", file=sys.stderr, flush=True)
         return 2, False
@@ -459,6 +498,18 @@ def _run_group(config: LaunchConfig, log: zlog.FileLogger, signals: _Signals, at
             group.kill_all()
         if endpoints is not None and endpoints.ipc_dir:
             security.remove_run_dir(endpoints.ipc_dir)
+
+
+def _exit_codes(text: str) -> tuple[int, ...]:
+    """``--final-codes``: comma-separated exit codes in [1, 255]; '' for none."""
+    try:
+        codes = tuple(int(c) for c in text.split(",")) if text.strip() else ()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated exit codes, got {text!r}") from None
+    if not all(0 < c < 256 for c in codes):
+        raise argparse.ArgumentTypeError(f"must be exit codes in [1, 255], got {text!r}")
+    return codes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -483,9 +534,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "MASTER_PORT (default 29511)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="times the whole group (scheduler and ranks) is started again after "
-                        "a child fails (default 0)")
+                        "a child fails (default 0); not after a final exit: see "
+                        "--final-codes")
+    p.add_argument("--final-codes", type=_exit_codes, default=(2,), metavar="N[,N...]",
+                   help="the scheduler's exit codes that are results, not failures: no "
+                        "restart after them (comma-separated; default 2, a usage or "
+                        "configuration error; '' for none). A -m zkv.worker rank's 2 (bad "
+                        "configuration) and 4 (refused) are always final")
     p.add_argument("--log-dir", "--log_dir", default=None,
-                   help="default $ZKV_LOG_DIR, else {tmp}/zkv-logs/{run_id}")
+                   help="default $ZKV_LOG_DIR, else {tmp}/zkv-logs-{uid}/{run_id} (made "
+                        "0700)")
     p.add_argument("--run-id", "--run_id", default=None,
                    help="names the log directory (default: a fresh one per run)")
     p.add_argument("--insecure-tcp", "--insecure", action="store_true",
@@ -550,14 +608,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, list[str], 
                      f"'--' goes after a '--' of its own)")
     if ns.module:
         cmd = ["-m", *cmd]
-    scheduler = shlex.split(ns.scheduler) if ns.scheduler else None
+    scheduler = _scheduler_cmd(parser, ns.scheduler)
     config = LaunchConfig(
         nnodes=ns.nnodes, nproc_per_node=ns.nproc_per_node, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port, max_restarts=ns.max_restarts,
         log_dir=ns.log_dir, run_id=ns.run_id, insecure_tcp=ns.insecure_tcp, grace_s=ns.grace_s,
         config=ns.config, keys=ns.keys, allow_remote=ns.allow_remote,
-        force_ranks=ns.force_ranks)
+        force_ranks=ns.force_ranks, final_codes=ns.final_codes)
     return config, cmd, scheduler
+
+
+def _scheduler_cmd(parser: argparse.ArgumentParser, text: str | None) -> list[str] | None:
+    """``--scheduler`` split like a shell would; a usage error (SystemExit 2) when it
+    cannot be split or is empty (the ranks would wait for a scheduler that never starts)."""
+    if text is None:
+        return None
+    try:
+        cmd = shlex.split(text)
+    except ValueError as e:
+        parser.error(f"argument --scheduler: cannot split {text!r}: {e}")
+    if not cmd:
+        parser.error("argument --scheduler: an empty command (leave the option out for "
+                     "no scheduler)")
+    return cmd
 
 
 def main(argv: list[str] | None = None) -> int:

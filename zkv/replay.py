@@ -17,7 +17,8 @@ trip fails the job.
 Exit status: 0 every request served and every reused block verified; 1 a mismatch, a
 failed op or a lost rank; 2 a usage or configuration error (one line on stderr, no
 traceback); 4 requests dropped because they did not fit in the pools (counted in the
-summary). With ``--max-restarts`` a lost rank restarts the whole group (zkvrun).
+summary); 130 interrupted (Ctrl-C: one line, no traceback). With ``--max-restarts`` a lost
+rank restarts the whole group (zkvrun).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from zkv import metrics as M
 from zkv.argtypes import nonneg_float, nonneg_int, port, positive_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
-from zkv.log import check_log_dir
+from zkv.log import check_level, check_log_dir
 from zkv.protocol import CHECK, FILL, H2S, MAX_OPS, S2H, Op, OpResult, as_ids
 from zkv.scheduler.dispatcher import BatchDone
 from zkv.scheduler.eviction import POLICIES as EVICTION_POLICIES
@@ -51,6 +52,7 @@ DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "t
                              "mooncake_synthetic_trace.jsonl")
 _SIM_OP_BASE = 1 << 40  # op ids of the simulated forward pass, apart from the manager's
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DROPPED = 0, 1, 2, 4
+EXIT_INTERRUPTED = 128 + 2  # SIGINT, as a shell reports it
 
 
 # ---------------------------------------------------------------- workloads
@@ -356,6 +358,9 @@ def node_main(args: argparse.Namespace) -> int:
     zlog.configure("scheduler")
     try:
         return _serve(args)
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole group: one line, not a traceback
+        print("zkv replay: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except ConfigError as e:
         print(f"zkv replay: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -519,7 +524,9 @@ def _batch(s: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="zkv replay", description=__doc__.split("\n")[0])
+    # No abbreviations: ``--stora URL`` would get past _without_storage onto the node's
+    # command line, a store password with it (ps).
+    p = _Parser(prog="zkv replay", description=__doc__.split("\n")[0], allow_abbrev=False)
     _workload_args(p)
     _cache_args(p)
     _storage_args(p)
@@ -590,7 +597,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run", "logs, metrics, supervision")
     g.add_argument("--log-dir", default=None,
                    help="where the JSON logs go (default: $ZKV_LOG_DIR, else "
-                        "{tmp}/zkv-logs/{run_id})")
+                        "{tmp}/zkv-logs-{uid}/{run_id})")
     g.add_argument("--metrics-port", type=port, default=None,
                    help="serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any)")
     g.add_argument("--metrics-file", default=None, help="write the final metrics here")
@@ -614,6 +621,7 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
         _check_writable_file("--metrics-file", args.metrics_file)
     if args.log_dir:
         check_log_dir(args.log_dir)
+    check_level()  # ZKV_LOG_LEVEL, which every process of the run reads
     if args.workload == "trace":
         if not os.path.isfile(args.trace):
             raise ConfigError(f"trace not found: {args.trace}")
@@ -711,7 +719,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("ZKV_BACKEND", "cpu")
         cfg = LaunchConfig(nproc_per_node=args.ranks, log_dir=args.log_dir,
                            config=layout.to_json(), max_restarts=args.max_restarts,
-                           force_ranks=args.force)
+                           force_ranks=args.force,
+                           # results a rerun cannot change: a bad flag, dropped requests
+                           final_codes=(EXIT_CONFIG, EXIT_DROPPED))
         return run(cfg, ["-m", "zkv.worker"], sched)
     finally:
         if tmp is not None:

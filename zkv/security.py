@@ -475,9 +475,11 @@ def redact_credentials(text: str) -> str:
     return _CREDENTIALS.sub(r"\1***@", text)
 
 
-def check_private_dir(path: str, *, what: str = "directory") -> None:
+def check_private_dir(path: str, *, what: str = "directory",
+                      holds: str = "reach the sockets or keys") -> None:
     """Refuse (ConfigError) unless ``path`` is a real directory owned by this user that no
-    one else can enter or list (mode 0700 or stricter). Symlinks are refused."""
+    one else can enter or list (mode 0700 or stricter). Symlinks are refused. ``holds``:
+    what others could do in it otherwise, for the message."""
     try:
         st = os.lstat(path)
     except OSError as e:
@@ -489,18 +491,19 @@ def check_private_dir(path: str, *, what: str = "directory") -> None:
                           f"(uid {os.geteuid()}); refusing to use it")
     if st.st_mode & 0o077:
         raise ConfigError(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):o}; it must "
-                          "be 700 (others could reach the sockets or keys in it)")
+                          f"be 700 (others could {holds} in it)")
 
 
-def make_private_dir(path: str) -> str:
-    """Create ``path`` (mode 0700), or check it when it exists; return it."""
+def make_private_dir(path: str, **check: str) -> str:
+    """Create ``path`` (mode 0700), or check it when it exists (``check``: the wording of
+    :func:`check_private_dir`); return it."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     except OSError as e:
         raise ConfigError(f"cannot create {path}: {e.strerror}") from None
-    check_private_dir(path)
+    check_private_dir(path, **check)
     return path
 
 

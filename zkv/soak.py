@@ -46,7 +46,7 @@ from zkv import protocol as P
 from zkv.argtypes import nonneg_int, positive_float, positive_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
-from zkv.log import check_log_dir
+from zkv.log import check_level, check_log_dir
 from zkv.replay import chat_max_prompt_blocks
 from zkv.scheduler.manager import CacheConfig, CacheManager
 
@@ -258,6 +258,17 @@ class Soak:
         self._new_scheduler()
         self.report.epochs += 1
 
+    def close(self) -> None:
+        """Undo a lasting fault, reap the ranks, close the scheduler's sockets."""
+        if self.pending is not None:
+            self.pending()
+            self.pending = None
+        self._stop_ranks()
+        if self.dp is not None:
+            self.dp.close(shutdown=False)
+            self.dp = self.rp = None
+        self.ctx.term()
+
     def _rank_stats(self) -> tuple[int, int]:
         stats = [process_stats(p.pid) for p in self.procs]
         return sum(f for f, _ in stats), sum(r for _, r in stats)
@@ -451,7 +462,8 @@ def soak_layout(args: argparse.Namespace) -> CacheLayout:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="zkv soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="zkv soak", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--seconds", type=positive_float, default=120.0,
                    help="how long to replay (default: %(default)s)")
     p.add_argument("--ranks", type=positive_int, default=2,
@@ -460,8 +472,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="seed of the workload and of the faults' order (default: %(default)s)")
     p.add_argument("--fault-every", type=positive_float, default=1.0,
                    help="seconds between faults (default: %(default)s)")
-    p.add_argument("--faults", default=",".join(FAULTS),
-                   help="comma-separated subset of %(default)s (default: all)")
+    p.add_argument("--faults", default=None,
+                   help=f"comma-separated subset of {','.join(FAULTS)} (default: all; "
+                        "all but forged at --ranks 1)")
     p.add_argument("--check-every", type=positive_int, default=10,
                    help="steps between invariant checks (default: %(default)s)")
     p.add_argument("--device-blocks", type=int, default=512,
@@ -476,11 +489,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="more ranks than 4 per core, or pools past the memory there is")
     args = p.parse_args(argv)
-    args.faults = [f for f in args.faults.split(",") if f]
+    if args.faults is None:  # forged needs another rank's key to speak with
+        args.faults = [f for f in FAULTS if args.ranks > 1 or f != "forged"]
+    else:
+        args.faults = [f for f in args.faults.split(",") if f]
     bad = set(args.faults) - set(FAULTS)
     if bad or not args.faults:
         p.error(f"unknown faults {sorted(bad)}; choose from {','.join(FAULTS)}" if bad else
                 f"--faults names none; choose from {','.join(FAULTS)}")
+    if args.ranks == 1 and "forged" in args.faults:  # it would forge with rank 0's own key
+        p.error("--faults forged needs --ranks 2 or more (it speaks with another rank's key)")
+    # Every listed fault is injected once in order, --fault-every apart, before the soak ends.
+    needed = len(args.faults) * args.fault_every
+    if args.seconds < needed:
+        p.error(f"--seconds {args.seconds:g} is too short to inject {len(args.faults)} faults "
+                f"--fault-every {args.fault_every:g} s apart; give --seconds >= {needed:g} "
+                "or fewer --faults")
     if args.device_blocks < MIN_DEVICE_BLOCKS:  # else every request is dropped: no batch is
         # sent, and a fault that only traffic shows (a killed rank) goes unseen
         p.error(f"--device-blocks must be >= {MIN_DEVICE_BLOCKS} (the longest chat prompt "
@@ -494,41 +518,57 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         short = pools_shortfall(soak_layout(args))
         if short:
             p.error(f"{short}; lower them or pass --force")
-    if args.log_dir:
-        try:
+    try:
+        if args.log_dir:
             check_log_dir(args.log_dir)
-        except ConfigError as e:
-            p.error(str(e))
+        check_level()  # ZKV_LOG_LEVEL, which every process of the soak reads
+    except ConfigError as e:
+        p.error(str(e))
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # so main's cleanup runs: ranks reaped, run dir removed
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 / 1 (see the module docstring), 2 a bad flag, 130 interrupted (SIGINT),
+    143 terminated (SIGTERM); interrupted or terminated, the report so far is printed and
+    the run directory removed."""
     from zkv import log as zlog
     from zkv import security
 
     args = _parse(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
     security.clean_stale_runs(base)
     run_dir = security.make_run_dir(base, prefix="soak-")
-    soak = Soak(args, run_dir)
-    zlog.configure("soak", log_dir=soak.log_dir, level="warning")
+    soak: Soak | None = None
+    stopped = 0  # the exit status of the signal that stopped the soak, if one did
     try:
+        soak = Soak(args, run_dir)
+        zlog.configure("soak", log_dir=soak.log_dir, level="warning")
         try:
-            report = soak.run()
+            soak.run()
         except (TimeoutError, RankLost) as e:  # a rank that never came back: in the report
-            report = soak.report
-            report.unexpected.append(f"{type(e).__name__}: {e}")
+            soak.report.unexpected.append(f"{type(e).__name__}: {e}")
         soak._end_epoch(shutdown=True)
+    except KeyboardInterrupt:
+        stopped = 128 + signal.SIGINT
+    except SystemExit as e:  # _exit_on_sigterm
+        stopped = e.code if isinstance(e.code, int) else 1
     finally:
-        if soak.pending is not None:
-            soak.pending()
-        soak._stop_ranks()
-        if soak.dp is not None:
-            soak.dp.close(shutdown=False)
-        soak.ctx.term()
+        if soak is not None:
+            soak.close()
         security.remove_run_dir(run_dir)
-    print("\n".join(report.lines(soak.layout.block_bytes, args.ranks)), flush=True)
-    return 0 if report.ok else 1
+    if soak is not None:  # (the report so far, when a signal stopped it)
+        print("\n".join(soak.report.lines(soak.layout.block_bytes, args.ranks)), flush=True)
+    if stopped:
+        what = "interrupted" if stopped == 128 + signal.SIGINT else "terminated"
+        print(f"zkv soak: {what}", file=sys.stderr, flush=True)
+        return stopped
+    assert soak is not None
+    return 0 if soak.report.ok else 1
 
 
 if __name__ == "__main__":

@@ -129,3 +129,76 @@ def test_a_rank_that_never_comes_back_is_in_the_report_not_a_traceback() -> None
     assert "Traceback" not in r.stderr, r.stderr
     assert "  unexpected   TimeoutError: ranks [1] of 2 did not join within 120.0 s" in r.stdout
     assert re.search(r"ranks +fds \d+ -> \d+", r.stdout) and "restart 0/1" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    # was: ran 40 s, every listed fault waited for (--seconds 3 not honoured)
+    (["--seconds", "3", "--fault-every", "20", "--faults", "junk,forged"],
+     "--seconds 3 is too short to inject 2 faults --fault-every 20 s apart; give --seconds "
+     ">= 40 or fewer --faults"),
+    # was: always failed, forging with rank 0's own key (a genuine Bye)
+    (["--ranks", "1", "--faults", "junk,forged"],
+     "--faults forged needs --ranks 2 or more (it speaks with another rank's key)"),
+    # was: --stora abbreviated --store-mb silently
+    (["--stor", "64"], "unrecognized arguments: --stor 64"),
+])
+def test_runs_it_could_not_honour_are_refused(args: list[str], message: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from zkv.soak import _parse
+
+    with pytest.raises(SystemExit) as e:
+        _parse(args)  # before any process or directory is made
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"zkv soak: error: {message}"
+
+
+def test_the_defaults_fit_and_one_rank_leaves_forged_out() -> None:
+    from zkv.soak import _parse
+
+    assert _parse([]).faults == list(FAULTS)
+    assert _parse(["--ranks", "1"]).faults == [f for f in FAULTS if f != "forged"]
+
+
+def _soak_run_dirs(pid: int) -> list[Path]:
+    import os
+
+    root = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"zkv-{os.geteuid()}"
+    return list(root.glob(f"soak-{pid}-*")) if root.is_dir() else []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, pidfds")
+@pytest.mark.parametrize("sig, status, line", [
+    ("SIGINT", 130, "zkv soak: interrupted"),  # was: a traceback
+    ("SIGTERM", 143, "zkv soak: terminated"),  # was: no report, 250+ MB left in /dev/shm
+])
+def test_a_signalled_soak_reports_and_leaves_nothing(tmp_path: Path, sig: str, status: int,
+                                                     line: str) -> None:
+    import signal
+
+    from tests.waiting import wait_exited, wait_until
+
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "soak", "--seconds", "600",
+                             "--fault-every", "60", "--faults", "junk", "--log-dir", str(logs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    ranks: list[int] = []
+
+    def running() -> bool:  # both ranks started: the soak is in its run loop
+        assert proc.poll() is None
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text()
+        ranks[:] = [int(c) for c in children.split()]
+        return len(ranks) == 2 and bool(_soak_run_dirs(proc.pid))
+
+    try:
+        wait_until(running, 120, "the soak's ranks")
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    wait_exited(ranks, 30, "the soak's ranks")
+    assert proc.returncode == status, out + err
+    assert "Traceback" not in err and err.splitlines()[-1] == line, err
+    assert re.search(r"requests\s+\d+ in \d+ steps", out), out  # the report so far
+    assert _soak_run_dirs(proc.pid) == []

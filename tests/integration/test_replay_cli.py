@@ -4,6 +4,7 @@ at the ranks' hello with the differing field named."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -110,6 +111,27 @@ def test_dropped_requests_are_counted_and_fail_the_status(tmp_path: Path) -> Non
     assert "zkvrun: scheduler (pid" in r.stderr and "exited with code 4" in r.stderr
 
 
+def test_dropped_requests_are_a_result_not_restarted(tmp_path: Path) -> None:
+    """--max-restarts restarts after a lost rank, not after a result a rerun cannot change:
+    dropped requests (4) are said once. (Before, the whole job ran again: two summaries,
+    the second against the first run's L3.)"""
+    r = _run(tmp_path, "--requests", "6", "--device-blocks", "20", "--host-blocks", "8",
+             "--store-dir", "none", "--max-restarts", "2")
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert len(re.findall(r"dropped\s+6 requests", r.stdout)) == 1, r.stdout
+    assert "exited with code 4, one of --final-codes: not restarting" in r.stderr, r.stderr
+    assert "restarting the group" not in r.stderr
+
+
+def test_a_log_level_typo_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--log-dir",
+                        str(tmp_path / "logs")], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "ZKV_LOG_LEVEL": "verbose"})
+    assert r.returncode == 2 and r.stdout == "" and not (tmp_path / "logs").exists()
+    assert r.stderr == ("zkv replay: error: ZKV_LOG_LEVEL must be one of debug, info, "
+                        "warning, error, critical, got 'verbose'\n")
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_sigkilled_replay_leaves_an_l3_dir_the_next_replay_removes(tmp_path: Path) -> None:
     import os
@@ -212,3 +234,47 @@ def test_progress_is_a_bar_on_a_terminal_and_nothing_when_piped(tmp_path: Path) 
     piped = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert piped.returncode == 0, piped.stdout + piped.stderr
     assert "replay:" not in piped.stderr and "\r" not in piped.stderr, piped.stderr
+
+
+def test_an_abbreviated_flag_is_refused_and_starts_nothing(tmp_path: Path) -> None:
+    """Was: ``--stora URL`` was taken for --storage and, unlike --storage, passed on to the
+    scheduler node's command line, its password with it (``ps``)."""
+    r = _run(tmp_path, "--stora", "redis://:sekrit@127.0.0.1:6399/0", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        "zkv replay: error: unrecognized arguments: --stora redis://:sekrit@127.0.0.1:6399/0"]
+    assert r.stdout == "" and not (tmp_path / "logs").exists()  # nothing was launched
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, pidfds")
+def test_ctrl_c_is_one_line_and_status_130(tmp_path: Path) -> None:
+    """Ctrl-C signals the whole foreground group: zkvrun, the scheduler node, the ranks.
+    Was: the node's KeyboardInterrupt traceback."""
+    import os
+    import signal
+
+    from tests.waiting import wait_exited, wait_until
+
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "replay", "--no-progress",
+                             "--requests", "100000", "--store-dir", "none", "--log-dir",
+                             str(logs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        sched_log = logs / "scheduler.jsonl"
+
+        def serving() -> bool:  # the node published a batch: it is in its replay loop
+            assert proc.poll() is None
+            return sched_log.exists() and "dispatcher.batch_published" in sched_log.read_text()
+
+        wait_until(serving, 120, "the replay's first batch")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    wait_exited([proc.pid], 10, "zkv replay")
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err, err
+    assert "zkv replay: interrupted" in err.splitlines(), err

@@ -161,3 +161,29 @@ def test_run_defaults_log_dir_and_run_id(tmp_path: Path, monkeypatch: pytest.Mon
     assert run(LaunchConfig(), [sys.executable, "-c", code], None) == 0
     assert os.path.exists(tmp_path / "envlogs" / "launcher.jsonl")
     assert capsys.readouterr().err == ""  # the directory was given: nothing to announce
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("-m 'unclosed", "argument --scheduler: cannot split \"-m 'unclosed\": No closing quotation"),
+    ("", "argument --scheduler: an empty command (leave the option out for no scheduler)"),
+    ("  ", "argument --scheduler: an empty command (leave the option out for no scheduler)"),
+])
+def test_a_scheduler_command_that_is_no_command_is_a_usage_error(
+        value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was: a ValueError traceback from shlex, or (empty) no scheduler at all, with the
+    ranks waiting for one forever."""
+    assert main(["--scheduler", value, "-c", "pass"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"zkvrun: error: {message}"
+
+
+def test_final_codes_are_parsed_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(["-c", "pass"])[0].final_codes == (2,)
+    assert parse_args(["--final-codes", "1,4", "-c", "pass"])[0].final_codes == (1, 4)
+    assert parse_args(["--final-codes=", "-c", "pass"])[0].final_codes == ()
+    for bad, why in (("1,x", "comma-separated exit codes"), ("0", "exit codes in [1, 255]"),
+                     ("256", "exit codes in [1, 255]")):
+        assert main(["--final-codes", bad, "-c", "pass"]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == \
+            f"zkvrun: error: argument --final-codes: must be {why}, got {bad!r}"
+    assert LaunchConfig(final_codes=(0,)).check() == \
+        "--final-codes must be exit codes in [1, 255], got 0"

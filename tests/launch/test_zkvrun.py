@@ -336,6 +336,16 @@ def test_a_log_dir_that_is_a_file_is_one_line_and_starts_nothing(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]  # nothing started
 
 
+def test_a_log_level_typo_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    """Every child reads ZKV_LOG_LEVEL: a typo logged at info everywhere, silently."""
+    r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs"), "-c",
+                   "open('started', 'w')", ZKV_LOG_LEVEL="verbose")
+    assert r.returncode == 2
+    assert r.stderr == ("zkvrun: error: ZKV_LOG_LEVEL must be one of debug, info, warning, "
+                        "error, critical, got 'verbose'\n")
+    assert not (tmp_path / "started").exists()
+
+
 def test_second_node_ranks_and_tcp_endpoints(tmp_path: Path) -> None:
     worker = script(tmp_path, "worker.py", WRITE_ENV)
     logs = tmp_path / "logs"
@@ -498,3 +508,73 @@ d.close()
             "processes") in r.stderr, r.stderr
     (exited,) = [e for e in events(tmp_path / "logs") if e["event"] == zlog.RANK_EXITED]
     assert exited["how"] == "code 4 (refused by the scheduler)"
+
+
+@pytest.mark.parametrize(("code", "flags"), [(2, ()), (7, ("--final-codes", "1,7"))])
+def test_a_final_scheduler_exit_is_not_restarted(tmp_path: Path, code: int,
+                                                  flags: tuple[str, ...]) -> None:
+    """A scheduler's usage / configuration error (2), or a code named by --final-codes, is
+    a result no rerun changes: was, --max-restarts 2 ran the group three times."""
+    worker = script(tmp_path, "worker.py", WRITE_ENV + "park()\n")
+    sched = script(tmp_path, "sched.py", rf'''
+with open(os.path.join(OUT, "attempts"), "a") as f:
+    f.write("x\n")
+wait_for("env-0.json")
+sys.exit({code})
+''')
+    logs = tmp_path / "logs"
+    r = run_zkvrun(tmp_path, "--max-restarts", "2", *flags, "--log-dir", str(logs),
+                   "--scheduler", sched, worker)
+    assert r.returncode == code, r.stderr
+    assert (tmp_path / "attempts").read_text() == "x\n"
+    pid = next(e["child_pid"] for e in events(logs) if e["event"] == zlog.SCHEDULER_STARTED)
+    assert r.stderr.splitlines()[-1] == (
+        f"zkvrun: scheduler (pid {pid}) exited with code {code}, one of --final-codes: not "
+        "restarting; tearing down 1 processes")
+    assert not [e for e in events(logs) if e["event"] == zlog.GROUP_RESTARTED]
+    assert pid_gone(json.loads((tmp_path / "env-0.json").read_text())["pid"])
+
+
+def test_a_zkv_worker_rank_with_a_bad_configuration_is_not_restarted(tmp_path: Path) -> None:
+    """A ``-m zkv.worker`` rank's 2 (bad configuration) comes back on every rerun: was,
+    ``ZKV_BACKEND=bogus`` with --max-restarts 3 ran four times. (Another program's 2 or 4
+    is its own: test_restarts_run_out restarts it.)"""
+    layout = CacheLayout(2, 2, 16, 32, "float16", 8, 8)
+    logs = tmp_path / "logs"
+    r = run_zkvrun(tmp_path, "--max-restarts", "3", "--log-dir", str(logs),
+                   "--config", layout.to_json(), "-m", "zkv.worker", ZKV_BACKEND="bogus")
+    assert r.returncode == 1, r.stderr
+    (started,) = [e for e in events(logs) if e["event"] == zlog.RANK_STARTED]
+    assert r.stderr.splitlines()[-1] == (
+        f"zkvrun: rank 0 (pid {started['child_pid']}) exited with code 2 (bad configuration): "
+        "not restarting; tearing down 0 processes")
+    (failed,) = [e for e in events(logs) if e["event"] == zlog.GROUP_FAILED]
+    assert (failed["code"], failed["final"]) == (2, True)
+
+
+def test_the_default_log_dir_is_per_user_and_private(tmp_path: Path) -> None:
+    """Was: ``{tmp}/zkv-logs``, shared by every user and never checked."""
+    root = tmp_path / f"zkv-logs-{os.geteuid()}"
+    r = run_zkvrun(tmp_path, "--run-id", "r1", "-c", "pass", TMPDIR=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == f"zkvrun: run r1, logs in {root / 'r1'}\n"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert [e["event"] for e in events(root / "r1")][-1] == zlog.GROUP_STOPPED
+
+
+@pytest.mark.parametrize("kind", ["file", "open_dir"])
+def test_a_default_log_dir_that_cannot_be_ours_is_one_line_and_starts_nothing(
+        tmp_path: Path, kind: str) -> None:
+    """Was: every process said it could not open its log file, and logged to stderr."""
+    root = tmp_path / f"zkv-logs-{os.geteuid()}"
+    if kind == "file":
+        root.write_bytes(b"")
+        why = ": not a directory"
+    else:
+        root.mkdir()
+        root.chmod(0o755)  # others could read the logs in it
+        why = " has mode 755; it must be 700 (others could read the logs in it)"
+    r = run_zkvrun(tmp_path, "-c", "open('started', 'w')", TMPDIR=str(tmp_path))
+    assert r.returncode == 2
+    assert r.stderr == f"zkvrun: error: log directory {root}{why}\n"
+    assert not (tmp_path / "started").exists()
