@@ -352,6 +352,8 @@ class ZapHandler:
             if self._domains:
                 return
             ZapHandler._by_context.pop(id(self._ctx), None)
+            if self._stop_out.closed:  # the context ended first: the thread is gone
+                return
         self._stop_out.send(b"stop")  # (one caller gets here: the last domain's)
         self._thread.join(5.0)
         self._stop_out.close(0)
@@ -376,6 +378,12 @@ class ZapHandler:
                 if self._zap in ready:
                     req = self._zap.recv_multipart()
                     self._zap.send_multipart(self._answer(req))
+        except zmq.ContextTerminated:  # the context ended under a registered domain (its
+            with ZapHandler._lock:     # owner stopped mid-construction, say): end with it
+                if ZapHandler._by_context.get(id(self._ctx)) is self:
+                    del ZapHandler._by_context[id(self._ctx)]
+                self._domains.clear()
+                self._stop_out.close(0)  # (no unregister will use it: it waits for term)
         finally:
             self._zap.close(0)
             self._stop_in.close(0)

@@ -371,3 +371,22 @@ def test_a_socket_that_cannot_be_made_leaves_nothing_open(eps: tuple[str, str],
         ender.start()
         ender.join(5.0)
     assert not ender.is_alive(), "a socket left open keeps the context from ending"
+
+
+def test_a_context_ended_under_a_registered_domain_ends_the_zap_thread_quietly() -> None:
+    """Its owner stopped before it closed (SIGTERM while a dispatcher was being made, in
+    zkv soak): the ZAP thread ends with the context, which ends, and a late unregister is
+    a no-op. (Before, the thread died with a ContextTerminated traceback on stderr.)"""
+    import threading
+
+    from zkv.security import ZapHandler
+
+    c: zmq.Context[Any] = zmq.Context()
+    handler = ZapHandler.register(c, "zkv-orphan", None)
+    ender = threading.Thread(target=c.term, daemon=True)
+    ender.start()
+    ender.join(5.0)
+    assert not ender.is_alive(), "a socket of the ZAP handler kept the context from ending"
+    handler._thread.join(5.0)
+    assert not handler._thread.is_alive() and id(c) not in ZapHandler._by_context
+    handler.unregister("zkv-orphan")

@@ -223,8 +223,8 @@ class Dispatcher:
             self._setup_sockets(keys, pub_endpoint, pull_endpoint)
             self._pub.bind(pub_endpoint)
             self._pull.bind(pull_endpoint)
-        except (zmq.ZMQError, ConfigError):
-            for sock in opened:  # first: unregistering takes a socket of its own
+        except BaseException:  # a socket error, a bad key, SystemExit from a signal
+            for sock in opened:
                 sock.close(0)
             if zap is not None:
                 zap.unregister(self._domain)
