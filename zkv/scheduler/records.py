@@ -126,11 +126,6 @@ class PendingOp:
     def num_blocks(self) -> int:
         return sum(self.counts)
 
-    @property
-    def req_ids(self) -> list[str | None]:
-        """The request id per entry (None: no request's)."""
-        return [None if st is None else st.req_id for st in self.reqs]
-
 
 @dataclass(slots=True)
 class CacheStats:

@@ -189,10 +189,10 @@ class ZkvConnector(KVConnectorBase_V1):
             zlog.configure("connector", self.rank, self.cfg.log_dir, self.cfg.log_level)
             self.worker = WorkerHalf(self.cfg, self.rank)
 
-    def _resolved_layout(self, vllm_config: VllmConfig) -> str | None:
+    def _resolved_layout(self) -> str | None:
         """The KV cache layout the engine resolved (vLLM 0.32 on; None before)."""
         return (getattr(self._kv_cache_config, "kv_cache_layout", None)
-                or getattr(vllm_config.cache_config, "kv_cache_layout", None))
+                or getattr(self._vllm_config.cache_config, "kv_cache_layout", None))
 
     def _layout(self, kv_layout: str) -> Any:
         itemsize = torch.empty(0, dtype=getattr(torch, self.geo.dtype)).element_size()
@@ -207,7 +207,7 @@ class ZkvConnector(KVConnectorBase_V1):
 
         zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level)
         layout = self._layout(expected_kv_layout(current_platform.is_cpu(),
-                                                 self._resolved_layout(vllm_config)))
+                                                 self._resolved_layout()))
         check_host_memory(layout)
         pub, pull, self._ipc_dir = ipc_endpoints(self.engine_id, create=True)
         claim_engine_dir(self._ipc_dir)
@@ -243,7 +243,7 @@ class ZkvConnector(KVConnectorBase_V1):
         assert self.worker is not None
         cpu = current_platform.is_cpu()
         names, views, kind = kv_views(kv_caches, self.geo, cpu=cpu)
-        resolved = self._resolved_layout(self._vllm_config)
+        resolved = self._resolved_layout()
         if resolved is not None and kind != expected_kv_layout(cpu, resolved):
             # (the scheduler half would refuse the rank: its layout differs, less clearly)
             raise ConfigError(f"zkv: vLLM's KV tensors are {kind}, but vLLM resolved the "

@@ -677,7 +677,7 @@ class SchedulerHalf:
         """The requests whose saves are among ``ops`` (taken: pending in the ledger, which
         keeps one save op per request)."""
         pending = [self.cm.ledger.pending[op.id] for op in ops]
-        return [rid for p in pending if p.kind == SAVE for rid in p.req_ids[:1] if rid]
+        return [p.reqs[0].req_id for p in pending if p.kind == SAVE and p.reqs[0] is not None]
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Commit acks until no batch is in flight (shutdown, tests, benchmarks)."""
