@@ -17,8 +17,9 @@ fallback). ``--threads 1 2`` repeats the CPU table per torch thread count (that 
 changes the contiguous ``copy_``: the backend copies in the calling thread).
 
 The CuPy part runs when CUDA is available: the pinned pool's time to ready (mmap +
-cudaHostRegister vs torch ``pin_memory``), the copies with an HND cache and with vLLM
-flash-attn's NHD views, and the layer-wise load: time to the first layer ready vs the
+cudaHostRegister vs torch ``pin_memory``), the copies with an HND cache, with vLLM
+flash-attn's NHD views (before 0.32) and with vLLM 0.32's LBNHC tensors (NHC: each block's
+two dense halves), and the layer-wise load: time to the first layer ready vs the
 full load, and a per-layer matmul "forward" that waits layer by layer vs for the whole
 load. Memory is touched before timing (an untouched calloc
 page reads as the shared zero page).
@@ -118,7 +119,8 @@ def touch(t: torch.Tensor, gen: torch.Generator) -> None:
     u8 = t.view(torch.uint8).view(-1)
     row = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen).to(t.device)
     full = u8.numel() // row.numel()
-    u8[: full * row.numel()].view(full, -1).copy_(row.expand(full, -1))
+    if full:
+        u8[: full * row.numel()].view(full, -1).copy_(row.expand(full, -1))
     u8[full * row.numel() :].fill_(7)
 
 
@@ -208,11 +210,13 @@ def bench_cupy(args: argparse.Namespace, lay: CacheLayout, n: int) -> None:
     rng = np.random.default_rng(args.seed)
     src = rng.choice(lay.num_device_blocks, n, replace=False).astype("<i4")
     dst = rng.choice(lay.num_host_blocks, n, replace=False).astype("<i4")
-    for order in ("HND", "NHD"):
+    for order in ("HND", "NHD", "NHC"):
         kv, host = setup(backend, lay, args.seed)
         if order == "NHD":  # vLLM flash-attn: per layer [2, blocks, block, heads, dim]
             kv = [t.view(2, lay.num_device_blocks, lay.block_size, lay.kv_heads, lay.head_dim)
                   for t in _fused(backend, lay)]
+        elif order == "NHC":
+            kv = _vllm032_lbnhc(backend, lay)
         spec = backend.register(kv, host)
         bench_cupy_copies(args, backend, lay, spec, host, src, dst, order)
         if order == "HND":
@@ -229,6 +233,23 @@ def _fused(backend: CopyBackend, lay: CacheLayout) -> list[torch.Tensor]:
                         dtype=torch_dtype(lay), device=backend.device)
         touch(t, gen)
         out.append(t)
+    return out
+
+
+def _vllm032_lbnhc(backend: CopyBackend, lay: CacheLayout) -> list[Any]:
+    """vLLM 0.32's flash-attn / Triton tensors (LBNHC): per layer [blocks, heads, block,
+    2*dim] over [blocks][block][heads][2*dim] memory, as the connector's worker half splits
+    them (each block's two dense halves)."""
+    from zkv.integrations.vllm.layout import Geometry, split_kv
+
+    geo = Geometry(lay.num_layers, lay.kv_heads, lay.block_size, lay.head_dim, lay.dtype,
+                   lay.num_device_blocks)
+    shape = (lay.num_device_blocks, lay.block_size, lay.kv_heads, 2 * lay.head_dim)
+    out = []
+    for i, t in enumerate(_fused(backend, lay)):
+        k, v, kind = split_kv(f"l{i}", t.view(shape).permute(0, 2, 1, 3), geo, cpu=False)
+        assert kind == "NHC", kind
+        out.append((k, v))
     return out
 
 

@@ -206,6 +206,24 @@ def test_vllm_032_gpu_tensors_move_whole_blocks(name: str) -> None:
         assert _bytes(t[0]) != _bytes(t[1])  # (random bytes: the copy did it)
 
 
+@pytest.mark.parametrize("name", ["LBNHC", "LBHNC", "BLNHC", "BLHNC"])
+def test_the_kernel_tests_build_vllm_032_tensors_as_vllm_does(name: str) -> None:
+    """The CPU, fake-CuPy and GPU copy tests build vLLM 0.32's tensors without vLLM
+    (``tests.kernels.engine_layouts.vllm032_views``, so a GPU machine need not have it):
+    the same shapes, strides and offsets as vLLM's own ``create_kv_cache_views``."""
+    pytest.importorskip("vllm")
+    from tests.kernels.engine_layouts import vllm032_views
+
+    geo = Geometry(num_layers=3, kv_heads=4, block_size=16, head_dim=8, dtype="float16",
+                   num_blocks=6)
+    raw, theirs = _vllm_views(name, geo)
+    ours = vllm032_views(name, raw.view(torch.float16), num_layers=3, num_blocks=6,
+                         kv_heads=4, block_size=16, head_dim=8)
+    assert [(t.shape, t.stride(), t.storage_offset()) for t in ours] == \
+        [(t.shape, t.stride(), t.storage_offset()) for t in theirs]
+    assert all(_bytes(a) == _bytes(b) for a, b in zip(ours, theirs))
+
+
 def test_vllm_032_layouts_without_dense_blocks_are_refused() -> None:
     """A layout whose heads are outside the blocks (LHBNC: [heads][blocks][block][C] per
     layer) leaves a block in pieces: refused at registration, naming the way out."""

@@ -3,12 +3,14 @@ fake-CuPy and GPU tests)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from tests.kernels.helpers import as_bytes, clone, ids, layout, randomize, same_caches
 from zkv.config import CacheLayout
+from zkv.integrations.vllm.layout import Geometry, split_kv
 from zkv.kernels.base import CopyBackend
 from zkv.kernels.layout import KVSpec
 from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
@@ -64,6 +66,40 @@ def _mla_latent(gen: torch.Generator, device: str) -> tuple[list[Any], list[torc
     return list(ts), ts
 
 
+def vllm032_views(name: str, raw: torch.Tensor, *, num_layers: int, num_blocks: int,
+                  kv_heads: int, block_size: int, head_dim: int) -> list[torch.Tensor]:
+    """vLLM 0.32's per-layer ``[blocks, heads, block, 2*dim]`` views of one flat buffer in a
+    resolved layout (``LBNHC``: flash-attn and Triton; ``LBHNC``: FlashInfer on SM100; ``BL*``:
+    block-major), with the strides vLLM's ``create_kv_cache_views`` gives them:
+    ``tests/integrations/test_vllm_config_layout.py`` checks that against vLLM's own code
+    where vLLM is installed, so the GPU tests can build the same tensors without it."""
+    c = 2 * head_dim
+    page = kv_heads * block_size * c
+    layer_stride, block_stride = ((num_blocks * page, page) if name.startswith("LB")
+                                  else (page, num_layers * page))
+    inner = {"HNC": (block_size * c, c, 1), "NHC": (c, kv_heads * c, 1)}[name[2:]]
+    return [torch.as_strided(raw, (num_blocks, kv_heads, block_size, c),
+                             (block_stride, *inner), raw.storage_offset() + i * layer_stride)
+            for i in range(num_layers)]
+
+
+def _vllm032(name: str) -> Any:
+    """vLLM 0.32 on a GPU: the worker half's (K, V) halves of each layer's dense blocks."""
+    def make(gen: torch.Generator, device: str) -> tuple[list[Any], list[torch.Tensor]]:
+        raw = _t((3 * NUM_BLOCKS * HEADS * BLOCK * 2 * DIM,), gen, device)
+        geo = Geometry(num_layers=3, kv_heads=HEADS, block_size=BLOCK, head_dim=DIM,
+                       dtype="float16", num_blocks=NUM_BLOCKS)
+        views = vllm032_views(name, raw, num_layers=3, num_blocks=NUM_BLOCKS,
+                              kv_heads=HEADS, block_size=BLOCK, head_dim=DIM)
+        pairs = []
+        for i, t in enumerate(views):
+            k, v, kind = split_kv(f"l{i}", t, geo, cpu=False)
+            assert kind == name[2:], (name, kind)
+            pairs.append((k, v))
+        return pairs, [raw]
+    return make
+
+
 ENGINE_LAYOUTS = {
     "hnd_pairs": _hnd_pairs,
     "nhd_pairs": _nhd_pairs,
@@ -72,6 +108,7 @@ ENGINE_LAYOUTS = {
     "flashinfer_hnd": _flashinfer_hnd,
     "vllm_cpu": _vllm_cpu,
     "mla_latent": _mla_latent,
+    **{f"vllm032_{n.lower()}": _vllm032(n) for n in ("LBNHC", "LBHNC", "BLNHC", "BLHNC")},
 }
 
 
@@ -86,6 +123,8 @@ def engine_caches(name: str, seed: int = 0, device: str = "cpu"
     else:
         lay = layout("float16", num_layers=3, kv_heads=HEADS, block_size=BLOCK, head_dim=DIM,
                      num_device_blocks=NUM_BLOCKS)
+    if name.startswith("vllm032_"):
+        lay = replace(lay, kv_layout=name[-3:].upper())
     return lay, caches, owners
 
 
