@@ -3,11 +3,14 @@ tests catch it (a test that cannot fail proves nothing)::
 
     ZKV_MUTANT=no_compute_wait python3 -m pytest -p bench.gpu_mutants tests/worker/test_actor_gpu.py
     ZKV_MUTANT=no_start_wait   python3 -m pytest -p bench.gpu_mutants tests/worker/test_actor_gpu.py
+    ZKV_MUTANT=no_follow       python3 -m pytest -p bench.gpu_mutants tests/worker/test_actor_gpu.py
 
 ``no_compute_wait``: ``wait_event_on_compute`` enqueues nothing (the model reads a layer
 while its copy runs). ``no_start_wait``: ``begin_batch`` does not make the transfer stream
 wait for the model's stream (a d2h reads before the model's writes, an h2d overwrites a
-block the model still reads). Each must fail tests there; bench/gpu_checks.sh runs both.
+block the model still reads). ``no_follow``: the actor keeps the stream it was built on
+when the model moves to another (a d2h reads before the writes on the new stream). Each
+must fail tests there; bench/gpu_checks.sh runs each.
 """
 
 from __future__ import annotations
@@ -30,5 +33,13 @@ def pytest_configure(config: Any) -> None:
             return None
 
         cupy_backend.CupyBackend.begin_batch = begin_batch  # type: ignore
+    elif mutant == "no_follow":
+        from zkv.worker.actor import WorkerActor
+
+        def follow_compute_stream(self: Any) -> None:
+            return None
+
+        WorkerActor.follow_compute_stream = follow_compute_stream  # type: ignore
     else:
-        raise SystemExit(f"ZKV_MUTANT must be no_compute_wait or no_start_wait, got {mutant!r}")
+        raise SystemExit("ZKV_MUTANT must be no_compute_wait, no_start_wait or no_follow, "
+                         f"got {mutant!r}")

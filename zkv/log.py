@@ -59,6 +59,7 @@ DEVICE_FAILED = "worker.device_failed"
 BACKEND_READY = "worker.backend_ready"
 IO_DONE = "worker.io_done"
 IO_DROPPED = "worker.io_dropped"
+COMPUTE_STREAM = "worker.compute_stream"
 # storage (L3)
 BLOCK_REFUSED = "storage.block_refused"
 STORE_UNREACHABLE = "storage.store_unreachable"

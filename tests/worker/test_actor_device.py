@@ -130,6 +130,27 @@ def test_d2h_waits_for_the_stream_of_the_thread_that_built_the_sidecar(
     assert bool((sc.host_pool[5, 1, 0] == 7.0).all()), "the d2h ran before the forward's write"
 
 
+def test_d2h_waits_for_the_stream_the_model_moved_to(stack: ExitStack, fake: Any) -> None:
+    """The model thread built the sidecar on the legacy stream, then moved to a stream of
+    its own (vLLM makes one at its first CUDA graph capture, after registration) and said
+    so (``follow_compute_stream``): the start event goes to the new stream, whose writes
+    the legacy stream would not wait for (non-blocking)."""
+    kv = _caches(4)
+    d, sc = _rig(stack, fake_cuda.cupy_backend(), kv=kv)
+    d.wait_for_ranks(10)
+    model_stream = fake.new_stream()
+    fake.set_current_stream(model_stream)
+    with capture_logs() as logs:
+        sc.follow_compute_stream()
+        sc.follow_compute_stream()  # no change: no line
+    assert [(e["stream"], e["was"]) for e in events_named(logs, "worker.compute_stream")] == \
+        [(hex(model_stream), hex(0))]
+    fake.enqueue(model_stream, lambda: kv[2][1][6].fill_(5.0), "forward writes V2[6]")
+    done = _run(d, [P.Op(0, P.D2H, _ids(6), _ids(1))])
+    assert done.ok, done
+    assert bool((sc.host_pool[1, 2, 1] == 5.0).all()), "the d2h ran before the forward's write"
+
+
 def test_failure_ack_comes_after_the_stream_work_of_the_batch(stack: ExitStack, fake: Any) -> None:
     backend = fake_cuda.cupy_backend()
     kv = _caches(3)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
@@ -49,10 +49,17 @@ LAYOUT = CacheLayout(num_layers=4, kv_heads=8, block_size=16, head_dim=128, dtyp
 def rig() -> Iterator[tuple[Dispatcher, Sidecar, list[Any], Any]]:
     """A dispatcher and one rank whose model runs on ``model`` (a non-default stream that
     is current while the sidecar is built, as in a model worker)."""
+    model = torch.cuda.Stream()
+    with torch.cuda.stream(model), _rig() as (d, sc, kv):
+        yield d, sc, kv, model
+
+
+@contextmanager
+def _rig() -> Iterator[tuple[Dispatcher, Sidecar, list[Any]]]:
+    """A dispatcher and one rank, the sidecar built on the calling thread's current stream."""
     from zkv.kernels.cupy_backend import CupyBackend
 
-    model = torch.cuda.Stream()
-    with ExitStack() as stack, short_ipc_dir() as folder, torch.cuda.stream(model):
+    with ExitStack() as stack, short_ipc_dir() as folder:
         backend = CupyBackend()
         kv = backend.allocate_device_cache(LAYOUT)
         pub, pull = endpoints(folder)
@@ -62,7 +69,7 @@ def rig() -> Iterator[tuple[Dispatcher, Sidecar, list[Any], Any]]:
                      backend=backend, heartbeat_interval_s=0.05)
         stack.callback(sc.close)
         d.wait_for_ranks(10)
-        yield d, sc, kv, model
+        yield d, sc, kv
         torch.cuda.synchronize()
 
 
@@ -230,3 +237,30 @@ def test_h2d_does_not_overwrite_blocks_the_model_still_reads(rig: Any) -> None:
     model.synchronize()
     assert bool((before == 1.0).all()), "the h2d overwrote the block before the model read it"
     assert bool((kv[1][0][4] == 2.0).all())
+
+
+def test_d2h_waits_for_the_stream_the_model_moved_to() -> None:
+    """vLLM registers its caches on the default stream and makes a stream of its own at its
+    first CUDA graph capture, after registration (``torch.cuda.set_stream`` in the model
+    thread); its worker half then says so each step (``follow_compute_stream``). A d2h
+    must wait for the writes queued on that stream, which the default stream does not
+    (torch's streams are non-blocking)."""
+    default = torch.cuda.current_stream()
+    with _rig() as (d, sc, kv):
+        model = torch.cuda.Stream()
+        torch.cuda.set_stream(model)
+        try:
+            kv[3][0][11].fill_(1.0)  # first launch (see the module docstring)
+            model.synchronize()
+            sc.follow_compute_stream()
+
+            def write() -> None:
+                kv[3][0][11].fill_(9.0)
+
+            seq, _ = batch_behind_model(d, model, write,
+                                        P.Op(0, P.D2H, P.as_ids([11]), P.as_ids([2])))
+        finally:
+            torch.cuda.set_stream(default)
+        done = poll_until_done(d, seq, 10)[seq]
+        assert done.ok, done
+        assert bool((sc.host_pool[2, 3, 0] == 9.0).all()), "the d2h ran before the model's write"

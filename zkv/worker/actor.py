@@ -106,7 +106,8 @@ class WorkerActor:
     ``compute_stream`` (a raw ``cudaStream_t``) is the model's stream that each batch's
     copies wait on first (``backend.begin_batch``), so a d2h never reads a block the
     previous step's forward still writes; ``None`` means the current stream of the thread
-    that builds the actor (the model's thread), never the actor thread's own.
+    that builds the actor (the model's thread), never the actor thread's own. An engine
+    that moves to another stream later calls :meth:`follow_compute_stream` from its thread.
 
     ``keys``: this rank's CURVE keys (needed for ``tcp://`` unless ``insecure``); the
     endpoints are checked at construction (:func:`zkv.security.check_endpoint`).
@@ -191,6 +192,19 @@ class WorkerActor:
     def last_seq(self) -> int:
         """Seq of the last batch acked (-1 before the first)."""
         return self._last_seq
+
+    def follow_compute_stream(self) -> None:
+        """Take the calling (model) thread's current stream as the compute stream that later
+        batches start after (thread-safe; call it before :meth:`release`). An engine may
+        change streams after the actor is built: vLLM on CUDA makes a stream of its own at
+        its first CUDA graph capture, after the KV caches are registered, and a batch that
+        waited on the stream of registration would not wait for the forward's writes.
+        O(1); a change is logged (``worker.compute_stream``)."""
+        stream = self.backend.current_stream()
+        if stream is not None and stream != self.compute_stream:
+            self._log.info(ev.COMPUTE_STREAM, stream=hex(stream),
+                           was=None if self.compute_stream is None else hex(self.compute_stream))
+            self.compute_stream = stream
 
     def release(self, seq: int) -> None:
         """The engine allows batches up to ``seq`` to write its KV cache (thread-safe).

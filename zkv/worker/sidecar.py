@@ -207,6 +207,12 @@ class Sidecar:
         :meth:`LayerDoneCounter.wait_layer`."""
         self.actor.counter.wait_layer(seq, layer, timeout)
 
+    def follow_compute_stream(self) -> None:
+        """In the model thread, before each step: later batches start after the work
+        queued on the thread's current stream (see
+        :meth:`WorkerActor.follow_compute_stream`)."""
+        self.actor.follow_compute_stream()
+
     def release(self, seq: int) -> None:
         """``gated=True``: batches up to ``seq`` may now write the KV cache (call it before
         the forward that reads batch ``seq``, once earlier forwards are done)."""

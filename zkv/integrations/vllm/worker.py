@@ -2,7 +2,9 @@
 
 A gated :class:`~zkv.worker.sidecar.Sidecar` runs over vLLM's own KV tensors. One step::
 
-    bind_connector_metadata(meta)   release batches <= meta.release_upto, then wait until
+    bind_connector_metadata(meta)   take the model thread's current CUDA stream as the one
+                                    batches start after (vLLM changes it after registration),
+                                    release batches <= meta.release_upto, then wait until
                                     every batch before this step's load batch ran here
                                     (gated) or until batch meta.fence ran (ungated): no
                                     earlier save reads a block this forward writes
@@ -109,6 +111,9 @@ class WorkerHalf:
         if meta.release_upto < 0 or self.sidecar is None:
             return
         self.num_steps += 1
+        # vLLM's forward may run on another stream than at registration (it makes its own
+        # at the first CUDA graph capture): batches released now start after its work.
+        self.sidecar.follow_compute_stream()
         self.sidecar.release(meta.release_upto)
         if self.gated:  # every earlier batch ran before this forward
             before = (meta.load_seq if meta.load_seq is not None else meta.release_upto + 1) - 1
