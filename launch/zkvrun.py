@@ -23,9 +23,10 @@ Restarts (``--max-restarts N``) restart the whole group, like torchrun: a schedu
 lost a rank cannot take it back (the rank's cache died with it and the scheduler's tree
 still points into it), so any child's failure tears every child down and starts all of
 them again, up to N times; a fresh scheduler starts from an empty tree. Not after an exit
-that a rerun cannot change: a ``-m zkv.worker`` rank's 2 (bad configuration) or 4 (refused
-by the scheduler), or a scheduler code named by ``--final-codes`` (default 2: a usage or
-configuration error, by convention).
+that a rerun cannot change: a ``-m zkv.worker`` rank's 2 (bad configuration), 4 (refused
+by the scheduler) or 5 (no scheduler reachable for ``ZKV_SCHEDULER_TIMEOUT_S``, default
+300 s: on a node whose scheduler node died for good), or a scheduler code named by
+``--final-codes`` (default 2: a usage or configuration error, by convention).
 
 Logs: ``--log-dir``, else ``$ZKV_LOG_DIR``, else ``{tmp}/zkv-logs-{uid}/{run_id}`` (the
 per-user directory is made 0700, and refused if it is not this user's private directory).
@@ -74,7 +75,7 @@ from launch.env import (
 from zkv import __version__, security
 from zkv import log as zlog
 from zkv.errors import ConfigError
-from zkv.exit_codes import EXIT_CONFIG, EXIT_REFUSED, WORKER_EXITS
+from zkv.exit_codes import EXIT_CONFIG, EXIT_REFUSED, EXIT_SCHEDULER_GONE, WORKER_EXITS
 
 __all__ = ["Endpoints", "LaunchConfig", "describe_exit", "exit_meanings", "main", "make_endpoints",
            "max_local_ranks", "parse_args", "pdeathsig_preexec", "rank_env", "resolve_cmd", "run",
@@ -82,7 +83,7 @@ __all__ = ["Endpoints", "LaunchConfig", "describe_exit", "exit_meanings", "main"
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # A zkv.worker rank's exits that a rerun cannot change: no restart after them.
-FINAL_WORKER_EXITS = frozenset({EXIT_CONFIG, EXIT_REFUSED})
+FINAL_WORKER_EXITS = frozenset({EXIT_CONFIG, EXIT_REFUSED, EXIT_SCHEDULER_GONE})
 
 
 def describe_exit(code: int, meanings: Mapping[int, str] | None = None) -> str:
@@ -540,7 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the scheduler's exit codes that are results, not failures: no "
                         "restart after them (comma-separated; default 2, a usage or "
                         "configuration error; '' for none). A -m zkv.worker rank's 2 (bad "
-                        "configuration) and 4 (refused) are always final")
+                        "configuration), 4 (refused) and 5 (no scheduler reachable) are "
+                        "always final")
     p.add_argument("--log-dir", "--log_dir", default=None,
                    help="default $ZKV_LOG_DIR, else {tmp}/zkv-logs-{uid}/{run_id} (made "
                         "0700)")

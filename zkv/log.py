@@ -60,6 +60,7 @@ BACKEND_READY = "worker.backend_ready"
 IO_DONE = "worker.io_done"
 IO_DROPPED = "worker.io_dropped"
 COMPUTE_STREAM = "worker.compute_stream"
+SCHEDULER_LOST = "worker.scheduler_lost"
 # storage (L3)
 BLOCK_REFUSED = "storage.block_refused"
 STORE_UNREACHABLE = "storage.store_unreachable"

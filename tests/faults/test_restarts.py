@@ -50,15 +50,32 @@ signal.pause()  # until the test kills it
 '''
 
 
+def _group(pub: str, pull: str, logs: str, scheduler_timeout_s: str, stderr: int
+           ) -> tuple[list[subprocess.Popen[str]], subprocess.Popen[str]]:
+    """Two ``zkv.worker`` ranks and the scheduler above, which prints "ready" once both
+    joined and filled a block."""
+    ranks = [subprocess.Popen([sys.executable, "-m", "zkv.worker"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                              env=worker_env(r, LAYOUT.to_json(), pub, pull, ZKV_LOG_DIR=logs,
+                                             ZKV_SCHEDULER_TIMEOUT_S=scheduler_timeout_s))
+             for r in range(2)]
+    sched = subprocess.Popen([sys.executable, "-c", SCHEDULER, pub, pull, LAYOUT.to_json()],
+                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    return ranks, sched
+
+
+def _end(sched: subprocess.Popen[str]) -> None:
+    if sched.poll() is None:
+        sched.kill()  # a stopped (SIGSTOP) process too
+        sched.wait()
+    if sched.stdout is not None:
+        sched.stdout.close()
+
+
 def test_scheduler_killed_and_restarted_while_workers_live(folder: str) -> None:
     pub, pull = endpoints(folder)
-    ranks = [subprocess.Popen([sys.executable, "-m", "zkv.worker"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env=worker_env(r, LAYOUT.to_json(), pub, pull,
-                                             ZKV_LOG_DIR=os.path.join(folder, "logs")))
-             for r in range(2)]
-    old = subprocess.Popen([sys.executable, "-c", SCHEDULER, pub, pull, LAYOUT.to_json()],
-                           stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    # (a scheduler back within the ranks' ZKV_SCHEDULER_TIMEOUT_S: they wait for it)
+    ranks, old = _group(pub, pull, os.path.join(folder, "logs"), "20", subprocess.DEVNULL)
     d = None
     try:
         assert old.stdout is not None and old.stdout.readline() == "ready\n"
@@ -76,17 +93,50 @@ def test_scheduler_killed_and_restarted_while_workers_live(folder: str) -> None:
         for rank in range(2):
             with open(os.path.join(folder, "logs", f"worker-{rank}.jsonl"), "rb") as f:
                 events = [orjson.loads(line)["event"] for line in f]
+            assert events.count("worker.scheduler_lost") == 1
             assert events.count("worker.scheduler_rejoined") == 1
     finally:
-        if old.poll() is None:
-            old.kill()
-            old.wait()
-        if old.stdout is not None:
-            old.stdout.close()
+        _end(old)
         if d is not None:
             d.close(shutdown=True)
         codes = reap(ranks)
     assert codes == [0, 0]
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_ranks_whose_scheduler_is_gone_for_good_stop_after_the_timeout(folder: str,
+                                                                     how: str) -> None:
+    """The scheduler killed and never back (a node 0 that died), or frozen with its
+    connections open (SIGSTOP: a host that stopped answering, no FIN; libzmq's pings time
+    out): each rank stops after ZKV_SCHEDULER_TIMEOUT_S with exit 5 and one line naming
+    it, not a wait forever."""
+    pub, pull = endpoints(folder)
+    logs = os.path.join(folder, "logs")
+    ranks, old = _group(pub, pull, logs, "1", subprocess.PIPE)
+    try:
+        assert old.stdout is not None and old.stdout.readline() == "ready\n"
+        if how == "killed":
+            old.kill()
+            old.wait()
+        else:
+            old.send_signal(signal.SIGSTOP)
+        codes = [p.wait(timeout=30) for p in ranks]
+        errors = [p.stderr.read() for p in ranks if p.stderr is not None]
+    finally:
+        _end(old)
+        reap(ranks)
+        for p in ranks:
+            if p.stderr is not None:
+                p.stderr.close()
+    assert codes == [5, 5], errors
+    for rank, err in enumerate(errors):
+        assert re.fullmatch(rf"zkv\.worker: rank {rank}: the scheduler has been unreachable for "
+                            rf"\d+\.\d s \(scheduler timeout 1 s\) at {re.escape(pub)}\n",
+                            err), err
+        with open(os.path.join(logs, f"worker-{rank}.jsonl"), "rb") as f:
+            events = [orjson.loads(line) for line in f]
+        lost = [e for e in events if e["event"] == "worker.scheduler_lost"]
+        assert len(lost) == 1 and lost[0]["last_seq"] == 0 and lost[0]["timeout_s"] == 1.0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")

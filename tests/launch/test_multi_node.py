@@ -81,3 +81,25 @@ def test_two_nodes_over_tcp_with_curve_keys(tmp_path: Path) -> None:
                .splitlines() if b"launch.group_started" in line]
     assert [(e["node_rank"], e["curve"], e["pub"]) for e in started] == [
         (n, True, f"tcp://127.0.0.1:{port}") for n in (0, 1)]
+
+
+def test_a_node_whose_scheduler_node_never_comes_stops(tmp_path: Path) -> None:
+    """Node 1 without node 0 (it died, or never started): its rank stops after
+    ZKV_SCHEDULER_TIMEOUT_S with code 5, and zkvrun does not restart it (no rerun brings
+    the scheduler back) but ends, saying why. Before, node 1 waited forever."""
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "zkv.cli", "keys", str(keys), "--world-size", "2"],
+                   check=True, capture_output=True, timeout=60)
+    env = dict(os.environ, ZKV_BACKEND="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               ZKV_SCHEDULER_TIMEOUT_S="1")
+    env.pop("ZKV_STORE_URL", None)
+    r = subprocess.run([sys.executable, "-m", "launch.zkvrun", "--nnodes", "2", "--node-rank",
+                        "1", "--nproc-per-node", "1", "--keys", str(keys), "--master-port",
+                        str(_port_pair()), "--max-restarts", "2", "--config", LAYOUT.to_json(),
+                        "--log-dir", str(tmp_path / "logs"), "-m", "zkv.worker"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr  # zkvrun's for a failed rank
+    assert re.search(r"zkv\.worker: rank 1: no scheduler reached for \d+\.\d s \(scheduler "
+                     r"timeout 1 s\) at tcp://127\.0\.0\.1:\d+\n", r.stderr), r.stderr
+    assert r.stderr.splitlines()[-1].endswith(
+        "exited with code 5 (scheduler unreachable): not restarting; tearing down 0 processes")

@@ -28,6 +28,11 @@ LAYOUT = CacheLayout(2, 2, 16, 32, "float16", 16, 16, world_size=2)
                                 "got '-1'"),
     ({"ZKV_HEARTBEAT_S": "soon"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number > 0, "
                                   "got 'soon'"),
+    ({"ZKV_SCHEDULER_TIMEOUT_S": "0"}, "zkv.worker: ZKV_SCHEDULER_TIMEOUT_S must be a finite "
+                                       "number of seconds > 0, or inf to wait forever, got '0'"),
+    ({"ZKV_SCHEDULER_TIMEOUT_S": "5m"}, "zkv.worker: ZKV_SCHEDULER_TIMEOUT_S must be a finite "
+                                        "number of seconds > 0, or inf to wait forever, got "
+                                        "'5m'"),
     ({"ZKV_LOG_LEVEL": "verbose"}, "zkv.worker: ZKV_LOG_LEVEL must be one of debug, info, "
                                    "warning, error, critical, got 'verbose'"),
     ({"ZKV_BACKEND": "tpu"}, "zkv.worker: rank 1: unknown copy backend 'tpu'; one of 'auto', "
@@ -106,3 +111,33 @@ def test_a_rank_whose_parent_dies_while_it_starts_stops(tmp_path: Path) -> None:
     lines = [orjson.loads(x) for x in (tmp_path / "logs" / "worker-0.jsonl").read_bytes()
              .splitlines()]
     assert any("parent process exited" in str(e.get("reason", "")) for e in lines), lines[-3:]
+
+
+@pytest.mark.parametrize("value, want", [
+    (None, 300.0), ("", 300.0), ("2.5", 2.5), ("inf", None), ("OFF", None), ("none", None),
+])
+def test_scheduler_timeout_from_env(value: str | None, want: float | None) -> None:
+    from zkv.worker.__main__ import scheduler_timeout_from_env
+
+    assert scheduler_timeout_from_env({} if value is None else
+                                      {"ZKV_SCHEDULER_TIMEOUT_S": value}) == want
+
+
+def test_a_rank_that_reaches_no_scheduler_stops_after_the_timeout(tmp_path: Path) -> None:
+    """Nothing binds the endpoints (a node 0 that never came up): exit 5 and one line,
+    after ZKV_SCHEDULER_TIMEOUT_S, not a wait forever."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKV_", "RANK"))}
+    pub = f"ipc://{run_dir}/pub"
+    env.update(ZKV_CONFIG=LAYOUT.to_json(), RANK="1", ZKV_INSECURE="1", ZKV_BACKEND="cpu",
+               ZKV_PUB_ENDPOINT=pub, ZKV_PULL_ENDPOINT=f"ipc://{run_dir}/pull",
+               ZKV_LOG_DIR=str(tmp_path / "logs"), ZKV_SCHEDULER_TIMEOUT_S="0.5",
+               PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "zkv.worker"], env=env, capture_output=True,
+                       text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 5, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "zkv.worker: rank 1: no scheduler reached for "), r.stderr
+    assert lines[0].endswith(f"s (scheduler timeout 0.5 s) at {pub}")

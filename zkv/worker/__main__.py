@@ -3,6 +3,9 @@
 Environment (zkvrun sets it): ``RANK``, ``ZKV_CONFIG`` (layout JSON), ``ZKV_PUB_ENDPOINT``,
 ``ZKV_PULL_ENDPOINT``, ``ZKV_KEYS`` (keyring directory; zkvrun makes one per run),
 ``ZKV_INSECURE=1`` (plain tcp allowed); optional ``ZKV_BACKEND`` (auto | cpu | cupy),
+``ZKV_SCHEDULER_TIMEOUT_S`` (stop once no scheduler was reachable for that long: none
+reached since the start, or none since the connection dropped; default 300, ``inf`` to
+wait forever),
 ``ZKV_STORE_URL`` (an L3 store: ``file:///path``, ``redis://HOST:PORT/DB``,
 ``mooncake://HOST:PORT``; see :func:`zkv.storage.open_store`) or the older ``ZKV_STORE_DIR``
 (= ``file://`` that directory), ``ZKV_HEARTBEAT_S``, ``ZKV_LOG_DIR``, ``ZKV_LOG_LEVEL``. A
@@ -14,8 +17,10 @@ or waits in C) and goes on.
 
 Exit status: 0 after Shutdown or SIGTERM/SIGINT, 3 after a seq gap, 4 when the scheduler
 refused the rank's hello (a layout that differs, a rank outside the world, a group that
-started without it: the reason is in the log's ``worker.refused`` line and on stderr), 2 on
-a bad configuration, 1 on any other fatal error. The worker also stops when its parent process
+started without it: the reason is in the log's ``worker.refused`` line and on stderr), 5
+when no scheduler was reachable for ``ZKV_SCHEDULER_TIMEOUT_S`` (a node whose scheduler
+node died for good: the reason on stderr), 2 on a bad configuration, 1 on any other fatal
+error. The worker also stops when its parent process
 goes away, so an orphan never lingers.
 """
 
@@ -38,7 +43,7 @@ from collections.abc import Mapping  # noqa: E402
 from zkv import log as zlog
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
-from zkv.exit_codes import EXIT_CONFIG, EXIT_FATAL, EXIT_REFUSED
+from zkv.exit_codes import EXIT_CONFIG, EXIT_FATAL, EXIT_REFUSED, EXIT_SCHEDULER_GONE
 from zkv.storage import Store, file_url, open_store
 from zkv.worker.actor import WorkerActor
 from zkv.worker.sidecar import (
@@ -49,6 +54,9 @@ from zkv.worker.sidecar import (
 )
 
 _PARENT_CHECK_S = 0.5
+#: ZKV_SCHEDULER_TIMEOUT_S's default: a scheduler restarted by zkvrun is back in seconds.
+DEFAULT_SCHEDULER_TIMEOUT_S = 300.0
+_FOREVER = ("inf", "none", "off")
 
 
 def _watch_parent(actor: WorkerActor, stopped: threading.Event) -> None:
@@ -71,6 +79,25 @@ def store_from_env(layout: CacheLayout, rank: int, env: Mapping[str, str] | None
     if url is None:
         return None
     return open_store(url, layout.fingerprint(), writers=layout.world_size, rank=rank)
+
+
+def scheduler_timeout_from_env(env: Mapping[str, str] | None = None) -> float | None:
+    """``ZKV_SCHEDULER_TIMEOUT_S``: seconds (default 300), or None for ``inf`` / ``none`` /
+    ``off`` (wait forever). ConfigError naming the value otherwise."""
+    env = os.environ if env is None else env
+    raw = env.get("ZKV_SCHEDULER_TIMEOUT_S", "").strip()
+    if not raw:
+        return DEFAULT_SCHEDULER_TIMEOUT_S
+    if raw.lower() in _FOREVER:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ConfigError(f"ZKV_SCHEDULER_TIMEOUT_S must be a finite number of seconds > 0, "
+                          f"or inf to wait forever, got {raw!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < heartbeat_s < math.inf:  # NaN fails too (-1: a heartbeat flood)
             raise ConfigError(f"ZKV_HEARTBEAT_S must be a finite number > 0, got {raw!r}")
         keys, insecure = security_from_env(rank)
+        scheduler_timeout_s = scheduler_timeout_from_env()
     except (ConfigError, ValueError) as e:
         print(f"zkv.worker: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -119,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         store = store_from_env(layout, rank)
         actor = WorkerActor(rank, layout, kv_caches, host_pool, backend, pub_endpoint=pub,
                             pull_endpoint=pull, store=store, heartbeat_interval_s=heartbeat_s,
-                            keys=keys, insecure=insecure)
+                            keys=keys, insecure=insecure,
+                            scheduler_timeout_s=scheduler_timeout_s)
     except ConfigError as e:
         print(f"zkv.worker: rank {rank}: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -130,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     watcher.start()
     try:
         code = actor.run()
-        if code == EXIT_REFUSED:  # the one line a launcher's log shows
+        if code in (EXIT_REFUSED, EXIT_SCHEDULER_GONE):  # the one line a launcher's log shows
             print(f"zkv.worker: rank {rank}: {actor.exit_reason}", file=sys.stderr)
         return code
     finally:

@@ -35,6 +35,12 @@ Errors in a batch::
                                    fails the rank's ops at once. Nothing touches the
                                    dead context again.
 
+A scheduler that is gone for good: with ``scheduler_timeout_s`` the actor stops (exit 5,
+``EXIT_SCHEDULER_GONE``, the reason naming the endpoint) once no scheduler was connected
+for that long, none reached since the start or none since the connection dropped
+(``worker.scheduler_lost``); libzmq's pings turn a dead host into a disconnect. Without it
+(the default) the actor waits for a scheduler forever.
+
 Trust: with :class:`~zkv.security.ClientKeys` both sockets authenticate as this rank
 (CURVE pinning the scheduler's key on tcp, the rank's ipc token on ipc, where the private
 socket directory vouches for the scheduler), so only this rank can ack as this rank.
@@ -60,7 +66,7 @@ from zkv import protocol as P
 from zkv import security
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError, DeviceFault, ProtocolError
-from zkv.exit_codes import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, EXIT_SEQ_GAP
+from zkv.exit_codes import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, EXIT_SCHEDULER_GONE, EXIT_SEQ_GAP
 from zkv.kernels.layout import describe_for_layout
 from zkv.storage import Store
 from zkv.worker.layers import LayerDoneCounter
@@ -132,7 +138,11 @@ class WorkerActor:
         gate_timeout_s: float = 60.0,
         keys: security.ClientKeys | None = None,
         insecure: bool = False,
+        scheduler_timeout_s: float | None = None,
     ) -> None:
+        if scheduler_timeout_s is not None and not 0 < scheduler_timeout_s < float("inf"):
+            raise ConfigError(f"scheduler_timeout_s must be a finite number > 0 or None, got "
+                              f"{scheduler_timeout_s!r}")
         if len(kv_caches) != layout.num_layers:
             raise ConfigError(f"kv_caches has {len(kv_caches)} layers, layout has "
                               f"{layout.num_layers}")
@@ -184,6 +194,9 @@ class WorkerActor:
         self._acks: dict[int, P.BlocksCopied] = {}  # recent acks by seq (bounded)
         self._keys = keys
         self._num_handshakes = 0
+        self.scheduler_timeout_s = scheduler_timeout_s
+        #: since when no scheduler is connected (monotonic; None while one is)
+        self._lost_since: float | None = None
         self._refused_log = ev.RateLimited(self._log, ev.BATCH_REFUSED, burst=10)
         # A store that is down fails every s2h / h2s of every step: a few lines, then counts.
         self._io_failed_log = ev.repeating(self._log, ev.COPY_FAILED)
@@ -283,7 +296,9 @@ class WorkerActor:
         code, reason = EXIT_FATAL, "fatal error"
         try:
             self._setup_sockets(sub, push)
-            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                             | zmq.EVENT_DISCONNECTED)
+            self._lost_since = time.monotonic()  # until the first handshake
             push.connect(self.pull_endpoint)
             sub.connect(self.pub_endpoint)
             # Catch-all first, then the marker: the dispatcher seeing the marker proves the
@@ -337,6 +352,12 @@ class WorkerActor:
         push.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
         push.setsockopt(zmq.SNDHWM, P.RECV_HWM)
         push.setsockopt(zmq.SNDTIMEO, _ACK_SEND_TIMEOUT_MS)
+        if self.scheduler_timeout_s is not None:
+            # libzmq's own pings: a scheduler host that died without closing the connection
+            # (no FIN) is a disconnect after the ping timeout, not never.
+            t = self.scheduler_timeout_s
+            sub.setsockopt(zmq.HEARTBEAT_IVL, int(min(max(t / 4, 0.1), 5.0) * 1000))
+            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(min(max(t / 2, 0.2), 30.0) * 1000))
         security.setup_client(sub, self._keys, self.pub_endpoint)
         security.setup_client(push, self._keys, self.pull_endpoint)
 
@@ -366,6 +387,9 @@ class WorkerActor:
                     self._on_monitor(monitor)
                     if self._io is not None:  # a rejoin starts the I/O anew
                         items[1] = (self._io.wake_fd, POLLIN)
+                gone = self._scheduler_gone(now)
+                if gone is not None:
+                    return gone
             # A queued batch returns at once; else sleep until one comes (or the clock).
             ready = zmq_poll(items, int((next_monitor - now) * 1000) + 1)
             if not ready:
@@ -386,8 +410,13 @@ class WorkerActor:
         from zmq.utils.monitor import recv_monitor_message
 
         while readable(monitor):
-            if recv_monitor_message(monitor)["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                if self._lost_since is None:
+                    self._lost_since = time.monotonic()
+                    self._log.warning(ev.SCHEDULER_LOST, last_seq=self._last_seq,
+                                      timeout_s=self.scheduler_timeout_s)
                 continue
+            self._lost_since = None
             self._num_handshakes += 1
             if self._num_handshakes == 1:
                 continue
@@ -403,6 +432,17 @@ class WorkerActor:
             if self._io is not None:
                 self._restart_io()
             self._hello()
+
+    def _scheduler_gone(self, now: float) -> tuple[int, str] | None:
+        """(exit code, reason) once no scheduler was connected for ``scheduler_timeout_s``
+        (none reached since the start, or none since the connection dropped); else None."""
+        t = self.scheduler_timeout_s
+        if t is None or self._lost_since is None or now - self._lost_since < t:
+            return None
+        what = ("no scheduler reached" if self._num_handshakes == 0
+                else "the scheduler has been unreachable")
+        return EXIT_SCHEDULER_GONE, (f"{what} for {now - self._lost_since:.1f} s "
+                                     f"(scheduler timeout {t:g} s) at {self.pub_endpoint}")
 
     def _new_io(self) -> StorageIO:
         assert self.store is not None

@@ -139,6 +139,8 @@ class Sidecar:
     CUDA stream as a raw handle (default: the default stream); see :class:`WorkerActor`.
     ``gated``: run a batch that writes the KV cache (a load) only after :meth:`release`
     (an engine that schedules ahead); saves and storage I/O run as they come.
+    ``scheduler_timeout_s``: stop once no scheduler was reachable for that long (None:
+    wait forever; see :class:`WorkerActor`).
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class Sidecar:
         host_pool: Any = None,
         gated: bool = False,
         keys: security.ClientKeys | str | None = None,
+        scheduler_timeout_s: float | None = None,
     ) -> None:
         layout = layout if layout is not None else CacheLayout.from_env()
         rank = rank if rank is not None else rank_from_env()
@@ -176,6 +179,7 @@ class Sidecar:
             pub_endpoint=pub_endpoint, pull_endpoint=pull_endpoint, store=store,
             heartbeat_interval_s=heartbeat_interval_s, compute_stream=compute_stream,
             gated=gated, keys=client_keys, insecure=insecure,
+            scheduler_timeout_s=scheduler_timeout_s,
         )
         self._thread = threading.Thread(target=self._run, name=f"zkv-worker-{rank}",
                                         daemon=True)
