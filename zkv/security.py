@@ -473,14 +473,38 @@ def setup_server(sock: zmq.Socket[Any], domain: str, keys: Keyring | None,
 # ---------------------------------------------------------------- private directories
 
 
-_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s]*@")
+#: A word that starts as a URL with an authority: ``scheme://`` then no ``/``.
+_URL_WORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)((?!/)[^\s\"']*)")
+#: What follows a URL's ``user:password@``: a host (or [IPv6]), a port, then the end, a
+#: path, a query or a fragment.
+_HOST_TAIL = re.compile(r"(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]*\])(?::\d*)?(?=[/?#]|$)")
+
+
+def userinfo_end(rest: str) -> int | None:
+    """In a URL without its ``scheme://``, the index of the ``@`` that ends its
+    ``user:password`` (None: none there). A password may hold an unescaped ``/``, ``?``,
+    ``#`` or ``@`` (such a URL does not parse, and its error must not show it): the first
+    ``@`` followed by a host and port, else the last ``@``."""
+    if rest.startswith("/") or "@" not in rest:
+        return None
+    i = rest.find("@")
+    while i >= 0:
+        if _HOST_TAIL.match(rest, i + 1):
+            return i
+        i = rest.find("@", i + 1)
+    return rest.rindex("@")
 
 
 def redact_credentials(text: str) -> str:
     """``text`` with the ``user:password@`` of every URL in it written ``***@``
     (``redis://:pw@host:6379/0`` → ``redis://***@host:6379/0``), for what is logged or
-    printed: a command line, a bad URL."""
-    return _CREDENTIALS.sub(r"\1***@", text)
+    printed: a command line, a bad URL (see :func:`userinfo_end`)."""
+    def one(m: re.Match[str]) -> str:
+        rest = m.group(2)
+        end = userinfo_end(rest)
+        return m.group(0) if end is None else f"{m.group(1)}***{rest[end:]}"
+
+    return _URL_WORD.sub(one, text)
 
 
 def check_private_dir(path: str, *, what: str = "directory",

@@ -75,6 +75,34 @@ def test_a_bad_url_never_shows_its_password(url: str, shown: str) -> None:
     assert msg.startswith(f"bad store URL {shown!r}: ") and "pw" not in msg and "ss@" not in msg
 
 
+@pytest.mark.parametrize("password", ["se/cret", "se?cret", "se#cret", "s/e?c#r@et", "pw"])
+def test_a_password_with_url_delimiters_is_never_shown(password: str) -> None:
+    """A password with an unescaped ``/``, ``?`` or ``#`` (base64 ones have ``/``) makes a
+    URL that does not parse; its error showed the password (the mask stopped at the first
+    delimiter)."""
+    from zkv.security import redact_credentials
+
+    for url in (f"redis://:{password}@127.0.0.1:1/0", f"rediss://u:{password}@h:6380/1?x=1",
+                f"mooncake://{password}@h:50051"):
+        shown = redact_credentials(f"--storage {url} --then file:///tmp/a@b")
+        assert password not in shown and "cret" not in shown, shown
+        assert shown.endswith(" --then file:///tmp/a@b"), shown
+        if password == "pw":
+            continue
+        with pytest.raises(ConfigError, match=r"its user or password holds '/', '\?' or '#': "
+                                              r"percent-encode them") as info:
+            open_store(url, "ns")
+        assert password not in str(info.value) and "cret" not in str(info.value)
+    # an @ in a query value is not a password's end: the host stays shown
+    assert redact_credentials("rediss://:pw@h:6380/0?ca=/x/a@b.pem") == \
+        "rediss://***@h:6380/0?ca=/x/a@b.pem"
+    assert redact_credentials("redis://:pw@") == "redis://***@"
+    # percent-encoded, the same password is taken as it is
+    from zkv.storage.url import parse_url
+
+    assert parse_url("redis://:se%2Fc%3Fr%23et@h:1/0")[1]["password"] == "se/c?r#et"
+
+
 def test_redact_credentials_leaves_everything_else() -> None:
     from zkv.security import redact_credentials
 

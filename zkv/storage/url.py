@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from zkv.errors import ConfigError
-from zkv.security import redact_credentials
+from zkv.security import redact_credentials, userinfo_end
 from zkv.storage.base import Store
 
 SCHEMES = ("file", "redis", "rediss", "mooncake")
@@ -69,6 +69,17 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
     return out
 
 
+def _check_credentials(url: str) -> None:
+    """A user or password with an unescaped ``/``, ``?`` or ``#`` ends the URL's host part
+    early: what follows parses as a host, port, path or query, and the error would quote a
+    piece of the password. One line that says so, naming no piece of it."""
+    rest = url.split("://", 1)[1]
+    end = userinfo_end(rest)
+    if end is not None and any(c in rest[:end] for c in "/?#"):
+        raise _bad(url, "its user or password holds '/', '?' or '#': percent-encode them "
+                        "(%2F, %3F, %23)")
+
+
 def _host_port(url: str, parts: Any) -> tuple[str, int]:
     try:
         host, port = parts.hostname, parts.port
@@ -91,6 +102,7 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
         raise _bad(url, f"unknown scheme {scheme!r} (one of {', '.join(SCHEMES)})")
+    _check_credentials(url)
     if writers < 1:
         raise ValueError(f"writers must be >= 1, got {writers}")
     params = _params(url, scheme, parts.query)
