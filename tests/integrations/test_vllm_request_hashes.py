@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from zkv.integrations.vllm.request_hashes import (
+    mm_ids_name_content,
     request_embeds_items,
     request_mm_items,
     request_root,
@@ -102,3 +103,67 @@ def test_one_image_at_other_positions_of_equal_placeholder_blocks_is_other_kv() 
     assert a == hashes("img", 2)
     assert a[0] != hashes("img", 1)[0] and a[0] != hashes("other", 2)[0]
     assert a[3] != hash_tokens(ids, BS)[3]  # a later block: the chain carries it
+
+
+def test_mm_ids_that_name_no_content_are_scoped_to_the_engine() -> None:
+    """With prefix caching off and ``mm_processor_cache_gb=0`` vLLM names an input
+    ``renderer0-mm-<n>-image-<i>``, a counter that starts at 1 in every process: two
+    engines (or one restarted) over one store gave two images the same block hashes, and
+    the second request read the first image's KV. The connector then gives each engine a
+    scope of its own: the blocks before the image still match, the image's never do
+    across engines; within one engine an input the client named keeps matching."""
+    ids = [9] * 16
+
+    def hashes(ident: str, scope: bytes) -> list[bytes]:
+        feature = SimpleNamespace(identifier=ident,
+                                  mm_position=SimpleNamespace(offset=6, length=8))
+        r = SimpleNamespace(mm_features=[feature])
+        return hash_tokens(ids, BS, mm_items=request_mm_items(r, scope))
+
+    one, two = b"\x01" * 16, b"\x02" * 16
+    a, b = hashes("renderer0-mm-1-image-0", one), hashes("renderer0-mm-1-image-0", two)
+    assert a[0] == b[0] == hash_tokens(ids, BS)[0]  # before the image: text alone
+    assert all(x != y for x, y in zip(a[1:], b[1:]))
+    assert hashes("client-uuid", one) == hashes("client-uuid", one)
+    assert hashes("renderer0-mm-1-image-0", b"") == hashes("renderer0-mm-1-image-0", b"")
+
+
+def test_which_configurations_name_mm_inputs_by_content() -> None:
+    """vLLM's ``_process_mm_uuids``: content hashes unless a multimodal model has both
+    prefix caching and the processor cache off."""
+    def cfg(mm: object, prefix: bool) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(multimodal_config=mm),
+                               cache_config=SimpleNamespace(enable_prefix_caching=prefix))
+
+    assert mm_ids_name_content(cfg(None, False))  # a text model: no inputs to name
+    assert mm_ids_name_content(cfg(SimpleNamespace(mm_processor_cache_gb=0), True))
+    assert mm_ids_name_content(cfg(SimpleNamespace(mm_processor_cache_gb=4), False))
+    assert not mm_ids_name_content(cfg(SimpleNamespace(mm_processor_cache_gb=0), False))
+
+
+def test_the_configurations_match_what_vllm_does() -> None:
+    """vLLM's own ``BaseRenderer._process_mm_uuids`` names an image by a counter exactly
+    where ``mm_ids_name_content`` says it does not name content (else it leaves the name to
+    the content hash made later)."""
+    import warnings
+
+    import pytest
+
+    pytest.importorskip("vllm")
+    with warnings.catch_warnings():  # what vLLM's imports warn of is not this test's
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.renderers.base import BaseRenderer
+
+    for gb in (0, 4):
+        for prefix in (False, True):
+            model = SimpleNamespace(multimodal_config=SimpleNamespace(mm_processor_cache_gb=gb))
+            cache = SimpleNamespace(enable_prefix_caching=prefix)
+            renderer = SimpleNamespace(model_config=model,
+                                       config=SimpleNamespace(cache_config=cache),
+                                       _validate_mm_uuids=lambda *a: None)
+            items = SimpleNamespace(get_all_counts=lambda: {"image": 1})
+            uuids = BaseRenderer._process_mm_uuids(  # type: ignore[arg-type]
+                renderer, {"image": [b"png"]}, items, {}, "renderer0-mm-1")
+            named_by_counter = uuids.get("image", [None])[0] is not None
+            config = SimpleNamespace(model_config=model, cache_config=cache)
+            assert named_by_counter == (not mm_ids_name_content(config)), (gb, prefix)

@@ -18,6 +18,7 @@ heads, world size, byte layout) from vLLM's config and KV cache spec.
 
 from __future__ import annotations
 
+import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ from zkv.integrations.vllm.layout import (
     expected_kv_layout,
     kv_views,
 )
+from zkv.integrations.vllm.request_hashes import mm_ids_name_content
 from zkv.integrations.vllm.scheduler import SchedulerHalf, ZkvMetadata
 from zkv.integrations.vllm.worker import WorkerHalf
 
@@ -219,9 +221,19 @@ class ZkvConnector(KVConnectorBase_V1):
             exists = StorageQuery(store, self.world_size)
         tc = vllm_config.kv_transfer_config
         assert tc is not None
+        mm_scope = b"" if mm_ids_name_content(vllm_config) else os.urandom(16)
         self.sched = SchedulerHalf(self.cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
                                    store=store, storage_exists=exists,
-                                   loads=tc.is_kv_consumer, saves=tc.is_kv_producer)
+                                   loads=tc.is_kv_consumer, saves=tc.is_kv_producer,
+                                   mm_scope=mm_scope)
+        if mm_scope:
+            self.sched.log.warning(
+                "connector.mm_ids_local", hint="with prefix caching off and "
+                "mm_processor_cache_gb=0 vLLM names an image, audio or video by a counter, "
+                "not its content: the blocks from a prompt's first such input on are reused "
+                "only within this engine and only when the client names the input "
+                "(multi_modal_uuids), never through the store; turn on either cache to "
+                "reuse them")
         asynchronous = bool(vllm_config.scheduler_config.async_scheduling)
         hint = failure_policy_advice(tc.kv_load_failure_policy, asynchronous)
         if hint is not None:

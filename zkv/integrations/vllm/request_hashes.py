@@ -27,16 +27,32 @@ def request_root(request: Any, generation: bytes = b"") -> bytes:
     return xxhash.xxh3_128_digest(ROOT_HASH + tag.encode() + generation)
 
 
-def request_mm_items(request: Any) -> tuple[MultiModalItem, ...]:
+def mm_ids_name_content(vllm_config: Any) -> bool:
+    """Whether vLLM names a multimodal input by a hash of its content. It does unless the
+    model is multimodal and both its caches that need one are off (prefix caching, and the
+    processor cache, ``mm_processor_cache_gb=0``): then an input without a client's
+    ``multi_modal_uuids`` is named ``renderer<R>-mm-<n>-<modality>-<i>``, a counter that
+    starts at 1 in every process (vLLM's ``_process_mm_uuids``)."""
+    mm = getattr(vllm_config.model_config, "multimodal_config", None)
+    if mm is None:
+        return True
+    return bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)
+                or getattr(mm, "mm_processor_cache_gb", 1) != 0)
+
+
+def request_mm_items(request: Any, scope: bytes = b"") -> tuple[MultiModalItem, ...]:
     """Multimodal inputs: their content's identifier and where it starts (as vLLM's own
     hashes: one image at other positions of otherwise equal placeholder blocks is other
-    KV)."""
+    KV). ``scope``: mixed into every item, when the identifiers name an input only within
+    one process (:func:`mm_ids_name_content` false): a random value per engine, so that
+    another engine's or an earlier run's ``renderer0-mm-1-image-0``, another image, never
+    matches through a shared store."""
     items = []
     for f in getattr(request, "mm_features", None) or ():
         pos = f.mm_position
         ident = str(getattr(f, "identifier", "") or getattr(f, "mm_hash", ""))
-        items.append(MultiModalItem(pos.offset, pos.offset + pos.length,
-                                    xxhash.xxh3_128_digest(f"{ident}@{pos.offset}".encode())))
+        items.append(MultiModalItem(pos.offset, pos.offset + pos.length, xxhash.xxh3_128_digest(
+            f"{ident}@{pos.offset}".encode() + scope)))
     return tuple(items)
 
 

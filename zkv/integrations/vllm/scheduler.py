@@ -165,11 +165,13 @@ class SchedulerHalf:
 
     def __init__(self, cfg: ZkvVllmConfig, layout: CacheLayout, *, pub_endpoint: str,
                  pull_endpoint: str, store: Any = None, storage_exists: Any = None,
-                 join_timeout_s: float = 120.0, loads: bool = True, saves: bool = True
-                 ) -> None:
+                 join_timeout_s: float = 120.0, loads: bool = True, saves: bool = True,
+                 mm_scope: bytes = b"") -> None:
         """``loads`` / ``saves``: vLLM's ``kv_role`` (``kv_consumer`` only loads,
-        ``kv_producer`` only saves, ``kv_both`` both)."""
+        ``kv_producer`` only saves, ``kv_both`` both). ``mm_scope``: see
+        :func:`~zkv.integrations.vllm.request_hashes.request_mm_items`."""
         self.cfg = cfg
+        self._mm_scope = mm_scope
         self.loads, self.saves = loads, saves
         self._generation = b""  # see reset()
         self.layout = layout
@@ -719,7 +721,7 @@ class SchedulerHalf:
     # ------------------------------------------------------------ helpers
 
     def _new_req(self, request: Any) -> _Req:
-        mm = request_mm_items(request) + request_embeds_items(request, self.bs)
+        mm = request_mm_items(request, self._mm_scope) + request_embeds_items(request, self.bs)
         root, hashes, n = self._hash_prompt(request, mm)
         return _Req(request, root, mm, hashes, n, epoch=next(self._epochs),
                     generation=self._generation)
