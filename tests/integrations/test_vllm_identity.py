@@ -95,3 +95,39 @@ def test_settings_that_change_the_kv_are_in_it(tmp_path: Path, extra: dict[str, 
     # both held in uint8 tensors by vLLM: only the format's name tells them apart
     assert (model_identity(mc, NS(cache_dtype="fp8_e4m3"))
             != model_identity(mc, NS(cache_dtype="fp8_e5m2")))
+
+
+def test_a_longrope_model_is_named_by_the_factors_its_length_picks(tmp_path: Path) -> None:
+    """vLLM rotates every position of a LongRoPE model (Phi-3 128k, Phi-4-mini) with the
+    long factors when max_model_len is past original_max_position_embeddings, else with
+    the short ones: engines with --max-model-len 4096 and 32768 made other KV under one
+    namespace. Lengths on one side of the bound share it."""
+    (tmp_path / "config.json").write_text("{}")
+
+    def with_len(max_len: int, rope: dict[str, object] | None) -> str:
+        text = NS(rope_parameters=rope, original_max_position_embeddings=4096)
+        return ident(str(tmp_path), hf_text_config=text, max_model_len=max_len)
+
+    longrope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+    assert with_len(4096, longrope).endswith("|longrope=short")
+    assert with_len(32768, longrope).endswith("|longrope=long")
+    assert with_len(2048, longrope) == with_len(4096, longrope)
+    # transformers 5 may key the parameters by attention type
+    assert with_len(32768, {"full_attention": longrope}).endswith("|longrope=long")
+    assert with_len(32768, None) == with_len(4096, None) == ident(str(tmp_path))
+    assert with_len(32768, {"rope_type": "yarn", "factor": 4.0}) == ident(str(tmp_path))
+
+
+def test_the_config_vllm_reads_instead_of_the_models_is_in_it(tmp_path: Path) -> None:
+    """``--hf-config-path``: vLLM builds the model from that config (another RoPE, other
+    layers), not the model folder's: it is digested too."""
+    (tmp_path / "config.json").write_text("{}")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"rope_scaling": {"type": "yarn"}}')
+    plain = ident(str(tmp_path))
+    with_cfg = ident(str(tmp_path), hf_config_path=str(other))
+    assert with_cfg.startswith(plain + "|cfg#") and with_cfg != plain
+    (other / "config.json").write_text('{"rope_scaling": {"type": "dynamic"}}')
+    assert ident(str(tmp_path), hf_config_path=str(other)) != with_cfg
+    assert ident(str(tmp_path), hf_config_path="org/cfg").endswith("|cfg=org/cfg")

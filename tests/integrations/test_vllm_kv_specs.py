@@ -22,6 +22,7 @@ import json, warnings
 from types import SimpleNamespace
 warnings.simplefilter("ignore")
 import torch
+from vllm.config import ParallelConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from zkv.errors import ConfigError
 from zkv.integrations.vllm.connector import geometry, world_size
@@ -57,6 +58,12 @@ print(json.dumps({
     "hybrid": outcome(lambda: geometry(None, config(FullAttentionSpec(**KW),
                                                     SlidingWindowSpec(**KW, sliding_window=64)))),
     "pipeline": outcome(lambda: [world_size(pp)]),
+    "decode_cp": outcome(lambda: [world_size(SimpleNamespace(parallel_config=ParallelConfig(
+        tensor_parallel_size=2, decode_context_parallel_size=2)))]),
+    "prefill_cp": outcome(lambda: [world_size(SimpleNamespace(parallel_config=ParallelConfig(
+        tensor_parallel_size=2, prefill_context_parallel_size=2)))]),
+    "tensor": outcome(lambda: [world_size(SimpleNamespace(parallel_config=ParallelConfig(
+        tensor_parallel_size=2)))]),
 }))
 '''
 
@@ -83,8 +90,15 @@ def test_full_attention_is_taken(outcomes: dict[str, object]) -> None:
     ("head_size_v", "zkv: K and V of different head sizes are not supported"),
     ("hybrid", "zkv: models with 2 KV cache groups"),
     ("pipeline", "zkv: pipeline parallelism is not supported"),
+    # a vLLM block then spans 2 x 16 tokens over 2 ranks: hash i would name other tokens
+    ("decode_cp", "zkv: context parallelism is not supported (decode_context_parallel_size 2"),
+    ("prefill_cp", "zkv: context parallelism is not supported (prefill_context_parallel_size"),
 ])
 def test_other_specs_are_refused_with_one_line(outcomes: dict[str, object], case: str,
                                                msg: str) -> None:
     got = outcomes[case]
     assert isinstance(got, str) and got.startswith(msg) and "\n" not in got, got
+
+
+def test_tensor_parallel_is_taken(outcomes: dict[str, object]) -> None:
+    assert outcomes["tensor"] == [2]

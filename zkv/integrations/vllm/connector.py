@@ -130,6 +130,12 @@ def world_size(vllm_config: VllmConfig) -> int:
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size != 1:
         raise ConfigError("zkv: pipeline parallelism is not supported (tensor parallel is)")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        # a vLLM block then spans N x block_size tokens over N ranks: zkv's hash i would
+        # name vLLM's block i, which holds other tokens
+        if getattr(pc, name, 1) != 1:
+            raise ConfigError(f"zkv: context parallelism is not supported ({name} "
+                              f"{getattr(pc, name)}; tensor parallel is)")
     return int(pc.tensor_parallel_size)
 
 

@@ -14,8 +14,11 @@ the geometry (which the layout carries).
 A hub model is named by its commit, not by where a machine keeps its cache, so engines
 on machines with other cache directories (another user, ``HF_HOME``), online or offline,
 share a store, and a new revision pushed under the same name (new weights, same config)
-never reads the old one's KV. Then, where set: ``hf_overrides`` (a RoPE or other config
-change the file does not show), weight quantization, and the KV cache dtype with the
+never reads the old one's KV. Then, where set: the config vLLM reads instead of the
+model's (``hf_config_path``), which RoPE factors a LongRoPE model runs with (the long ones
+past ``original_max_position_embeddings``: vLLM picks them by ``max_model_len``),
+``hf_overrides`` (a RoPE or other config change the file does not show), weight
+quantization, and the KV cache dtype with the
 model dtype it was computed in (vLLM keeps every fp8 / quantized KV format in uint8
 tensors, so the geometry's dtype cannot tell ``fp8_e4m3`` from ``fp8_e5m2``). Unset ones
 add nothing, so the namespaces of plain engines stay what they were.
@@ -83,14 +86,49 @@ def model_source(model: str, revision: Any, hub_cache: str | None = None
     return f"hub:{hub_folder(model)}@{commit}", cfg
 
 
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def _longrope(model_config: Any) -> str | None:
+    """``long`` / ``short`` for a LongRoPE model (Phi-3 and 3.5 128k, Phi-4-mini,
+    MiniCPM4): vLLM rotates every position with the long factors when ``max_model_len``
+    is past ``original_max_position_embeddings``, else with the short ones, so one
+    checkpoint makes two KVs by a runtime flag. None for other models."""
+    cfg = getattr(model_config, "hf_text_config", None)
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(cfg, name, None)
+        if not isinstance(params, dict):
+            continue
+        # transformers 5 may key them by attention type: {"full_attention": {...}, ...}
+        for p in [params, *(v for v in params.values() if isinstance(v, dict))]:
+            if (p.get("rope_type") or p.get("type")) != "longrope":
+                continue
+            original = p.get("original_max_position_embeddings",
+                             getattr(cfg, "original_max_position_embeddings", None))
+            max_len = getattr(model_config, "max_model_len", None)
+            if not isinstance(original, int) or not isinstance(max_len, int):
+                return f"len{max_len}"  # cannot tell: apart by the length itself
+            return "long" if max_len > original else "short"
+    return None
+
+
 def model_identity(model_config: Any, cache_config: Any, hub_cache: str | None = None) -> str:
     """The identity of vLLM's ``model_config`` / ``cache_config``; see the module
     docstring. ``hub_cache``: the Hugging Face cache (None: huggingface_hub's default)."""
     mc = model_config
     ident, cfg_path = model_source(str(mc.model), getattr(mc, "revision", None), hub_cache)
     if cfg_path is not None and os.path.isfile(cfg_path):
-        with open(cfg_path, "rb") as f:
-            ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
+        ident += "#" + _digest(cfg_path)
+    hf_config_path = getattr(mc, "hf_config_path", None)
+    if hf_config_path:  # vLLM reads the config there, not in the model's folder
+        path = str(hf_config_path)
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        ident += f"|cfg#{_digest(path)}" if os.path.isfile(path) else f"|cfg={hf_config_path}"
+    rope = _longrope(mc)
+    if rope is not None:
+        ident += f"|longrope={rope}"
     overrides = getattr(mc, "hf_overrides", None)
     if overrides:
         text = (f"{overrides.__module__}.{overrides.__qualname__}" if callable(overrides)
