@@ -168,6 +168,7 @@ def test_failed_layer_and_later_layers_raise_earlier_layers_stay_done() -> None:
     c.fail(0, "whole batch")  # widening the failure later reaches layer 0 too
     with pytest.raises(TransferError, match="whole batch"):
         c.wait_layer(0, 0, timeout=0)
+    assert not any(c.is_done(0, layer) for layer in range(4))
 
 
 def test_fail_from_an_unmarked_layer_fails_from_the_first_unmarked() -> None:
