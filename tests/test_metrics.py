@@ -20,7 +20,9 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
-def test_default_registry_exports_every_label_from_the_start() -> None:
+def test_replay_registry_exports_every_label_from_the_start() -> None:
+    metrics.register_replay()
+    metrics.register_replay()  # once
     s = _samples(metrics.render())
     for tier in metrics.TIERS:
         assert ("zkv:hit_blocks_total", (("tier", tier),)) in s
@@ -36,6 +38,7 @@ def test_default_registry_exports_every_label_from_the_start() -> None:
 
 
 def test_record_move_counts_blocks_and_bytes() -> None:
+    metrics.register_replay()
     key = ("zkv:moved_bytes_total", (("direction", "s2h"),))
     before = _samples(metrics.render())[key]
     metrics.record_move("s2h", 2, 1024)
@@ -52,7 +55,7 @@ def test_serve_on_a_free_loopback_port() -> None:
         with urllib.request.urlopen(server.url, timeout=5) as resp:
             assert resp.status == 200
             body = resp.read().decode()
-        assert ("zkv:batches_total", ()) in _samples(body)
+        assert ("zkv:refused_messages_total", (("reason", "forged"),)) in _samples(body)
     finally:
         server.shutdown()
     with pytest.raises(urllib.error.URLError):
@@ -123,3 +126,20 @@ def test_refused_messages_are_read_from_the_dispatcher_and_kept_once_it_closed()
         gc.collect()
         assert _refused() == base  # a dispatcher that is gone no longer counts
     ctx.term()
+
+
+def test_an_engine_scrape_shows_no_replay_families() -> None:
+    """Under vLLM only the connector's families and the refusals are there: the replay's
+    (free blocks, lost ranks, hits) stayed at 0 beside the connector's real numbers, and
+    an alert on them was wrong. A fresh process, as an engine's."""
+    import subprocess
+    import sys
+
+    code = ("from zkv.integrations.vllm import metrics as m; import zkv.replay; "
+            "print(m.render())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    names = {fam.name for fam in text_string_to_metric_families(out)}
+    assert "zkv:refused_messages" in names
+    assert not names & {"zkv:free_blocks", "zkv:lost_ranks", "zkv:hit_blocks", "zkv:batches",
+                        "zkv:moved_blocks", "zkv:inflight_batches"}, names

@@ -16,9 +16,13 @@
                                                          refused (see Dispatcher.refusals):
                                                          alert on forged / unauthenticated
 
-Engine integrations add their own families to :data:`REGISTRY` (the vLLM connector's
-``zkv:prompt_tokens_total`` etc., with model and rank labels). ``serve(port)`` exposes the
-registry on 127.0.0.1; ``render()`` returns the text exposition.
+All but the last are ``zkv replay``'s: they join :data:`REGISTRY` in its scheduler node
+(:func:`register_replay`), never under an engine, where nothing would move them from 0 (a
+scrape said ``zkv:free_blocks{pool="host"} 0`` beside the connector's 10 free). Engine
+integrations add their own families to :data:`REGISTRY` (the vLLM connector's
+``zkv:host_blocks``, ``zkv:requests_total`` etc., with model and rank labels).
+``serve(port)`` exposes the registry on 127.0.0.1; ``render()`` returns the text
+exposition.
 """
 
 from __future__ import annotations
@@ -43,20 +47,24 @@ REFUSAL_REASONS = ("malformed", "forged", "unknown_seq", "duplicate", "unknown_r
                    "unauthenticated")
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+# zkv replay's (registered by register_replay)
 HITS_BLOCKS = Counter("zkv:hit_blocks", "Prefix-cache hits in blocks, by the tier that held "
-                      "them.", ("tier",), registry=REGISTRY)
+                      "them.", ("tier",), registry=None)
 BLOCKS_MOVED = Counter("zkv:moved_blocks", "Blocks copied between tiers (every rank), by "
-                       "direction.", ("direction",), registry=REGISTRY)
+                       "direction.", ("direction",), registry=None)
 BYTES_MOVED = Counter("zkv:moved_bytes", "Bytes copied between tiers over all ranks, by "
-                      "direction.", ("direction",), registry=REGISTRY)
+                      "direction.", ("direction",), registry=None)
 INFLIGHT_BATCHES = Gauge("zkv:inflight_batches", "Batches published and not yet acked by "
-                         "every rank.", registry=REGISTRY)
-FREE_BLOCKS = Gauge("zkv:free_blocks", "Free blocks per pool.", ("pool",), registry=REGISTRY)
+                         "every rank.", registry=None)
+FREE_BLOCKS = Gauge("zkv:free_blocks", "Free blocks per pool.", ("pool",), registry=None)
 FAILED_BLOCKS = Counter("zkv:failed_blocks", "Blocks of copies that failed on some rank (rolled "
                         "back; an L3 write dropped, a load recomputed), by direction.",
-                        ("direction",), registry=REGISTRY)
-LOST_RANKS = Counter("zkv:lost_ranks", "Ranks declared lost.", registry=REGISTRY)
-BATCHES = Counter("zkv:batches", "Batches published.", registry=REGISTRY)
+                        ("direction",), registry=None)
+LOST_RANKS = Counter("zkv:lost_ranks", "Ranks declared lost.", registry=None)
+BATCHES = Counter("zkv:batches", "Batches published.", registry=None)
+_REPLAY = (HITS_BLOCKS, BLOCKS_MOVED, BYTES_MOVED, INFLIGHT_BATCHES, FREE_BLOCKS, FAILED_BLOCKS,
+           LOST_RANKS, BATCHES)
+_replay_registered = False
 for _t in TIERS:
     HITS_BLOCKS.labels(tier=_t)
 for _d in DIRECTIONS:
@@ -97,6 +105,15 @@ class _Refusals:
 
 _REFUSALS = _Refusals()
 REGISTRY.register(_REFUSALS)
+
+
+def register_replay() -> None:
+    """Put ``zkv replay``'s families in :data:`REGISTRY` (its scheduler node; once)."""
+    global _replay_registered
+    if not _replay_registered:
+        for m in _REPLAY:
+            REGISTRY.register(m)
+        _replay_registered = True
 
 
 def watch_refusals(dispatcher: Any) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -53,6 +54,7 @@ DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "t
 _SIM_OP_BASE = 1 << 40  # op ids of the simulated forward pass, apart from the manager's
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DROPPED = 0, 1, 2, 4
 EXIT_INTERRUPTED = 128 + 2  # SIGINT, as a shell reports it
+EXIT_TERMINATED = 128 + 15  # SIGTERM (zkvrun's teardown of the group)
 
 
 # ---------------------------------------------------------------- workloads
@@ -356,17 +358,35 @@ def node_main(args: argparse.Namespace) -> int:
     from zkv import log as zlog
 
     zlog.configure("scheduler")
+    # zkvrun tears the group down with SIGTERM (a rank died): end as for Ctrl-C, so that
+    # the metrics file, the pools' check and the dispatcher's close still happen. (Its
+    # default action ended the process at once: the failed run, the one whose numbers
+    # matter, left no metrics.)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return _serve(args)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole group: one line, not a traceback
         print("zkv replay: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except _Terminated:
+        print("zkv replay: stopped (SIGTERM)", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
     except ConfigError as e:
         print(f"zkv replay: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     except (RankLost, TimeoutError) as e:
         print(f"zkv replay: failed: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised where the scheduler node is (its finally blocks run)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -375,6 +395,7 @@ def _serve(args: argparse.Namespace) -> int:
     from zkv.storage import StorageQuery, open_store
 
     layout = CacheLayout.from_env()
+    M.register_replay()
     server = M.serve(args.metrics_port) if args.metrics_port is not None else None
     url = os.environ.get("ZKV_STORE_URL")  # set by main, as for the ranks
     store = open_store(url, layout.fingerprint()) if url else None
@@ -384,6 +405,8 @@ def _serve(args: argparse.Namespace) -> int:
                     eviction_policy=args.eviction),
         storage_exists=StorageQuery(store, layout.world_size) if store else None,
     )
+    for pool in M.POOLS:  # from the start, not from the first batch's commit
+        M.FREE_BLOCKS.labels(pool=pool).set(getattr(cm, pool).num_free)
     prefetch = PrefetchPolicy(args.prefetch, args.prefetch_base_ms / 1e3,
                               args.prefetch_per_ki_token_ms / 1e3)
     if args.workload == "chat":

@@ -66,6 +66,7 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
+from zkv import log as ev
 from zkv.errors import ConfigError
 
 KEYS_ENV = "ZKV_KEYS"
@@ -298,6 +299,8 @@ class _Domain:
     tokens: dict[str, int] = field(default_factory=dict)  # ipc (PLAIN): token -> rank
     num_refused: int = 0
     last_refusal: str = ""
+    #: ``security.handshake_refused`` lines: a few a second, the rest counted
+    refused_log: ev.RateLimited | None = None
 
 
 class ZapHandler:
@@ -342,13 +345,17 @@ class ZapHandler:
             if handler is None:
                 handler = cls._by_context[id(ctx)] = ZapHandler(ctx)
             tokens = {ipc_token(r, sec): r for r, sec in keys.rank_secrets.items()} if keys else {}
-            handler._domains[domain] = _Domain(keys.rank_of_key() if keys else None,
-                                               os.getuid(), tokens)
+            handler._domains[domain] = _Domain(
+                keys.rank_of_key() if keys else None, os.getuid(), tokens,
+                refused_log=ev.RateLimited(ev.get_logger("security"), ev.HANDSHAKE_REFUSED,
+                                           level="warning", burst=5))
             return handler
 
     def unregister(self, domain: str) -> None:
         with ZapHandler._lock:
-            self._domains.pop(domain, None)
+            d = self._domains.pop(domain, None)
+            if d is not None and d.refused_log is not None:
+                d.refused_log.flush()
             if self._domains:
                 return
             ZapHandler._by_context.pop(id(self._ctx), None)
@@ -397,8 +404,12 @@ class ZapHandler:
         if d is not None and version == b"1.0":
             user, reason = _authenticate(d, address.decode(errors="replace"), mechanism, req[6:])
             if user is None:
+                peer = address.decode(errors="replace")
                 d.num_refused += 1
-                d.last_refusal = f"{reason} (peer {address.decode(errors='replace')})"
+                d.last_refusal = f"{reason} (peer {peer})"
+                if d.refused_log is not None:  # who knocked, how, and why not
+                    d.refused_log(peer=peer, mechanism=mechanism.decode(errors="replace"),
+                                  reason=reason)
         if user is None:
             return [b"1.0", request_id, b"400", reason.encode(), b"", b""]
         return [b"1.0", request_id, b"200", b"OK", user.encode(), b""]

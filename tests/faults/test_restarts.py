@@ -139,12 +139,13 @@ def test_ranks_whose_scheduler_is_gone_for_good_stop_after_the_timeout(folder: s
         assert len(lost) == 1 and lost[0]["last_seq"] == 0 and lost[0]["timeout_s"] == 1.0
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
-def test_replay_with_a_rank_killed_restarts_the_group_and_finishes(tmp_path: Path) -> None:
+def _replay_killing_a_rank(tmp_path: Path, *flags: str) -> tuple[int, str, str]:
+    """``zkv replay`` (80 requests), its last rank SIGKILLed once batches flow: (status,
+    stdout, stderr)."""
     logs = tmp_path / "logs"
     proc = subprocess.Popen(
         [sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests", "80",
-         "--max-restarts", "1", "--log-dir", str(logs), "--store-dir", str(tmp_path / "l3")],
+         "--log-dir", str(logs), "--store-dir", str(tmp_path / "l3"), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     ranks: list[int] = []
 
@@ -163,7 +164,31 @@ def test_replay_with_a_rank_killed_restarts_the_group_and_finishes(tmp_path: Pat
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, out + err
+    return proc.returncode, out, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_a_replay_that_loses_a_rank_still_writes_its_metrics(tmp_path: Path) -> None:
+    """Without restarts: zkvrun tears the group down with SIGTERM, and the scheduler node
+    ends as for Ctrl-C: its metrics file, its pools' check and the dispatcher's close. (It
+    died of the signal at once: the failed run, the one whose numbers matter, left none.)"""
+    metrics = tmp_path / "metrics.txt"
+    code, out, err = _replay_killing_a_rank(tmp_path, "--metrics-file", str(metrics))
+    assert code == 1, out + err
+    assert "no restarts left" in err, err
+    assert metrics.exists(), err
+    text = metrics.read_text()
+    batches = next(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("zkv:batches_total "))
+    assert batches >= 5, text
+    sched = (tmp_path / "logs" / "scheduler.jsonl").read_text()
+    assert '"dispatcher.stopped"' in sched
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_replay_with_a_rank_killed_restarts_the_group_and_finishes(tmp_path: Path) -> None:
+    code, out, err = _replay_killing_a_rank(tmp_path, "--max-restarts", "1")
+    assert code == 0, out + err
     # zkvrun sees the rank die (or the scheduler fail on the lost rank) and restarts all
     assert "then restarting the group (1/1)" in err, err
     assert re.search(r"verified\s+\d+ reused blocks checked byte-for-byte on every rank, "

@@ -856,6 +856,8 @@ def test_vllm_serve_with_the_readme_config(env, smollm2, smol_ref) -> None:  # n
             assert got == ref["tokens"], f"phase {ph['name']}: tokens differ"
         z = scrape(metrics_port)
         assert z["zkv_host_tokens"] > 1_000 and z["disabled"] is None, z
+        (serving,) = _events(logs, "connector.metrics_serving")
+        assert serving["url"] == f"http://127.0.0.1:{metrics_port}/metrics"
         srv.disconnect_after_first_chunk(smollm2["phases"][0]["prompts"][0][:-3])
         for _ in range(20):  # later requests make the engine step and commit what is left
             assert srv.complete(smollm2["phases"][2]["prompts"][0], 2)

@@ -82,9 +82,14 @@ def test_rogue_without_a_rank_key_reads_no_batch_and_gets_nothing_counted(
               FakeRank(ctx, pub, pull, 0, FP, pid=ranks[0].pid,
                        keys=ClientKeys(0, keyring.server_public, own_public, own_secret))]
     try:
-        for rogue in rogues:
-            rogue.subscribe()
-        _poll_until(d, lambda: d.refusals()["unauthenticated"] >= 2, "the ZAP refusals")
+        with capture_logs() as logs:
+            for rogue in rogues:
+                rogue.subscribe()
+            _poll_until(d, lambda: d.refusals()["unauthenticated"] >= 2, "the ZAP refusals")
+        # who knocked, how, and why not (was: only counted)
+        refused = [e for e in logs if e["event"] == "security.handshake_refused"]
+        assert len(refused) >= 2 and all(e["peer"] and e["reason"] for e in refused), logs
+        assert {e["mechanism"] for e in refused} <= {"NULL", "CURVE", "PLAIN"}
         received = d.num_received  # the ranks' hellos
         seq = d.publish([_op(0)], step=0)
         batches = [r.recv_batch() for r in ranks]

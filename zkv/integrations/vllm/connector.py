@@ -187,6 +187,7 @@ class ZkvConnector(KVConnectorBase_V1):
         self.worker: WorkerHalf | None = None
         self._ipc_dir: str | None = None
         self._store: Any = None  # this half's L3 store: closed at shutdown, after the half
+        self._metrics_server: Any = None  # metrics_port's: stopped at shutdown
         self._stats_seen: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._start_scheduler(vllm_config)
@@ -249,9 +250,11 @@ class ZkvConnector(KVConnectorBase_V1):
             from zkv.integrations.vllm import metrics
 
             try:
-                metrics.serve(self.cfg.metrics_port)
+                self._metrics_server = metrics.serve(self.cfg.metrics_port)
             except ConfigError as e:  # the engine stops at start, with one line
                 raise ConfigError(f"zkv: {e}") from None
+            # (metrics_port 0 picks a free port: this line says which)
+            self.sched.log.info("connector.metrics_serving", url=self._metrics_server.url)
 
     # ------------------------------------------------------------ worker side
 
@@ -358,6 +361,9 @@ class ZkvConnector(KVConnectorBase_V1):
         return ZkvConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        if self._metrics_server is not None:  # its port, for the next engine of the process
+            server, self._metrics_server = self._metrics_server, None
+            server.shutdown()
         if self.worker is not None:
             self.worker.close()
         if self.sched is not None:
