@@ -126,6 +126,10 @@ def test_cli_logs_subcommand(run_dir: Path, capsys: pytest.CaptureFixture[str]) 
     assert cli.main(["logs", str(run_dir), "--rank", "0", "--rank", "1", "--seq", "1",
                      "--json"]) == 0
     assert events(capsys.readouterr().out) == ["worker.batch_done", "worker.batch_done"]
+    # the directory after the rank (was: taken for a second rank, "not an int")
+    assert cli.main(["logs", "--rank", "0,1", str(run_dir), "--seq", "1", "--json"]) == 0
+    assert events(capsys.readouterr().out) == ["worker.batch_done", "worker.batch_done"]
+    assert cli.main(["logs", "--level", "WARN", str(run_dir)]) == 0  # as ZKV_LOG_LEVEL takes
     assert cli.main(["logs", str(run_dir / "missing")]) == 1
     assert "no such file or directory" in capsys.readouterr().err
     (run_dir / "empty").mkdir()  # e.g. the run's parent directory, given by mistake
@@ -135,7 +139,8 @@ def test_cli_logs_subcommand(run_dir: Path, capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize("args, message", [
     (["--seq", "-1"], "argument --seq: must be >= 0, got -1"),
-    (["--rank", "0", "-2"], "argument --rank: must be >= 0, got -2"),
+    (["--rank", "-2"], "argument --rank: must be >= 0, got -2"),
+    (["--rank", "0,-2"], "argument --rank: must be >= 0, got -2"),
     (["--rank", "x"], "argument --rank: not an int: 'x'"),
     (["--poll-s", "0"], "argument --poll-s: must be a finite number > 0, got 0"),
 ])
@@ -248,4 +253,46 @@ def test_truncated_file_is_read_again(tmp_path: Path) -> None:
     os.truncate(path, 0)
     write(path, ev(3.0, "a.three"))
     assert [r.data and r.data["event"] for r in tail.records(final=False)] == ["a.three"]
+    tail.close()
     assert Record(0.0, "x", 1, "raw", None).malformed
+
+
+def test_a_file_renamed_away_is_read_to_its_end_and_the_new_one_from_0(tmp_path: Path) -> None:
+    """logrotate's ``create``: the file is renamed, a zkv process writes to it for up to a
+    second more, then to a new file at the old name. Every line shows once, none mid-line.
+    (Before: the old file's late line was lost, and a new file longer than the old offset
+    was read from that offset, a malformed half line.)"""
+    path = tmp_path / "w-0.jsonl"
+    write(path, ev(1.0, "a.before"))
+    tail = logview.Tail(str(path))
+    try:
+        assert [r.data and r.data["event"] for r in tail.records(final=False)] == ["a.before"]
+        os.rename(path, tmp_path / "w-0.jsonl.1")
+        write(tmp_path / "w-0.jsonl.1", ev(2.0, "b.late_in_the_old_file"))
+        write(path, ev(3.0, "c.new_file_" + "x" * 200))  # longer than the old offset
+        got = [r.data["event"] if r.data else "MALFORMED" for r in tail.records(final=False)]
+        assert got == ["b.late_in_the_old_file", "c.new_file_" + "x" * 200]
+        write(tmp_path / "w-0.jsonl.1", ev(4.0, "d.later_still"))  # within the grace
+        write(path, ev(5.0, "e.next"))
+        got = [r.data["event"] if r.data else "MALFORMED" for r in tail.records(final=False)]
+        assert got == ["d.later_still", "e.next"]
+    finally:
+        tail.close()
+    # the plain view reads what logrotate left beside the live file, in time order
+    out = io.StringIO()
+    logview.view(str(tmp_path), out=out, as_json=True)
+    assert events(out.getvalue()) == ["a.before", "b.late_in_the_old_file",
+                                      "c.new_file_" + "x" * 200, "d.later_still", "e.next"]
+
+
+def test_control_characters_are_escaped_not_sent_to_the_terminal(tmp_path: Path) -> None:
+    """A field (a request id, a store's error text) or a malformed line with an escape
+    sequence or a bell reached the operator's terminal as it was."""
+    bad = "a\u001b[31mred\u0007"
+    rec = logview.parse_line(orjson.dumps({"ts": 1.0, "event": "x.y", "req": bad,
+                                           "ok": "plain"}), "f", 1, 0.0)
+    text = logview.format_record(rec)
+    assert "\x1b" not in text and "\x07" not in text and "ok=plain" in text
+    assert 'req="a\\u001b[31mred\\u0007"' in text, text
+    raw = logview.parse_line(b"\x1b]0;owned\x07 not json", "f", 2, 0.0)
+    assert "\x1b" not in logview.format_record(raw) and "\x07" not in logview.format_record(raw)

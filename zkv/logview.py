@@ -102,8 +102,17 @@ def _as_int(v: object) -> int | None:
         return None
 
 
+#: How long a file renamed away (rotated) is still read after a new one took its name: a
+#: zkv process notices the rename within a second and writes to the old file until then.
+ROTATED_GRACE_S = 5.0
+
+
 class Tail:
-    """Reads one file from where it last stopped; a truncated file restarts at 0."""
+    """Reads one file from where it last stopped. A truncated file restarts at 0; a file
+    renamed away (logrotate's ``create``) is read to its end, for ``ROTATED_GRACE_S``,
+    while the new file at the path is read from 0 (was: the lines written to the old file
+    after the last poll were lost, and a longer new file was read from the old offset,
+    mid-line)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -111,36 +120,82 @@ class Tail:
         self.offset = 0
         self.lineno = 0
         self.last_ts = 0.0
+        self._f: Any = None  # the open file, and its (device, inode)
+        self._id: tuple[int, int] | None = None
+        self._old: list[tuple[Any, float, int, int]] = []  # renamed away: (f, until, offset, n)
+
+    def close(self) -> None:
+        for f, *_ in self._old:
+            f.close()
+        self._old = []
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
     def records(self, final: bool) -> Iterator[Record]:
         """New lines since the last call. ``final=False`` leaves an unterminated last
         line (a writer mid-line) for the next call; ``final=True`` takes it too."""
+        yield from self._rotated(final)
         try:
-            f = open(self.path, "rb")  # noqa: SIM115 (closed by the with below)
+            st = os.stat(self.path)
         except OSError:
             return
-        with f:
-            if os.fstat(f.fileno()).st_size < self.offset:
-                self.offset = self.lineno = 0
-            f.seek(self.offset)
-            while line := f.readline():
-                if not line.endswith(b"\n") and not final:
-                    return
-                self.offset += len(line)
-                self.lineno += 1
-                line = line.rstrip(b"\r\n")
-                if not line.strip():
-                    continue
-                rec = parse_line(line, self.source, self.lineno, self.last_ts)
-                self.last_ts = rec.ts
-                yield rec
+        if self._f is not None and self._id != (st.st_dev, st.st_ino):
+            self._old.append((self._f, time.monotonic() + ROTATED_GRACE_S, self.offset,
+                              self.lineno))
+            self._f = None
+            yield from self._rotated(final)
+            self.offset = self.lineno = 0
+        if self._f is None:
+            try:
+                self._f = open(self.path, "rb")  # noqa: SIM115 (kept open: see _rotated)
+            except OSError:
+                return
+            fst = os.fstat(self._f.fileno())
+            self._id = (fst.st_dev, fst.st_ino)
+        if os.fstat(self._f.fileno()).st_size < self.offset:  # truncated (copytruncate)
+            self.offset = self.lineno = 0
+        self.offset, self.lineno = yield from self._read(self._f, self.offset, self.lineno,
+                                                         final)
+
+    def _rotated(self, final: bool) -> Iterator[Record]:
+        """The rest of the files renamed away; closed once their grace ended."""
+        keep = []
+        for f, until, offset, lineno in self._old:
+            offset, lineno = yield from self._read(f, offset, lineno, final)
+            if time.monotonic() < until:
+                keep.append((f, until, offset, lineno))
+            else:
+                f.close()
+        self._old = keep
+
+    def _read(self, f: Any, offset: int, lineno: int, final: bool
+              ) -> Iterator[Record]:
+        f.seek(offset)
+        while line := f.readline():
+            if not line.endswith(b"\n") and not final:
+                break
+            offset += len(line)
+            lineno += 1
+            line = line.rstrip(b"\r\n")
+            if not line.strip():
+                continue
+            rec = parse_line(line, self.source, lineno, self.last_ts)
+            self.last_ts = rec.ts
+            yield rec
+        return offset, lineno
 
 
-def log_files(path: str) -> list[str]:
-    """``path`` itself if it is a file, else its ``*.jsonl`` files, sorted by name."""
+def log_files(path: str, rotated: bool = False) -> list[str]:
+    """``path`` itself if it is a file, else its ``*.jsonl`` files (``rotated``: and the
+    plain ``*.jsonl.N`` files logrotate left), sorted by name."""
     if os.path.isfile(path):
         return [path]
-    return sorted(glob.glob(os.path.join(glob.escape(path), "*.jsonl")))
+    found = glob.glob(os.path.join(glob.escape(path), "*.jsonl"))
+    if rotated:
+        found += [p for p in glob.glob(os.path.join(glob.escape(path), "*.jsonl.*"))
+                  if p.rsplit(".", 1)[1].isdigit()]
+    return sorted(found)
 
 
 def merge(tails: Iterable[Tail], final: bool) -> Iterator[Record]:
@@ -148,9 +203,15 @@ def merge(tails: Iterable[Tail], final: bool) -> Iterator[Record]:
     return heapq.merge(*(t.records(final) for t in tails), key=lambda r: r.ts)
 
 
+def _printable(text: str) -> str:
+    """``text``, or JSON-escaped when it holds a character a terminal would act on (an
+    escape sequence, a bell: a field's value or a raw line may come from outside)."""
+    return text if text.isprintable() else orjson.dumps(text).decode()
+
+
 def _fmt_value(v: Any) -> str:
     if isinstance(v, str):
-        if v and not any(c.isspace() or c in "\"'=" for c in v):
+        if v and v.isprintable() and not any(c.isspace() or c in "\"'=" for c in v):
             return v
         return orjson.dumps(v).decode()
     if isinstance(v, float):
@@ -172,18 +233,20 @@ def format_record(rec: Record) -> str:
     data = rec.data
     if data is None:
         raw = rec.raw if len(rec.raw) <= _MAX_RAW else rec.raw[:_MAX_RAW] + "..."
-        return f"--:--:--.---  MALFORMED  {rec.source}:{rec.lineno}  {raw}"
+        return f"--:--:--.---  MALFORMED  {_printable(rec.source)}:{rec.lineno}  {_printable(raw)}"
     who = str(data.get("component", "?"))
     if data.get("rank") is not None:
         who += f"[{data['rank']}]"
     level = _LEVEL_SHORT.get(level_num(data.get("level")), "INFO")
-    kv = " ".join(f"{k}={_fmt_value(v)}" for k, v in data.items() if k not in _HEADER_KEYS)
-    line = f"{format_ts(rec.ts)}  {level:<5}  {who:<14} {data.get('event', '?')}"
+    kv = " ".join(f"{_printable(k)}={_fmt_value(v)}" for k, v in data.items()
+                  if k not in _HEADER_KEYS)
+    line = (f"{format_ts(rec.ts)}  {level:<5}  {_printable(who):<14} "
+            f"{_printable(str(data.get('event', '?')))}")
     if kv:
         line += f"  {kv}"
     exc = data.get("exception")
     if exc:
-        line += "\n" + "\n".join("    " + x for x in str(exc).rstrip().splitlines())
+        line += "\n" + "\n".join("    " + _printable(x) for x in str(exc).rstrip().splitlines())
     return line
 
 
@@ -206,8 +269,12 @@ def view(path: str, filters: Filters | None = None, out: TextIO | None = None,
          as_json: bool = False) -> int:
     """Print the merged logs once; the number of lines printed."""
     out = out or sys.stdout
-    tails = [Tail(p) for p in log_files(path)]
-    return _emit(merge(tails, final=True), filters or Filters(), out, as_json, sys.stderr)
+    tails = [Tail(p) for p in log_files(path, rotated=True)]
+    try:
+        return _emit(merge(tails, final=True), filters or Filters(), out, as_json, sys.stderr)
+    finally:
+        for t in tails:
+            t.close()
 
 
 def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
@@ -242,21 +309,31 @@ def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
                 return n
     except KeyboardInterrupt:
         return n
+    finally:
+        for t in tails.values():
+            t.close()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="log directory of a run (or one .jsonl file)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    p.add_argument("--rank", type=nonneg_int, nargs="+", action="extend", default=None,
-                   metavar="R", help="only events of these ranks")
+    p.add_argument("--rank", type=_ranks, action="extend", default=None, metavar="R[,R...]",
+                   help="only events of these ranks (again for more: --rank 0 --rank 2)")
     p.add_argument("--seq", type=nonneg_int, default=None, metavar="N",
                    help="only events of batch N")
-    p.add_argument("--level", default=None, choices=["debug", "info", "warning", "error",
-                   "critical"], help="minimum level")
+    p.add_argument("--level", default=None, type=str.lower,
+                   choices=["debug", "info", "warn", "warning", "error", "critical"],
+                   help="minimum level")
     p.add_argument("--event", default=None, metavar="SUBSTR",
                    help="only events whose name contains SUBSTR (case-insensitive)")
     p.add_argument("--json", action="store_true", help="print the raw JSON lines")
     p.add_argument("--poll-s", type=positive_float, default=DEFAULT_POLL_S, help=argparse.SUPPRESS)
+
+
+def _ranks(text: str) -> list[int]:
+    """``R[,R...]``: one flag takes one word, so ``--rank 1 DIR`` leaves DIR the
+    directory (``nargs='+'`` took it for a rank)."""
+    return [nonneg_int(part) for part in text.split(",")]
 
 
 def run_args(ns: argparse.Namespace) -> int:
