@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -170,7 +170,7 @@ class Tail:
         self._old = keep
 
     def _read(self, f: Any, offset: int, lineno: int, final: bool
-              ) -> Iterator[Record]:
+              ) -> Generator[Record, None, tuple[int, int]]:
         f.seek(offset)
         while line := f.readline():
             if not line.endswith(b"\n") and not final:
