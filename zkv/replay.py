@@ -155,6 +155,7 @@ class Replayer:
         self.step = 0
         self.sim_id = _SIM_OP_BASE
         self.latencies: list[float] = []
+        self.spans: list[tuple[float, float]] = []  # each batch's (publish, last ack), monotonic
         self.s = Summary()
         self.carry: list[Op] = []  # backups / storage writes from finish, sent with the next step
         self.moved = {k: 0 for k in M.DIRECTIONS}  # blocks every rank copied, per direction
@@ -323,6 +324,8 @@ class Replayer:
         ops, sim = self.outstanding.pop(done.seq)
         self.s.batches += 1
         self.latencies.append(done.latency_s)
+        now = time.monotonic()
+        self.spans.append((now - done.latency_s, now))
         results = done.results
         mgr = [results[o.id] for o in ops if o.id in results]
         for o in ops:
@@ -436,7 +439,7 @@ def _serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.shutdown()
         wrote = _write_metrics(args.metrics_file) if args.metrics_file else True
-    _print_summary(s, rp.moved, layout, rp.latencies, args, store)
+    _print_summary(s, rp.moved, layout, rp.latencies, busy_s(rp.spans), args, store)
     return s.exit_code if wrote else max(s.exit_code, EXIT_FAILED)
 
 
@@ -461,8 +464,19 @@ def _check_pools(cm: CacheManager, rp: Replayer | None) -> None:
     cm.check_invariants()
 
 
+def busy_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds in which at least one batch was in flight: the union of the spans (batches
+    overlap: storage writes, a step's loads beside its copies). O(n log n)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: list[float],
-                   args: argparse.Namespace, store: Any = None) -> None:
+                   busy: float, args: argparse.Namespace, store: Any = None) -> None:
     per_block = layout.block_bytes * layout.world_size
     total_bytes = sum(moved.values()) * per_block
     p50, p99 = (np.percentile(np.array(lat) * 1e3, [50, 99]) if lat else (0.0, 0.0))
@@ -492,7 +506,7 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
         f"  tier bytes   device<->host {gb(moved['d2h'] + moved['backup'] + moved['h2d'])}   "
         f"host<->store {gb(moved['s2h'] + moved['h2s'])}   (all ranks)",
         f"  bytes        {total_bytes / 1e9:.3f} GB over {s.batches} batches = "
-        f"{total_bytes / 1e9 / max(sum(lat), 1e-9):.2f} GB/s while in flight",
+        f"{total_bytes / 1e9 / max(busy, 1e-9):.2f} GB/s while any was in flight",
         f"  latency      publish->all acks p50 {p50:.2f} ms  p99 {p99:.2f} ms",
         f"  storage      loaded {s.loaded} blocks ({s.load_failed} failed: recomputed)   "
         f"stored {s.stored} ({s.store_failed} dropped)"
