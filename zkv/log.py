@@ -1,7 +1,9 @@
 """structlog setup: JSON lines, one event name per thing that happens.
 
-Event names are ``component.noun_pastverb`` constants defined here so that tests and
-``zkv logs`` filters refer to one spelling. Each process writes one file
+Event names are ``component.noun_pastverb`` constants defined here (the vLLM connector's
+``connector.*`` ones in :mod:`zkv.integrations.vllm.events`) so that tests and ``zkv logs``
+filters refer to one spelling; ``tests/test_static.py`` finds any log call that names its
+event with a string instead. Each process writes one file
 ``{log_dir}/{component}-{rank}.jsonl`` (or stderr when no directory is given).
 
 Every line carries ``ts`` (epoch seconds, float), ``level``, ``event``, ``component``,
@@ -42,9 +44,11 @@ BATCH_PUBLISHED = "dispatcher.batch_published"
 BATCH_ACKED = "dispatcher.batch_acked"
 RANK_JOINED = "dispatcher.rank_joined"
 RANK_LOST = "dispatcher.rank_lost"
+RANK_REFUSED = "dispatcher.rank_refused"
+RANK_LEFT = "dispatcher.rank_left"
+DISPATCHER_STOPPED = "dispatcher.stopped"
 ACK_REFUSED = "dispatcher.ack_refused"
 OP_FAILED = "scheduler.op_failed"
-BLOCKS_EVICTED = "scheduler.blocks_evicted"
 STEP_DONE = "scheduler.step_done"
 # worker
 WORKER_STARTED = "worker.started"
@@ -87,7 +91,6 @@ GROUP_RESTARTED = "launch.group_restarted"
 HANDSHAKE_REFUSED = "security.handshake_refused"
 IDENTITY_FORGED = "security.identity_forged"
 # logging itself
-LOG_LINES_DROPPED = "log.lines_dropped"
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR, "critical": logging.CRITICAL}

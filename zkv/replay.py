@@ -338,7 +338,7 @@ class Replayer:
                 setattr(self.s, bad_key, getattr(self.s, bad_key) + o.num_blocks - done_n)
             elif r is None or not r.ok:
                 self.s.failed_ops += 1
-        self.cm.on_ops_done(mgr)
+        self.cm.on_ops_done(mgr, done.seq)
         self._record(ops, results)
         for o in sim:
             r = results.get(o.id)

@@ -154,7 +154,8 @@ def test_wrong_layout_is_refused_at_hello_naming_the_field(folder: str, field: s
 
     from tests.worker.helpers import endpoints, worker_env
     from zkv.errors import ConfigError
-    from zkv.scheduler.dispatcher import RANK_REFUSED, Dispatcher
+    from zkv.log import RANK_REFUSED
+    from zkv.scheduler.dispatcher import Dispatcher
     from zkv.worker.actor import EXIT_REFUSED
 
     ours = dataclasses.replace(LAYOUT, world_size=1)

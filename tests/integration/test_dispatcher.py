@@ -22,7 +22,8 @@ from tests.worker.helpers import (
 )
 from zkv import protocol as P
 from zkv.errors import ConfigError, RankLost
-from zkv.scheduler.dispatcher import RANK_REFUSED, Dispatcher
+from zkv.log import RANK_REFUSED
+from zkv.scheduler.dispatcher import Dispatcher
 
 FP = "layout-fp"
 

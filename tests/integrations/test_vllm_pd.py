@@ -24,7 +24,8 @@ from tests.integrations.conftest import two_engines_on_one_store
 from tests.integrations.test_vllm_rank_loss import BS, LAYOUT, Group
 from tests.worker.helpers import short_ipc_dir
 from zkv.integrations.vllm import pd
-from zkv.integrations.vllm.pd import AWAIT_EXPIRED, PARAM_BLOCKS, PARAM_NAMESPACE
+from zkv.integrations.vllm.events import AWAIT_EXPIRED
+from zkv.integrations.vllm.pd import PARAM_BLOCKS, PARAM_NAMESPACE
 from zkv.integrations.vllm.scheduler import EMPTY_STEP_WAIT_S
 
 AWAIT_MS = 300  # the consumer's longest wait (prefetch_max_ms)

@@ -1260,7 +1260,8 @@ def test_step_summary_and_failed_op_events_follow_the_log_level() -> None:
         cached(cm, "r1", H(1, 2))
         assert run(cm, "r2", H(3, 4)) == [0, 1]
         (op,) = take(cm)
-        fail(cm, op, done=1)
+        cm.on_ops_done([OpResult(op.id, False, 1, "injected")], seq=7)  # batch 7 carried it
+        cm.check_invariants()
         return [orjson.loads(line) for line in out.getvalue().splitlines()]
 
     try:
@@ -1268,6 +1269,7 @@ def test_step_summary_and_failed_op_events_follow_the_log_level() -> None:
         assert [e["event"] for e in debug] == ["scheduler.step_done", "scheduler.op_failed"]
         assert (debug[0]["num_ops"], debug[0]["num_blocks"]) == (1, 2)
         assert (debug[1]["kind"], debug[1]["done"], debug[1]["num_blocks"]) == (D2H, 1, 2)
+        assert debug[1]["seq"] == 7  # so `zkv logs --seq 7` shows it beside the ranks' lines
         assert [e["event"] for e in events("warning")] == ["scheduler.op_failed"]
     finally:
         zlog.close()

@@ -37,7 +37,7 @@ _log = ev.get_logger("scheduler")
 _IO_KINDS = frozenset((S2H, H2S))  # a store that is down fails them every step: rate-limited
 
 
-def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
+def on_ops_done(core: Core, results: Iterable[OpResult], seq: int | None = None) -> list[int]:
     """Commit (or roll back) acked ops; returns op ids that were not pending (ignored)."""
     unknown = []
     pending = core.ledger.pending
@@ -59,6 +59,8 @@ def on_ops_done(core: Core, results: Iterable[OpResult]) -> list[int]:
             req_ids = sorted({st.req_id for st in p.reqs if st is not None})
             fields = {"op_id": p.op_id, "kind": p.kind, "num_blocks": total, "done": done,
                       "error": r.error, "req_ids": req_ids[:16]}
+            if seq is not None:
+                fields["seq"] = seq
             if p.kind in _IO_KINDS:
                 core.io_failed_log(**fields)
             else:

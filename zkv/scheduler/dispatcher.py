@@ -57,10 +57,8 @@ from zkv import protocol as P
 from zkv import security
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError, ProtocolError, RankLost
-from zkv.scheduler.membership import RANK_REFUSED, TELL_S, Membership
+from zkv.scheduler.membership import TELL_S, Membership
 from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
-
-DISPATCHER_STOPPED = "dispatcher.stopped"
 
 #: How often ``poll`` checks deadlines (heartbeats, acks, disconnects); it wakes at least
 #: every ``_SUBS_EVERY_S`` while it waits, and checks once more when its timeout ends.
@@ -460,7 +458,7 @@ class Dispatcher:
                 self._ctx.term()
             self._refused_log.flush()
             self._forged_log.flush()
-            self._log.info(DISPATCHER_STOPPED, next_seq=self._next_seq,
+            self._log.info(ev.DISPATCHER_STOPPED, next_seq=self._next_seq,
                            num_in_flight=len(self._in_flight), **counts)
 
     def __enter__(self) -> Dispatcher:
@@ -554,7 +552,7 @@ class Dispatcher:
         try:
             send_frames(self._pub, P.encode(P.Refused(rank, pid, reason)), DONTWAIT)
         except zmq.Again:  # a rank's full queue: publish's send timeout deals with that rank
-            self._log.warning(RANK_REFUSED, rank=rank, worker_pid=pid,
+            self._log.warning(ev.RANK_REFUSED, rank=rank, worker_pid=pid,
                               error="could not tell the process (a rank's queue is full)")
 
     def _on_heartbeat(self, msg: P.Heartbeat) -> None:

@@ -258,14 +258,15 @@ class CacheManager:
     def num_pending_ops(self) -> int:
         return len(self.core.ledger.pending)
 
-    def on_ops_done(self, results: Iterable[OpResult]) -> list[int]:
+    def on_ops_done(self, results: Iterable[OpResult], seq: int | None = None) -> list[int]:
         """Commit (or roll back) acked ops; ``done`` is the number of leading blocks that
         succeeded on every rank. Returns op ids that were not pending (ignored). A
         storage write that succeeded tells ``storage_exists.store_reached()``, if it has
-        one."""
+        one. ``seq``: the batch that carried them, named in ``scheduler.op_failed`` (so
+        ``zkv logs --seq N`` shows the scheduler's line beside the ranks')."""
         stats = self.core.stats
         stored = stats.stored
-        unknown = commit.on_ops_done(self.core, results)
+        unknown = commit.on_ops_done(self.core, results, seq)
         if stats.stored != stored and self._store_reached is not None:
             self._store_reached()
         return unknown

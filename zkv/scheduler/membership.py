@@ -47,9 +47,6 @@ from zkv import log as ev
 from zkv import protocol as P
 from zkv.config import CacheLayout
 
-RANK_REFUSED = "dispatcher.rank_refused"
-RANK_LEFT = "dispatcher.rank_left"
-
 #: Refusals kept to tell again when that process's subscriber shows up (bounded: one
 #: rank could say hello from many pids).
 MAX_UNTOLD = 64
@@ -169,7 +166,7 @@ class Membership:
     def forget(self, r: RankState, pid: int, reason: str) -> None:
         """Before the start: ``r`` left (a Bye, its subscriber gone); it may come back."""
         r.joined_pid = r.hello_pid = None
-        self._log.warning(RANK_LEFT, rank=r.rank, worker_pid=pid, reason=reason)
+        self._log.warning(ev.RANK_LEFT, rank=r.rank, worker_pid=pid, reason=reason)
 
     def _maybe_join(self, r: RankState) -> None:
         if self.started or r.hello_pid is None or r.hello_pid not in r.sub_pids:
@@ -218,7 +215,7 @@ class Membership:
         """Count (``hello``), log and tell a refused hello; returns the reason."""
         self._counts["hello"] += 1
         reason = self._tell_refused(msg, problem)
-        self._log.error(RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=reason)
+        self._log.error(ev.RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=reason)
         return reason
 
     def _tell_refused(self, msg: P.Hello, problem: str) -> str:

@@ -35,6 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from zkv import log as zlog
 from zkv.errors import ConfigError
+from zkv.integrations.vllm import events as E
 from zkv.integrations.vllm.config import (
     ZkvVllmConfig,
     check_host_memory,
@@ -235,7 +236,7 @@ class ZkvConnector(KVConnectorBase_V1):
                                    mm_scope=mm_scope)
         if mm_scope:
             self.sched.log.warning(
-                "connector.mm_ids_local", hint="with prefix caching off and "
+                E.MM_IDS_LOCAL, hint="with prefix caching off and "
                 "mm_processor_cache_gb=0 vLLM names an image, audio or video by a counter, "
                 "not its content: the blocks from a prompt's first such input on are reused "
                 "only within this engine and only when the client names the input "
@@ -244,7 +245,7 @@ class ZkvConnector(KVConnectorBase_V1):
         asynchronous = bool(vllm_config.scheduler_config.async_scheduling)
         hint = failure_policy_advice(tc.kv_load_failure_policy, asynchronous)
         if hint is not None:
-            self.sched.log.warning("connector.failure_policy", policy=tc.kv_load_failure_policy,
+            self.sched.log.warning(E.FAILURE_POLICY, policy=tc.kv_load_failure_policy,
                                    async_scheduling=asynchronous, hint=hint)
         if self.cfg.metrics_port is not None:
             from zkv.integrations.vllm import metrics
@@ -254,7 +255,7 @@ class ZkvConnector(KVConnectorBase_V1):
             except ConfigError as e:  # the engine stops at start, with one line
                 raise ConfigError(f"zkv: {e}") from None
             # (metrics_port 0 picks a free port: this line says which)
-            self.sched.log.info("connector.metrics_serving", url=self._metrics_server.url)
+            self.sched.log.info(E.METRICS_SERVING, url=self._metrics_server.url)
 
     # ------------------------------------------------------------ worker side
 
@@ -374,5 +375,5 @@ class ZkvConnector(KVConnectorBase_V1):
         if self._store is not None:  # its connections and reconnect thread
             store, self._store = self._store, None
             store.close()
-            zlog.get_logger("connector").info("connector.store_closed", store=store.url,
+            zlog.get_logger("connector").info(E.STORE_CLOSED, store=store.url,
                                               **store.stats.snapshot())

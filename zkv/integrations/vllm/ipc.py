@@ -26,6 +26,7 @@ import tempfile
 from zkv import log as zlog
 from zkv import security
 from zkv.errors import ConfigError
+from zkv.integrations.vllm import events as E
 
 _NAME_CHARS = 40  # {tmp}/zkv-{uid}/{name}/pull stays well inside a socket path's limit
 
@@ -71,5 +72,5 @@ def claim_engine_dir(path: str) -> list[str]:
     security.claim_dir(path)
     removed = security.clean_stale_runs(tempfile.gettempdir(), names=None)
     if removed:
-        zlog.get_logger("connector").info("connector.stale_dirs_removed", paths=removed)
+        zlog.get_logger("connector").info(E.STALE_DIRS_REMOVED, paths=removed)
     return removed

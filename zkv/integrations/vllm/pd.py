@@ -24,8 +24,6 @@ from typing import Any
 
 PARAM_BLOCKS = "zkv_blocks"
 PARAM_NAMESPACE = "zkv_namespace"
-AWAIT_EXPIRED = "connector.producer_blocks_missing"
-BAD_TRANSFER_PARAMS = "connector.bad_transfer_params"
 
 
 def answer(asked: Any, num_blocks: int, namespace: str) -> dict[str, Any] | None:

@@ -61,6 +61,7 @@ import xxhash
 from zkv import log as zlog
 from zkv.config import CacheLayout
 from zkv.errors import RankLost
+from zkv.integrations.vllm import events as E
 from zkv.integrations.vllm import pd
 from zkv.integrations.vllm.config import ZkvVllmConfig
 from zkv.integrations.vllm.request_hashes import (
@@ -82,12 +83,6 @@ from zkv.scheduler.manager import (
 )
 from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 
-CONNECTOR_DISABLED = "connector.disabled"
-CONNECTOR_CLOSED = "connector.closed"
-INVARIANTS_BROKEN = "connector.invariants_broken"
-STEP_PUBLISHED = "connector.batch_published"
-PROMISE_NOT_LOADED = "connector.promise_not_loaded"
-PUMP_FAILED = "connector.pump_failed"
 # The pump (SchedulerHalf._pump): how often it looks while batches are in flight, and how
 # long vLLM must have called nothing before it steps in.
 PUMP_INTERVAL_S = 0.002
@@ -268,7 +263,7 @@ class SchedulerHalf:
                     self._io_open = False
                     self._flush(keep=_STEP_KINDS)
                 except Exception as e:  # noqa: BLE001 - never silently: vLLM's calls go on
-                    self.log.error(PUMP_FAILED, error=f"{type(e).__name__}: {e}")
+                    self.log.error(E.PUMP_FAILED, error=f"{type(e).__name__}: {e}")
 
     # ------------------------------------------------------------ vLLM calls
 
@@ -455,7 +450,7 @@ class SchedulerHalf:
         loaded = set(meta.loads)
         meta.unloaded = [b for b in self._promised if b not in loaded]
         if loads and meta.unloaded:
-            self.log.error(PROMISE_NOT_LOADED, num_blocks=len(meta.unloaded), seq=seq)
+            self.log.error(E.PROMISE_NOT_LOADED, num_blocks=len(meta.unloaded), seq=seq)
         self._promised = []
         meta.release_upto = self.dp.next_seq - 1
         meta.fence, self._fence = self._fence, -1
@@ -572,7 +567,7 @@ class SchedulerHalf:
             try:
                 n = pd.promised(getattr(r.request, "kv_transfer_params", None), self._namespace)
             except ValueError as e:  # forged or garbled: no wait on it
-                self.log.warning(pd.BAD_TRANSFER_PARAMS, req_id=r.request.request_id,
+                self.log.warning(E.BAD_TRANSFER_PARAMS, req_id=r.request.request_id,
                                  error=str(e))
                 n = None
             w = r.wait = (pd.ProducerWait(min(n, r.num_prompt_blocks)) if n
@@ -584,7 +579,7 @@ class SchedulerHalf:
             return True
         if state == pd.EXPIRED:
             self.counts.await_expired += 1
-            self.log.warning(pd.AWAIT_EXPIRED, req_id=r.request.request_id,
+            self.log.warning(E.AWAIT_EXPIRED, req_id=r.request.request_id,
                              num_promised=w.blocks, num_found=found, waited_s=self._await_s)
         return False
 
@@ -636,7 +631,7 @@ class SchedulerHalf:
         try:  # a save planned goes with the next batch that takes ops (see _publish)
             self.cm.cache_computed(rid, upto, block_hashes=r.hashes, device_ids=r.block_ids)
         except ValueError as e:  # hashes of a resumed request diverged: stop saving it
-            self.log.error("connector.save_refused", req_id=rid, error=str(e))
+            self.log.error(E.SAVE_REFUSED, req_id=rid, error=str(e))
 
     def _extend_hashes(self, r: _Req, upto: int) -> None:
         full = min(upto, len(r.request.all_token_ids)) // self.bs
@@ -672,7 +667,7 @@ class SchedulerHalf:
             r = self._reqs.get(rid)
             if r is not None:
                 r.last_save_seq = seq
-        self.log.debug(STEP_PUBLISHED, seq=seq, num_ops=len(ops))
+        self.log.debug(E.BATCH_PUBLISHED, seq=seq, num_ops=len(ops))
         return seq
 
     def _savers(self, ops: list[Any]) -> list[str]:
@@ -692,7 +687,7 @@ class SchedulerHalf:
     def _poll(self, timeout_s: float = 0.0) -> None:
         for done in self.dp.poll(timeout_s):
             self._batch_seconds.observe(done.latency_s)
-            self.cm.on_ops_done(done.results.values())
+            self.cm.on_ops_done(done.results.values(), done.seq)
             self._mark_done(done.seq)
             self._io_open = True  # the pump publishes what the commit opened
             self._kick.set()
@@ -701,7 +696,7 @@ class SchedulerHalf:
         if not self.disabled and self.dp.num_lost:
             self._disable(f"ranks {sorted(self.dp.lost_ranks)} lost")
         for rid, failed in self.cm.take_load_failures().items():
-            self.log.warning("connector.load_failed", req_id=rid, num_blocks=len(failed))
+            self.log.warning(E.LOAD_FAILED, req_id=rid, num_blocks=len(failed))
 
     def _mark_done(self, seq: int) -> None:
         self._done_above.add(seq)
@@ -715,7 +710,7 @@ class SchedulerHalf:
     def _disable(self, reason: str) -> None:
         """A lost rank ends zkv for this engine: vLLM goes on without it (misses only)."""
         self.disabled = reason
-        self.log.error(CONNECTOR_DISABLED, reason=reason)
+        self.log.error(E.DISABLED, reason=reason)
         self.cm.fail_pending()
 
     # ------------------------------------------------------------ helpers
@@ -741,7 +736,7 @@ class SchedulerHalf:
         nothing more (its KV may be of both weights). O(1)."""
         with self._lock:
             self._generation = os.urandom(16)
-            self.log.info("connector.cache_reset", num_requests=len(self._reqs))
+            self.log.info(E.CACHE_RESET, num_requests=len(self._reqs))
         return True
 
     def snapshot(self) -> dict[str, Any]:
@@ -798,13 +793,13 @@ class SchedulerHalf:
             broken = None
         except AssertionError as e:
             broken = str(e) or "assertion failed"
-            self.log.error(INVARIANTS_BROKEN, error=broken[:500])
+            self.log.error(E.INVARIANTS_BROKEN, error=broken[:500])
         left = self.in_flight()
         # an open step is no leak: under async scheduling vLLM keeps the step it scheduled
         # before the last request finished, and a later output drops older records
         leak = any(v for k, v in left.items() if k != "steps")
         report = self.log.info if broken is None and not leak else self.log.warning
-        report(CONNECTOR_CLOSED, invariants="ok" if broken is None else "broken",
+        report(E.CLOSED, invariants="ok" if broken is None else "broken",
                num_steps=self._step, disabled=self.disabled, **left)
         self.cm.flush_logs()
         self.dp.close()

@@ -31,10 +31,9 @@ import torch
 from zkv import log as zlog
 from zkv.config import CacheLayout
 from zkv.errors import TransferError
+from zkv.integrations.vllm import events as E
 from zkv.integrations.vllm.config import ZkvVllmConfig
 from zkv.integrations.vllm.scheduler import ZkvMetadata
-
-LOAD_FAILED = "connector.load_failed"
 
 
 class _FaultyLoads:
@@ -99,7 +98,7 @@ class WorkerHalf:
         self.sidecar = Sidecar(views, layout=layout, rank=self.rank, pub_endpoint=pub_endpoint,
                                pull_endpoint=pull_endpoint, backend=backend, store=store,
                                gated=gated)
-        self.log.info("connector.worker_started", gated=gated, backend=type(backend).__name__,
+        self.log.info(E.WORKER_STARTED, gated=gated, backend=type(backend).__name__,
                       num_host_blocks=layout.num_host_blocks)
 
     # ------------------------------------------------------------ per step
@@ -122,7 +121,7 @@ class WorkerHalf:
         if before >= 0 and self.sidecar.alive and self.sidecar.last_seq < before:
             t0 = time.perf_counter()
             if self.sidecar.wait_acked(before, self.cfg.layer_timeout_s) is None:
-                self.log.error("connector.batch_late", seq=before,
+                self.log.error(E.BATCH_LATE, seq=before,
                                timeout_s=self.cfg.layer_timeout_s)
             self.wait_s["bind"] += time.perf_counter() - t0
 
@@ -139,7 +138,7 @@ class WorkerHalf:
             self.wait_s["layers"] += time.perf_counter() - t0
         except (TransferError, TimeoutError) as e:
             if not self._errors:
-                self.log.error(LOAD_FAILED, seq=meta.load_seq, layer=i, error=str(e))
+                self.log.error(E.LOAD_FAILED, seq=meta.load_seq, layer=i, error=str(e))
             self._errors.update(meta.loads)
 
     def load_errors(self) -> set[int]:
@@ -157,12 +156,12 @@ class WorkerHalf:
         if res is None or not res.ok:
             done = 0 if res is None else res.done
             self._errors.update(meta.loads[done:])
-            self.log.error(LOAD_FAILED, seq=meta.load_seq, num_blocks=len(meta.loads) - done,
+            self.log.error(E.LOAD_FAILED, seq=meta.load_seq, num_blocks=len(meta.loads) - done,
                            error=None if res is None else res.error)
         return self._errors
 
     def close(self) -> None:
-        self.log.info("connector.worker_stats", num_steps=self.num_steps,
+        self.log.info(E.WORKER_STATS, num_steps=self.num_steps,
                       **{f"wait_{k}_ms": round(v * 1e3, 3) for k, v in self.wait_s.items()})
         if self.sidecar is not None:
             self.sidecar.close()
