@@ -10,5 +10,6 @@
     scheduler.py   the scheduler half (EngineCore process): CacheManager + Dispatcher
     worker.py      the worker half (each model worker): Sidecar over vLLM's KV tensors
     metrics.py     prometheus_client counters in the zkv: namespace
+    events.py      the connector's event names (connector.*)
     connector.py   ZkvConnector, the KVConnectorBase_V1 that vLLM loads
 """
