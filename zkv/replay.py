@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from zkv import metrics as M
 from zkv.argtypes import nonneg_float, nonneg_int, port, positive_int
-from zkv.config import CacheLayout, pools_shortfall
+from zkv.config import CacheLayout, pools_fit, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_level, check_log_dir
 from zkv.protocol import CHECK, FILL, H2S, MAX_OPS, S2H, Op, OpResult, as_ids
@@ -674,7 +674,24 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
     short = pools_shortfall(layout)
     if short:
         raise ConfigError(f"{short}; lower them or pass --force")
+    if args.workload == "chat":  # (a trace is as long as its file)
+        need = args.requests * chat_bytes_per_request(args.block_size)
+        pools = args.ranks * (args.device_blocks + args.host_blocks) * layout.block_bytes
+        fits, free = pools_fit(need + pools)
+        if not fits:
+            assert free is not None
+            raise ConfigError(
+                f"--requests {args.requests} needs about {need / 2**30:.1f} GiB for the chat "
+                f"workload the scheduler keeps in memory, beside {pools / 2**30:.1f} GiB of "
+                f"pools, and {free / 2**30:.1f} GiB is available; lower it or pass --force")
     return layout
+
+
+def chat_bytes_per_request(block_size: int) -> int:
+    """What one chat request of the workload holds in the scheduler node, with room
+    (7.3 KB measured at 16-token blocks: its block hashes and its conversation's history;
+    hashes grow as blocks shrink)."""
+    return 8192 * max(1, 16 // block_size)
 
 
 def _check_writable_file(flag: str, path: str) -> None:

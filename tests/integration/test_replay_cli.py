@@ -32,6 +32,10 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--threshold", "0"], "argument --threshold: must be > 0, got 0"),
     (["--dtype", "float64"], "unsupported dtype 'float64'"),
     (["--device-blocks", "100000000"], "the pools need"),
+    # the chat workload is built in the scheduler's memory (~8 KB a request): it ran out
+    # after the ranks had started
+    (["--requests", "100000000"], "--requests 100000000 needs about 762.9 GiB for the chat "
+                                  "workload"),
     (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "trace not found"),
     (["--metrics-port", "70000"], "argument --metrics-port: must be in [0, 65535], got 70000"),
     # the chat workload's seed (numpy's generator): was a traceback from the scheduler
