@@ -19,6 +19,12 @@ from tests.servers import MooncakeServer, RedisServer, make_tls
 from tests.worker.helpers import STDERR_TAILS, short_ipc_dir
 from zkv import log as zlog
 
+# Everything the tests talk to is on loopback (servers, metrics, vllm serve): a proxy that
+# CI sets (http_proxy) must not get those requests (urllib sends 127.0.0.1 through it
+# unless no_proxy names it). Children inherit it.
+for _var in ("no_proxy", "NO_PROXY"):
+    os.environ[_var] = ",".join(filter(None, [os.environ.get(_var), "127.0.0.1,localhost,::1"]))
+
 
 @pytest.fixture
 def folder() -> Iterator[str]:

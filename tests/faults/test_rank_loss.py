@@ -20,8 +20,6 @@ from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.errors import RankLost
 
-pytest.importorskip("zkv.kernels")
-
 LAYOUT = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=8,
                      num_device_blocks=8, num_host_blocks=8, world_size=2)
 

@@ -11,8 +11,8 @@ import pytest
 
 from tests.replay_run import metrics as read_metrics
 
-# The first 150 requests of ../shared/traces/mooncake_synthetic_trace.jsonl (tests/data).
-TRACE = os.path.join(os.path.dirname(__file__), "..", "data", "mooncake_trace_head150.jsonl")
+# The first 800 requests of ../shared/traces/mooncake_synthetic_trace.jsonl (tests/data).
+TRACE = os.path.join(os.path.dirname(__file__), "..", "data", "mooncake_trace_head800.jsonl")
 
 
 def _replay(tmp_path, *args: str) -> tuple[str, dict[str, float]]:

@@ -8,12 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import zkv.kernels.reference as reference
 from tests.worker.helpers import WorkerGroup, digest, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.storage import HEADER_SIZE, LocalDirStore, pack_key
-
-reference = pytest.importorskip("zkv.kernels.reference")
 
 NUM_DEVICE, NUM_HOST = 32, 24
 HALF = NUM_DEVICE // 2

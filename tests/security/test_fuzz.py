@@ -14,6 +14,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import zkv.kernels as kernels
 from tests.worker.helpers import FakeRank, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
@@ -22,8 +23,6 @@ from zkv.scheduler.dispatcher import Dispatcher
 from zkv.security import Keyring
 from zkv.worker.actor import EXIT_SEQ_GAP, WorkerActor
 from zkv.worker.layers import LayerDoneCounter
-
-kernels = pytest.importorskip("zkv.kernels")
 
 LAYOUT = CacheLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=8, dtype="float16",
                      num_device_blocks=8, num_host_blocks=8, world_size=2)

@@ -15,6 +15,8 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
+import zkv.kernels as kernels
+import zkv.kernels.reference as reference
 from tests.waiting import wait_until
 from tests.worker.helpers import (
     FakeScheduler,
@@ -31,9 +33,6 @@ from zkv.scheduler.dispatcher import BatchDone, Dispatcher
 from zkv.storage import HEADER_SIZE, LocalDirStore
 from zkv.worker import Sidecar
 from zkv.worker.actor import EXIT_OK, EXIT_REFUSED, EXIT_SEQ_GAP
-
-kernels = pytest.importorskip("zkv.kernels")
-reference = pytest.importorskip("zkv.kernels.reference")
 
 NUM_BLOCKS = 16
 LAYOUT = CacheLayout(num_layers=4, kv_heads=2, block_size=4, head_dim=8, dtype="float16",

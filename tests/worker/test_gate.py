@@ -10,6 +10,7 @@ from contextlib import ExitStack
 
 import pytest
 
+import zkv.kernels.reference as reference
 from tests.worker.helpers import digest, endpoints, poll_until_done, short_ipc_dir
 from zkv import kernels
 from zkv import protocol as P
@@ -18,7 +19,6 @@ from zkv.errors import TransferError
 from zkv.scheduler.dispatcher import Dispatcher
 from zkv.worker import Sidecar
 
-reference = pytest.importorskip("zkv.kernels.reference")
 LAYOUT = CacheLayout(num_layers=3, kv_heads=2, block_size=4, head_dim=8, dtype="float16",
                      num_device_blocks=8, num_host_blocks=8, world_size=1)
 

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+import zkv.kernels as kernels
+import zkv.kernels.reference as reference
 from tests.servers import RedisServer, wait_for
 from tests.worker.helpers import digest, endpoints, poll_for
 from zkv import protocol as P
@@ -19,9 +21,6 @@ from zkv.config import CacheLayout
 from zkv.scheduler.dispatcher import BatchDone, Dispatcher
 from zkv.storage import HEADER_SIZE, LocalDirStore, Store, file_url, open_store, pack_key
 from zkv.worker import Sidecar
-
-kernels = pytest.importorskip("zkv.kernels")
-reference = pytest.importorskip("zkv.kernels.reference")
 
 N = 16
 LAYOUT = CacheLayout(num_layers=4, kv_heads=2, block_size=4, head_dim=8, dtype="float16",
