@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
+from structlog.testing import capture_logs
 
 from tests.worker.helpers import endpoints, short_ipc_dir
 from zkv.config import CacheLayout
@@ -34,6 +35,7 @@ MORE = bytes([9]) * 16
 @pytest.fixture
 def replayer() -> Iterator[tuple[Replayer, list[Sidecar]]]:
     with ExitStack() as stack, short_ipc_dir() as folder:
+        stack.enter_context(capture_logs())  # the ranks' threads log here, not to the run
         pub, pull = endpoints(folder)
         d = Dispatcher(pub, pull, LAYOUT.world_size, LAYOUT.fingerprint())
         stack.callback(d.close)
