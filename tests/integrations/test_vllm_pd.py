@@ -16,12 +16,13 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from tests.integrations.conftest import two_engines_on_one_store
-from tests.integrations.test_vllm_rank_loss import BS, LAYOUT, Group
+from tests.integrations.test_vllm_rank_loss import BS, DOC, LAYOUT, Group
 from tests.worker.helpers import short_ipc_dir
 from zkv.integrations.vllm import pd
 from zkv.integrations.vllm.events import AWAIT_EXPIRED
@@ -60,6 +61,70 @@ def test_a_producer_promises_only_the_blocks_it_saved(tmp_path: Path) -> None:
             assert answer == {PARAM_BLOCKS: 5, PARAM_NAMESPACE: producer.half._namespace}
         finally:
             producer.close()
+
+
+def _prompt(group: Group, rid: str, tokens: list[int]) -> Any:
+    req = group.request()
+    req.request_id = rid
+    req.prompt_token_ids = req.all_token_ids = tokens
+    req.num_tokens = req.num_prompt_tokens = len(tokens)
+    req.kv_transfer_params = ASK
+    return req
+
+
+def _done(req: Any) -> None:
+    """max_tokens 1: vLLM finishes the request in the step that computed its prompt, and
+    calls request_finished before that step's output comes back."""
+    req.num_computed_tokens = req.num_tokens
+    req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+
+
+def test_producers_of_one_prefix_finishing_in_one_step_promise_all_they_computed(
+        pair: tuple[Group, Group]) -> None:
+    """Two prefill requests with one system prompt (4 blocks), prefilled in one step and
+    finished in it: the first's save of the shared blocks was in flight when the second's
+    final save came to them, and it stopped there. The second promised nothing and its own
+    4 blocks were never saved (its decode instance computed the whole prompt). It now
+    waits for that save's ack (at most PRODUCER_SAVE_WAIT_S) and saves on."""
+    producer, _ = pair
+    shared = DOC[: 4 * BS]
+    a = _prompt(producer, "a", [*shared, *range(1000, 1000 + 4 * BS), 7])
+    b = _prompt(producer, "b", [*shared, *range(2000, 2000 + 4 * BS), 7])
+    for req in (a, b):
+        assert producer.ask_until_matched(req)[0] == 0
+    producer.half.update_state_after_alloc(a, list(range(0, 9)), 0)
+    producer.half.update_state_after_alloc(b, list(range(10, 19)), 0)
+    producer.half.build_connector_meta(producer.output(new=[
+        (a, list(range(0, 9)), 0, a.num_tokens), (b, list(range(10, 19)), 0, b.num_tokens)]))
+    _done(a)
+    _done(b)
+    answers = [producer.half.request_finished(req)[1] for req in (a, b)]
+    assert [x and x[PARAM_BLOCKS] for x in answers] == [8, 8], answers
+    producer.half.update_connector_output(())
+    assert producer.half.wait_idle(10.0)
+    assert producer.half.snapshot()["saved_blocks"] == 4 + 4 + 4
+
+
+def test_a_chunked_producer_promises_its_last_chunk_too(pair: tuple[Group, Group]) -> None:
+    """Chunked prefill: the first chunk's save goes out with the second step's batch, and
+    the request finishes in that step. Its final save stopped at its own first chunk, still
+    in flight, and the answer promised 4 of 8 blocks (the last chunk was never saved)."""
+    producer, _ = pair
+    req = _prompt(producer, "c", [*DOC, 7])
+    assert producer.ask_until_matched(req)[0] == 0
+    blocks = list(range(9))
+    producer.half.update_state_after_alloc(req, blocks, 0)
+    producer.half.build_connector_meta(producer.output(new=[(req, blocks, 0, 4 * BS)]))
+    req.num_computed_tokens = 4 * BS
+    producer.half.update_connector_output(())  # chunk 1 confirmed: its save is planned
+    producer.half.build_connector_meta(producer.output(
+        cached=[(req, None, 4 * BS, req.num_tokens - 4 * BS)]))  # its batch: that save
+    _done(req)
+    _, answer = producer.half.request_finished(req)
+    assert answer is not None and answer[PARAM_BLOCKS] == 8, answer
+    producer.half.update_connector_output(())
+    assert producer.half.wait_idle(10.0)
+    assert producer.half.snapshot()["saved_blocks"] == 8
 
 
 def test_the_consumer_waits_for_the_promised_blocks_and_loads_them(

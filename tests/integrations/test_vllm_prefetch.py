@@ -70,3 +70,18 @@ def test_best_effort_loads_the_host_hits_and_lets_the_prefetch_land(
     assert half.in_flight() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
                                 "steps": 0, "store_retry": 0}
     half.cm.check_invariants()
+
+
+def test_best_effort_takes_a_producers_promise_as_no_wait(
+        writer_and_best_effort: tuple[Group, Group]) -> None:
+    """A P/D consumer under best_effort waits for nothing: a promise of blocks not there
+    yet is no wait, not an expired one (each such request logged
+    ``connector.producer_blocks_missing`` with ``waited_s=0`` and counted as expired
+    without ever having waited)."""
+    _, group = writer_and_best_effort
+    half = group.half
+    req = group.request()
+    req.kv_transfer_params = {"zkv_blocks": 8, "zkv_namespace": half._namespace}
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert (half.counts.awaited, half.counts.await_expired) == (0, 0)
+    half.request_finished(req)

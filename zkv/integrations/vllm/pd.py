@@ -26,11 +26,17 @@ PARAM_BLOCKS = "zkv_blocks"
 PARAM_NAMESPACE = "zkv_namespace"
 
 
-def answer(asked: Any, num_blocks: int, namespace: str) -> dict[str, Any] | None:
-    """The producer's kv_transfer_params for a finished request that ``asked`` for them
-    (its own kv_transfer_params: ``do_remote_decode``), ``num_blocks`` leading prompt
-    blocks saved; None when not asked or nothing to promise."""
-    if not isinstance(asked, dict) or not asked.get("do_remote_decode") or num_blocks <= 0:
+def asked(params: Any) -> bool:
+    """Whether a request's own kv_transfer_params ask for a producer's answer
+    (``do_remote_decode``)."""
+    return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+
+
+def answer(params: Any, num_blocks: int, namespace: str) -> dict[str, Any] | None:
+    """The producer's kv_transfer_params for a finished request whose own ``params``
+    :func:`asked` for them, ``num_blocks`` leading prompt blocks saved; None when not
+    asked or nothing to promise."""
+    if not asked(params) or num_blocks <= 0:
         return None
     return {PARAM_BLOCKS: num_blocks, PARAM_NAMESPACE: namespace}
 
@@ -45,7 +51,7 @@ def promised(params: Any, namespace: str) -> int | None:
         return None
     n = params[PARAM_BLOCKS]
     if type(n) is not int or n < 0:
-        raise ValueError(f"{PARAM_BLOCKS} must be an int >= 0, got {n!r}")
+        raise ValueError(f"{PARAM_BLOCKS} must be an int >= 0, got {repr(n)[:64]}")
     return n
 
 

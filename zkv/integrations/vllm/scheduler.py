@@ -88,6 +88,11 @@ from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 PUMP_INTERVAL_S = 0.002
 PUMP_IDLE_S = 0.005
 EMPTY_STEP_WAIT_S = 0.005  # a step that scheduled nothing waits this long for an ack
+#: A P/D producer's request that finishes while a save on its path is in flight (its own
+#: earlier chunk's, or another request's of the same prefix that finished in the same
+#: step) waits at most this long for those acks, so that its answer promises, and zkv
+#: saves, all it computed (a d2h acks in a few ms; the wait ends with it).
+PRODUCER_SAVE_WAIT_S = 0.5
 # ops that read or write vLLM's blocks: they travel with a step's batch, never the pump's
 _STEP_KINDS = (LOAD, SAVE, H2D, D2H, BACKUP)
 _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_selective keeps
@@ -570,8 +575,9 @@ class SchedulerHalf:
                 self.log.warning(E.BAD_TRANSFER_PARAMS, req_id=r.request.request_id,
                                  error=str(e))
                 n = None
-            w = r.wait = (pd.ProducerWait(min(n, r.num_prompt_blocks)) if n
-                          else pd.ProducerWait(over=True))
+            # (best_effort waits for nothing: a promise is no wait, not an expired one)
+            w = r.wait = (pd.ProducerWait(min(n, r.num_prompt_blocks))
+                          if n and self._await_s > 0 else pd.ProducerWait(over=True))
         first = w.until is None
         state = w.step(found, time.monotonic(), self._await_s)
         if state == pd.WAIT:
@@ -600,6 +606,9 @@ class SchedulerHalf:
         self._plan_save(r, final=True)
         self._flush()
         held = self.cm.num_held_blocks(rid)
+        if (held < self._savable(r) and self.store is not None and self.cfg.storage_write
+                and pd.asked(getattr(request, "kv_transfer_params", None))):
+            held = self._finish_producer_save(r)
         self.cm.finish(rid)
         seq = r.last_save_seq
         if seq is not None and not self._seq_done(seq):
@@ -610,6 +619,32 @@ class SchedulerHalf:
             # the batch ran, left a tight vLLM cache without blocks: it spun ~100k empty
             # steps while the save ran, and a 6-document warm-up took 31 s instead of 15.)
             self._fence = max(self._fence, seq)
+        return held
+
+    def _savable(self, r: _Req) -> int:
+        """Leading prompt blocks whose KV the request computed for sure (saves stop there)."""
+        return min(r.num_prompt_blocks, r.confirmed // self.bs) if self.saves else 0
+
+    def _finish_producer_save(self, r: _Req) -> int:
+        """A P/D producer's final save stopped at a save in flight on its path: its own
+        earlier chunk's (the save of the previous step's blocks goes out with this step's
+        batch), or another request's of the same prefix that finished in the same step
+        (vLLM calls ``request_finished`` for each before the step's output comes back).
+        The request is going away, so nothing would take it up later: its answer would
+        promise none of the rest, and the rest would never be saved. Wait for those acks,
+        at most ``PRODUCER_SAVE_WAIT_S``, saving on as they commit; the blocks held."""
+        rid = r.request.request_id
+        want = self._savable(r)
+        held = self.cm.num_held_blocks(rid)
+        deadline = time.monotonic() + PRODUCER_SAVE_WAIT_S
+        while held < want and self.dp.in_flight and not self.disabled:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._poll(min(left, 0.01))
+            self._plan_save(r, final=True)
+            self._flush()
+            held = self.cm.num_held_blocks(rid)
         return held
 
     # ------------------------------------------------------------ saves and batches
