@@ -1,0 +1,91 @@
+"""The connector's worker half reports every load that failed, and waits on its fence
+(CPU backend, real Sidecar and Dispatcher). From a mutation review: with the ack's failure
+ignored, a timed-out layer forgotten, or the ungated fence skipped, no test failed."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tests.worker.helpers import endpoints, poll_until_done, short_ipc_dir
+from zkv import protocol as P
+from zkv.config import CacheLayout
+from zkv.integrations.vllm.config import parse_extra_config
+from zkv.integrations.vllm.scheduler import ZkvMetadata
+from zkv.integrations.vllm.worker import WorkerHalf, _FaultyLoads
+from zkv.kernels import TorchCpuBackend
+from zkv.scheduler.dispatcher import Dispatcher
+from zkv.worker import Sidecar
+
+LAYOUT = CacheLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float32",
+                     num_device_blocks=8, num_host_blocks=8)
+
+
+def _half(folder: str, backend: Any, *, gated: bool, **extra: Any) -> tuple[WorkerHalf, Dispatcher]:
+    kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
+    pub, pull = endpoints(folder)
+    d = Dispatcher(pub, pull, 1, LAYOUT.fingerprint())
+    w = WorkerHalf(parse_extra_config({"storage": "none", **extra}), 0)
+    w.layer_index = {f"l{i}": i for i in range(LAYOUT.num_layers)}
+    w.gated = gated
+    w.sidecar = Sidecar(kv, layout=LAYOUT, rank=0, pub_endpoint=pub, pull_endpoint=pull,
+                        backend=backend, heartbeat_interval_s=0.05, gated=gated)
+    d.wait_for_ranks(10)
+    return w, d
+
+
+def test_a_failed_load_ack_is_a_load_error_without_the_layer_hooks() -> None:
+    """A full CUDA graph replays the forward without wait_for_layer_load: the ack of the
+    load batch alone must report every block that did not arrive."""
+    with short_ipc_dir() as folder:
+        w, d = _half(folder, _FaultyLoads(TorchCpuBackend(), (0,)), gated=True)
+        try:
+            seq = d.publish([P.Op(0, P.H2D, P.as_ids([0, 1, 2]), P.as_ids([4, 5, 6]),
+                                  layerwise=True)], 0)
+            w.bind(ZkvMetadata(step=0, release_upto=seq, load_seq=seq, load_op=0,
+                               loads=[4, 5, 6]))
+            assert not poll_until_done(d, seq, 10)[seq].ok
+            assert w.load_errors() == {4, 5, 6}
+        finally:
+            w.close()
+            d.close()
+
+
+def test_a_layer_that_timed_out_is_a_load_error_even_if_the_ack_is_ok_later() -> None:
+    """The forward went past layer 0 without its KV (wait timed out); the load lands after
+    and its ack says ok: the blocks must still be reported (the forward read garbage)."""
+    with short_ipc_dir() as folder:
+        w, d = _half(folder, TorchCpuBackend(), gated=True, layer_timeout_s=0.3)
+        try:
+            seq = d.publish([P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True)], 0)
+            # the step's metadata released nothing yet (a late release): layer 0 times out
+            w.bind(ZkvMetadata(step=0, release_upto=-1, load_seq=seq, load_op=0, loads=[4]))
+            w.wait_for_layer_load("l0")
+            w.sidecar.release(seq)
+            assert poll_until_done(d, seq, 10)[seq].ok
+            assert w.load_errors() == {4}
+        finally:
+            w.close()
+            d.close()
+
+
+class _SlowSaves(TorchCpuBackend):
+    """A d2h that takes half a second (a slow device), so the fence has something to wait
+    for."""
+
+    slow = threading.Event()  # never set: its wait is the copy's duration
+
+    def copy_d2h(self, *a: Any, **k: Any) -> None:
+        self.slow.wait(0.5)
+        super().copy_d2h(*a, **k)
+
+
+def test_an_ungated_worker_waits_on_the_fence_before_the_forward() -> None:
+    with short_ipc_dir() as folder:
+        w, d = _half(folder, _SlowSaves(), gated=False)
+        try:
+            seq = d.publish([P.Op(0, P.D2H, P.as_ids([4]), P.as_ids([0]))], 0)
+            w.bind(ZkvMetadata(step=1, release_upto=seq, fence=seq))
+            assert w.sidecar.last_seq >= seq, "the forward started while the save still read"
+        finally:
+            w.close()
+            d.close()

@@ -1,0 +1,90 @@
+"""From a mutation review, what no test checked: a storage op of several chunks is reported
+once, after its last; a store directory with an '@'; a malformed batch past the expected
+seq is a gap; a quota-full disk (EDQUOT) makes room as a full one does."""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.waiting import idle_for, wait_until
+from tests.worker.test_actor import _batch_frames, raw  # noqa: F401 (fixture)
+from zkv import protocol as P
+from zkv.config import CacheLayout
+from zkv.exit_codes import EXIT_SEQ_GAP
+from zkv.kernels import TorchCpuBackend
+from zkv.storage import LocalDirStore, pack_key
+from zkv.worker.storage_io import StorageIO
+
+LAYOUT = CacheLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float32",
+                     num_device_blocks=8, num_host_blocks=8)
+
+
+def test_an_op_of_several_chunks_is_reported_once_after_its_last_chunk(tmp_path: Path) -> None:
+    b = TorchCpuBackend()
+    pool = b.allocate_host_pool(LAYOUT)
+    store = LocalDirStore(tmp_path, "ns")
+    io = StorageIO(store, 0, b, pool, io_threads=2, chunk_blocks=2)
+    try:
+        keys = tuple(bytes([i]) * 16 for i in range(5))
+        _, pending = io.start(0, [P.Op(7, P.H2S, src=P.as_ids(range(5)), keys=keys)])
+        assert pending == (7,)
+        got: list = []
+
+        def last_reported() -> bool:
+            got.extend(io.take_done())
+            return any(not left for _, _, left in got)
+
+        wait_until(last_reported, 10, "the op's last chunk")
+        idle_for(0.2, beat=lambda: got.extend(io.take_done()))  # nothing more comes
+        results = [r for _, rs, _ in got for r in rs]
+        assert len(results) == 1, results
+        assert results[0].ok and results[0].done == 5
+        assert all(store.exists([pack_key(k, 0) for k in keys]))
+    finally:
+        io.close()
+
+
+def test_a_store_directory_with_an_at_sign_is_accepted() -> None:
+    from zkv.security import redact_credentials
+    from zkv.storage.url import parse_url
+
+    assert parse_url("file:///srv/kv@1/l3")[1]["root"] == "/srv/kv@1/l3"
+    assert redact_credentials("file:///srv/kv@1/l3") == "file:///srv/kv@1/l3"
+
+
+def test_a_malformed_batch_past_the_expected_seq_is_a_gap(raw) -> None:  # noqa: F811
+    fake, sc = raw
+    fake.send(_batch_frames(0))
+    frames = _batch_frames(2, (P.Op(4, P.D2H, P.as_ids([0]), P.as_ids([0])),))
+    hdr = orjson.loads(frames[1])
+    hdr["v"] = 99
+    fake.send([frames[0], orjson.dumps(hdr), *frames[2:]])
+    wait_until(lambda: not sc.alive, 5, "the actor to stop on the gap")
+    assert sc.actor.exit_code == EXIT_SEQ_GAP
+
+
+def test_a_quota_full_disk_makes_room_from_the_stores_own_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import zkv.storage.local as local
+
+    s = LocalDirStore(tmp_path, "ns", max_bytes=1 << 20)
+    key = lambda i: pack_key(i.to_bytes(16, "big"), 0)  # noqa: E731
+    for i in range(3):
+        s.put(key(i), bytes(1000))
+    real, fails = os.writev, [1]
+
+    def writev(fd, bufs):  # the quota is hit once
+        if fails:
+            fails.pop()
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        return real(fd, bufs)
+
+    monkeypatch.setattr(local.os, "writev", writev)
+    s.put(key(9), bytes(1000))
+    assert s.exists([key(9)]) == [True]
+    assert s.exists([key(0)]) == [False]  # the least recently used one made room
+    assert s.max_bytes < 1 << 20
