@@ -9,21 +9,13 @@ import argparse
 import os
 from collections.abc import Callable
 
-from zkv.argtypes import nonneg_int, positive_float, positive_int
+from zkv.argtypes import nonneg_int, positive_float, positive_int, positive_ints
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
 from zkv.storage.url import parse_url
 
 __all__ = ["choices", "directory", "dtype", "existing_file", "nonneg_int", "positive_float",
            "positive_int", "positive_ints", "store_url"]
-
-
-def positive_ints(s: str) -> list[int]:
-    """``1,2,4``: a comma-separated list of ints > 0."""
-    parts = [p.strip() for p in s.split(",")]
-    if not all(parts):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {s!r}")
-    return [positive_int(p) for p in parts]
 
 
 def choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:

@@ -22,6 +22,23 @@ def nonneg_int(s: str) -> int:
     return n
 
 
+def positive_ints(s: str) -> list[int]:
+    """``1,2,4``: a comma-separated list of ints > 0."""
+    return [positive_int(p) for p in _parts(s)]
+
+
+def nonneg_ints(s: str) -> list[int]:
+    """``0,2``: a comma-separated list of ints >= 0."""
+    return [nonneg_int(p) for p in _parts(s)]
+
+
+def _parts(s: str) -> list[str]:
+    parts = [p.strip() for p in s.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {s!r}")
+    return parts
+
+
 def positive_float(s: str) -> float:
     """A finite number > 0 (NaN and inf are refused)."""
     x = _float(s)

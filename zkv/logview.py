@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 import orjson
 
-from zkv.argtypes import nonneg_int, positive_float
+from zkv.argtypes import nonneg_int, nonneg_ints, positive_float
 
 DEFAULT_POLL_S = 0.25
 _LEVEL_NUM = {"debug": 10, "info": 20, "warn": 30, "warning": 30, "error": 40,
@@ -317,7 +317,9 @@ def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="log directory of a run (or one .jsonl file)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    p.add_argument("--rank", type=_ranks, action="extend", default=None, metavar="R[,R...]",
+    # one word a flag (R[,R...]), so "--rank 1 DIR" leaves DIR the directory
+    p.add_argument("--rank", type=nonneg_ints, action="extend", default=None,
+                   metavar="R[,R...]",
                    help="only events of these ranks (again for more: --rank 0 --rank 2)")
     p.add_argument("--seq", type=nonneg_int, default=None, metavar="N",
                    help="only events of batch N")
@@ -328,12 +330,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only events whose name contains SUBSTR (case-insensitive)")
     p.add_argument("--json", action="store_true", help="print the raw JSON lines")
     p.add_argument("--poll-s", type=positive_float, default=DEFAULT_POLL_S, help=argparse.SUPPRESS)
-
-
-def _ranks(text: str) -> list[int]:
-    """``R[,R...]``: one flag takes one word, so ``--rank 1 DIR`` leaves DIR the
-    directory (``nargs='+'`` took it for a rank)."""
-    return [nonneg_int(part) for part in text.split(",")]
 
 
 def run_args(ns: argparse.Namespace) -> int:
