@@ -154,7 +154,6 @@ class Replayer:
         self.progress = progress
         self.step = 0
         self.sim_id = _SIM_OP_BASE
-        self.latencies: list[float] = []
         self.spans: list[tuple[float, float]] = []  # each batch's (publish, last ack), monotonic
         self.s = Summary()
         self.carry: list[Op] = []  # backups / storage writes from finish, sent with the next step
@@ -163,6 +162,11 @@ class Replayer:
         self.outstanding: dict[int, tuple[list[Op], list[Op]]] = {}
         self.running: list[str] = []  # requests of the step in progress (aborted on failure)
         self.failed_sim: set[int] = set()  # sim ops (fill / check) that failed on some rank
+
+    @property
+    def latencies(self) -> list[float]:
+        """Each batch's publish -> last ack, in seconds."""
+        return [b - a for a, b in self.spans]
 
     def run(self, workload: Sequence[tuple[str, Sequence[bytes]]]) -> Summary:
         t0 = time.perf_counter()
@@ -323,7 +327,6 @@ class Replayer:
         """Commit (or roll back) one batch; the RankLost to raise if a rank was lost."""
         ops, sim = self.outstanding.pop(done.seq)
         self.s.batches += 1
-        self.latencies.append(done.latency_s)
         now = time.monotonic()
         self.spans.append((now - done.latency_s, now))
         results = done.results

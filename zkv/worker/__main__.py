@@ -90,14 +90,20 @@ def scheduler_timeout_from_env(env: Mapping[str, str] | None = None) -> float | 
         return DEFAULT_SCHEDULER_TIMEOUT_S
     if raw.lower() in _FOREVER:
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
+    value = _finite_positive(raw)
+    if value is None:
         raise ConfigError(f"ZKV_SCHEDULER_TIMEOUT_S must be a finite number of seconds > 0, "
                           f"or inf to wait forever, got {raw!r}")
     return value
+
+
+def _finite_positive(raw: str) -> float | None:
+    """``raw`` as a finite number > 0; None for junk, NaN, inf or <= 0."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if 0 < value < math.inf else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,11 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"{layout.world_size}")
         pub, pull = endpoints_from_env()
         raw = os.environ.get("ZKV_HEARTBEAT_S", "0.25")
-        try:
-            heartbeat_s = float(raw)
-        except ValueError:
-            heartbeat_s = math.nan
-        if not 0 < heartbeat_s < math.inf:  # NaN fails too (-1: a heartbeat flood)
+        heartbeat_s = _finite_positive(raw)
+        if heartbeat_s is None:  # NaN fails too (-1: a heartbeat flood)
             raise ConfigError(f"ZKV_HEARTBEAT_S must be a finite number > 0, got {raw!r}")
         keys, insecure = security_from_env(rank)
         scheduler_timeout_s = scheduler_timeout_from_env()
