@@ -27,6 +27,7 @@ from tests.worker.helpers import (
     worker_env,
 )
 from zkv import protocol as P
+from zkv import security
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
 from zkv.scheduler.dispatcher import Dispatcher
@@ -110,6 +111,32 @@ def test_rogue_without_a_rank_key_reads_no_batch_and_gets_nothing_counted(
     finally:
         for rogue in rogues:
             rogue.close()
+
+
+def test_ipc_token_is_refused_under_another_ranks_name(
+        ctx: zmq.Context[Any], keyring: Keyring, folder: str) -> None:
+    """On ipc a rank's token goes with its own name (``rank-N``): rank 1's valid token
+    offered as rank 0 is refused at the handshake, as is a name of no rank."""
+    with joined_fakes(ctx, _endpoints("ipc", folder), 2, FP, keys=keyring,
+                      join_timeout_s=10, heartbeat_timeout_s=60.0) as (d, _ranks):
+        token_1 = security.ipc_token(1, keyring.for_rank(1).secret).encode()
+        socks = []
+        try:
+            with capture_logs() as logs:
+                for name in (b"rank-0", b"rank-x"):
+                    s = ctx.socket(zmq.PUSH)
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.plain_username, s.plain_password = name, token_1
+                    s.connect(d.pull_endpoint)
+                    socks.append(s)
+                _poll_until(d, lambda: d.refusals()["unauthenticated"] >= 2,
+                            "the ZAP refusals")
+            refused = [e for e in logs if e["event"] == "security.handshake_refused"]
+            assert {e["reason"] for e in refused} == {"ipc token of no rank"}, logs
+            assert {e["mechanism"] for e in refused} == {"PLAIN"}
+        finally:
+            for s in socks:
+                s.close(0)
 
 
 def _try_send(rogue: FakeRank, msg: P.Message) -> None:
