@@ -20,8 +20,9 @@ LAYOUT = CacheLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="
                      num_device_blocks=8, num_host_blocks=8)
 
 
-def _half(folder: str, backend: Any, *, gated: bool, **extra: Any) -> tuple[WorkerHalf, Dispatcher]:
-    kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
+def _half(folder: str, backend: Any, *, gated: bool, kv: Any = None,
+          **extra: Any) -> tuple[WorkerHalf, Dispatcher]:
+    kv = kv if kv is not None else TorchCpuBackend().allocate_device_cache(LAYOUT)
     pub, pull = endpoints(folder)
     d = Dispatcher(pub, pull, 1, LAYOUT.fingerprint())
     w = WorkerHalf(parse_extra_config({"storage": "none", **extra}), 0)
@@ -50,20 +51,76 @@ def test_a_failed_load_ack_is_a_load_error_without_the_layer_hooks() -> None:
             d.close()
 
 
-def test_a_layer_that_timed_out_is_a_load_error_even_if_the_ack_is_ok_later() -> None:
-    """The forward went past layer 0 without its KV (wait timed out); the load lands after
-    and its ack says ok: the blocks must still be reported (the forward read garbage)."""
+def _recomputed(kv: Any, block: int, value: float) -> bool:
+    return all(bool((part[block] == value).all()) for layer in kv for part in layer)
+
+
+def test_a_layer_that_timed_out_is_a_load_error_and_its_copy_never_lands() -> None:
+    """The forward went past layer 0 without its KV (wait timed out) and vLLM recomputes
+    the block: the blocks are reported, and the load, released later, must not write them
+    (before: it landed over the recomputed KV, and its ack said ok)."""
     with short_ipc_dir() as folder:
-        w, d = _half(folder, TorchCpuBackend(), gated=True, layer_timeout_s=0.3)
+        kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
+        w, d = _half(folder, TorchCpuBackend(), gated=True, kv=kv, layer_timeout_s=0.3)
         try:
+            assert w.sidecar is not None
+            w.sidecar.host_pool[0].fill_(7.0)  # what the load would bring
             seq = d.publish([P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True)], 0)
             # the step's metadata released nothing yet (a late release): layer 0 times out
             w.bind(ZkvMetadata(step=0, release_upto=-1, load_seq=seq, load_op=0, loads=[4]))
             w.wait_for_layer_load("l0")
+            w.wait_for_layer_load("l1")  # at once: the load was called off
+            for layer in kv:  # vLLM recomputes the block
+                for part in layer:
+                    part[4].fill_(3.0)
             w.sidecar.release(seq)
-            assert poll_until_done(d, seq, 10)[seq].ok
+            done = poll_until_done(d, seq, 10)[seq]
+            assert not done.ok and "abandoned" in str(done.results[0].error), done
             assert w.load_errors() == {4}
+            assert _recomputed(kv, 4, 3.0), "the abandoned load wrote the recomputed block"
         finally:
+            w.close()
+            d.close()
+
+
+class _HeldSaves(TorchCpuBackend):
+    """A d2h that runs only once the test lets it (a device busy with an earlier save)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def copy_d2h(self, *a: Any, **k: Any) -> None:
+        self.go.wait(10)
+        super().copy_d2h(*a, **k)
+
+
+def test_a_load_abandoned_before_its_batch_began_never_lands() -> None:
+    """The actor is still on an earlier batch when the forward gives up on the load: the
+    load's batch, reached later, writes nothing and fails its op."""
+    with short_ipc_dir() as folder:
+        kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
+        backend = _HeldSaves()
+        w, d = _half(folder, backend, gated=False, kv=kv, layer_timeout_s=0.2)
+        try:
+            assert w.sidecar is not None
+            w.sidecar.host_pool[0].fill_(7.0)
+            save = d.publish([P.Op(0, P.D2H, P.as_ids([5]), P.as_ids([1]))], 0)
+            load = d.publish([P.Op(1, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True)], 1)
+            w.bind(ZkvMetadata(step=1, release_upto=load, load_seq=load, load_op=1, loads=[4]))
+            w.wait_for_layer_load("l0")
+            for layer in kv:
+                for part in layer:
+                    part[4].fill_(3.0)
+            backend.go.set()
+            both = poll_until_done(d, {save, load}, 10)
+            done = both[load]
+            assert both[save].ok
+            assert not done.ok and "abandoned" in str(done.results[1].error), done
+            assert w.load_errors() == {4}
+            assert _recomputed(kv, 4, 3.0), "the abandoned load wrote the recomputed block"
+        finally:
+            backend.go.set()
             w.close()
             d.close()
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tests.waiting import wait_until
 from zkv.errors import TransferError
 from zkv.worker.layers import LayerDoneCounter
 
@@ -182,3 +183,60 @@ def test_fail_from_an_unmarked_layer_fails_from_the_first_unmarked() -> None:
     c.begin(2)  # the failed batch finished once: history goes on
     c.mark_all(2)
     c.wait_layer(2, 3, timeout=0)
+
+
+def test_abandon_waits_for_the_running_copy_and_no_later_layer_starts() -> None:
+    """The engine's wait timed out while layer 1's copy ran: abandon returns once that copy
+    ended, with the event recorded after it (compute must wait on it), and no layer of the
+    batch starts after that. Before abandon existed, a late copy landed in blocks the
+    engine was recomputing."""
+    c = LayerDoneCounter(3)
+    c.begin(0)
+    assert c.start_layer(0, 0)
+    c.end_layer(0, "e0")
+    c.mark(0, 0, "e0")
+    assert c.start_layer(0, 1)  # the actor copies layer 1 ...
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(c.abandon(0, 1, "timed out", timeout=10)),
+                         daemon=True)
+    t.start()
+    wait_until(lambda: not c.is_done(0, 2) and c._batches[0].error is not None,
+               what="the batch failed from layer 1")
+    assert not out, "abandon returned while a copy was still running"
+    c.end_layer(0, "e1")  # ... and ends it
+    t.join(10)
+    assert out == [(True, "e1")]
+    c.mark(0, 1, "e1")  # ignored: the layer was abandoned
+    assert not c.start_layer(0, 1) and not c.start_layer(0, 2)
+    assert c.is_done(0, 0) and not c.is_done(0, 1)
+    with pytest.raises(TransferError, match="from layer 1: timed out"):
+        c.wait_layer(0, 2, timeout=0)
+
+
+def test_abandon_before_the_batch_began_stops_all_its_layers() -> None:
+    c = LayerDoneCounter(2)
+    assert c.abandon(5, 0, "timed out", timeout=0) == (True, None)
+    c.begin(5)  # the actor gets there later: not an error
+    assert not c.start_layer(5, 0)
+    with pytest.raises(TransferError, match="failed: timed out"):
+        c.wait_layer(5, 1, timeout=0)
+
+
+def test_abandon_gives_up_on_a_copy_that_never_ends() -> None:
+    c = LayerDoneCounter(2)
+    c.begin(0)
+    assert c.start_layer(0, 0)
+    assert c.abandon(0, 0, "timed out", timeout=0.01) == (False, None)
+
+
+def test_abandon_stops_every_layer_not_copied_yet() -> None:
+    """The engine gave up at layer 2 (a hook of its own order) while only layer 0 was
+    copied: layer 1, never copied, must not start either (vLLM recomputes the block)."""
+    c = LayerDoneCounter(4)
+    c.begin(0)
+    assert c.start_layer(0, 0)
+    c.end_layer(0)
+    c.mark(0, 0)
+    assert c.abandon(0, 2, "timed out", timeout=0) == (True, None)
+    assert not c.start_layer(0, 1)
+    assert c.is_done(0, 0) and not c.is_done(0, 1)

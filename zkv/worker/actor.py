@@ -5,6 +5,7 @@
     SUB ──► decode(limits) ──► seq check ──► execute ──────────────────────────► PUSH ack
      │        │ malformed: refuse, ack failed     1. d2h + backup, all layers (one merged copy)
      │        │ (if its seq is the expected one)  2. h2d layer by layer, event + counter.mark
+     │        │                                      (a layer the engine abandoned: not run)
      │        └ gap: Bye("seq gap ..."), stop     3. fill / check (simulated forward pass)
      ├ Shutdown: Bye("shutdown"), stop            4. s2h / h2s started on I/O threads; the
      └ Refused(this rank, this pid): worker.refused, stop (exit 4); another's: ignored
@@ -647,18 +648,31 @@ class WorkerActor:
             return handle
         failed: dict[int, P.OpResult] = {}
         handle = None
+        counter = self.counter
         for layer in range(self.layout.num_layers):
             live = [op for op in h2d if op.id not in failed]
-            if live:
-                self._copy(seq, live,
-                           lambda s, d, i=layer: b.copy_h2d(host, kv, s, d, i),  # type: ignore[misc]
-                           failed, layer=layer)
+            if live and not counter.start_layer(seq, layer):
+                # the engine stopped waiting and recomputes these layers: never write them
+                why = f"h2d abandoned by the engine from layer {layer}"
+                for op in live:
+                    failed[op.id] = P.OpResult(op.id, False, 0, why)
+                live = []
+            elif live:
+                try:
+                    self._copy(seq, live,
+                               lambda s, d, i=layer: b.copy_h2d(host, kv, s, d, i),  # type: ignore[misc]
+                               failed, layer=layer)
+                except BaseException:
+                    counter.end_layer(seq)
+                    raise
             handle = b.record_event()
+            if live:
+                counter.end_layer(seq, handle)
             if not failed:
-                self.counter.mark(seq, layer, handle)
+                counter.mark(seq, layer, handle)
             else:  # a layer that lacks blocks: it and every later layer fail (idempotent)
                 errors = "; ".join(sorted({str(r.error) for r in failed.values()}))
-                self.counter.fail_from(seq, layer, errors)
+                counter.fail_from(seq, layer, errors)
         for op in h2d:
             results[op.id] = failed.get(op.id) or P.OpResult(op.id, True, op.num_blocks)
         return handle

@@ -17,6 +17,18 @@ whose copies all succeeded, stay usable::
 
     layer:    0      1      2       3       ...
     state:    marked marked FAILED  FAILED  (fail_from(seq, 2): an h2d of layer 2 failed)
+
+An engine that stops waiting (its ``layer_timeout_s`` ran out) recomputes the layers it did
+not get, into the same blocks. A copy that lands after that would overwrite them, or the
+blocks of another request once the engine reused them. So the engine abandons the load
+(``abandon(seq, i)``): layers ``i..`` fail, and no layer that was not copied yet starts
+later (the engine recomputes the whole block); the actor asks before each layer's copy
+(``start_layer``)::
+
+    actor:   start_layer(L) ──yes──► copy L ──► end_layer(handle) ──► mark / fail_from
+                 │ no (abandoned): its ops fail ("abandoned ...")
+    engine:  abandon(seq, i) = fail_from(seq, i) + wait until no layer copy is running
+             → the event recorded after a copy that was running (compute waits on it)
 """
 
 from __future__ import annotations
@@ -35,6 +47,9 @@ class _Batch:
     num_marked: int = 0
     error: str | None = None
     failed_from: int = 0  # with ``error``: layers >= failed_from raise
+    abandoned_from: int = 1 << 30  # the engine gave up on layers >= this (abandon)
+    copying: int = -1  # the layer the actor is copying now (-1: none)
+    late: Any = None  # event recorded after a copy that ended once the load was abandoned
 
     def usable(self, layer: int) -> bool:
         return layer < self.num_marked and (self.error is None or layer < self.failed_from)
@@ -66,9 +81,58 @@ class LayerDoneCounter:
 
     def begin(self, seq: int) -> None:
         with self._cond:
-            if seq in self._batches or seq <= self._forgotten_upto:
+            batch = self._batches.get(seq)
+            if batch is not None and batch.abandoned_from == 0:
+                return  # abandoned before it began: start_layer says no
+            if batch is not None or seq <= self._forgotten_upto:
                 raise ValueError(f"batch {seq} already began")
             self._batches[seq] = _Batch([None] * self.num_layers)
+
+    def start_layer(self, seq: int, layer: int) -> bool:
+        """(Actor, before copying layer ``layer`` of a begun ``seq``.) False if the engine
+        abandoned that layer: do not copy it. Else the copy counts as running until
+        :meth:`end_layer`, and :meth:`abandon` waits for it."""
+        with self._cond:
+            batch = self._batches.get(seq)
+            if batch is None or layer >= batch.abandoned_from:
+                return False
+            batch.copying = layer
+            return True
+
+    def end_layer(self, seq: int, event_handle: Any = None) -> None:
+        """(Actor, after a copy that :meth:`start_layer` allowed.) ``event_handle``: the
+        event recorded after it, kept for :meth:`abandon` if the batch failed meanwhile."""
+        with self._cond:
+            batch = self._batches.get(seq)
+            if batch is None:
+                return
+            batch.copying = -1
+            if batch.abandoned_from < self.num_layers:
+                batch.late = event_handle
+            if self._waiting:
+                self._cond.notify_all()
+
+    def abandon(self, seq: int, layer: int, reason: str,
+                timeout: float | None = None) -> tuple[bool, Any]:
+        """(Engine, its wait for ``layer`` of ``seq`` timed out.) Fail layers ``layer..``
+        and let no copy start later, of any layer not copied yet, and wait (at most ``timeout``) for a copy
+        that is running now. Returns ``(quiet, handle)``: ``quiet`` False if a copy still
+        ran at the timeout; ``handle``, the event recorded after a copy that ran, which the
+        compute stream must wait on (on GPU the copy was only queued)."""
+        with self._cond:
+            self.fail_from(seq, layer, reason)
+            batch = self._batches.get(seq)
+            if batch is None:
+                return True, None
+            # every layer not copied yet, not only ``layer``: vLLM recomputes the whole block
+            batch.abandoned_from = min(batch.abandoned_from, layer, batch.num_marked)
+            self._waiting += 1
+            try:
+                quiet = self._cond.wait_for(
+                    lambda: batch.copying < 0 or self._closed is not None, timeout)
+            finally:
+                self._waiting -= 1
+            return quiet and batch.copying < 0, batch.late
 
     def mark(self, seq: int, layer: int, event_handle: Any = None) -> None:
         """Layer ``layer`` of ``seq`` is recorded (its copies are queued before the event)."""

@@ -211,6 +211,18 @@ class Sidecar:
         :meth:`LayerDoneCounter.wait_layer`."""
         self.actor.counter.wait_layer(seq, layer, timeout)
 
+    def abandon_load(self, seq: int, layer: int, reason: str,
+                     timeout: float | None = None) -> bool:
+        """In the model thread, once its wait for ``layer`` of ``seq`` timed out and the
+        engine will recompute: no copy of layers ``layer..`` of ``seq`` writes the KV cache
+        later (a copy running now is waited for, at most ``timeout``; on GPU the compute
+        stream waits for it). False if one still ran at the timeout. See
+        :meth:`LayerDoneCounter.abandon`."""
+        quiet, handle = self.actor.counter.abandon(seq, layer, reason, timeout)
+        if handle is not None:
+            self.backend.wait_event_on_compute(handle)
+        return quiet
+
     def follow_compute_stream(self) -> None:
         """In the model thread, before each step: later batches start after the work
         queued on the thread's current stream (see

@@ -136,10 +136,19 @@ class WorkerHalf:
         try:
             self.sidecar.wait_layer(meta.load_seq, i, timeout=self.cfg.layer_timeout_s)
             self.wait_s["layers"] += time.perf_counter() - t0
-        except (TransferError, TimeoutError) as e:
+        except TransferError as e:
             if not self._errors:
                 self.log.error(E.LOAD_FAILED, seq=meta.load_seq, layer=i, error=str(e))
             self._errors.update(meta.loads)
+        except TimeoutError as e:
+            # vLLM recomputes these blocks: a copy that landed later would overwrite them
+            # (or another request's, once vLLM reused them), so the load is called off.
+            quiet = self.sidecar.abandon_load(meta.load_seq, i, str(e),
+                                              self.cfg.layer_timeout_s)
+            self.log.error(E.LOAD_FAILED, seq=meta.load_seq, layer=i, error=str(e),
+                           abandoned=True, copy_still_running=not quiet)
+            self._errors.update(meta.loads)
+            self.wait_s["layers"] += time.perf_counter() - t0
 
     def load_errors(self) -> set[int]:
         """Blocks of this step's loads that did not arrive on this rank."""
