@@ -245,3 +245,56 @@ def test_vllm_032_cpu_tensors_stay_hnd() -> None:
     _, tensors = _vllm_views("LBHNC", GEO)
     *_, kind = kv_views({f"l{i}": t for i, t in enumerate(tensors)}, GEO)
     assert kind == expected_kv_layout(True, "LBHNC") == "HND"
+
+
+@pytest.mark.parametrize("name", ["LBNHC", "LBHNC"])
+def test_kernel_blocks_smaller_than_the_managers_are_refused_naming_the_block_size(
+        name: str) -> None:
+    """An attention backend that takes no block of vLLM's ``--block-size`` (32 here) gets
+    each manager block split into kernel blocks (16 tokens): vLLM hands the connector
+    tensors of 2 x as many blocks of half the tokens (built here by vLLM's own
+    ``create_kv_cache_views`` with ``kernel_block_size=16``). zkv names blocks by the
+    manager's ids: refused in one line that names the cause and the way out. (Before:
+    "matches no known layout for 6 blocks x 4 heads x 32 tokens x 8 dims", which named
+    neither.)"""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    geo = Geometry(num_layers=1, kv_heads=4, block_size=32, head_dim=8, dtype="float16",
+                   num_blocks=6)
+    spec = FullAttentionSpec(32, num_kv_heads=4, head_size=8, dtype=torch.float16)
+    page = spec.page_size_bytes
+    raw = torch.zeros(6 * page, dtype=torch.int8)
+    tensor = KVCacheTensor(size=6 * page, layers=["l0"], layer_stride=6 * page,
+                           block_stride=page)
+    (t,) = create_kv_cache_views(raw, spec, 6, KVCacheLayout[name], tensor,
+                                 kernel_block_size=16)
+    assert tuple(t.shape) == (12, 4, 16, 16)  # 12 kernel blocks of 16 tokens
+    want = (r"^zkv: layer l0: KV tensor of shape \(12, 4, 16, 16\) holds 12 blocks of 16 "
+            r"tokens, not 6 of 32: vLLM's attention kernel block size \(16\) differs from "
+            r"its KV cache manager's block_size \(32, the one zkv was given\), which zkv "
+            r"does not support; run vLLM with --block-size 16 \(or an attention backend "
+            r"that takes 32-token blocks\)$")
+    for cpu in (False, True):
+        with pytest.raises(ConfigError, match=want):
+            kv_views({"l0": t}, geo, cpu=cpu)
+
+
+def test_kernel_blocks_of_5d_tensors_are_refused_naming_the_block_size() -> None:
+    """The same for the 5-D tensors of vLLMs before 0.32 (flash-attn's
+    [2, blocks, block, heads, dim], 4 kernel blocks of 8 tokens per 32-token block); a
+    tensor that is no split of a known shape keeps the general message."""
+    geo = Geometry(num_layers=1, kv_heads=3, block_size=32, head_dim=8, dtype="float32",
+                   num_blocks=5)
+    t = torch.zeros(2, 20, 8, 3, 8)
+    with pytest.raises(ConfigError, match=r"^zkv: layer l: KV tensor of shape \(2, 20, 8, 3, "
+                                          r"8\) holds 20 blocks of 8 tokens, not 5 of 32: "
+                                          r".* --block-size 8 "):
+        split_kv("l", t, geo)
+    with pytest.raises(ConfigError, match="matches no known layout"):
+        split_kv("l", torch.zeros(2, 20, 8, 3, 9), geo)

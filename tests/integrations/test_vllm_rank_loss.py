@@ -40,10 +40,11 @@ TIMEOUT_S = 1.0  # the heartbeat timeout the half runs with
 class Group:
     """``store_url``: an L3 store, opened by the worker process and the half alike;
     ``extra``: more of the connector's configuration; ``layout``: the rank's (its host
-    pool's size, say)."""
+    pool's size, say); ``engine_id``: the half's (None: one of its own)."""
 
     def __init__(self, folder: str, store_url: str | None = None,
-                 extra: dict[str, Any] | None = None, layout: CacheLayout = LAYOUT) -> None:
+                 extra: dict[str, Any] | None = None, layout: CacheLayout = LAYOUT,
+                 engine_id: str | None = None) -> None:
         pub, pull = endpoints(folder)
         cfg = parse_extra_config({"host_blocks": layout.num_host_blocks,
                                   "storage": store_url or "none",
@@ -56,7 +57,7 @@ class Group:
         self.half = SchedulerHalf(cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
                                   store=self.store, join_timeout_s=60,
                                   storage_exists=StorageQuery(self.store, 1)
-                                  if self.store else None)
+                                  if self.store else None, engine_id=engine_id)
         self.n = 0
 
     def request(self) -> Any:

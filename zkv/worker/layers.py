@@ -114,9 +114,9 @@ class LayerDoneCounter:
 
     def abandon(self, seq: int, layer: int, reason: str,
                 timeout: float | None = None) -> tuple[bool, Any]:
-        """(Engine, its wait for ``layer`` of ``seq`` timed out.) Fail layers ``layer..``
-        and let no copy start later, of any layer not copied yet, and wait (at most ``timeout``) for a copy
-        that is running now. Returns ``(quiet, handle)``: ``quiet`` False if a copy still
+        """(Engine, its wait for ``layer`` of ``seq`` timed out.) Fail layers ``layer..``,
+        let no copy of a layer not copied yet start later, and wait (at most ``timeout``)
+        for a copy that is running now. Returns ``(quiet, handle)``: ``quiet`` False if a copy still
         ran at the timeout; ``handle``, the event recorded after a copy that ran, which the
         compute stream must wait on (on GPU the copy was only queued)."""
         with self._cond:

@@ -233,7 +233,7 @@ class ZkvConnector(KVConnectorBase_V1):
         self.sched = SchedulerHalf(self.cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
                                    store=store, storage_exists=exists,
                                    loads=tc.is_kv_consumer, saves=tc.is_kv_producer,
-                                   mm_scope=mm_scope)
+                                   mm_scope=mm_scope, engine_id=self.engine_id)
         if mm_scope:
             self.sched.log.warning(
                 E.MM_IDS_LOCAL, hint="with prefix caching off and "

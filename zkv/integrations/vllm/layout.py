@@ -25,8 +25,11 @@ namespace says ``HNC`` / ``NHC``, never ``HND``: a CPU engine's blocks (K then V
 head) and a GPU engine's never meet in a store. The scheduler half, which sees no tensor,
 names the same from the resolved layout (:func:`expected_kv_layout`); a layout whose
 blocks are not dense per layer (LHBNC, BHLNC) is refused at registration, naming
-``VLLM_KV_CACHE_LAYOUT=LBNHC``. Anything else is refused with the layer name, shape and
-strides.
+``VLLM_KV_CACHE_LAYOUT=LBNHC``. Tensors of one of these shapes but in vLLM's kernel
+blocks, smaller than its KV cache manager's (an attention backend that takes no block
+of ``--block-size`` tokens: vLLM splits each into kernel blocks), are refused naming the
+kernel block size and the ``--block-size`` to run with. Anything else is refused with the
+layer name, shape and strides.
 """
 
 from __future__ import annotations
@@ -98,6 +101,14 @@ def split_kv(name: str, t: torch.Tensor, geo: Geometry, *, cpu: bool = True
             raise ConfigError(f"zkv: layer {name}: blocks of shape {shape} with strides "
                               f"{tuple(t.stride())} are not contiguous")
         return _as_hnd(k, geo), _as_hnd(v, geo), "NHD"
+    kernel_bs = _kernel_block_size(shape, geo)
+    if kernel_bs is not None:
+        raise ConfigError(
+            f"zkv: layer {name}: KV tensor of shape {shape} holds {nb * (bs // kernel_bs)} "
+            f"blocks of {kernel_bs} tokens, not {nb} of {bs}: vLLM's attention kernel block "
+            f"size ({kernel_bs}) differs from its KV cache manager's block_size ({bs}, the one "
+            f"zkv was given), which zkv does not support; run vLLM with --block-size "
+            f"{kernel_bs} (or an attention backend that takes {bs}-token blocks)")
     raise ConfigError(
         f"zkv: layer {name}: KV tensor of shape {shape}, strides {tuple(t.stride())}, "
         f"dtype {t.dtype} matches no known layout for {nb} blocks x {h} heads x {bs} "
@@ -125,6 +136,26 @@ def _block_halves(name: str, t: torch.Tensor, geo: Geometry
     k = torch.as_strided(t, size, stride, t.storage_offset())
     v = torch.as_strided(t, size, stride, t.storage_offset() + half)
     return k, v, order
+
+
+def _shapes(nb: int, h: int, bs: int, d: int) -> tuple[tuple[int, ...], ...]:
+    """The tensor shapes :func:`split_kv` takes for ``nb`` blocks of ``bs`` tokens."""
+    return (nb, h, bs, 2 * d), (2, nb, h, bs, d), (2, nb, bs, h, d), (nb, 2, bs, h, d)
+
+
+def _kernel_block_size(shape: tuple[int, ...], geo: Geometry) -> int | None:
+    """The tokens per block of a tensor that has one of :func:`split_kv`'s shapes, but with
+    each ``geo.block_size``-token block split into ``r`` kernel blocks (``r * num_blocks``
+    blocks of ``block_size / r`` tokens); None when it has not. vLLM hands connectors such
+    tensors when its attention backend takes no block as large as the KV cache manager's
+    (``prepare_kernel_block_sizes`` and ``compute_layer_kv_cache_shape_bytes`` in vLLM):
+    zkv's block ids and hashes would name the manager's blocks, the tensor's rows kernel
+    blocks."""
+    nb, h, bs, d = geo.num_blocks, geo.kv_heads, geo.block_size, geo.head_dim
+    for r in range(2, bs + 1):
+        if bs % r == 0 and shape in _shapes(nb * r, h, bs // r, d):
+            return bs // r
+    return None
 
 
 def _as_hnd(t: torch.Tensor, geo: Geometry) -> torch.Tensor:

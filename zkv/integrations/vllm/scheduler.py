@@ -96,6 +96,7 @@ PRODUCER_SAVE_WAIT_S = 0.5
 # ops that read or write vLLM's blocks: they travel with a step's batch, never the pump's
 _STEP_KINDS = (LOAD, SAVE, H2D, D2H, BACKUP)
 _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_selective keeps
+_HALF_IDS = itertools.count()  # engine_id of halves given none (tests, benchmarks)
 
 
 @dataclass
@@ -166,11 +167,14 @@ class SchedulerHalf:
     def __init__(self, cfg: ZkvVllmConfig, layout: CacheLayout, *, pub_endpoint: str,
                  pull_endpoint: str, store: Any = None, storage_exists: Any = None,
                  join_timeout_s: float = 120.0, loads: bool = True, saves: bool = True,
-                 mm_scope: bytes = b"") -> None:
+                 mm_scope: bytes = b"", engine_id: str | None = None) -> None:
         """``loads`` / ``saves``: vLLM's ``kv_role`` (``kv_consumer`` only loads,
         ``kv_producer`` only saves, ``kv_both`` both). ``mm_scope``: see
-        :func:`~zkv.integrations.vllm.request_hashes.request_mm_items`."""
+        :func:`~zkv.integrations.vllm.request_hashes.request_mm_items`. ``engine_id``:
+        vLLM's, the ``engine_id`` label of the half's metrics (None: one of this process's
+        own, ``half-N``)."""
         self.cfg = cfg
+        self.engine_id = f"half-{next(_HALF_IDS)}" if engine_id is None else engine_id
         self._mm_scope = mm_scope
         self.loads, self.saves = loads, saves
         self._generation = b""  # see reset()
@@ -220,7 +224,7 @@ class SchedulerHalf:
         self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         from zkv.integrations.vllm import metrics
 
-        self._batch_seconds = metrics.BATCH_SECONDS.labels(layout.model, "all")
+        self._batch_seconds = metrics.BATCH_SECONDS.labels(*metrics.half_labels(self))
         # vLLM's calls (EngineCore's thread), the pump and the metrics scrapes take turns
         self._lock = threading.RLock()
         self._last_call = time.perf_counter()
@@ -229,7 +233,11 @@ class SchedulerHalf:
         self._io_open = False  # acks were committed: L3 ops may wait to be published
         self._pump_thread = threading.Thread(target=self._pump, name="zkv-pump", daemon=True)
         self._pump_thread.start()
-        metrics.register_half(self)
+        try:
+            metrics.register_half(self)
+        except BaseException:  # (another half has its engine_id)
+            self.close()
+            raise
 
     def _called(self, t0: float) -> None:
         """The end of one of vLLM's calls that began at ``t0`` (perf_counter)."""
@@ -317,10 +325,13 @@ class SchedulerHalf:
         m = self.cm.match_prefix(rid, r.hashes[: r.num_prompt_blocks])
         if not r.prefetched and self._awaits_producer(r, m.num_host + m.num_storage):
             return None, False  # its producer's blocks are on their way to L3
+        if not r.prefetched:
+            # Its host hits before its own prefetch (if any) runs: what that brings into the
+            # host pool, and a later ask then matches there, came from the store (_count).
+            r.host_blocks_at_match = m.num_host
         if m.num_storage and not r.prefetched:
             r.prefetched = True
             if self.cm.prefetch(rid):
-                r.host_blocks_at_match = m.num_host
                 # The s2h starts now, not with the step's batch; this step's loads (vLLM
                 # blocks of requests allocated before this one) stay for that batch, whose
                 # seq the worker halves wait on.
@@ -337,8 +348,6 @@ class SchedulerHalf:
                     self.prefetch.start(rid, request.num_prompt_tokens, time.monotonic(),
                                         budget)
                     return None, False
-        if not r.prefetched:
-            r.host_blocks_at_match = m.num_host
         have = min(m.num_host * self.bs, request.num_tokens - 1)  # vLLM computes >= 1 token
         r.local = local
         r.ext = max(0, have - local)
@@ -384,6 +393,10 @@ class SchedulerHalf:
                 self._seen.popitem(last=False)
 
     def _count(self, r: _Req, ext: int) -> None:
+        """Count a request's prompt tokens once, by tier, in the prompt's order: vLLM's own
+        hit (``local``) first, then zkv's host hits past it, then its store hits (the
+        blocks its prefetch brought), then the tokens vLLM computes. zkv's host hits
+        start at block 0, as vLLM's do: those under vLLM's hit are vLLM's."""
         if r.counted:
             return
         r.counted = True
@@ -816,6 +829,9 @@ class SchedulerHalf:
         left; ``connector.invariants_broken``, an error, if the pools and the tree disagree;
         one O(tree) check), then close. vLLM stops the workers first, so batches still in
         flight are reported, not waited for."""
+        from zkv.integrations.vllm import metrics
+
+        metrics.unregister_half(self)  # (the process's other engines keep theirs)
         self._stop.set()
         self._kick.set()
         self._pump_thread.join(timeout=5.0)
