@@ -24,7 +24,7 @@ from tests.worker.helpers import endpoints, poll_until_done, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
 from zkv.integrations.vllm.config import parse_extra_config
-from zkv.integrations.vllm.scheduler import ZkvMetadata
+from zkv.integrations.vllm.records import ZkvMetadata
 from zkv.integrations.vllm.worker import WorkerHalf
 from zkv.kernels import TorchCpuBackend
 from zkv.scheduler.dispatcher import Dispatcher

@@ -51,8 +51,9 @@ from zkv.integrations.vllm.layout import (
     expected_kv_layout,
     kv_views,
 )
+from zkv.integrations.vllm.records import ZkvMetadata
 from zkv.integrations.vllm.request_hashes import mm_ids_name_content
-from zkv.integrations.vllm.scheduler import SchedulerHalf, ZkvMetadata
+from zkv.integrations.vllm.scheduler import SchedulerHalf
 from zkv.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:

@@ -53,7 +53,6 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -64,6 +63,7 @@ from zkv.errors import RankLost
 from zkv.integrations.vllm import events as E
 from zkv.integrations.vllm import pd
 from zkv.integrations.vllm.config import ZkvVllmConfig
+from zkv.integrations.vllm.records import RequestState, TokenCounts, ZkvMetadata
 from zkv.integrations.vllm.request_hashes import (
     request_embeds_items,
     request_mm_items,
@@ -97,68 +97,6 @@ PRODUCER_SAVE_WAIT_S = 0.5
 _STEP_KINDS = (LOAD, SAVE, H2D, D2H, BACKUP)
 _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_selective keeps
 _HALF_IDS = itertools.count()  # engine_id of halves given none (tests, benchmarks)
-
-
-@dataclass
-class ZkvMetadata:
-    """What the scheduler half tells every worker half for one step (pickled by vLLM).
-
-    ``step``: the step's number, which the worker halves report back with the step's
-    output (``update_connector_output(step=)``); ``release_upto``: every batch up to this
-    seq may run (a gated worker finishes all earlier ones before this step's forward);
-    ``fence``: the forward must not start before batch ``fence`` ran (it saves blocks of a
-    request vLLM just preempted or finished, which this forward may reuse; -1: none);
-    ``load_seq`` / ``load_op`` / ``loads``: this step's batch with loads, the load op, and
-    its destination blocks in op order; ``unloaded``: blocks vLLM was told zkv would load
-    but no batch will (zkv turned off after the promise, a rank lost): load errors at once,
-    so vLLM recomputes them.
-    """
-
-    step: int = -1
-    release_upto: int = -1
-    fence: int = -1
-    load_seq: int | None = None
-    load_op: int | None = None
-    loads: list[int] = field(default_factory=list)
-    unloaded: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Req:
-    request: Any
-    root: bytes
-    mm_items: tuple[MultiModalItem, ...]
-    hashes: list[BlockHash]
-    num_prompt_blocks: int
-    epoch: int = 0
-    local: int = 0              # vLLM's own hit (tokens) at the last match
-    ext: int = 0                # tokens zkv promised to load
-    host_blocks_at_match: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    allocated: bool = False
-    confirmed: int = 0          # tokens whose KV every rank computed (or loaded) for sure
-    prefetched: bool = False
-    counted: bool = False
-    last_save_seq: int | None = None
-    generation: bytes = b""     # the cache generation its hashes were made in (reset())
-    wait: pd.ProducerWait | None = None  # P/D: for its producer's blocks (first match)
-
-
-@dataclass(slots=True)
-class TokenCounts:
-    """Prompt tokens of scheduled requests by where their KV came from (counted once)."""
-
-    requests: int = 0
-    vllm_local: int = 0
-    zkv_host: int = 0
-    zkv_store: int = 0
-    computed: int = 0
-    failed_load_blocks: int = 0
-    preempted: int = 0
-    aborted: int = 0
-    awaited: int = 0            # P/D requests that waited for their producer's blocks
-    await_expired: int = 0      # ... and gave up on some (computed them)
-    sched_s: float = 0.0
 
 
 class SchedulerHalf:
@@ -204,7 +142,7 @@ class SchedulerHalf:
         # how long a consumer request waits for blocks its producer promised (a write that
         # failed never lands): the prefetch policy's longest wait, none for best_effort
         self._await_s = 0.0 if policy.kind == BEST_EFFORT else policy.max_s
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RequestState] = {}
         # (step, {req_id: (epoch, tokens computed once the step ran)}) per step whose
         # output has not come back yet
         self._steps: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = \
@@ -392,7 +330,7 @@ class SchedulerHalf:
             while len(self._seen) > _SELECTIVE_MEMORY:
                 self._seen.popitem(last=False)
 
-    def _count(self, r: _Req, ext: int) -> None:
+    def _count(self, r: RequestState, ext: int) -> None:
         """Count a request's prompt tokens once, by tier, in the prompt's order: vLLM's own
         hit (``local``) first, then zkv's host hits past it, then its store hits (the
         blocks its prefetch brought), then the tokens vLLM computes. zkv's host hits
@@ -564,7 +502,7 @@ class SchedulerHalf:
 
     # ------------------------------------------------------------ P/D over the store
 
-    def _transfer_params(self, r: _Req, request: Any, held: int) -> dict[str, Any] | None:
+    def _transfer_params(self, r: RequestState, request: Any, held: int) -> dict[str, Any] | None:
         """A P/D producer's answer (:mod:`.pd`): the leading prompt blocks this request
         saved, when it asked (``do_remote_decode``) and its blocks reach the store.
         ``held``: the leading blocks zkv held for it when it finished (saved, on their way,
@@ -576,7 +514,7 @@ class SchedulerHalf:
         return pd.answer(getattr(request, "kv_transfer_params", None),
                          min(r.num_prompt_blocks, held), self._namespace)
 
-    def _awaits_producer(self, r: _Req, found: int) -> bool:
+    def _awaits_producer(self, r: RequestState, found: int) -> bool:
         """True while the request's producer promised more leading blocks than host and
         store hold (``found``), for at most ``_await_s`` from the first ask (:mod:`.pd`);
         vLLM asks again next step."""
@@ -602,7 +540,7 @@ class SchedulerHalf:
                              num_promised=w.blocks, num_found=found, waited_s=self._await_s)
         return False
 
-    def _finish(self, r: _Req, request: Any) -> int:
+    def _finish(self, r: RequestState, request: Any) -> int:
         """Save what is left and let the request go; the leading blocks zkv held for it
         (saved, on their way, or matched), taken before they are let go."""
         rid = request.request_id
@@ -634,11 +572,11 @@ class SchedulerHalf:
             self._fence = max(self._fence, seq)
         return held
 
-    def _savable(self, r: _Req) -> int:
+    def _savable(self, r: RequestState) -> int:
         """Leading prompt blocks whose KV the request computed for sure (saves stop there)."""
         return min(r.num_prompt_blocks, r.confirmed // self.bs) if self.saves else 0
 
-    def _finish_producer_save(self, r: _Req) -> int:
+    def _finish_producer_save(self, r: RequestState) -> int:
         """A P/D producer's final save stopped at a save in flight on its path: its own
         earlier chunk's (the save of the previous step's blocks goes out with this step's
         batch), or another request's of the same prefix that finished in the same step
@@ -662,7 +600,7 @@ class SchedulerHalf:
 
     # ------------------------------------------------------------ saves and batches
 
-    def _plan_save(self, r: _Req, final: bool) -> None:
+    def _plan_save(self, r: RequestState, final: bool) -> None:
         if not self.saves or (self.cfg.policy == WRITE_BACK and not final):
             return  # a consumer saves nothing
         if r.generation != self._generation:
@@ -681,7 +619,7 @@ class SchedulerHalf:
         except ValueError as e:  # hashes of a resumed request diverged: stop saving it
             self.log.error(E.SAVE_REFUSED, req_id=rid, error=str(e))
 
-    def _extend_hashes(self, r: _Req, upto: int) -> None:
+    def _extend_hashes(self, r: RequestState, upto: int) -> None:
         full = min(upto, len(r.request.all_token_ids)) // self.bs
         have = len(r.hashes)
         if full <= have:
@@ -763,10 +701,10 @@ class SchedulerHalf:
 
     # ------------------------------------------------------------ helpers
 
-    def _new_req(self, request: Any) -> _Req:
+    def _new_req(self, request: Any) -> RequestState:
         mm = request_mm_items(request, self._mm_scope) + request_embeds_items(request, self.bs)
         root, hashes, n = self._hash_prompt(request, mm)
-        return _Req(request, root, mm, hashes, n, epoch=next(self._epochs),
+        return RequestState(request, root, mm, hashes, n, epoch=next(self._epochs),
                     generation=self._generation)
 
     def _hash_prompt(self, request: Any, mm: tuple[MultiModalItem, ...]

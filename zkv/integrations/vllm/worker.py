@@ -33,7 +33,7 @@ from zkv.config import CacheLayout
 from zkv.errors import TransferError
 from zkv.integrations.vllm import events as E
 from zkv.integrations.vllm.config import ZkvVllmConfig
-from zkv.integrations.vllm.scheduler import ZkvMetadata
+from zkv.integrations.vllm.records import ZkvMetadata
 
 
 class _FaultyLoads:

@@ -1,0 +1,76 @@
+"""The scheduler half's records: what it tells the worker halves each step
+(:class:`ZkvMetadata`, pickled by vLLM), its state of one request (:class:`RequestState`)
+and its token counts (:class:`TokenCounts`, read by the metrics). Data only: the worker
+half imports this module without the scheduler half's machinery."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from zkv.integrations.vllm import pd
+from zkv.scheduler.hashing import BlockHash, MultiModalItem
+
+
+@dataclass
+class ZkvMetadata:
+    """What the scheduler half tells every worker half for one step (pickled by vLLM).
+
+    ``step``: the step's number, which the worker halves report back with the step's
+    output (``update_connector_output(step=)``); ``release_upto``: every batch up to this
+    seq may run (a gated worker finishes all earlier ones before this step's forward);
+    ``fence``: the forward must not start before batch ``fence`` ran (it saves blocks of a
+    request vLLM just preempted or finished, which this forward may reuse; -1: none);
+    ``load_seq`` / ``load_op`` / ``loads``: this step's batch with loads, the load op, and
+    its destination blocks in op order; ``unloaded``: blocks vLLM was told zkv would load
+    but no batch will (zkv turned off after the promise, a rank lost): load errors at once,
+    so vLLM recomputes them.
+    """
+
+    step: int = -1
+    release_upto: int = -1
+    fence: int = -1
+    load_seq: int | None = None
+    load_op: int | None = None
+    loads: list[int] = field(default_factory=list)
+    unloaded: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The scheduler half's state of one request it tracks."""
+
+    request: Any
+    root: bytes
+    mm_items: tuple[MultiModalItem, ...]
+    hashes: list[BlockHash]
+    num_prompt_blocks: int
+    epoch: int = 0
+    local: int = 0              # vLLM's own hit (tokens) at the last match
+    ext: int = 0                # tokens zkv promised to load
+    host_blocks_at_match: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    allocated: bool = False
+    confirmed: int = 0          # tokens whose KV every rank computed (or loaded) for sure
+    prefetched: bool = False
+    counted: bool = False
+    last_save_seq: int | None = None
+    generation: bytes = b""     # the cache generation its hashes were made in (reset())
+    wait: pd.ProducerWait | None = None  # P/D: for its producer's blocks (first match)
+
+
+@dataclass(slots=True)
+class TokenCounts:
+    """Prompt tokens of scheduled requests by where their KV came from (counted once)."""
+
+    requests: int = 0
+    vllm_local: int = 0
+    zkv_host: int = 0
+    zkv_store: int = 0
+    computed: int = 0
+    failed_load_blocks: int = 0
+    preempted: int = 0
+    aborted: int = 0
+    awaited: int = 0            # P/D requests that waited for their producer's blocks
+    await_expired: int = 0      # ... and gave up on some (computed them)
+    sched_s: float = 0.0
