@@ -1,13 +1,16 @@
-"""A fixture over every backend, with raw access to what a store holds (to damage it)."""
+"""A fixture over every backend, with raw access to what a store holds (to damage it), and
+the RPCs a Mooncake master answered."""
 
 from __future__ import annotations
 
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.servers import HOST, MooncakeServer
 from zkv.storage import Store, StoreStats, file_url, open_store
 from zkv.storage.local import LocalDirStore
 
@@ -74,6 +77,17 @@ class Backend:
 
 
 SESSION_NS = f"t{uuid.uuid4().hex[:12]}"
+
+
+def master_replica_queries(mc: MooncakeServer) -> int:
+    """Replica-list RPCs the master has answered (its metrics): one per ``get_size``, one
+    per batched query (a batched get's own lookup among them)."""
+    url = f"http://{HOST}:{mc.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    names = ("master_get_replica_list_requests_total",
+             "master_batch_get_replica_list_requests_total")
+    return sum(int(float(line.split()[1])) for line in text.splitlines()
+               if line.split(" ", 1)[0] in names)
 
 
 @pytest.fixture(scope="session")

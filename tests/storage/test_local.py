@@ -1,5 +1,6 @@
-"""LocalDirStore: the byte budget (LRU, O(1) per put), the index rebuilt at open, a root
-directory removed and made again, leftovers of a writer that died."""
+"""LocalDirStore: the byte budget (LRU, O(1) per put; an eviction racing a put of the same
+key), the index rebuilt at open, a root directory removed and made again, leftovers of a
+writer that died."""
 
 from __future__ import annotations
 
@@ -287,3 +288,40 @@ def test_what_the_store_makes_is_private_to_its_user(tmp_path: Path) -> None:
     assert {oct(p.stat().st_mode & 0o777) for p in made} == {"0o700"}
     assert oct(files[0].stat().st_mode & 0o777) == "0o600"
     assert oct(shared.stat().st_mode & 0o777) == "0o755"
+
+
+def test_a_put_landing_during_an_eviction_survives(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eviction takes a file out of the index, then unlinks it: a put of the same key
+    that lands in between keeps its new file, which reads back bit for bit, and the
+    index matches the disk. (Before, the eviction unlinked the new file: indexed, gone,
+    a miss.) The window is held open by an Event, not by timing."""
+    s = LocalDirStore(tmp_path, "ns", max_bytes=2 * FILE)
+    s.put(key(1), data(1))  # least recently used: the one the put of key 2 evicts
+    s.put(key(0), data(0))
+    fresh = np.random.default_rng(7).integers(0, 256, BLOCK, dtype=np.uint8)
+    in_window, resume = threading.Event(), threading.Event()
+    unlink = s._remove_files
+
+    def at_the_window(victims: list[tuple[str, int]]) -> None:
+        if s.path(key(1)) in [p for p, _ in victims]:  # out of the index, not yet unlinked
+            in_window.set()
+            assert resume.wait(10), "never resumed"
+        unlink(victims)
+
+    monkeypatch.setattr(s, "_remove_files", at_the_window)
+    evicting = threading.Thread(target=s.put, args=(key(2), data(2)))
+    evicting.start()
+    try:
+        assert in_window.wait(10), "the eviction of key 1 never started"
+        s.put(key(1), fresh)  # the re-put lands (key 0 makes room for it)
+    finally:
+        resume.set()
+        evicting.join(10)
+    assert not evicting.is_alive()
+    out = np.zeros(BLOCK, np.uint8)
+    assert s.get_into(key(1), out) and out.tobytes() == fresh.tobytes()
+    assert get(s, 2) and not get(s, 0)
+    on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+    assert on_disk == sorted([s.path(key(1)), s.path(key(2))])
+    assert (s.num_blocks, s.num_bytes, s.stats.evicted) == (2, 2 * FILE, 1)

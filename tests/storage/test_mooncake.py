@@ -1,12 +1,17 @@
-"""Mooncake's two ways of carrying the header store the same object: each reads the other."""
+"""Mooncake: its two ways of carrying the header store the same object (each reads the
+other), and a call whose blocks failed asks the master for their sizes once."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.servers import MooncakeServer
-from zkv.storage import open_store, pack_key
-from zkv.storage.mooncake_store import INLINE_MAX, MooncakeStore
+from tests.storage.conftest import master_replica_queries
+from zkv.storage import StoreStats, open_store, pack_key
+from zkv.storage.mooncake_store import INLINE_MAX, TOO_SMALL, MooncakeStore
+
+BLOCK = 4096
 
 
 def test_inline_and_split_headers_read_each_other(mooncake_server: MooncakeServer) -> None:
@@ -49,5 +54,47 @@ def test_auto_mode_splits_big_blocks_and_chunks_the_stage(mooncake_server: Moonc
         assert all(o.tobytes() == d.tobytes() for o, d in zip(outs, data))
         for k in keys:
             store.remove(k)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("header", ["inline", "split"])
+def test_failed_blocks_cost_one_size_query_not_one_each(mooncake_server: MooncakeServer,
+                                                        header: str) -> None:
+    """Objects shorter and longer than the block (a get fails: -800 / -600, or the short
+    size) are refused by their stored size, which costs the call one batched query to the
+    master, however many blocks failed. (Before, one ``get_size`` RPC per failed block: a
+    dead holder's blocks cost a round trip each.) The sizes are the ones ``get_size`` says."""
+    store = open_store(f"{mooncake_server.url}?header={header}", f"sizes-{header}")
+    try:
+        assert isinstance(store, MooncakeStore)
+        client = store._client
+        rpcs = {}
+        for n in (1, 8):
+            keys = [pack_key(bytes([n, i]) * 8, 0) for i in range(3 * n)]
+            names = [store.name(k) for k in keys]
+            good = [np.full(BLOCK, i, np.uint8) for i in range(n)]
+            assert store.put_many(keys[2 * n :], good) == [True] * n
+            for i in range(n):  # n shorter objects, then n longer ones
+                assert client.put(names[i], b"s" * (100 + i)) == 0
+                assert client.put(names[n + i], b"l" * (64 + BLOCK + 1 + i)) == 0
+            gone = store.name(pack_key(bytes([n, 255]) * 8, 0))
+            by_get_size = {m: client.get_size(m) for m in [*names, gone]}
+            assert store._stored_sizes([*names, gone], [TOO_SMALL] * (3 * n + 1)) == {
+                m: size for m, size in by_get_size.items() if size >= 0}
+            assert by_get_size[gone] < 0 and len(by_get_size) == 3 * n + 1
+
+            store.stats = StoreStats()
+            outs = [np.zeros(BLOCK, np.uint8) for _ in keys]
+            before = master_replica_queries(mooncake_server)
+            assert store.get_many_into(keys, outs) == [False] * (2 * n) + [True] * n
+            rpcs[n] = master_replica_queries(mooncake_server) - before
+            assert all(o.tobytes() == g.tobytes() for o, g in zip(outs[2 * n :], good))
+            s = store.stats
+            assert (s.truncated, s.corrupt, s.hits, s.misses, s.errors) == (n, n, n, 2 * n, 0)
+            assert store.exists(keys) == [False] * (2 * n) + [True] * n  # refused: removed
+            for k in keys[2 * n :]:
+                store.remove(k)
+        assert rpcs[1] == rpcs[8] == 2, rpcs  # the get's own lookup, one for the sizes
     finally:
         store.close()

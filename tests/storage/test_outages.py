@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -114,8 +115,12 @@ def test_mooncake_master_down_at_start_then_up(tmp_path: Path) -> None:
 def test_reads_from_a_dead_mooncake_holder_fail_in_a_few_lines(tmp_path: Path) -> None:
     """The process whose segment held the blocks dies: every read of them fails
     (``TRANSFER_FAIL``), a miss each, counted, and said in a few lines, the rest in one at
-    close. (Before, one error line per block, under the name of a failed query.)"""
+    close, naming the store and the call. (Before, one error line per block, under the
+    name of a failed query; then a summary without the store; and the master was asked
+    for each failed block's size, one RPC a block.)"""
     from structlog.testing import capture_logs
+
+    from tests.storage.conftest import master_replica_queries
 
     with MooncakeServer(str(tmp_path)) as mc:
         store = open_store(mc.url + "?segment_mb=0&timeout_s=1", "ns")  # the holder's segment
@@ -127,8 +132,10 @@ def test_reads_from_a_dead_mooncake_holder_fail_in_a_few_lines(tmp_path: Path) -
             mc.holder.kill()
             mc.holder.wait()
             with capture_logs() as logs:
+                before = master_replica_queries(mc)
                 assert store.get_many_into(keys, [np.zeros(BLOCK, np.uint8) for _ in keys]) \
                     == [False] * 40
+                assert master_replica_queries(mc) - before == 2  # the get's, the sizes'
                 lines = [e for e in logs if e["event"] == "storage.read_failed"]
                 assert 1 <= len(lines) <= 3 and "get returned" in lines[0]["error"], lines
                 store.close()
@@ -136,6 +143,7 @@ def test_reads_from_a_dead_mooncake_holder_fail_in_a_few_lines(tmp_path: Path) -
             lines = [e for e in logs if e["event"] == "storage.read_failed"]
             assert lines[-1]["summary"] is True and lines[-1]["num_total"] == 40
             assert lines[-1]["num_suppressed"] + len(lines) - 1 == 40, lines
+            assert {(e["store"], e["call"]) for e in lines} == {(store.url, "get")}
         finally:
             store.close()
 
@@ -188,6 +196,58 @@ def test_mooncake_master_restarted_fails_no_call(tmp_path: Path, saw_outage: boo
                 round_trip(store, i)  # no StorageError
             link = store.link  # type: ignore[attr-defined]
             assert (link.num_down, link.num_reconnects) == ((1, 1) if saw_outage else (0, 0))
+        finally:
+            store.close()
+
+
+class _CountingClient:
+    """A store's Mooncake client, recording each call made on it (one RPC each)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any) -> Any:
+            self.calls.append(name)
+            return attr(*args)
+
+        return call
+
+
+def test_a_dead_mooncake_master_costs_one_call_not_probes(tmp_path: Path) -> None:
+    """A killed master, with ``timeout_s`` large (the bound of the stale-connection probes):
+    the call that finds it dead is its one RPC, whether that failed at once (a pooled
+    connection's end of file) or slowly (a connect to the dead port, ~4 s), and no probe
+    follows: the master's port, probed first, refuses. A restarted master still costs no
+    call (test_mooncake_master_restarted_fails_no_call)."""
+    with MooncakeServer(str(tmp_path)) as mc:
+        store = open_store(mc.url + "?timeout_s=30", "ns")
+        try:
+            counting = _CountingClient(store._client)  # type: ignore[attr-defined]
+            store._client = counting  # type: ignore[attr-defined]
+            link = store.link
+            assert link is not None
+            for slow in (False, True):
+                round_trip(store, 0)
+                mc.kill_master()
+                if slow:  # the pooled connection's one failure used up elsewhere
+                    assert counting.client.batch_is_exist(["x"]) == [-900]
+                counting.calls.clear()
+                t0 = time.monotonic()
+                with pytest.raises(StorageError, match="returned -900"):
+                    store.get_many_into(K[:1], [np.zeros(BLOCK, np.uint8)])
+                assert time.monotonic() - t0 < 15.0  # not the 30 s of timeout_s
+                assert counting.calls == ["batch_get_into"] and not link.up
+                mc.start_master()
+                mc.wait_capacity()
+                wait_for(lambda: link.up, "the link's reconnect")
+                wait_for(lambda: store.put_many(K[:1], DATA[:1]) == [True], "segment remounted")
+            assert (link.num_down, link.num_reconnects) == (2, 2)
         finally:
             store.close()
 

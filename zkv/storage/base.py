@@ -161,6 +161,16 @@ def check_world_size(world_size: int) -> int:
     return world_size
 
 
+def failure_log(store: Store, event: str, call: str) -> ev.RateLimited:
+    """The rate-limited logger of one kind of failed call (``call``: "put", "get" or
+    "exists") on ``store``. Every line it writes, the summary of what it held back too,
+    names the store (its URL, which never holds a password) and the call: an operator
+    with two stores, or reads and writes failing at once, tells which one fails.
+    (Bound on a lazy logger: it follows the configuration in force at each line.)"""
+    return ev.repeating(ev.get_logger("storage", namespace=store.namespace, store=store.url,
+                                      call=call), event)
+
+
 class Link:
     """The reconnect breaker of one store client (see the module docstring).
 
@@ -300,19 +310,23 @@ class Store(abc.ABC):
 
     namespace: str
     stats: StoreStats
-    url: str = ""
+    url: str  # what logs and errors name the store by: never with a password
     link: Link | None = None  # the reconnect breaker of a networked store
 
-    def __init__(self, namespace: str) -> None:
+    def __init__(self, namespace: str, url: str = "") -> None:
         self.namespace = check_namespace(namespace)
+        self.url = url
         self.ns_id = namespace_id(namespace)
         self.stats = StoreStats()
         self._stats_lock = threading.Lock()
         self._log = ev.get_logger("storage", namespace=namespace)
-        # A full store declines every put of every step: a few lines, then counts.
-        self._write_failed_log = ev.repeating(self._log, ev.WRITE_FAILED)
-        # ... and a holder gone fails every read of its blocks: the same
-        self._read_failed_log = ev.repeating(self._log, ev.READ_FAILED)
+        # A full store declines every put of every step: a few lines, then counts; a
+        # holder gone fails every read of its blocks, an outage every existence query
+        # (``leading_present`` without a logger of its own): the same
+        self._write_failed_log = failure_log(self, ev.WRITE_FAILED, "put")
+        self._read_failed_log = failure_log(self, ev.READ_FAILED, "get")
+        #: where :func:`~zkv.storage.query.leading_present` logs a failed query by default
+        self.query_failed_log = failure_log(self, ev.QUERY_FAILED, "exists")
 
     # ---------------------------------------------------------------- the interface
 
@@ -366,8 +380,9 @@ class Store(abc.ABC):
 
     def close(self) -> None:
         """Release connections (a backend's own close calls this last). Idempotent."""
-        self._write_failed_log.flush()  # what the rate limit held back: its count
+        self._write_failed_log.flush()  # what the rate limits held back: their counts
         self._read_failed_log.flush()
+        self.query_failed_log.flush()
 
     def retry_now(self) -> None:
         """Another client just reached the store (``Link.retry_now``); nothing to do for
@@ -416,7 +431,7 @@ class Store(abc.ABC):
     def _declined(self, num_blocks: int, error: str) -> None:
         """The store declined ``num_blocks`` of a put (full, leases): say so, rate-limited
         (``stats.put_failures`` counts every one)."""
-        self._write_failed_log(num_blocks=num_blocks, error=error, store=self.url)
+        self._write_failed_log(num_blocks=num_blocks, error=error)
 
     def _unreachable(self, link: Link, what: str, error: object) -> StorageError:
         """A transport failure: count it, take the link down, and give the error to raise."""

@@ -32,7 +32,11 @@ other's files at a restart each evicted everyone's blocks down to their own shar
 their first put: a group of ``W`` kept ~1/W of its store across a restart.)
 
 A put reserves its bytes in the index before it writes (the temp file counts): the files a
-writer holds, finished or in progress, stay within its budget.
+writer holds, finished or in progress, stay within its budget. An evicted file leaves the
+index first and is unlinked after, unless a put of the same key has renamed its new file
+into place since (that rename with its indexing, and the eviction's last check with its
+unlink, hold one lock): the new block stays. (Within one process: another process's
+store evicts by its own index.)
 
 A full disk (``ENOSPC`` / ``EDQUOT``: the file system is smaller than the budget, or
 something else filled it) makes room from the store's own least recently used files until
@@ -111,17 +115,20 @@ class LocalDirStore(Store):
     def __init__(self, root: str | os.PathLike[str], namespace: str, *,
                  max_bytes: int | None = None, fsync: bool = False,
                  rank: int | None = None) -> None:
-        super().__init__(namespace)
+        super().__init__(namespace, f"file://{os.path.abspath(os.fspath(root))}")
         if rank is not None and rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.rank = rank
         self._suffix = None if rank is None else f".{rank}"
         self.root = os.fspath(root)
-        self.url = f"file://{os.path.abspath(self.root)}"
         self.fsync = fsync
         self._base = os.path.join(self.root, namespace)
         self._made: set[str] = set()
         self._lock = threading.Lock()
+        # A put's rename into place and its indexing, and an evicted file's last check and
+        # unlink, hold this lock: an eviction never unlinks a file a put just placed
+        # (see _remove_files). Order: _room_lock, then _files_lock, then _lock.
+        self._files_lock = threading.Lock()
         self._room_lock = threading.Lock()  # one thread makes room on a full disk at a time
         self._room_gen = 0  # times room was made: a put that failed before retries at once
         self._lru: OrderedDict[str, int] = OrderedDict()
@@ -215,7 +222,8 @@ class LocalDirStore(Store):
             gen = self._room_gen
             self._reserve(size)
             try:
-                self._write_file(tmp, path, bufs)
+                self._write_file(tmp, bufs)
+                self._place(tmp, path, size)
                 break
             except BaseException as e:
                 self._release(size)
@@ -232,10 +240,15 @@ class LocalDirStore(Store):
         else:
             self._count(errors=1)
             raise StorageError(f"put {self.name(key)}: no room after {_PUT_WRITES} tries")
+        if self.fsync:  # the rename itself: the folder's entry
+            try:
+                _fsync_dir(os.path.dirname(path))
+            except OSError as e:  # (the block is there and indexed; its durability is not)
+                self._count(errors=1)
+                raise StorageError(f"put {self.name(key)}: {e}") from e
         self._count(puts=1, bytes_written=view.nbytes)
-        self._remember(path, size, reserved=size)
 
-    def _write_file(self, tmp: str, path: str, bufs: list[Any]) -> None:
+    def _write_file(self, tmp: str, bufs: list[Any]) -> None:
         try:
             fd = self._create(tmp)
         except FileNotFoundError:  # the root was removed (and maybe made again)
@@ -248,9 +261,14 @@ class LocalDirStore(Store):
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-        if self.fsync:  # the rename itself: the folder's entry
-            _fsync_dir(os.path.dirname(path))
+
+    def _place(self, tmp: str, path: str, size: int) -> None:
+        """Rename a put's finished temp file into place and index it (its ``size`` bytes
+        were reserved), one step as eviction sees it (see :meth:`_remove_files`)."""
+        with self._files_lock:
+            os.replace(tmp, path)
+            victims = self._index(path, size, reserved=size)
+        self._remove_files(victims)
 
     def _make_room(self, size: int, error: OSError, gen: int, made: int) -> bool | None:
         """The disk is full (see the module docstring): remove this store's least recently
@@ -272,9 +290,10 @@ class LocalDirStore(Store):
                 with self._lock:
                     if not self._lru:
                         break
-                    removed.append(self._lru.popitem(last=False))
-                    self._total -= removed[-1][1]
-                _unlink_quietly(removed[-1][0])
+                    victim = self._lru.popitem(last=False)
+                    self._total -= victim[1]
+                if self._unlink_evicted(victim[0]):
+                    removed.append(victim)
             others = 0
             if not quota and not _has_room(self.root, need):
                 others = self._remove_oldest_on_disk(need)
@@ -377,8 +396,13 @@ class LocalDirStore(Store):
         with self._lock:
             self._pending -= size
 
-    def _remember(self, path: str, size: int, reserved: int = 0) -> None:
-        """Index a file written (``reserved``: the bytes its put had reserved)."""
+    def _remember(self, path: str, size: int) -> None:
+        """Index a block file found on the disk."""
+        self._remove_files(self._index(path, size))
+
+    def _index(self, path: str, size: int, reserved: int = 0) -> list[tuple[str, int]]:
+        """Index a file (``reserved``: the bytes its put had reserved); the files to evict
+        for it."""
         with self._lock:
             self._pending -= reserved
             old = self._lru.pop(path, None)
@@ -386,8 +410,7 @@ class LocalDirStore(Store):
                 self._total -= old
             self._lru[path] = size
             self._total += size
-            victims = self._pop_lru_over(self.max_bytes - self._pending, keep=1)
-        self._remove_files(victims)
+            return self._pop_lru_over(self.max_bytes - self._pending, keep=1)
 
     def _pop_lru_over(self, limit: int, keep: int) -> list[tuple[str, int]]:
         """(Under the lock.) Take least recently used files out of the index until it holds
@@ -400,13 +423,29 @@ class LocalDirStore(Store):
         return victims
 
     def _remove_files(self, victims: list[tuple[str, int]]) -> None:
-        if not victims:
+        """Unlink files taken out of the index (:meth:`_pop_lru_over`), those a put has not
+        placed again since (:meth:`_unlink_evicted`)."""
+        removed = [(path, size) for path, size in victims if self._unlink_evicted(path)]
+        if not removed:
             return
-        for victim, _ in victims:
-            _unlink_quietly(victim)
-        self._count(evicted=len(victims))
-        self._log.debug(ev.STORE_EVICTED, num_blocks=len(victims),
-                        num_bytes=sum(s for _, s in victims), store=self.url)
+        self._count(evicted=len(removed))
+        self._log.debug(ev.STORE_EVICTED, num_blocks=len(removed),
+                        num_bytes=sum(s for _, s in removed), store=self.url)
+
+    def _unlink_evicted(self, path: str) -> bool:
+        """Unlink a file that eviction took out of the index, unless it is back in the index
+        (False): a put of the same key renamed its new file into place since (or a hit
+        indexed it again), and that file stays. An eviction takes the path out under
+        ``_lock`` and unlinks it later; a put renames and indexes under ``_files_lock``,
+        held here from the check to the unlink, so the put either lands first (and is
+        seen) or after the unlink (and survives). (Before, a re-put landing between the
+        two lost its new file: it was indexed and gone, the block a miss.)"""
+        with self._files_lock:
+            with self._lock:
+                if path in self._lru:
+                    return False
+            _unlink_quietly(path)
+        return True
 
     def _touch(self, path: str, size: int) -> None:
         with self._lock:

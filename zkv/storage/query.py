@@ -8,7 +8,8 @@ is no exception for the scheduling loop: it returns 0 (a miss), logs
 ``storage.query_failed`` and counts ``stats.query_failures``. An outage fails every
 request's query (vLLM asks again each step for a waiting request): the event is
 rate-limited (``zkv.log.repeating``: a few lines per window, then one with
-``num_suppressed``), the count is not.
+``num_suppressed``; the store's own limiter, or the :class:`StorageQuery`'s, so every
+line and the summary at close or ``flush_logs`` name the store), the count is not.
 """
 
 from __future__ import annotations
@@ -16,23 +17,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zkv import log as ev
-from zkv.storage.base import Store, check_world_size
-
-_log = ev.get_logger("storage")
-_failed = ev.repeating(_log, ev.QUERY_FAILED)
+from zkv.storage.base import Store, check_world_size, failure_log
 
 
 def leading_present(store: Store, hashes: Sequence[bytes], world_size: int,
                     failed: ev.RateLimited | None = None) -> int:
     """Leading blocks of ``hashes`` present for every rank ``0..world_size-1``. ``failed``:
-    where a failed query is logged (default: this module's rate-limited logger)."""
+    where a failed query is logged (default: the store's rate-limited logger, whose
+    summary its ``close`` writes)."""
     if not hashes:
         return 0
     try:
         return store.count_leading(hashes, world_size)
     except Exception as e:  # never into the scheduling loop
         store._count(query_failures=1)
-        (failed or _failed)(store=store.url, num_blocks=len(hashes), error=str(e))
+        (failed or store.query_failed_log)(num_blocks=len(hashes), error=str(e))
         return 0
 
 
@@ -43,7 +42,7 @@ class StorageQuery:
     def __init__(self, store: Store, world_size: int) -> None:
         self.store = store
         self.world_size = check_world_size(world_size)
-        self.failed = ev.repeating(_log, ev.QUERY_FAILED)
+        self.failed = failure_log(store, ev.QUERY_FAILED, "exists")
 
     def __call__(self, hashes: Sequence[bytes]) -> int:
         return leading_present(self.store, hashes, self.world_size, self.failed)

@@ -66,7 +66,7 @@ class RedisStore(Store):
                  password: str | None = None, username: str | None = None, tls: bool = False,
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
-        super().__init__(namespace)
+        super().__init__(namespace, f"{'rediss' if tls else 'redis'}://{host}:{port}/{db}")
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -75,7 +75,6 @@ class RedisStore(Store):
             raise ConfigError("redis:// needs the redis client: pip install 'zkv[redis]'") from e
         self._errors = redis.RedisError
         self._transport_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
-        self.url = f"{'rediss' if tls else 'redis'}://{host}:{port}/{db}"
         self.ttl_s = ttl_s
         tls_kw: dict[str, Any] = {}
         if tls:
