@@ -11,7 +11,7 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from tests.waiting import holds_within, idle_for
+from tests.waiting import holds_within, idle_for, wait_until
 from tests.worker.helpers import (
     FakeRank,
     endpoints,
@@ -92,7 +92,30 @@ def test_ack_aggregation_is_minimum_over_ranks(group: tuple[Dispatcher, list[Fak
     (done,) = poll_until_done(d, 0).values()
     assert not done.ok
     assert done.results[0] == P.OpResult(0, False, 2, "rank 2: bad block")
-    assert done.results[7] == P.OpResult(7, False, 0, "rank 0: disk full")
+    # the error of the rank that holds the op back the most (rank 2 named no op 7)
+    assert done.results[7] == P.OpResult(7, False, 0, "rank 2: no result")
+
+
+def test_the_merged_error_is_the_rank_with_the_fewest_blocks_done(
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    """Rank 0 fails at block 3, rank 1 at block 1: the merged result says done 1 and names
+    rank 1's block 1, whichever ack comes first (it named rank 0's block 3)."""
+    d, ranks = group
+    for order in ((0, 1, 2), (1, 0, 2)):
+        seq = d.publish([_op(0, 4)], step=0)
+        batches = {r.rank: r.recv_batch() for r in ranks}
+        errors = {0: P.OpResult(0, False, 3, "s2h: block 3 corrupt"),
+                  1: P.OpResult(0, False, 1, "s2h: block 1 is not in the store"),
+                  2: P.OpResult(0, True, 4)}
+        for rank in order[:-1]:  # one ack at a time, in this order
+            n = d.num_received
+            ranks[rank].ack(batches[rank], {0: errors[rank]})
+            wait_until(lambda n=n: d.poll(0.01) == [] and d.num_received > n,
+                       what=f"rank {rank}'s ack")
+        ranks[order[-1]].ack(batches[order[-1]], {0: errors[order[-1]]})
+        (done,) = poll_until_done(d, seq).values()
+        assert done.results[0] == P.OpResult(0, False, 1,
+                                             "rank 1: s2h: block 1 is not in the store"), order
 
 
 def test_batches_complete_in_seq_order_only_when_all_acked(

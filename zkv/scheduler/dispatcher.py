@@ -623,7 +623,10 @@ class Dispatcher:
 
     @staticmethod
     def _merge(merged: dict[int, P.OpResult], results: Any, rank: int) -> None:
-        """An op's result is the minimum over ranks: all ok, min done, first error."""
+        """An op's result is the minimum over ranks: all ok, min done, and the error of the
+        rank with the fewest blocks done (the first such one): the one the result stands
+        for. (It kept the first error seen, which could name a rank and block past the
+        merged ``done``.)"""
         for res in results:
             op_id = res.id
             if res.error is not None:
@@ -632,8 +635,10 @@ class Dispatcher:
             if cur is None:
                 merged[op_id] = res
             elif cur.ok > res.ok or res.done < cur.done:
+                error = (res.error or cur.error) if res.done < cur.done else (cur.error
+                                                                                or res.error)
                 merged[op_id] = P.OpResult(op_id, cur.ok and res.ok, min(cur.done, res.done),
-                                           cur.error or res.error)
+                                           error)
 
     def _complete(self, batch: _InFlight) -> None:
         latency = time.perf_counter() - batch.t_pub
