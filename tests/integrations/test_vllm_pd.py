@@ -23,6 +23,7 @@ import pytest
 
 from tests.integrations.conftest import two_engines_on_one_store
 from tests.integrations.test_vllm_rank_loss import BS, DOC, LAYOUT, Group
+from tests.waiting import wait_until
 from tests.worker.helpers import short_ipc_dir
 from zkv.integrations.vllm import pd
 from zkv.integrations.vllm.events import AWAIT_EXPIRED
@@ -59,6 +60,25 @@ def test_a_producer_promises_only_the_blocks_it_saved(tmp_path: Path) -> None:
             assert producer.half.wait_idle(10.0)
             assert producer.half.snapshot()["saved_blocks"] == 5
             assert answer == {PARAM_BLOCKS: 5, PARAM_NAMESPACE: producer.half._namespace}
+        finally:
+            producer.close()
+
+
+def test_a_producer_whose_store_declines_writes_promises_nothing(tmp_path: Path) -> None:
+    """The store takes no write (a file where its directory goes: down, or full, alike):
+    once a write failed, the producer promises nothing, rather than every consumer request
+    waiting its whole budget for blocks that never come."""
+    blocker = tmp_path / "l3"
+    blocker.write_text("a file where the store's directory goes")
+    with short_ipc_dir() as folder:
+        producer = Group(folder, store_url=f"file://{blocker}")
+        try:
+            first = producer.compute_and_save(params=ASK)  # no write was tried before it
+            assert first is not None and first[PARAM_BLOCKS] == 8, first
+            wait_until(lambda: producer.half.in_flight()["store_retry"] > 0, 10.0,
+                       "the failed write waiting for its retry")
+            producer.half.reset()  # a prompt zkv holds nothing of (a new generation)
+            assert producer.compute_and_save(params=ASK) is None
         finally:
             producer.close()
 

@@ -116,10 +116,13 @@ def test_a_write_that_succeeds_brings_the_retry_forward(clock: Clock) -> None:
     a = H(1)
     push(cm, "r1", a)
     (h2s,) = push(cm, "r2", H(2))
+    assert not cm.store_writes_failing
     fail(cm, h2s)
+    assert cm.store_writes_failing  # (a P/D producer promises nothing meanwhile)
     (ok,) = push(cm, "r3", H(3))  # the store is back: H(2)'s write will succeed
     assert take(cm) == []
     ack(cm, ok)
+    assert not cm.store_writes_failing
     (again,) = take(cm)  # no time passed
     assert shape(again) == (H2S, [0], [], (a[0],))
     ack(cm, again)

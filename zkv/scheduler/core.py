@@ -85,7 +85,8 @@ class Core:
     the running requests (each holds its path's nodes); ``deleting`` nodes detached while
     an op was in flight (freed when it settles); ``unstored`` nodes whose storage write
     failed, written again at ``store_retry_at`` (``tiers.retry_stores``; the backoff
-    doubles once per round with a failure: ``store_round_failed``); ``negative``
+    doubles once per round with a failure: ``store_round_failed``; ``store_failing``: a
+    write failed since the last one that fully succeeded); ``negative``
     hashes storage failed to deliver, until they expire; ``clock`` one tick per match;
     ``io_failed_log`` the warning for failed s2h / h2s ops, rate-limited (a store that is
     down fails them every step)."""
@@ -103,6 +104,7 @@ class Core:
     store_retry_at: float = 0.0
     store_backoff_s: float = 0.0
     store_round_failed: bool = False
+    store_failing: bool = False
     negative: NegativeCache = field(default_factory=NegativeCache)
     clock: int = 0
     io_failed_log: ev.RateLimited = field(default_factory=lambda: ev.repeating(

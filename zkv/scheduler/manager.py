@@ -284,6 +284,12 @@ class CacheManager:
         return retry_due(self.core)
 
     @property
+    def store_writes_failing(self) -> bool:
+        """A storage write failed since the last one that fully succeeded (a store that is
+        down, or full and declining): blocks saved now may not reach it."""
+        return self.core.store_failing
+
+    @property
     def num_unstored_blocks(self) -> int:
         """Blocks whose storage write failed, waiting to be written again (those the
         host tier still holds). O(nodes waiting)."""

@@ -222,6 +222,7 @@ def store_failed(core: Core, nodes: list[Node]) -> None:
     The backoff doubles once per round (from one retry to the next) with a failure,
     however many ops failed in it."""
     unstored = core.unstored
+    core.store_failing = True
     for n in nodes:
         if n.host_ok and not n.in_store:
             unstored[n] = None
@@ -236,6 +237,7 @@ def store_succeeded(core: Core) -> None:
     core.store_backoff_s = core.config.store_retry_s
     core.store_retry_at = 0.0
     core.store_round_failed = False
+    core.store_failing = False
 
 
 def retry_due(core: Core) -> bool:

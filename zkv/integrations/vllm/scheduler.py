@@ -120,6 +120,8 @@ class SchedulerHalf:
         self.bs = layout.block_size
         self.store = store
         self.log = zlog.get_logger("connector", role="scheduler")
+        # P/D: a producer that keeps no promise makes every consumer request give up
+        self._await_expired_log = zlog.repeating(self.log, E.AWAIT_EXPIRED, level="warning")
         self.cm = CacheManager(
             CacheConfig(0, layout.num_host_blocks, layout.block_size, cfg.policy,
                         cfg.write_through_threshold,
@@ -507,9 +509,11 @@ class SchedulerHalf:
         saved, when it asked (``do_remote_decode``) and its blocks reach the store.
         ``held``: the leading blocks zkv held for it when it finished (saved, on their way,
         or matched). Not what it computed: a save stops where no host block is free, and
-        a consumer would wait for blocks that never come."""
+        a consumer would wait for blocks that never come. Nothing while the store declines
+        writes (down, or full: every consumer would wait its whole budget for them)."""
         if (self.disabled or not self.saves or self.store is None or not self.cfg.storage_write
-                or r.generation != self._generation or not r.allocated):
+                or r.generation != self._generation or not r.allocated
+                or self.cm.store_writes_failing):
             return None
         return pd.answer(getattr(request, "kv_transfer_params", None),
                          min(r.num_prompt_blocks, held), self._namespace)
@@ -536,8 +540,8 @@ class SchedulerHalf:
             return True
         if state == pd.EXPIRED:
             self.counts.await_expired += 1
-            self.log.warning(E.AWAIT_EXPIRED, req_id=r.request.request_id,
-                             num_promised=w.blocks, num_found=found, waited_s=self._await_s)
+            self._await_expired_log(req_id=r.request.request_id, num_promised=w.blocks,
+                                    num_found=found, waited_s=self._await_s)
         return False
 
     def _finish(self, r: RequestState, request: Any) -> int:
@@ -791,4 +795,5 @@ class SchedulerHalf:
         report(E.CLOSED, invariants="ok" if broken is None else "broken",
                num_steps=self._step, disabled=self.disabled, **left)
         self.cm.flush_logs()
+        self._await_expired_log.flush()
         self.dp.close()
