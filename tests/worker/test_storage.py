@@ -107,6 +107,27 @@ def test_device_host_store_host_device_is_bit_identical(stack: ExitStack, folder
     stores[1].remove(pack_key(keys[3], 1))
     res = rig.run([P.Op(0, P.S2H, dst=ids(range(10, 16)), keys=keys)]).results[0]
     assert (res.ok, res.done) == (False, 3) and "rank 1: s2h: block 3" in str(res.error)
+    assert str(res.error).endswith("is not in the store"), res
+
+
+def test_a_refused_block_is_not_called_missing(stack: ExitStack, folder: str,
+                                               tmp_path: Any) -> None:
+    """A damaged block fails the load naming the refusal as a possible cause (it said "is
+    not in the store"; only the rank's log said why)."""
+    stores = [LocalDirStore(tmp_path, LAYOUT.fingerprint()) for _ in range(2)]
+    rig = Rig(stack, folder, stores)
+    keys = tuple(digest(16, i) for i in range(3))
+    _fill_and_store(rig, keys)
+    path = stores[0].path(pack_key(keys[1], 0))
+    with open(path, "r+b") as f:  # one payload byte flipped: its checksum no longer holds
+        f.seek(HEADER_SIZE + 5)
+        b = f.read(1)
+        f.seek(HEADER_SIZE + 5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    res = rig.run([P.Op(0, P.S2H, dst=ids(range(8, 11)), keys=keys)]).results[0]
+    assert (res.ok, res.done) == (False, 1), res
+    assert "rank 0: s2h: block 1" in str(res.error) and "refused" in str(res.error), res
+    assert stores[0].stats.corrupt == 1
 
 
 class GatedStore(Store):

@@ -159,10 +159,20 @@ class StorageIO:
         put = op.kind == P.H2S
         ids = op.src if put else op.dst
         views = [self.backend.host_block(self.host_pool, int(ids[i])) for i in range(lo, hi)]
+        refused = _num_refused(self.store)
         try:
             ok = self.store.put_many(keys, views) if put else self.store.get_many_into(keys, views)
         except StorageError as e:
             return [f"{op.kind}: block {lo}: {e}"] * (hi - lo)
         why = "declined by the store" if put else "is not in the store"
+        if not put and _num_refused(self.store) > refused:  # (the store logged which, why)
+            why = "is not in the store or was refused (damaged or foreign: storage.block_refused)"
         return [None if good else f"{op.kind}: block {i} ({op.keys[i].hex()}) {why}"
                 for i, good in zip(range(lo, hi), ok)]
+
+
+def _num_refused(store: Store) -> int:
+    """Blocks the store refused on read so far (corrupt, truncated, foreign): a read that
+    raised it refused some of its misses (or a concurrent read did: the error says "or")."""
+    st = store.stats
+    return st.corrupt + st.truncated + st.foreign
