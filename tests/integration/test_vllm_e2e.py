@@ -200,7 +200,8 @@ def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa
     assert z["zkv_store_tokens"] > 5_000, "zkv's L3 should serve what the host tier dropped"
     assert z["saved_blocks"] > 300 and z["cm_evicted_host"] > 0
     assert z["requests"] == 30 and z["cm_failed_ops"] == 0
-    assert 'zkv:prompt_tokens_total{model=' in zkv_tp1["metrics"]
+    lines = [x for x in zkv_tp1["metrics"].splitlines() if x.startswith("zkv:prompt_tokens_total{")]
+    assert lines and all('model="' in x and 'engine_id="' in x for x in lines), lines
     assert 'tier="zkv_store"' in zkv_tp1["metrics"]
     _nothing_left(zkv_tp1)
 
