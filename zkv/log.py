@@ -75,6 +75,7 @@ WRITE_FAILED = "storage.write_failed"
 READ_FAILED = "storage.read_failed"
 STORE_EVICTED = "storage.blocks_evicted"
 STORE_DISK_FULL = "storage.disk_full"
+STORE_MISCONFIGURED = "storage.store_misconfigured"
 # launcher
 RANK_STARTED = "launch.rank_started"
 RANK_EXITED = "launch.rank_exited"

@@ -19,7 +19,10 @@ Stored block = a 64-byte header, then the payload (one page-first host block)::
 
 A block that fails any check is a miss: it is never served, it is deleted, and it is
 counted in :class:`StoreStats` (``corrupt``, ``truncated``, ``foreign``) with a
-``storage.block_refused`` event.
+``storage.block_refused`` event. Deleted is the value that was read, not whatever the key
+holds by then: another engine may have saved a good copy between the read and the delete
+(``_delete_refused`` gets what identifies the value read: a file's inode, a redis value's
+digest; Mooncake, which has no compare-and-delete, reads the block again first).
 
 Errors. A missing block is not an error (a False in the result). A store that cannot be
 reached raises :class:`~zkv.errors.StorageError`; the :class:`Link` breaker then fails
@@ -417,13 +420,14 @@ class Store(abc.ABC):
             for name, n in deltas.items():
                 setattr(s, name, getattr(s, name) + n)
 
-    def _refuse(self, key: bytes, kind: str, detail: str = "") -> None:
-        """A block failed its check: count it, say so, delete it (never served)."""
+    def _refuse(self, key: bytes, kind: str, detail: str = "", seen: Any = None) -> None:
+        """A block failed its check: count it, say so, delete it (never served). ``seen``:
+        what identifies the value that was read, for the backend's ``_delete_refused``."""
         self._count(**{kind: 1}, misses=1)
         self._log.error(ev.BLOCK_REFUSED, kind=kind, key=self.name(key), detail=detail,
                         store=self.url)
         try:
-            self._delete_refused(key)
+            self._delete_refused(key, seen)
         except Exception as e:  # the refusal stands; the next reader refuses it again
             self._log.warning(ev.BLOCK_REFUSED, kind=kind, key=self.name(key),
                               error=f"delete failed: {e!r}", store=self.url)
@@ -439,17 +443,29 @@ class Store(abc.ABC):
         link.down(str(error))
         return StorageError(f"{self.url} {what}: {error}")
 
-    def _delete_refused(self, key: bytes) -> None:
-        """Delete a refused block even if the store protects it (leases). Default: remove."""
+    def _delete_refused(self, key: bytes, seen: Any) -> None:
+        """Delete a refused block even if the store protects it (leases), and only the value
+        that was read (``seen`` identifies it; None: whatever is there) where the backend
+        can tell: a good copy saved since stays. Default: remove."""
         self.remove(key)
 
-    def _verify(self, key: bytes, header: Any, payload: Any) -> bool:
+    def _verify(self, key: bytes, header: Any, payload: Any, seen: Any = None) -> bool:
         """Check a block read as (header, payload); refuse it (False) when bad."""
         nbytes = memoryview(payload).nbytes
         kind, checksum = check_header(header, self.ns_id, key, nbytes)
         if kind is None and not payload_ok(payload, checksum):
             kind = CORRUPT
         if kind is not None:
-            self._refuse(key, kind)
+            self._refuse(key, kind, seen=seen)
             return False
         return True
+
+
+def value_ok(raw: Any, ns_id: int, key: bytes, payload_len: int) -> bool:
+    """Whether ``raw`` is a good stored block (header and payload) of ``payload_len`` bytes
+    under ``key`` in namespace ``ns_id``."""
+    view = memoryview(raw).cast("B")
+    if view.nbytes != HEADER_SIZE + payload_len:
+        return False
+    kind, checksum = check_header(view[:HEADER_SIZE], ns_id, key, payload_len)
+    return kind is None and payload_ok(view[HEADER_SIZE:], checksum)

@@ -10,8 +10,9 @@ The store is private to its user: the directories it makes are 0700 and its bloc
 A put writes the temp file (header and payload in one ``writev``, straight from the host
 block) and ``os.replace``-s it in, so a reader sees a whole block or none, also across
 processes. A read checks the header, the file size and the payload checksum: a torn,
-truncated, damaged or foreign file is refused, removed and counted. The root is made at
-open. One that cannot be (a file is in the way, not writable) is logged at open
+truncated, damaged or foreign file is refused, removed (that file, by its inode: a good
+one another writer put there since stays) and counted. The root is made at open. One
+that cannot be (a file is in the way, not writable) is logged at open
 (``storage.store_unreachable``) and the store goes on as a server down would: puts fail,
 reads miss (an engine serves on; ``zkv replay`` refuses the flag first, with
 :func:`check_root`). Without a budget on a file system with no free space, open raises
@@ -363,7 +364,8 @@ class LocalDirStore(Store):
 
     def _read_verified(self, fd: int, key: bytes, out: memoryview) -> bool:
         want = out.nbytes
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         kind, checksum = check_header(os.pread(fd, HEADER_SIZE, 0), self.ns_id, key, want)
         if kind is None and size != HEADER_SIZE + want:
             kind = TRUNCATED if size < HEADER_SIZE + want else CORRUPT
@@ -378,9 +380,45 @@ class LocalDirStore(Store):
         if kind is None and not payload_ok(out, checksum):
             kind = CORRUPT
         if kind is not None:
-            self._refuse(key, kind, f"file size {size}, block {want} bytes")
+            self._refuse(key, kind, f"file size {size}, block {want} bytes",
+                         seen=(st.st_dev, st.st_ino))
             return False
         return True
+
+    def _delete_refused(self, key: bytes, seen: Any) -> None:
+        """Remove the refused file, not a good one another writer put in its place since
+        (a put renames a new file over the path; the path's inode tells which file is
+        there). The file at the path is renamed aside (atomic: no put lands between the
+        look and the removal), compared with the one read (``seen``: device, inode) and
+        removed if it is that one, else renamed back: a reader meanwhile sees a miss, no
+        good copy is lost. (Before, the path was unlinked: a good copy that landed between
+        the read and the unlink went with it.)"""
+        if seen is None:
+            self.remove(key)
+            return
+        path = self.path(key)
+        aside = f"{path}.{os.getpid()}.{threading.get_ident()}.refused.tmp"  # scans skip .tmp
+        with self._files_lock:  # this process's puts and evictions wait: they hold it too
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:  # gone already (another reader refused it too)
+                return
+            except OSError as e:
+                raise StorageError(f"remove {self.name(key)}: {e}") from e
+            try:
+                st = os.stat(aside)
+                ours = (st.st_dev, st.st_ino) == seen
+            except OSError:  # cannot tell: back in place (a bad one is refused again)
+                ours = False
+            if ours:
+                _unlink_quietly(aside)
+                self._forget(path)
+                return
+            try:
+                os.rename(aside, path)
+            except OSError as e:
+                _unlink_quietly(aside)
+                raise StorageError(f"remove {self.name(key)}: {e}") from e
 
     # ---------------------------------------------------------------- index
 

@@ -28,12 +28,13 @@ in either mode read each other's blocks.
 Return codes (ints): a size = read OK; -704 not found (a normal miss, also after exists);
 -600 the object is larger than the block (refused); -800 on a get may be a shorter object
 (its stored size decides: refused) or a transfer failure; -706 lease (refused blocks are
-removed with ``force=True``); -200 no space (the put is declined and counted); -900 /
--901 RPC failure or timeout: the link goes down (see base.py). The stored sizes of a
-call's failed blocks come from one batched query to the master (``_stored_sizes``), not
-a ``get_size`` round trip each. ``put`` on an existing key keeps the stored value and
-returns 0 (blocks are content-addressed: same key, same bytes), so there is no
-``upsert`` and a batch can be sent again whole.
+removed with ``force=True``, at the end of the get call, in one batch, after one batched
+read again: a good copy saved meanwhile stays, see ``_remove_refused``); -200 no space
+(the put is declined and counted); -900 / -901 RPC failure or timeout: the link goes
+down (see base.py). The stored sizes of a call's failed blocks come from one batched
+query to the master (``_stored_sizes``), not a ``get_size`` round trip each. ``put`` on an
+existing key keeps the stored value and returns 0 (blocks are content-addressed: same
+key, same bytes), so there is no ``upsert`` and a batch can be sent again whole.
 
 A restarted master. The client keeps a pool of RPC connections, one per thread that
 called at once. After the master restarts, each pooled connection fails once with -900
@@ -73,6 +74,7 @@ from zkv.storage.base import (
     Store,
     as_bytes_view,
     pack_header,
+    value_ok,
 )
 
 MAX_BATCH = 256
@@ -258,9 +260,13 @@ class MooncakeStore(Store):
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         views = [as_bytes_view(o) for o in outs]
         found: list[bool] = []
-        for lo, hi, inline in self._chunks(views):
-            get = self._get_inline if inline else self._get_split
-            found += get(keys[lo:hi], views[lo:hi])
+        self._tls.refused = []  # this call's refused blocks (_delete_refused)
+        try:
+            for lo, hi, inline in self._chunks(views):
+                get = self._get_inline if inline else self._get_split
+                found += get(keys[lo:hi], views[lo:hi])
+        finally:
+            self._remove_refused()
         return found
 
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
@@ -318,7 +324,7 @@ class MooncakeStore(Store):
             ok = False
             if rc == size:
                 payload = stage[off + HEADER_SIZE : off + size]
-                ok = self._verify(key, stage[off : off + HEADER_SIZE], payload)
+                ok = self._verify(key, stage[off : off + HEADER_SIZE], payload, view.nbytes)
                 if ok:
                     view[:] = payload
                     self._count(hits=1, bytes_read=view.nbytes)
@@ -353,7 +359,8 @@ class MooncakeStore(Store):
         for i, (key, view, rc) in enumerate(zip(keys, views, rcs)):
             ok = False
             if rc == HEADER_SIZE + view.nbytes:
-                ok = self._verify(key, arena[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], view)
+                ok = self._verify(key, arena[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], view,
+                                  view.nbytes)
                 if ok:
                     self._count(hits=1, bytes_read=view.nbytes)
             else:
@@ -383,7 +390,7 @@ class MooncakeStore(Store):
         size = rc if rc >= 0 else stored.get(name, -1)
         if size >= 0 and size != want:
             self._refuse(key, TRUNCATED if size < want else CORRUPT,
-                         f"object {size} bytes, block {want} bytes")
+                         f"object {size} bytes, block {want} bytes", seen=nbytes)
             return
         self._count(errors=1, misses=1)  # a line per failed block (before): rate-limited
         self._read_failed_log(key=name, error=f"get returned {rc}")
@@ -427,6 +434,46 @@ class MooncakeStore(Store):
             hint = " (no space: mount memory, e.g. mooncake_client)" if rc == -200 else ""
             self._declined(len(ok) - n, f"put returned {rc}{hint}")
         return ok
+
+    def _delete_refused(self, key: bytes, seen: Any) -> None:
+        """Remove a refused object (``seen``: the block's payload bytes) at the end of the
+        get call (:meth:`_remove_refused`), unless a good block is there by then."""
+        refused = getattr(self._tls, "refused", None)
+        if refused is None or seen is None:
+            self.remove(key)
+        else:
+            refused.append((key, seen))
+
+    def _remove_refused(self) -> None:
+        """Remove the objects a get call refused, unless a good block is there now.
+        Mooncake has no compare-and-delete, but a put never replaces an object (it keeps
+        the stored one): a good copy is there only if the refused object was removed
+        (another reader refused it too) and a block put since. So the objects are read
+        again just before the remove (one batch), and those that are good blocks now
+        stay. The window left (narrowed, not closed): a good copy that lands between
+        that read and the remove (one batch each: two RPCs a call, however many blocks)
+        goes too."""
+        refused, self._tls.refused = self._tls.refused, None
+        if not refused:
+            return
+        names = [self.name(k) for k, _ in refused]
+        try:
+            self.link.before()
+            client = self._client
+            if client is None:
+                raise StorageError("not connected")
+            raws = client.get_batch(names)
+            bad = [name for name, (key, nbytes), raw in zip(names, refused, raws, strict=True)
+                   if not (raw and value_ok(raw, self.ns_id, key, nbytes))]
+            if not bad:
+                return
+            rcs = self._call("remove", lambda c: c.batch_remove(bad, True))
+            failed = [rc for rc in rcs if rc not in (0, NOT_FOUND)]
+            if failed:
+                raise StorageError(f"remove returned {failed[0]} ({len(failed)} blocks)")
+        except Exception as e:  # the refusals stand; the next reader refuses them again
+            self._log.warning(ev.BLOCK_REFUSED, num_blocks=len(names), store=self.url,
+                              error=f"delete failed: {e!r}")
 
     def remove(self, key: bytes) -> None:
         name = self.name(key)

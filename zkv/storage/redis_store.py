@@ -4,7 +4,8 @@
 One value per block, ``64-byte header ‖ payload`` (see base.py), under the key name
 ``{namespace}/{hex}/{rank}``. Every batched call is one round trip::
 
-    exists(keys)        EXISTS k1; EXISTS k2; ...     -> [1, 0, ...]  (a pipeline)
+    count_leading       a Lua script: STRLEN k1, k2, ... on the server, up to the first miss
+    exists(keys)        STRLEN k1; GETRANGE k1 0 15; ...  (a pipeline)
     get_many_into       MGET k1 k2 ...                -> verify, copy payload into the host block
     put_many            SET k1 v1 [EX ttl]; ...       (a pipeline; header and payload joined:
                                                         one copy)
@@ -14,10 +15,24 @@ instead of one per key (bench/storage.py, 32 blocks of 32 KiB a call on loopback
 0.78 GB/s). A key that is missing, or holds something that is not a string, is nil there:
 a miss.
 
+A key counts as present only when it holds a string of a block's stored length (64-byte
+header + payload; the length the header of the query's first key gives): a value of another
+type or length under a block key (another client's, a torn write) never loads, and
+counted as present it cost a failed load per request, again each ``negative_cache_s``.
+
+A refused block is deleted by a script only if the key still holds the value that was read
+(its SHA-1): a good copy another engine saved meanwhile stays. (Where scripts are not
+allowed: a plain ``DEL``, said once.)
+
 redis-py hands values back as ``bytes``, so a get costs one copy into the host block and a
 put one join; zero copy is not possible with this client. Eviction is the server's: run
 it with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (a key evicted between exists
-and get is an ordinary miss), or pass ``ttl_s``.
+and get is an ordinary miss), or ``volatile-ttl`` with ``ttl_s``. Either evicts single
+blocks, not chains: a block whose predecessor went is kept but unreachable (the query
+stops at the first gap). A server that refuses writes when full (``noeviction``, or a
+``volatile-*`` policy while ``ttl_s`` is not set) is said at open in one warning
+(``storage.store_misconfigured``, where ``CONFIG GET`` is allowed), and each declined put's
+line says what to configure.
 
 Outages: every call has a socket timeout and no client-side retry; a connection or timeout
 error marks the :class:`~zkv.storage.base.Link` down, later calls fail at once until its
@@ -26,6 +41,7 @@ backoff passes, then one ``PING`` decides (the connection pool reconnects by its
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +50,7 @@ from zkv.errors import ConfigError, StorageError
 from zkv.storage.base import (
     CORRUPT,
     HEADER_SIZE,
+    MAGIC,
     TRUNCATED,
     Link,
     Store,
@@ -45,13 +62,35 @@ from zkv.storage.base import (
 )
 
 # KEYS: the keys of n blocks, ARGV[1] (ranks) keys a block; returns the leading blocks
-# whose keys are all there.
+# whose keys all hold a block: a string of the stored length the first key's header gives
+# (magic, then the payload length at bytes 8..15, little-endian), one length for all (one
+# namespace, one block size). STRLEN is 0 for a missing key and an error for another type.
 _COUNT_LEADING = """
 local g = tonumber(ARGV[1])
+local want = -1
 for i = 1, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 0 then return math.floor((i - 1) / g) end
+  local n = redis.pcall('STRLEN', KEYS[i])
+  if type(n) ~= 'number' then return math.floor((i - 1) / g) end
+  if want < 0 then
+    if n < %(header)d then return 0 end
+    local h = redis.call('GETRANGE', KEYS[i], 0, 15)
+    if string.sub(h, 1, 4) ~= '%(magic)s' then return 0 end
+    want = %(header)d
+    for j = 9, 16 do want = want + string.byte(h, j) * 256 ^ (j - 9) end
+  end
+  if n ~= want then return math.floor((i - 1) / g) end
 end
 return math.floor(#KEYS / g)
+""" % {"header": HEADER_SIZE, "magic": MAGIC.decode()}
+
+# Delete KEYS[1] only if it holds the value whose SHA-1 is ARGV[1] (a refused block), not a
+# good copy saved since. 1 if deleted.
+_DELETE_IF_SAME = """
+local v = redis.pcall('GET', KEYS[1])
+if type(v) == 'string' and redis.sha1hex(v) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 """
 
 
@@ -85,6 +124,9 @@ class RedisStore(Store):
             socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 0), health_check_interval=0, **tls_kw)
         self._script: Any = self._client.register_script(_COUNT_LEADING)
+        self._delete_script: Any = self._client.register_script(_DELETE_IF_SAME)
+        self.policy: str | None = None  # maxmemory-policy, once CONFIG GET told it
+        self._memory_checked = False
         self.link = Link(self.url, self._ping, log=self._log)
         try:  # a server down at start is no error: the store degrades to misses
             self._call("ping", self._client.ping)
@@ -92,9 +134,32 @@ class RedisStore(Store):
             pass
         else:
             self._log.info(ev.STORE_OPENED, store=self.url)
+            self._check_memory()
 
     def _ping(self) -> None:
         self._client.ping()
+        self._check_memory()  # (a server that was down at open: checked once it answers)
+
+    def _check_memory(self) -> None:
+        """Once: warn when the server will refuse writes once full (``maxmemory`` set, and
+        ``noeviction``, or a ``volatile-*`` policy while this store sets no TTL: nothing to
+        evict), where ``CONFIG GET`` is allowed (an ACL or a managed redis may refuse it:
+        then nothing is said)."""
+        if self._memory_checked:
+            return
+        self._memory_checked = True
+        try:
+            conf = self._client.config_get("maxmemory*")
+        except (self._errors, OSError):
+            return
+        self.policy = conf.get("maxmemory-policy")
+        maxmemory = int(conf.get("maxmemory") or 0)
+        policy = self.policy or ""
+        if maxmemory and (policy == "noeviction"
+                          or policy.startswith("volatile-") and self.ttl_s is None):
+            self._log.warning(ev.STORE_MISCONFIGURED, store=self.url, maxmemory=maxmemory,
+                              policy=policy, ttl_s=self.ttl_s,
+                              error=f"redis will refuse writes once full: {_FULL_HINT}")
 
     def _call(self, what: str, fn: Any) -> Any:
         self.link.before()
@@ -118,35 +183,36 @@ class RedisStore(Store):
                 raise self._unreachable(self.link, what, r)
         return out
 
-    def _each(self, what: str, command: str, keys: Sequence[bytes]) -> list[Any]:
-        """One pipeline running ``command name`` for every key."""
-        names = [self.name(k) for k in keys]
-
-        def build(pipe: Any) -> None:
-            run = getattr(pipe, command)
-            for n in names:
-                run(n)
-
-        return self._pipeline(what, build)
-
     # ---------------------------------------------------------------- interface
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key holds a block: a string of the stored length its own header
+        gives (as the query's script, key by key)."""
         if not keys:
             return []
-        out = self._each("exists", "exists", keys)
-        error = next((r for r in out if isinstance(r, Exception)), None)
-        if error is not None:
-            self._count(errors=1)
-            raise StorageError(f"{self.url} exists: {error}")
-        return [bool(r) for r in out]
+        names = [self.name(k) for k in keys]
+
+        def build(pipe: Any) -> None:
+            for n in names:
+                pipe.strlen(n)
+                pipe.getrange(n, 0, 15)
+
+        out = self._pipeline("exists", build)
+        found = []
+        for n, head in zip(out[::2], out[1::2], strict=True):
+            error = next((r for r in (n, head) if isinstance(r, Exception)), None)
+            if error is not None and "WRONGTYPE" not in str(error):
+                self._count(errors=1)
+                raise StorageError(f"{self.url} exists: {error}")
+            found.append(error is None and n >= HEADER_SIZE and n == _stored_len(head))
+        return found
 
     def _count_present(self, digests: Sequence[bytes], world_size: int) -> int:
-        """A Lua script runs ``EXISTS`` key by key on the server and stops at the first
-        block with a key missing: one round trip a chunk. (A pipeline of one ``EXISTS``
-        per key cost ~15 us of Python per key here: 34 ms for a 256-block prompt at 8
-        ranks, all of it in the engine's scheduling step, even when the first block
-        missed.) Where scripts are not allowed (an ACL without ``@scripting``): the
+        """A Lua script runs ``STRLEN`` key by key on the server and stops at the first
+        block with a key missing (or not a block): one round trip a chunk. (A pipeline of
+        one ``EXISTS`` per key cost ~15 us of Python per key here: 34 ms for a 256-block
+        prompt at 8 ranks, all of it in the engine's scheduling step, even when the first
+        block missed.) Where scripts are not allowed (an ACL without ``@scripting``): the
         ``exists`` pipeline of the base class, said once."""
         if self._script is None:
             return super()._count_present(digests, world_size)
@@ -159,7 +225,7 @@ class RedisStore(Store):
                 raise  # unreachable, or a passing error (BUSY, failover): the caller's
             self._script = None  # refused (NOPERM, scripts off): pipelines from now on
             self._log.warning(ev.QUERY_FAILED, store=self.url, error=str(e),
-                              fallback="chunked EXISTS pipelines")
+                              fallback="chunked STRLEN pipelines")
             return super()._count_present(digests, world_size)
         return min(len(digests), max(0, found))
 
@@ -184,7 +250,8 @@ class RedisStore(Store):
         if kind is None and not payload_ok(payload, checksum):
             kind = CORRUPT
         if kind is not None:
-            self._refuse(key, kind, f"value {view.nbytes} bytes, block {want} bytes")
+            self._refuse(key, kind, f"value {view.nbytes} bytes, block {want} bytes",
+                         seen=hashlib.sha1(view).hexdigest())
             return False
         out[:] = payload
         self._count(hits=1, bytes_read=want)
@@ -209,11 +276,39 @@ class RedisStore(Store):
                     bytes_written=sum(v.nbytes for v, good in zip(views, ok) if good))
         if stored < len(ok):
             err = next(r for r in out if r is not True)
-            self._declined(len(ok) - stored, str(err))
+            self._declined(len(ok) - stored, self._why_declined(err))
         return ok
+
+    def _why_declined(self, err: Any) -> str:
+        """A declined SET's error; an OOM one (the server is full and evicts nothing for
+        this store) says what to configure."""
+        from redis.exceptions import OutOfMemoryError
+
+        if not isinstance(err, OutOfMemoryError):
+            return str(err)
+        return (f"{err} (redis is full: maxmemory-policy {self.policy or 'unknown'}; "
+                f"{_FULL_HINT})")
 
     def remove(self, key: bytes) -> None:
         self._call("remove", lambda: self._client.delete(self.name(key)))
+
+    def _delete_refused(self, key: bytes, seen: Any) -> None:
+        """Delete the refused value only (``seen``: its SHA-1), by a script: a good copy
+        that another engine saved since the read stays. Where scripts are not allowed:
+        ``DEL``, whatever the key holds (said once)."""
+        if seen is None or self._delete_script is None:
+            self.remove(key)
+            return
+        name = self.name(key)
+        try:
+            self._call("remove", lambda: self._delete_script(keys=[name], args=[seen]))
+        except StorageError as e:
+            if not self.link.up or not _scripts_refused(e):
+                raise
+            self._delete_script = None
+            self._log.warning(ev.BLOCK_REFUSED, store=self.url, error=str(e),
+                              fallback="DEL: a good copy saved since the read goes too")
+            self.remove(key)
 
     def close(self) -> None:
         self.link.close()
@@ -222,6 +317,18 @@ class RedisStore(Store):
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r}, {self.namespace!r})"
+
+
+_FULL_HINT = ("set maxmemory-policy allkeys-lru (or volatile-ttl with the store's ttl_s), "
+              "or raise maxmemory")
+
+
+def _stored_len(head: Any) -> int:
+    """The stored length (header + payload) a value's first 16 bytes say, -1 if they are no
+    block header's."""
+    if not isinstance(head, bytes) or len(head) < 16 or head[:4] != MAGIC:
+        return -1
+    return HEADER_SIZE + int.from_bytes(head[8:16], "little")
 
 
 def _scripts_refused(e: StorageError) -> bool:

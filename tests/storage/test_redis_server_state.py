@@ -1,0 +1,169 @@
+"""What a redis server holds or allows beyond zkv's control: keys under a block's name that
+hold no block (another type, another length) are not present; a server set to refuse
+writes once full is said at open and in each declined put's line; where scripts are not
+allowed a refused block is still deleted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from structlog.testing import capture_logs
+
+from tests.servers import RedisServer
+from tests.storage.test_backends import BLOCK, blocks, digest
+from zkv.storage import HEADER_SIZE, open_store, pack_key
+from zkv.storage.redis_store import RedisStore
+
+
+def _chain(store: Any, salt: str, n: int, ranks: int = 1) -> list[bytes]:
+    hashes = [digest(salt, i) for i in range(n)]
+    src = blocks(1, 13)[0]
+    for h in hashes:
+        for r in range(ranks):
+            store.put(pack_key(h, r), src)
+    return hashes
+
+
+def test_a_key_that_holds_no_block_is_not_present(redis_server: RedisServer) -> None:
+    """A hash under a block's key, or a string of another length, never loads: the query
+    stops there. (Before, they counted as present: every request that reached them ran
+    a load that failed, again each ``negative_cache_s``.)"""
+    store = open_store(redis_server.url, "ns-wrongtype")
+    client = redis_server.client()
+    try:
+        hashes = _chain(store, "wt", 6, ranks=2)
+        name = {(i, r): store.name(pack_key(hashes[i], r)) for i in range(6) for r in (0, 1)}
+        good = client.get(name[0, 0])
+        assert store.count_leading(hashes, 2) == 6
+        client.delete(name[2, 1])
+        client.hset(name[2, 1], "x", "y")  # another client's hash under block 2, rank 1
+        assert store.count_leading(hashes, 2) == 2
+        assert store.count_leading(hashes, 1) == 6  # rank 0 has every block
+        assert store.exists([pack_key(hashes[2], r) for r in (0, 1)]) == [True, False]
+        client.delete(name[2, 1])
+        client.set(name[2, 1], good)  # (the key's header says another key: the get refuses it)
+        client.set(name[4, 0], client.get(name[4, 0])[: HEADER_SIZE + BLOCK // 2])  # short
+        assert store.count_leading(hashes, 2) == 4
+        client.set(name[4, 0], client.get(name[3, 0]) + b"\0")  # one byte too long
+        assert store.count_leading(hashes, 2) == 4
+        assert store.exists([pack_key(hashes[4], 0)]) == [False]
+        client.set(name[0, 0], good[:HEADER_SIZE - 1])  # the first key: less than a header
+        assert store.count_leading(hashes, 2) == 0
+        client.set(name[0, 0], good[: HEADER_SIZE + 100])  # its header says more
+        assert store.count_leading(hashes, 2) == 0
+        client.set(name[0, 0], b"x" * len(good))  # the right length, no block's header
+        assert store.count_leading(hashes, 2) == 0
+        assert store.stats.errors == 0
+    finally:
+        client.close()
+        store.close()
+
+
+def test_without_scripts_the_query_and_the_delete_still_work(tmp_path: Path) -> None:
+    """An ACL without ``@scripting``: the query's pipelines skip what holds no block as the
+    script does, and a refused block is deleted with a plain DEL (said once)."""
+    with RedisServer(str(tmp_path), user=("zkv", "pw")) as srv:
+        admin = srv.client()
+        admin.execute_command("ACL", "SETUSER", "zkv", "-@scripting")
+        store = open_store(srv.url, "ns")
+        try:
+            hashes = _chain(store, "noscript", 12)
+            names = [store.name(pack_key(h, 0)) for h in hashes]
+            admin.delete(names[9])
+            admin.rpush(names[9], b"not a block")
+            admin.set(names[5], admin.get(names[5])[:-1])  # one byte short
+            with capture_logs() as logs:
+                assert store.count_leading(hashes, 1) == 5
+                assert store.count_leading(hashes[6:], 1) == 3
+                raw = admin.get(names[1])
+                admin.set(names[1], raw[:-1] + bytes([raw[-1] ^ 1]))
+                out = np.zeros(BLOCK, np.uint8)
+                assert store.get_many_into([pack_key(hashes[1], 0)] * 2, [out, out]) \
+                    == [False, False]
+            assert admin.exists(names[1]) == 0  # deleted (DEL)
+            fallbacks = [e["fallback"] for e in logs if "fallback" in e]
+            assert fallbacks == ["chunked STRLEN pipelines",
+                                 "DEL: a good copy saved since the read goes too"]
+            assert store.stats.errors == 2  # each script's refusal, once
+        finally:
+            admin.close()
+            store.close()
+
+
+def _events(logs: list[Any], name: str) -> list[Any]:
+    return [e for e in logs if e["event"] == name]
+
+
+def test_a_redis_that_refuses_writes_when_full_is_said_at_open(tmp_path: Path) -> None:
+    """``noeviction``, or ``volatile-*`` while the store sets no TTL: once full, every put
+    is refused (OOM). One warning at open says so and what to configure; each write-failed
+    line names the policy. (Before: a bare write-failed line, and the puts sent again
+    forever.)"""
+    with RedisServer(str(tmp_path), maxmemory="2mb", policy="noeviction") as srv:
+        admin = srv.client()
+        try:
+            with capture_logs() as logs:
+                store = open_store(srv.url, "ns")
+            try:
+                [warning] = _events(logs, "storage.store_misconfigured")
+                assert warning["log_level"] == "warning" and warning["policy"] == "noeviction"
+                assert "refuse writes once full" in warning["error"]
+                assert "allkeys-lru" in warning["error"] and "volatile-ttl" in warning["error"]
+                with capture_logs() as logs:
+                    ok: list[bool] = []
+                    for i in range(0, 160, 8):
+                        ok += store.put_many([pack_key(digest("full", j), 0)
+                                              for j in range(i, i + 8)], list(blocks(8, i)))
+                assert ok.count(True) > 0 and ok.count(False) > 40
+                lines = _events(logs, "storage.write_failed")
+                assert lines and all(
+                    "maxmemory" in e["error"]  # the server's own words stay
+                    and "redis is full: maxmemory-policy noeviction" in e["error"]
+                    and "allkeys-lru" in e["error"] for e in lines), lines
+            finally:
+                store.close()
+            for policy, url, said in [
+                    ("volatile-lru", srv.url, True),  # no TTL: nothing it may evict
+                    ("volatile-lru", srv.url + "?ttl_s=600", False),
+                    ("volatile-ttl", srv.url + "?ttl_s=600", False),
+                    ("allkeys-lru", srv.url, False)]:
+                admin.config_set("maxmemory-policy", policy)
+                with capture_logs() as logs:
+                    open_store(url, "ns").close()
+                assert len(_events(logs, "storage.store_misconfigured")) == int(said), policy
+            admin.config_set("maxmemory", 0)  # no limit: nothing to say
+            admin.config_set("maxmemory-policy", "noeviction")
+            with capture_logs() as logs:
+                open_store(srv.url, "ns").close()
+            assert not _events(logs, "storage.store_misconfigured")
+        finally:
+            admin.close()
+
+
+def test_config_refused_says_nothing(tmp_path: Path) -> None:
+    """A user that may not run CONFIG (an ACL, a managed redis): no warning at open, and a
+    declined put's line says the policy is unknown."""
+    with RedisServer(str(tmp_path), maxmemory="2mb", policy="noeviction",
+                     user=("zkv", "pw")) as srv:
+        admin = srv.client()
+        admin.execute_command("ACL", "SETUSER", "zkv", "-config")
+        try:
+            with capture_logs() as logs:
+                store = open_store(srv.url, "ns")
+                try:
+                    ok: list[bool] = []
+                    for i in range(0, 160, 8):
+                        ok += store.put_many([pack_key(digest("acl", j), 0)
+                                              for j in range(i, i + 8)], list(blocks(8, i)))
+                finally:
+                    store.close()
+            assert ok.count(False) > 40
+            assert not _events(logs, "storage.store_misconfigured")
+            lines = _events(logs, "storage.write_failed")
+            assert lines and all("maxmemory-policy unknown" in e["error"]
+                                 for e in lines if not e.get("summary")), lines
+            assert isinstance(store, RedisStore) and store.policy is None
+        finally:
+            admin.close()
