@@ -146,3 +146,40 @@ def test_an_ungated_worker_waits_on_the_fence_before_the_forward() -> None:
         finally:
             w.close()
             d.close()
+
+
+def test_saves_past_a_timed_out_fence_never_store_what_the_forward_wrote() -> None:
+    """Request A finished (its save: device block 5, in batch ``fence``) and vLLM gave
+    block 5 to request B; the actor is still inside an earlier save (batch ``busy``) when
+    the forward's wait for the fence times out. The forward goes on and B writes block 5:
+    neither save may commit. Before, A's save ran later, copied B's KV and acked ok: the
+    scheduler stored B's KV under A's block hashes (L2, then L3)."""
+    with short_ipc_dir() as folder:
+        kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
+        backend = _HeldSaves()
+        w, d = _half(folder, backend, gated=False, kv=kv, layer_timeout_s=0.2)
+        try:
+            assert w.sidecar is not None
+            for layer in kv:
+                for part in layer:
+                    part[5].fill_(1.0)  # A's KV
+                    part[6].fill_(2.0)
+            busy = d.publish([P.Op(0, P.D2H, P.as_ids([6]), P.as_ids([2]))], 0)
+            fence = d.publish([P.Op(1, P.D2H, P.as_ids([5]), P.as_ids([1]))], 1)
+            w.bind(ZkvMetadata(step=2, release_upto=fence, fence=fence))  # gives up at 0.2 s
+            for layer in kv:  # B's forward writes block 5 (and 6)
+                for part in layer:
+                    part[5].fill_(9.0)
+                    part[6].fill_(9.0)
+            backend.go.set()
+            done = poll_until_done(d, {busy, fence}, 10)
+            assert "while it ran" in str(done[busy].results[0].error), done[busy]
+            assert "abandoned" in str(done[fence].results[1].error), done[fence]
+            assert not done[busy].ok and not done[fence].ok
+            host = w.sidecar.host_pool
+            assert bool((host[1] == 0).all()), "A's save copied after the forward wrote"
+        finally:
+            backend.go.set()
+            w.close()
+            d.close()
+

@@ -240,3 +240,27 @@ def test_abandon_stops_every_layer_not_copied_yet() -> None:
     assert c.abandon(0, 2, "timed out", timeout=0) == (True, None)
     assert not c.start_layer(0, 1)
     assert c.is_done(0, 0) and not c.is_done(0, 1)
+
+
+def test_abandon_returns_the_event_of_a_layer_issued_after_the_wait_gave_up() -> None:
+    """The wait for layer 1 timed out; then the actor issued and marked layer 1, and only
+    then the engine abandons: the compute stream must still wait on layer 1's event (on GPU
+    the copy is only queued), which no wait_layer took."""
+    c = LayerDoneCounter(3)
+    c.begin(0)
+    for layer, event in ((0, "e0"), (1, "e1")):
+        assert c.start_layer(0, layer)
+        c.end_layer(0, event)
+        c.mark(0, layer, event)
+    assert c.abandon(0, 1, "timed out", timeout=0) == (True, "e1")
+    assert not c.start_layer(0, 2)
+
+
+def test_an_idle_batch_whose_seq_was_abandoned_begins_quietly() -> None:
+    """(A late abandon after a scheduler restart names a seq the new scheduler gives an
+    idle batch: that must not stop the actor.)"""
+    c = LayerDoneCounter(2)
+    assert c.abandon(3, 0, "timed out", timeout=0) == (True, None)
+    c.begin_done(3, "e")
+    with pytest.raises(TransferError):
+        c.wait_layer(3, 0, timeout=0)

@@ -3,7 +3,8 @@
 ::
 
     SUB ──► decode(limits) ──► seq check ──► execute ──────────────────────────► PUSH ack
-     │        │ malformed: refuse, ack failed     1. d2h + backup, all layers (one merged copy)
+     │        │ malformed: refuse, ack failed     1. d2h + backup, all layers (one merged copy;
+     │        │                                      none of a save the engine abandoned)
      │        │ (if its seq is the expected one)  2. h2d layer by layer, event + counter.mark
      │        │                                      (a layer the engine abandoned: not run)
      │        └ gap: Bye("seq gap ..."), stop     3. fill / check (simulated forward pass)
@@ -192,6 +193,13 @@ class WorkerActor:
         self._gate = threading.Condition(self._gate_lock)
         self._gate_waiting = 0  # threads waiting on the gate (no waiter: nothing to notify)
         self._released = -1
+        # Saves the engine gave up waiting for (abandon_saves): batches <= this seq copy no
+        # d2h / backup; the seq whose d2h runs now (-1: none); the event after a d2h that
+        # ended once its save was abandoned (the engine's compute waits on it).
+        self._saves_abandoned = -1
+        self._saving = -1
+        self._late_save: Any = None
+        self._saves_overrun = -1  # ... and <= this, one ran past the engine's wait: failed
         self._acks: dict[int, P.BlocksCopied] = {}  # recent acks by seq (bounded)
         self._keys = keys
         self._num_handshakes = 0
@@ -427,6 +435,7 @@ class WorkerActor:
             self.counter = LayerDoneCounter(self.layout.num_layers, self.backend)
             with self._gate:  # the new scheduler's seqs start at 0 (so do the engine's)
                 self._expected, self._last_seq, self._released = 0, -1, -1
+                self._saves_abandoned, self._late_save, self._saves_overrun = -1, None, -1
                 self._acks.clear()
                 if self._gate_waiting:
                     self._gate.notify_all()
@@ -641,7 +650,7 @@ class WorkerActor:
         d2h = [op for op in batch.ops if op.kind in _COPY_KINDS]
         h2d = [op for op in batch.ops if op.kind == P.H2D]
         if d2h:
-            self._copy(seq, d2h, lambda s, d: b.copy_d2h(kv, host, s, d), results)
+            self._run_saves(seq, d2h, results)
         if not h2d:
             handle = b.record_event()
             self.counter.mark_all(seq, handle)
@@ -676,6 +685,57 @@ class WorkerActor:
         for op in h2d:
             results[op.id] = failed.get(op.id) or P.OpResult(op.id, True, op.num_blocks)
         return handle
+
+    def _run_saves(self, seq: int, ops: list[P.Op], results: dict[int, P.OpResult]) -> None:
+        """The batch's d2h / backup, unless the engine stopped waiting for them
+        (:meth:`abandon_saves`): it may have given their blocks to another request, whose
+        KV a late copy would save under these blocks' hashes."""
+        b, kv, host = self.backend, self.kv_caches, self.host_pool
+        with self._gate:
+            abandoned = seq <= self._saves_abandoned
+            if not abandoned:
+                self._saving = seq
+        if abandoned:
+            why = "save abandoned by the engine (it stopped waiting for it)"
+            for op in ops:
+                results[op.id] = P.OpResult(op.id, False, 0, why)
+            return
+        try:
+            self._copy(seq, ops, lambda s, d: b.copy_d2h(kv, host, s, d), results)
+        finally:
+            with self._gate:
+                self._saving = -1
+                if seq <= self._saves_overrun:  # it may have read what the forward wrote
+                    why = "save abandoned by the engine while it ran"
+                    for op in ops:
+                        results[op.id] = P.OpResult(op.id, False, 0, why)
+                elif seq <= self._saves_abandoned:  # abandoned while it ran: compute waits
+                    self._late_save = b.record_event()
+                if self._gate_waiting:
+                    self._gate.notify_all()
+
+    def abandon_saves(self, upto: int, timeout: float | None = None) -> tuple[bool, Any]:
+        """(Engine thread, its wait for batch ``upto`` timed out and its forward goes on.)
+        No d2h / backup of a batch up to ``upto`` starts later: they fail, so nothing the
+        forward writes into blocks vLLM freed is saved under another request's hashes.
+        One running now is waited for (at most ``timeout``). Returns ``(quiet, handle)``:
+        ``quiet`` False if it still ran at the timeout; ``handle``, the event after one that
+        ran, which the compute stream must wait on (on GPU it was only queued). A save still
+        running at the timeout fails when it ends: it may have read what the forward wrote.
+        """
+        with self._gate:
+            self._saves_abandoned = max(self._saves_abandoned, upto)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while 0 <= self._saving <= upto and self.exit_code is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._gate_wait(left if left is None else min(left, 0.1))
+            quiet = not 0 <= self._saving <= upto
+            if not quiet:
+                self._saves_overrun = max(self._saves_overrun, self._saving)
+            handle, self._late_save = self._late_save, None
+        return quiet, handle
 
     def _copy(self, seq: int, ops: list[P.Op], copy: Callable[[np.ndarray, np.ndarray], None],
               out: dict[int, P.OpResult], layer: int | None = None) -> None:

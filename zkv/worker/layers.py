@@ -28,7 +28,7 @@ later (the engine recomputes the whole block); the actor asks before each layer'
     actor:   start_layer(L) ──yes──► copy L ──► end_layer(handle) ──► mark / fail_from
                  │ no (abandoned): its ops fail ("abandoned ...")
     engine:  abandon(seq, i) = fail_from(seq, i) + wait until no layer copy is running
-             → the event recorded after a copy that was running (compute waits on it)
+             → the event after the latest copy issued (compute waits on it)
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class _Batch:
     failed_from: int = 0  # with ``error``: layers >= failed_from raise
     abandoned_from: int = 1 << 30  # the engine gave up on layers >= this (abandon)
     copying: int = -1  # the layer the actor is copying now (-1: none)
-    late: Any = None  # event recorded after a copy that ended once the load was abandoned
+    last: Any = None  # event recorded after the latest layer copy the actor issued
 
     def usable(self, layer: int) -> bool:
         return layer < self.num_marked and (self.error is None or layer < self.failed_from)
@@ -101,14 +101,14 @@ class LayerDoneCounter:
 
     def end_layer(self, seq: int, event_handle: Any = None) -> None:
         """(Actor, after a copy that :meth:`start_layer` allowed.) ``event_handle``: the
-        event recorded after it, kept for :meth:`abandon` if the batch failed meanwhile."""
+        event recorded after it, kept for :meth:`abandon`."""
         with self._cond:
             batch = self._batches.get(seq)
             if batch is None:
                 return
             batch.copying = -1
-            if batch.abandoned_from < self.num_layers:
-                batch.late = event_handle
+            if event_handle is not None:
+                batch.last = event_handle
             if self._waiting:
                 self._cond.notify_all()
 
@@ -116,9 +116,9 @@ class LayerDoneCounter:
                 timeout: float | None = None) -> tuple[bool, Any]:
         """(Engine, its wait for ``layer`` of ``seq`` timed out.) Fail layers ``layer..``,
         let no copy of a layer not copied yet start later, and wait (at most ``timeout``)
-        for a copy that is running now. Returns ``(quiet, handle)``: ``quiet`` False if a copy still
-        ran at the timeout; ``handle``, the event recorded after a copy that ran, which the
-        compute stream must wait on (on GPU the copy was only queued)."""
+        for a copy that is running now. Returns ``(quiet, handle)``: ``quiet`` False if a copy
+        still ran at the timeout; ``handle``, the event recorded after the latest copy
+        issued, which the compute stream must wait on (on GPU the copy was only queued)."""
         with self._cond:
             self.fail_from(seq, layer, reason)
             batch = self._batches.get(seq)
@@ -132,7 +132,10 @@ class LayerDoneCounter:
                     lambda: batch.copying < 0 or self._closed is not None, timeout)
             finally:
                 self._waiting -= 1
-            return quiet and batch.copying < 0, batch.late
+            # The latest copy issued, not only one that ended after this call: a layer the
+            # wait gave up on may have been issued (and marked) since, its event never
+            # waited on by compute; the stream runs in order, so this covers every earlier.
+            return quiet and batch.copying < 0, batch.last
 
     def mark(self, seq: int, layer: int, event_handle: Any = None) -> None:
         """Layer ``layer`` of ``seq`` is recorded (its copies are queued before the event)."""
@@ -153,7 +156,11 @@ class LayerDoneCounter:
     def begin_done(self, seq: int, event_handle: Any = None) -> None:
         """``begin`` + ``mark_all`` under one lock (a batch without h2d ops)."""
         with self._lock:  # (the condition's lock, without its Python-level __enter__)
-            if seq in self._batches or seq <= self._forgotten_upto:
+            batch = self._batches.get(seq)
+            if batch is not None and batch.abandoned_from == 0:
+                return  # abandoned before it came (an engine's late abandon of a seq number
+                #         a restarted scheduler gave an idle batch): nothing to copy
+            if batch is not None or seq <= self._forgotten_upto:
                 raise ValueError(f"batch {seq} already began")
             self._batches[seq] = _Batch([event_handle] * self.num_layers, self.num_layers)
             self._finish(seq)

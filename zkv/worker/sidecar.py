@@ -211,6 +211,16 @@ class Sidecar:
         :meth:`LayerDoneCounter.wait_layer`."""
         self.actor.counter.wait_layer(seq, layer, timeout)
 
+    def abandon_saves(self, upto: int, timeout: float | None = None) -> bool:
+        """In the model thread, once its wait for batch ``upto`` (a fence) timed out and
+        its forward goes on: no save of a batch up to ``upto`` copies later (a copy running
+        now is waited for, at most ``timeout``; on GPU the compute stream waits for it).
+        False if one still ran at the timeout. See :meth:`WorkerActor.abandon_saves`."""
+        quiet, handle = self.actor.abandon_saves(upto, timeout)
+        if handle is not None:
+            self.backend.wait_event_on_compute(handle)
+        return quiet
+
     def abandon_load(self, seq: int, layer: int, reason: str,
                      timeout: float | None = None) -> bool:
         """In the model thread, once its wait for ``layer`` of ``seq`` timed out and the

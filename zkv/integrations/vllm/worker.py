@@ -121,8 +121,11 @@ class WorkerHalf:
         if before >= 0 and self.sidecar.alive and self.sidecar.last_seq < before:
             t0 = time.perf_counter()
             if self.sidecar.wait_acked(before, self.cfg.layer_timeout_s) is None:
-                self.log.error(E.BATCH_LATE, seq=before,
-                               timeout_s=self.cfg.layer_timeout_s)
+                # The forward goes on and writes blocks vLLM freed: a save of them that ran
+                # later would store its KV under the finished request's hashes.
+                quiet = self.sidecar.abandon_saves(before, self.cfg.layer_timeout_s)
+                self.log.error(E.BATCH_LATE, seq=before, timeout_s=self.cfg.layer_timeout_s,
+                               saves_abandoned=True, copy_still_running=not quiet)
             self.wait_s["bind"] += time.perf_counter() - t0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
