@@ -3,7 +3,9 @@
 ignored, a timed-out layer forgotten, or the ungated fence skipped, no test failed."""
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from tests.worker.helpers import endpoints, poll_until_done, short_ipc_dir
@@ -55,6 +57,14 @@ def _recomputed(kv: Any, block: int, value: float) -> bool:
     return all(bool((part[block] == value).all()) for layer in kv for part in layer)
 
 
+def _write(kv: Any, blocks: tuple[int, ...], value: float) -> None:
+    """The engine's forward writes ``blocks`` of every layer."""
+    for layer in kv:
+        for part in layer:
+            for b in blocks:
+                part[b].fill_(value)
+
+
 def test_a_layer_that_timed_out_is_a_load_error_and_its_copy_never_lands() -> None:
     """The forward went past layer 0 without its KV (wait timed out) and vLLM recomputes
     the block: the blocks are reported, and the load, released later, must not write them
@@ -70,9 +80,7 @@ def test_a_layer_that_timed_out_is_a_load_error_and_its_copy_never_lands() -> No
             w.bind(ZkvMetadata(step=0, release_upto=-1, load_seq=seq, load_op=0, loads=[4]))
             w.wait_for_layer_load("l0")
             w.wait_for_layer_load("l1")  # at once: the load was called off
-            for layer in kv:  # vLLM recomputes the block
-                for part in layer:
-                    part[4].fill_(3.0)
+            _write(kv, (4,), 3.0)  # vLLM recomputes the block
             w.sidecar.release(seq)
             done = poll_until_done(d, seq, 10)[seq]
             assert not done.ok and "abandoned" in str(done.results[0].error), done
@@ -95,34 +103,41 @@ class _HeldSaves(TorchCpuBackend):
         super().copy_d2h(*a, **k)
 
 
-def test_a_load_abandoned_before_its_batch_began_never_lands() -> None:
-    """The actor is still on an earlier batch when the forward gives up on the load: the
-    load's batch, reached later, writes nothing and fails its op."""
+@contextlib.contextmanager
+def _held_half() -> Iterator[tuple[Any, _HeldSaves, WorkerHalf, Dispatcher]]:
+    """An ungated worker half (a 0.2 s layer timeout) whose saves wait for ``go``: (its KV
+    cache, the backend, the half, the dispatcher)."""
     with short_ipc_dir() as folder:
         kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
         backend = _HeldSaves()
         w, d = _half(folder, backend, gated=False, kv=kv, layer_timeout_s=0.2)
         try:
             assert w.sidecar is not None
-            w.sidecar.host_pool[0].fill_(7.0)
-            save = d.publish([P.Op(0, P.D2H, P.as_ids([5]), P.as_ids([1]))], 0)
-            load = d.publish([P.Op(1, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True)], 1)
-            w.bind(ZkvMetadata(step=1, release_upto=load, load_seq=load, load_op=1, loads=[4]))
-            w.wait_for_layer_load("l0")
-            for layer in kv:
-                for part in layer:
-                    part[4].fill_(3.0)
-            backend.go.set()
-            both = poll_until_done(d, {save, load}, 10)
-            done = both[load]
-            assert both[save].ok
-            assert not done.ok and "abandoned" in str(done.results[1].error), done
-            assert w.load_errors() == {4}
-            assert _recomputed(kv, 4, 3.0), "the abandoned load wrote the recomputed block"
+            yield kv, backend, w, d
         finally:
             backend.go.set()
             w.close()
             d.close()
+
+
+def test_a_load_abandoned_before_its_batch_began_never_lands() -> None:
+    """The actor is still on an earlier batch when the forward gives up on the load: the
+    load's batch, reached later, writes nothing and fails its op."""
+    with _held_half() as (kv, backend, w, d):
+        assert w.sidecar is not None
+        w.sidecar.host_pool[0].fill_(7.0)
+        save = d.publish([P.Op(0, P.D2H, P.as_ids([5]), P.as_ids([1]))], 0)
+        load = d.publish([P.Op(1, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True)], 1)
+        w.bind(ZkvMetadata(step=1, release_upto=load, load_seq=load, load_op=1, loads=[4]))
+        w.wait_for_layer_load("l0")
+        _write(kv, (4,), 3.0)
+        backend.go.set()
+        both = poll_until_done(d, {save, load}, 10)
+        done = both[load]
+        assert both[save].ok
+        assert not done.ok and "abandoned" in str(done.results[1].error), done
+        assert w.load_errors() == {4}
+        assert _recomputed(kv, 4, 3.0), "the abandoned load wrote the recomputed block"
 
 
 class _SlowSaves(TorchCpuBackend):
@@ -154,32 +169,17 @@ def test_saves_past_a_timed_out_fence_never_store_what_the_forward_wrote() -> No
     the forward's wait for the fence times out. The forward goes on and B writes block 5:
     neither save may commit. Before, A's save ran later, copied B's KV and acked ok: the
     scheduler stored B's KV under A's block hashes (L2, then L3)."""
-    with short_ipc_dir() as folder:
-        kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
-        backend = _HeldSaves()
-        w, d = _half(folder, backend, gated=False, kv=kv, layer_timeout_s=0.2)
-        try:
-            assert w.sidecar is not None
-            for layer in kv:
-                for part in layer:
-                    part[5].fill_(1.0)  # A's KV
-                    part[6].fill_(2.0)
-            busy = d.publish([P.Op(0, P.D2H, P.as_ids([6]), P.as_ids([2]))], 0)
-            fence = d.publish([P.Op(1, P.D2H, P.as_ids([5]), P.as_ids([1]))], 1)
-            w.bind(ZkvMetadata(step=2, release_upto=fence, fence=fence))  # gives up at 0.2 s
-            for layer in kv:  # B's forward writes block 5 (and 6)
-                for part in layer:
-                    part[5].fill_(9.0)
-                    part[6].fill_(9.0)
-            backend.go.set()
-            done = poll_until_done(d, {busy, fence}, 10)
-            assert "while it ran" in str(done[busy].results[0].error), done[busy]
-            assert "abandoned" in str(done[fence].results[1].error), done[fence]
-            assert not done[busy].ok and not done[fence].ok
-            host = w.sidecar.host_pool
-            assert bool((host[1] == 0).all()), "A's save copied after the forward wrote"
-        finally:
-            backend.go.set()
-            w.close()
-            d.close()
+    with _held_half() as (kv, backend, w, d):
+        assert w.sidecar is not None
+        _write(kv, (5, 6), 1.0)  # A's KV (and an earlier request's)
+        busy = d.publish([P.Op(0, P.D2H, P.as_ids([6]), P.as_ids([2]))], 0)
+        fence = d.publish([P.Op(1, P.D2H, P.as_ids([5]), P.as_ids([1]))], 1)
+        w.bind(ZkvMetadata(step=2, release_upto=fence, fence=fence))  # gives up at 0.2 s
+        _write(kv, (5, 6), 9.0)  # B's forward
+        backend.go.set()
+        done = poll_until_done(d, {busy, fence}, 10)
+        assert "while it ran" in str(done[busy].results[0].error), done[busy]
+        assert "abandoned" in str(done[fence].results[1].error), done[fence]
+        assert not done[busy].ok and not done[fence].ok
+        assert bool((w.sidecar.host_pool[1] == 0).all()), "A's save copied after the forward"
 
