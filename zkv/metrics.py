@@ -77,22 +77,25 @@ for _p in POOLS:
 
 class _Refusals:
     """``zkv:refused_messages_total``, read from the watched dispatchers at scrape time
-    (nothing on the hot path). A dispatcher that is gone is dropped (weak references)."""
+    (nothing on the hot path). A dispatcher that is gone is dropped (weak references).
+    Scrapes (the server's thread) and engines that start take turns on ``lock``: a source
+    added during a scrape is kept (it was lost when the scrape put back its own list)."""
 
     def __init__(self) -> None:
         self.sources: list[weakref.WeakMethod[Callable[[], dict[str, int]]]] = []
+        self.lock = threading.Lock()
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         totals = dict.fromkeys(REFUSAL_REASONS, 0)
-        live = []
-        for ref in self.sources:
+        with self.lock:
+            self.sources = [ref for ref in self.sources if ref() is not None]
+            sources = list(self.sources)
+        for ref in sources:
             counts = ref()
             if counts is None:
                 continue
-            live.append(ref)
             for reason, n in counts().items():
                 totals[reason] = totals.get(reason, 0) + n
-        self.sources = live
         fam = CounterMetricFamily("zkv:refused_messages", "Messages the scheduler refused, by "
                                   "reason: malformed, forged (another rank's identity), "
                                   "unknown_seq, duplicate (acks), unknown_rank, hello (a rank "
@@ -120,8 +123,9 @@ def watch_refusals(dispatcher: Any) -> None:
     """Export ``dispatcher.refusals()`` (added up over every dispatcher watched and still
     alive) as ``zkv:refused_messages_total{reason}``; watching one again changes nothing."""
     ref = weakref.WeakMethod(dispatcher.refusals)
-    if ref not in _REFUSALS.sources:  # (a vLLM scheduler half may be registered again)
-        _REFUSALS.sources.append(ref)
+    with _REFUSALS.lock:
+        if ref not in _REFUSALS.sources:  # (a vLLM scheduler half may be registered again)
+            _REFUSALS.sources.append(ref)
 
 
 def record_move(direction: str, num_blocks: int, num_bytes: int) -> None:

@@ -325,3 +325,38 @@ def test_a_put_landing_during_an_eviction_survives(tmp_path: Path,
     on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
     assert on_disk == sorted([s.path(key(1)), s.path(key(2))])
     assert (s.num_blocks, s.num_bytes, s.stats.evicted) == (2, 2 * FILE, 1)
+
+
+def test_a_hit_evicted_before_it_is_touched_is_not_indexed_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read hits key 0; before it marks the file as used, another thread's put evicts
+    and unlinks it. The read must not put the gone file back in the index: it counted
+    against the budget, and indexing it evicted a live file (key 1)."""
+    s = LocalDirStore(tmp_path, "ns", max_bytes=2 * FILE, rank=0)
+    s.put(key(0), data(0))
+    s.put(key(1), data(1))
+    at_touch, resume = threading.Event(), threading.Event()
+    touch = s._touch
+
+    def late_touch(path: str, size: int) -> None:
+        at_touch.set()
+        assert resume.wait(10), "never resumed"
+        touch(path, size)
+
+    monkeypatch.setattr(s, "_touch", late_touch)
+    out = np.zeros(BLOCK, np.uint8)
+    hits: list[bool] = []
+    reader = threading.Thread(target=lambda: hits.append(s.get_into(key(0), out)))
+    reader.start()
+    try:
+        assert at_touch.wait(10), "the read never got to its touch"
+        s.put(key(2), data(2))  # evicts key 0, the least recently used: unlinked
+        assert not os.path.exists(s.path(key(0)))
+    finally:
+        resume.set()
+        reader.join(10)
+    assert hits == [True] and out.tobytes() == data(0).tobytes()
+    on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+    assert on_disk == sorted([s.path(key(1)), s.path(key(2))])
+    assert (s.num_blocks, s.num_bytes) == (2, 2 * FILE)
+    assert get(s, 1) and get(s, 2)

@@ -493,7 +493,11 @@ class LocalDirStore(Store):
             else:
                 known = False
         if not known and self._owns(path):  # written by another process of this writer's
-            self._remember(path, size)       # (an earlier run): accounted for from now on
+            # (an earlier run): accounted for from now on, if still there; an eviction that
+            # unlinked it since the read (another thread's put) holds the same lock
+            with self._files_lock:
+                victims = self._index(path, size) if os.path.exists(path) else []
+            self._remove_files(victims)
         try:
             os.utime(path)
         except OSError:
