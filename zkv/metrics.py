@@ -123,9 +123,11 @@ def watch_refusals(dispatcher: Any) -> None:
     """Export ``dispatcher.refusals()`` (added up over every dispatcher watched and still
     alive) as ``zkv:refused_messages_total{reason}``; watching one again changes nothing."""
     ref = weakref.WeakMethod(dispatcher.refusals)
-    with _REFUSALS.lock:
-        if ref not in _REFUSALS.sources:  # (a vLLM scheduler half may be registered again)
-            _REFUSALS.sources.append(ref)
+    with _REFUSALS.lock:  # (those gone dropped here too: a process may never be scraped)
+        live = [r for r in _REFUSALS.sources if r() is not None]
+        if ref not in live:  # (a vLLM scheduler half may be registered again)
+            live.append(ref)
+        _REFUSALS.sources = live
 
 
 def record_move(direction: str, num_blocks: int, num_bytes: int) -> None:

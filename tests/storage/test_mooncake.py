@@ -101,3 +101,39 @@ def test_failed_blocks_cost_one_size_query_not_one_each(mooncake_server: Mooncak
         assert rpcs[1] == rpcs[8] == 3, rpcs
     finally:
         store.close()
+
+
+def test_io_threads_that_come_again_register_no_more_memory(
+        mooncake_server: MooncakeServer) -> None:
+    """A worker's I/O pool is made anew each time the scheduler restarts: the new threads
+    take the buffers the old ones left, and the host pool is registered once. (Each pool
+    registered ~32 MiB more, kept for the process's life.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.waiting import wait_until
+
+    store = open_store(mooncake_server.url, "pools")
+    assert isinstance(store, MooncakeStore)
+    try:
+        host = np.zeros((8, 4096), np.uint8)
+        rng = np.random.default_rng(5)
+        keys = [pack_key(bytes([9, i]) * 8, 0) for i in range(8)]
+        src = rng.integers(0, 256, (8, 4096), dtype=np.uint8)
+        assert store.put_many(keys, list(src)) == [True] * 8
+
+        def round_of_io() -> int:
+            store.register_buffer(int(host.ctypes.data), host.nbytes)  # as each pool does
+            with ThreadPoolExecutor(4) as pool:
+                outs = list(pool.map(lambda i: store.get_many_into(keys[i:i + 2],
+                                                                   list(host[i:i + 2])),
+                                     range(0, 8, 2)))
+            assert outs == [[True, True]] * 4 and host.tobytes() == src.tobytes()
+            host[:] = 0
+            return store.registered_bytes
+
+        first = round_of_io()
+        for _ in range(3):
+            wait_until(lambda: round_of_io() == first, 10.0,
+                       "the next pool on the last one's buffers")
+    finally:
+        store.close()

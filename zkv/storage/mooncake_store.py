@@ -59,6 +59,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,6 +108,13 @@ def _size_of(client: Any, name: str) -> int:
         return -1
 
 
+class _ThreadOwner:
+    """Held in a thread's local data beside a buffer it took: dropped when the thread ends,
+    which gives the buffer back (``weakref.finalize``)."""
+
+    __slots__ = ("__weakref__",)
+
+
 def _ptr(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
@@ -145,6 +153,9 @@ class MooncakeStore(Store):
         self._setup_lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []
         self._arenas: list[np.ndarray] = []
+        # buffers of threads that ended (an I/O pool restarted with a scheduler), by kind:
+        # registered memory is never freed, so the next threads take these
+        self._spare: dict[str, list[np.ndarray]] = {"headers": [], "stage": []}
         self._tls = threading.local()
         self.link = Link(self.url, self._connect, log=self._log)
         try:  # a master down at start is no error: the store degrades to misses
@@ -198,8 +209,16 @@ class MooncakeStore(Store):
                 return -1
         return -1
 
+    @property
+    def registered_bytes(self) -> int:
+        """Memory registered with the client: host pools and the I/O threads' buffers."""
+        with self._setup_lock:
+            return sum(n for _, n in self._regions)
+
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         with self._setup_lock:
+            if (ptr, nbytes) in self._regions:  # (a host pool again: an I/O pool restarted)
+                return
             self._regions.append((ptr, nbytes))
             if self._client is not None:
                 rc = self._client.register_buffer(ptr, nbytes)
@@ -210,21 +229,40 @@ class MooncakeStore(Store):
         """This thread's header slots (split mode), registered once."""
         arena = getattr(self._tls, "headers", None)
         if arena is None:
-            arena = self._tls.headers = self._registered(MAX_BATCH * HEADER_SIZE)
+            arena = self._tls.headers = self._thread_buffer("headers", MAX_BATCH * HEADER_SIZE)
         return arena
 
     def _stage(self, nbytes: int) -> np.ndarray:
         """This thread's staging area (inline mode), at least ``nbytes``, registered once."""
         stage = getattr(self._tls, "stage", None)
-        if stage is None or stage.nbytes < nbytes:
-            stage = self._tls.stage = self._registered(max(STAGE_BYTES, nbytes))
+        if stage is None or stage.nbytes < nbytes:  # (an outgrown one: spare at thread end)
+            stage = self._tls.stage = self._thread_buffer("stage", max(STAGE_BYTES, nbytes))
         return stage
 
-    def _registered(self, nbytes: int) -> np.ndarray:
-        arena = np.zeros(nbytes, dtype=np.uint8)
-        self._arenas.append(arena)  # kept alive: registered memory never goes away
-        self.register_buffer(int(arena.ctypes.data), arena.nbytes)
+    def _thread_buffer(self, kind: str, nbytes: int) -> np.ndarray:
+        """A registered buffer of at least ``nbytes`` for this thread: one a thread that
+        ended left (``_spare``), else a new one. It goes back to ``_spare`` when the thread
+        ends (its thread-local data is dropped then). Registered memory is never freed:
+        without the reuse each I/O pool a scheduler restart made registered ~32 MiB more."""
+        with self._setup_lock:
+            spare = self._spare[kind]
+            i = next((i for i, a in enumerate(spare) if a.nbytes >= nbytes), None)
+            arena = spare.pop(i) if i is not None else None
+        if arena is None:
+            arena = np.zeros(nbytes, dtype=np.uint8)
+            self._arenas.append(arena)  # kept alive: registered memory never goes away
+            self.register_buffer(int(arena.ctypes.data), arena.nbytes)
+        owners = getattr(self._tls, "owners", None)
+        if owners is None:
+            owners = self._tls.owners = []
+        owner = _ThreadOwner()
+        owners.append(owner)
+        weakref.finalize(owner, self._give_back, kind, arena)
         return arena
+
+    def _give_back(self, kind: str, arena: np.ndarray) -> None:
+        with self._setup_lock:
+            self._spare[kind].append(arena)
 
     def _call(self, what: str, fn: Any) -> list[int]:
         self.link.before()
