@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from tests.waiting import wait_until
 from tests.worker.helpers import endpoints, poll_until_done, short_ipc_dir
 from zkv import protocol as P
 from zkv.config import CacheLayout
@@ -183,3 +184,50 @@ def test_saves_past_a_timed_out_fence_never_store_what_the_forward_wrote() -> No
         assert not done[busy].ok and not done[fence].ok
         assert bool((w.sidecar.host_pool[1] == 0).all()), "A's save copied after the forward"
 
+
+
+class _QueuedSaves(TorchCpuBackend):
+    """Events as on a GPU: a d2h issued is only queued, and the batch's sync before its ack
+    waits until the test lets the copy run (``go``); the compute stream's waits are kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.events = 0
+        self.compute_waited: list[Any] = []
+        self.after_d2h: str | None = None  # the first event recorded after the d2h
+
+    def copy_d2h(self, *a: Any, **k: Any) -> None:
+        super().copy_d2h(*a, **k)
+        self.after_d2h = f"event-{self.events + 1}"
+
+    def record_event(self) -> Any:
+        self.events += 1
+        return f"event-{self.events}"
+
+    def synchronize_event(self, handle: Any) -> None:
+        self.go.wait(10)
+
+    def wait_event_on_compute(self, handle: Any, compute_stream: int | None = None) -> None:
+        self.compute_waited.append(handle)
+
+
+def test_a_forward_past_a_timed_out_fence_waits_on_the_queued_save() -> None:
+    """On a GPU the fence's save may be issued (queued on the transfer stream) and not have
+    run when the forward gives up waiting for its ack: the forward's writes must then wait
+    on that copy's event, or the copy reads them. (Only a save still running was waited.)"""
+    with short_ipc_dir() as folder:
+        backend = _QueuedSaves()
+        w, d = _half(folder, backend, gated=False, layer_timeout_s=0.2)
+        try:
+            assert w.sidecar is not None
+            fence = d.publish([P.Op(0, P.D2H, P.as_ids([5]), P.as_ids([1]))], 0)
+            wait_until(lambda: backend.after_d2h is not None, 10.0, "the save's d2h issued")
+            w.bind(ZkvMetadata(step=1, release_upto=fence, fence=fence))  # gives up at 0.2 s
+            assert backend.after_d2h in backend.compute_waited, backend.compute_waited
+            backend.go.set()
+            assert poll_until_done(d, fence, 10)[fence].ok  # it ran before the forward's writes
+        finally:
+            backend.go.set()
+            w.close()
+            d.close()

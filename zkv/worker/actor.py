@@ -194,11 +194,11 @@ class WorkerActor:
         self._gate_waiting = 0  # threads waiting on the gate (no waiter: nothing to notify)
         self._released = -1
         # Saves the engine gave up waiting for (abandon_saves): batches <= this seq copy no
-        # d2h / backup; the seq whose d2h runs now (-1: none); the event after a d2h that
-        # ended once its save was abandoned (the engine's compute waits on it).
+        # d2h / backup; the seq whose d2h runs now (-1: none); the event after the latest
+        # d2h issued (a forward that stops waiting waits on it: on GPU it may be queued yet).
         self._saves_abandoned = -1
         self._saving = -1
-        self._late_save: Any = None
+        self._last_save: Any = None
         self._saves_overrun = -1  # ... and <= this, one ran past the engine's wait: failed
         self._acks: dict[int, P.BlocksCopied] = {}  # recent acks by seq (bounded)
         self._keys = keys
@@ -435,7 +435,7 @@ class WorkerActor:
             self.counter = LayerDoneCounter(self.layout.num_layers, self.backend)
             with self._gate:  # the new scheduler's seqs start at 0 (so do the engine's)
                 self._expected, self._last_seq, self._released = 0, -1, -1
-                self._saves_abandoned, self._late_save, self._saves_overrun = -1, None, -1
+                self._saves_abandoned, self._last_save, self._saves_overrun = -1, None, -1
                 self._acks.clear()
                 if self._gate_waiting:
                     self._gate.notify_all()
@@ -702,26 +702,33 @@ class WorkerActor:
             return
         try:
             self._copy(seq, ops, lambda s, d: b.copy_d2h(kv, host, s, d), results)
-        finally:
+        except BaseException:  # (a dead device: no event to record)
             with self._gate:
                 self._saving = -1
-                if seq <= self._saves_overrun:  # it may have read what the forward wrote
-                    why = "save abandoned by the engine while it ran"
-                    for op in ops:
-                        results[op.id] = P.OpResult(op.id, False, 0, why)
-                elif seq <= self._saves_abandoned:  # abandoned while it ran: compute waits
-                    self._late_save = b.record_event()
                 if self._gate_waiting:
                     self._gate.notify_all()
+            raise
+        handle = b.record_event()
+        with self._gate:
+            self._saving = -1
+            self._last_save = handle
+            if seq <= self._saves_overrun:  # it may have read what the forward wrote
+                why = "save abandoned by the engine while it ran"
+                for op in ops:
+                    results[op.id] = P.OpResult(op.id, False, 0, why)
+            if self._gate_waiting:
+                self._gate.notify_all()
 
     def abandon_saves(self, upto: int, timeout: float | None = None) -> tuple[bool, Any]:
         """(Engine thread, its wait for batch ``upto`` timed out and its forward goes on.)
         No d2h / backup of a batch up to ``upto`` starts later: they fail, so nothing the
         forward writes into blocks vLLM freed is saved under another request's hashes.
         One running now is waited for (at most ``timeout``). Returns ``(quiet, handle)``:
-        ``quiet`` False if it still ran at the timeout; ``handle``, the event after one that
-        ran, which the compute stream must wait on (on GPU it was only queued). A save still
-        running at the timeout fails when it ends: it may have read what the forward wrote.
+        ``quiet`` False if it still ran at the timeout; ``handle``, the event after the
+        latest d2h issued, which the compute stream must wait on (on GPU a d2h issued is
+        only queued: its batch's ack, which the engine gave up on, comes once it ran; the
+        stream runs in order, so this covers every earlier one). A save still running at
+        the timeout fails when it ends: it may have read what the forward wrote.
         """
         with self._gate:
             self._saves_abandoned = max(self._saves_abandoned, upto)
@@ -734,7 +741,7 @@ class WorkerActor:
             quiet = not 0 <= self._saving <= upto
             if not quiet:
                 self._saves_overrun = max(self._saves_overrun, self._saving)
-            handle, self._late_save = self._late_save, None
+            handle = self._last_save
         return quiet, handle
 
     def _copy(self, seq: int, ops: list[P.Op], copy: Callable[[np.ndarray, np.ndarray], None],
