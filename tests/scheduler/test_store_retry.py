@@ -73,6 +73,22 @@ def test_a_failed_write_is_written_again_after_the_backoff(clock: Clock) -> None
     assert take(cm) == []
 
 
+def test_a_retry_that_succeeds_ends_the_failing_state(clock: Clock) -> None:
+    """The failed write's own retry succeeds (its round took it off the waiting list): the
+    store takes writes again, so a P/D producer promises again. (It stayed failing for the
+    process's life: only a success while something still waited cleared it.)"""
+    cm = make(2, 4)
+    push(cm, "r1", H(1, 2))
+    (h2s,) = push(cm, "r2", H(3, 4))
+    fail(cm, h2s)
+    assert cm.store_writes_failing
+    clock.now += 1.0
+    (again,) = take(cm)  # the retry round: nothing waits any more
+    assert cm.num_unstored_blocks == 0 and cm.store_writes_failing
+    ack(cm, again)
+    assert cm.stats.stored == 2 and not cm.store_writes_failing
+
+
 def test_the_backoff_doubles_per_failed_round_up_to_its_cap(clock: Clock) -> None:
     cm = make(1, 4, retry_s=1.0, max_s=4.0)
     push(cm, "r1", H(1))

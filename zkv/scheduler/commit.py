@@ -215,7 +215,7 @@ def _commit_h2s(core: Core, p: PendingOp, done: int) -> None:
     failed = live(core, [n for n, _e, _pos in failed_at])
     if failed:
         store_failed(core, failed)
-    elif unstored:
+    else:  # (also with nothing waiting: the retry that emptied the list may be this one)
         store_succeeded(core)
     relist_all(core, ok + failed)
 
