@@ -108,9 +108,8 @@ def test_io_threads_that_come_again_register_no_more_memory(
     """A worker's I/O pool is made anew each time the scheduler restarts: the new threads
     take the buffers the old ones left, and the host pool is registered once. (Each pool
     registered ~32 MiB more, kept for the process's life.)"""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
-
-    from tests.waiting import wait_until
 
     store = open_store(mooncake_server.url, "pools")
     assert isinstance(store, MooncakeStore)
@@ -122,18 +121,40 @@ def test_io_threads_that_come_again_register_no_more_memory(
         assert store.put_many(keys, list(src)) == [True] * 8
 
         def round_of_io() -> int:
+            """A pool of 4 threads, each reading 2 blocks (all 4 at once: a barrier)."""
             store.register_buffer(int(host.ctypes.data), host.nbytes)  # as each pool does
-            with ThreadPoolExecutor(4) as pool:
-                outs = list(pool.map(lambda i: store.get_many_into(keys[i:i + 2],
-                                                                   list(host[i:i + 2])),
-                                     range(0, 8, 2)))
+            together = threading.Barrier(4, timeout=10)
+
+            def read(i: int) -> list[bool]:
+                together.wait()
+                return store.get_many_into(keys[i:i + 2], list(host[i:i + 2]))
+
+            with ThreadPoolExecutor(4) as pool:  # (its threads joined at the end)
+                outs = list(pool.map(read, range(0, 8, 2)))
             assert outs == [[True, True]] * 4 and host.tobytes() == src.tobytes()
             host[:] = 0
             return store.registered_bytes
 
         first = round_of_io()
-        for _ in range(3):
-            wait_until(lambda: round_of_io() == first, 10.0,
-                       "the next pool on the last one's buffers")
+        assert [round_of_io() for _ in range(3)] == [first] * 3
     finally:
         store.close()
+
+
+def test_a_closed_store_used_by_a_living_thread_is_freed(mooncake_server: MooncakeServer) -> None:
+    """The buffers a thread took go back when it ends, but their bookkeeping must not keep
+    the store alive while the thread lives (here: this one, as an engine's thread)."""
+    import gc
+    import weakref
+
+    store = open_store(mooncake_server.url + "?header=inline", "freed")
+    keys = [pack_key(bytes([7, 1]) * 8, 0)]
+    src = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].reshape(1, 4096)
+    assert store.put_many(keys, list(src)) == [True]
+    out = np.zeros_like(src)
+    assert store.get_many_into(keys, list(out)) == [True]  # this thread's stage buffer
+    ref = weakref.ref(store)
+    store.close()
+    del store
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref())

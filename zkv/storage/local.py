@@ -402,6 +402,7 @@ class LocalDirStore(Store):
             try:
                 os.rename(path, aside)
             except FileNotFoundError:  # gone already (another reader refused it too)
+                self._forget(path)
                 return
             except OSError as e:
                 raise StorageError(f"remove {self.name(key)}: {e}") from e

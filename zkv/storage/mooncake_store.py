@@ -59,7 +59,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,13 +107,6 @@ def _size_of(client: Any, name: str) -> int:
         return -1
 
 
-class _ThreadOwner:
-    """Held in a thread's local data beside a buffer it took: dropped when the thread ends,
-    which gives the buffer back (``weakref.finalize``)."""
-
-    __slots__ = ("__weakref__",)
-
-
 def _ptr(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
@@ -153,8 +145,10 @@ class MooncakeStore(Store):
         self._setup_lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []
         self._arenas: list[np.ndarray] = []
-        # buffers of threads that ended (an I/O pool restarted with a scheduler), by kind:
-        # registered memory is never freed, so the next threads take these
+        # the buffers each thread took, and by kind those of threads that ended (an I/O
+        # pool remade at a scheduler restart): registered memory is never freed, so the
+        # next threads take these
+        self._owned: dict[threading.Thread, list[tuple[str, np.ndarray]]] = {}
         self._spare: dict[str, list[np.ndarray]] = {"headers": [], "stage": []}
         self._tls = threading.local()
         self.link = Link(self.url, self._connect, log=self._log)
@@ -235,16 +229,20 @@ class MooncakeStore(Store):
     def _stage(self, nbytes: int) -> np.ndarray:
         """This thread's staging area (inline mode), at least ``nbytes``, registered once."""
         stage = getattr(self._tls, "stage", None)
-        if stage is None or stage.nbytes < nbytes:  # (an outgrown one: spare at thread end)
+        if stage is None or stage.nbytes < nbytes:  # (an outgrown one: spare once it ends)
             stage = self._tls.stage = self._thread_buffer("stage", max(STAGE_BYTES, nbytes))
         return stage
 
     def _thread_buffer(self, kind: str, nbytes: int) -> np.ndarray:
         """A registered buffer of at least ``nbytes`` for this thread: one a thread that
-        ended left (``_spare``), else a new one. It goes back to ``_spare`` when the thread
-        ends (its thread-local data is dropped then). Registered memory is never freed:
-        without the reuse each I/O pool a scheduler restart made registered ~32 MiB more."""
+        ended left, else a new one. Registered memory is never freed: without the reuse
+        each I/O pool a scheduler restart made registered ~32 MiB more. O(threads that
+        took buffers), once per buffer a thread takes."""
+        me = threading.current_thread()
         with self._setup_lock:
+            for t in [t for t in self._owned if not t.is_alive()]:  # (joined: deterministic)
+                for k, a in self._owned.pop(t):
+                    self._spare[k].append(a)
             spare = self._spare[kind]
             i = next((i for i, a in enumerate(spare) if a.nbytes >= nbytes), None)
             arena = spare.pop(i) if i is not None else None
@@ -252,17 +250,9 @@ class MooncakeStore(Store):
             arena = np.zeros(nbytes, dtype=np.uint8)
             self._arenas.append(arena)  # kept alive: registered memory never goes away
             self.register_buffer(int(arena.ctypes.data), arena.nbytes)
-        owners = getattr(self._tls, "owners", None)
-        if owners is None:
-            owners = self._tls.owners = []
-        owner = _ThreadOwner()
-        owners.append(owner)
-        weakref.finalize(owner, self._give_back, kind, arena)
-        return arena
-
-    def _give_back(self, kind: str, arena: np.ndarray) -> None:
         with self._setup_lock:
-            self._spare[kind].append(arena)
+            self._owned.setdefault(me, []).append((kind, arena))
+        return arena
 
     def _call(self, what: str, fn: Any) -> list[int]:
         self.link.before()
