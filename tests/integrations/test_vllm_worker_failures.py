@@ -231,3 +231,58 @@ def test_a_forward_past_a_timed_out_fence_waits_on_the_queued_save() -> None:
             backend.go.set()
             w.close()
             d.close()
+
+
+class _HeldLoads(TorchCpuBackend):
+    """An h2d of layer 0 that runs only once the test lets it (``go``): a copy still running
+    when the forward gives up on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.copying = threading.Event()
+
+    def copy_h2d(self, *a: Any, **k: Any) -> None:
+        self.copying.set()
+        self.go.wait(10)
+        super().copy_h2d(*a, **k)
+
+
+def test_the_next_forward_waits_for_a_load_copy_that_outran_its_abandon() -> None:
+    """Ungated: the forward gave up on layer 0 while its copy still ran, and the abandon's
+    own wait ran out too. The next forward must not start before that copy landed, or it
+    lands over what vLLM recomputes (an ungated forward waits for its fence alone)."""
+    with short_ipc_dir() as folder:
+        kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
+        backend = _HeldLoads()
+        w, d = _half(folder, backend, gated=False, kv=kv, layer_timeout_s=0.2)
+        try:
+            assert w.sidecar is not None
+            w.sidecar.host_pool[0].fill_(7.0)
+            load = d.publish([P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True)], 0)
+            w.bind(ZkvMetadata(step=0, release_upto=load, load_seq=load, load_op=0, loads=[4]))
+            assert backend.copying.wait(10)
+            w.wait_for_layer_load("l0")  # gives up; so does the abandon: the copy still runs
+            assert w.load_errors() == {4}
+            waiting = threading.Event()
+            wait_acked = w.sidecar.wait_acked
+
+            def watched(seq: int, timeout: float | None = None) -> Any:
+                waiting.set()  # the next forward waits here, for the load's batch
+                return wait_acked(seq, timeout)
+
+            w.sidecar.wait_acked = watched  # type: ignore[method-assign]
+            letter = threading.Thread(target=lambda: waiting.wait(10) and backend.go.set(),
+                                      daemon=True)
+            letter.start()
+            w.bind(ZkvMetadata(step=1, release_upto=load, fence=-1))  # the next step
+            _write(kv, (4,), 3.0)  # its forward: vLLM recomputes block 4
+            backend.go.set()
+            waiting.set()  # (the letter's wait ends either way)
+            letter.join(10)
+            assert not poll_until_done(d, load, 10)[load].ok  # abandoned: never committed
+            assert _recomputed(kv, 4, 3.0), "the load's copy landed after the next forward"
+        finally:
+            backend.go.set()
+            w.close()
+            d.close()

@@ -79,6 +79,9 @@ class WorkerHalf:
         self.gated = True
         self._errors: set[int] = set()
         self._checked: int | None = None
+        # a load abandoned while one of its layer copies still ran: the next forward waits
+        # for its batch (an ungated one would not: it waits for its fence alone)
+        self._overrun: int = -1
         self.wait_s = {"bind": 0.0, "layers": 0.0, "acks": 0.0}  # the forward blocked on zkv
         self.num_steps = 0
 
@@ -118,6 +121,7 @@ class WorkerHalf:
             before = (meta.load_seq if meta.load_seq is not None else meta.release_upto + 1) - 1
         else:  # batches ran as they came after the previous forward: only a fence matters
             before = meta.fence
+        before, self._overrun = max(before, self._overrun), -1
         if before >= 0 and self.sidecar.alive and self.sidecar.last_seq < before:
             t0 = time.perf_counter()
             if self.sidecar.wait_acked(before, self.cfg.layer_timeout_s) is None:
@@ -148,6 +152,8 @@ class WorkerHalf:
             # (or another request's, once vLLM reused them), so the load is called off.
             quiet = self.sidecar.abandon_load(meta.load_seq, i, str(e),
                                               self.cfg.layer_timeout_s)
+            if not quiet:  # it lands later, over what vLLM recomputes: the next bind waits
+                self._overrun = max(self._overrun, meta.load_seq)
             self.log.error(E.LOAD_FAILED, seq=meta.load_seq, layer=i, error=str(e),
                            abandoned=True, copy_still_running=not quiet)
             self._errors.update(meta.loads)
@@ -157,6 +163,9 @@ class WorkerHalf:
         """Blocks of this step's loads that did not arrive on this rank."""
         meta = self.meta
         if meta is None or meta.load_seq is None or self._checked == meta.load_seq:
+            return self._errors
+        if self._errors.issuperset(meta.loads):  # (an abandoned load: its ack says no more)
+            self._checked = meta.load_seq
             return self._errors
         self._checked = meta.load_seq
         ack = None
