@@ -92,25 +92,38 @@ def test_a_layer_that_timed_out_is_a_load_error_and_its_copy_never_lands() -> No
             d.close()
 
 
-class _HeldSaves(TorchCpuBackend):
-    """A d2h that runs only once the test lets it (a device busy with an earlier save)."""
+class _Held(TorchCpuBackend):
+    """Copies of one kind (``"d2h"``: a device busy with an earlier save; ``"h2d"``: a load
+    copy still running when the forward gives up on it) run only once the test lets them
+    (``go``); ``copying``: one started."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         super().__init__()
+        self.kind = kind
         self.go = threading.Event()
+        self.copying = threading.Event()
+
+    def _hold(self, kind: str) -> None:
+        if kind == self.kind:
+            self.copying.set()
+            self.go.wait(10)
 
     def copy_d2h(self, *a: Any, **k: Any) -> None:
-        self.go.wait(10)
+        self._hold("d2h")
         super().copy_d2h(*a, **k)
+
+    def copy_h2d(self, *a: Any, **k: Any) -> None:
+        self._hold("h2d")
+        super().copy_h2d(*a, **k)
 
 
 @contextlib.contextmanager
-def _held_half() -> Iterator[tuple[Any, _HeldSaves, WorkerHalf, Dispatcher]]:
-    """An ungated worker half (a 0.2 s layer timeout) whose saves wait for ``go``: (its KV
-    cache, the backend, the half, the dispatcher)."""
+def _held_half(kind: str = "d2h") -> Iterator[tuple[Any, _Held, WorkerHalf, Dispatcher]]:
+    """An ungated worker half (a 0.2 s layer timeout) whose ``kind`` copies wait for
+    ``go``: (its KV cache, the backend, the half, the dispatcher)."""
     with short_ipc_dir() as folder:
         kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
-        backend = _HeldSaves()
+        backend = _Held(kind)
         w, d = _half(folder, backend, gated=False, kv=kv, layer_timeout_s=0.2)
         try:
             assert w.sidecar is not None
@@ -233,56 +246,33 @@ def test_a_forward_past_a_timed_out_fence_waits_on_the_queued_save() -> None:
             d.close()
 
 
-class _HeldLoads(TorchCpuBackend):
-    """An h2d of layer 0 that runs only once the test lets it (``go``): a copy still running
-    when the forward gives up on it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.go = threading.Event()
-        self.copying = threading.Event()
-
-    def copy_h2d(self, *a: Any, **k: Any) -> None:
-        self.copying.set()
-        self.go.wait(10)
-        super().copy_h2d(*a, **k)
-
-
 def test_the_next_forward_waits_for_a_load_copy_that_outran_its_abandon() -> None:
     """Ungated: the forward gave up on layer 0 while its copy still ran, and the abandon's
     own wait ran out too. The next forward must not start before that copy landed, or it
     lands over what vLLM recomputes (an ungated forward waits for its fence alone)."""
-    with short_ipc_dir() as folder:
-        kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
-        backend = _HeldLoads()
-        w, d = _half(folder, backend, gated=False, kv=kv, layer_timeout_s=0.2)
-        try:
-            assert w.sidecar is not None
-            w.sidecar.host_pool[0].fill_(7.0)
-            load = d.publish([P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True)], 0)
-            w.bind(ZkvMetadata(step=0, release_upto=load, load_seq=load, load_op=0, loads=[4]))
-            assert backend.copying.wait(10)
-            w.wait_for_layer_load("l0")  # gives up; so does the abandon: the copy still runs
-            assert w.load_errors() == {4}
-            waiting = threading.Event()
-            wait_acked = w.sidecar.wait_acked
+    with _held_half("h2d") as (kv, backend, w, d):
+        assert w.sidecar is not None
+        w.sidecar.host_pool[0].fill_(7.0)
+        load = d.publish([P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True)], 0)
+        w.bind(ZkvMetadata(step=0, release_upto=load, load_seq=load, load_op=0, loads=[4]))
+        assert backend.copying.wait(10)
+        w.wait_for_layer_load("l0")  # gives up; so does the abandon: the copy still runs
+        assert w.load_errors() == {4}
+        waiting = threading.Event()
+        wait_acked = w.sidecar.wait_acked
 
-            def watched(seq: int, timeout: float | None = None) -> Any:
-                waiting.set()  # the next forward waits here, for the load's batch
-                return wait_acked(seq, timeout)
+        def watched(seq: int, timeout: float | None = None) -> Any:
+            waiting.set()  # the next forward waits here, for the load's batch
+            return wait_acked(seq, timeout)
 
-            w.sidecar.wait_acked = watched  # type: ignore[method-assign]
-            letter = threading.Thread(target=lambda: waiting.wait(10) and backend.go.set(),
-                                      daemon=True)
-            letter.start()
-            w.bind(ZkvMetadata(step=1, release_upto=load, fence=-1))  # the next step
-            _write(kv, (4,), 3.0)  # its forward: vLLM recomputes block 4
-            backend.go.set()
-            waiting.set()  # (the letter's wait ends either way)
-            letter.join(10)
-            assert not poll_until_done(d, load, 10)[load].ok  # abandoned: never committed
-            assert _recomputed(kv, 4, 3.0), "the load's copy landed after the next forward"
-        finally:
-            backend.go.set()
-            w.close()
-            d.close()
+        w.sidecar.wait_acked = watched  # type: ignore[method-assign]
+        letter = threading.Thread(target=lambda: waiting.wait(10) and backend.go.set(),
+                                  daemon=True)
+        letter.start()
+        w.bind(ZkvMetadata(step=1, release_upto=load, fence=-1))  # the next step
+        _write(kv, (4,), 3.0)  # its forward: vLLM recomputes block 4
+        backend.go.set()
+        waiting.set()  # (the letter's wait ends either way)
+        letter.join(10)
+        assert not poll_until_done(d, load, 10)[load].ok  # abandoned: never committed
+        assert _recomputed(kv, 4, 3.0), "the load's copy landed after the next forward"
