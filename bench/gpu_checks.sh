@@ -66,7 +66,7 @@ ZKV_BACKEND=cupy timeout 120 "$PY" -m zkv.cli replay --ranks 1 --requests 300 --
 rc=${PIPESTATUS[0]}; echo "replay rc=$rc"; check "zkv replay" "$rc"
 (cd "$OUT" && tar czf replay-logs.tgz replay-logs 2>/dev/null && rm -rf replay-logs)
 step "mutants: the GPU ordering tests must fail on a backend with a stream wait removed"
-for mutant in no_compute_wait no_start_wait no_follow; do
+for mutant in no_compute_wait no_start_wait no_follow no_abandon_wait; do
     ZKV_MUTANT=$mutant timeout 90 "$PY" -m pytest -q -p no:cacheprovider -p bench.gpu_mutants \
         -o addopts="-ra" -W default tests/worker/test_actor_gpu.py 2>&1 \
         | tee -a "$OUT/mutants.log" | grep -E "^(FAILED|ERROR)|passed|failed"

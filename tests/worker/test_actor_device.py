@@ -19,6 +19,7 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.kernels import fake_cuda
+from tests.waiting import holds_within
 from tests.worker.helpers import (
     endpoints,
     events_named,
@@ -244,3 +245,77 @@ def test_bad_cache_layout_is_refused_at_start_naming_the_tensor(stack: ExitStack
     kv[2] = (kv[2][0], kv[2][1][:, :1])  # layer 2's V lost a head
     with pytest.raises(ConfigError, match=r"kv cache layer 2 V: shape \(16, 1, 4, 8\)"):
         _rig(stack, "cpu", kv=kv)
+
+
+# ------------------------------------------------------------------ abandoned waits
+
+
+def _model_stream(fake: Any, sc: Sidecar) -> int:
+    """A stream of the model's own, current in this (the model's) thread, followed."""
+    model = fake.new_stream()
+    fake.set_current_stream(model)
+    sc.follow_compute_stream()
+    return model
+
+
+def test_an_abandoned_load_holds_the_recompute_behind_the_copies_it_issued(
+        stack: ExitStack, fake: Any) -> None:
+    """The engine gave up on layer 2 once the actor had issued every layer's h2d, queued
+    behind a long copy (abandon's latest-issued event). vLLM then recomputes layers 2.. into
+    the same block on its stream: those writes must run after the queued copies, or the
+    copies land over them."""
+    backend = fake_cuda.cupy_backend()
+    kv = _caches(5)
+    d, sc = _rig(stack, backend, kv=kv)
+    d.wait_for_ranks(10)
+    model = _model_stream(fake, sc)
+    sc.host_pool[1].fill_(2.0)
+    gate = fake.hold(backend.transfer_stream.ptr, "a long copy")
+    stack.callback(gate.open)
+    seq = d.publish([P.Op(0, P.H2D, _ids(1), _ids(6), layerwise=True)], 0)
+    last = LAYOUT.num_layers - 1
+    assert holds_within(lambda: sc.actor.counter.is_done(seq, last), 10)  # issued, not run
+    assert sc.abandon_load(seq, 2, "layer 2 timed out", timeout=1)
+
+    def recompute() -> None:
+        for layer in range(2, LAYOUT.num_layers):
+            for t in kv[layer]:
+                t[6].fill_(3.0)
+
+    fake.enqueue(model, recompute, "the forward recomputes layers 2.. of block 6")
+    fake.drain(model)
+    assert fake.pending(model), "the recompute ran before the abandoned load's queued copies"
+    gate.open()
+    poll_until_done(d, seq, 10)
+    fake.drain_all()
+    for layer in range(LAYOUT.num_layers):
+        for t in kv[layer]:
+            assert bool((t[6] == (2.0 if layer < 2 else 3.0)).all()), layer
+
+
+def test_a_forward_past_an_abandoned_save_waits_for_the_queued_d2h(
+        stack: ExitStack, fake: Any) -> None:
+    """The engine's wait for a finished request's save ran out while the d2h was queued
+    behind a long copy; its forward then writes the freed block for another request. That
+    write must run after the queued d2h (abandon_saves' event), or the save stores the new
+    request's KV under the finished one's hashes."""
+    backend = fake_cuda.cupy_backend()
+    kv = _caches(6)
+    d, sc = _rig(stack, backend, kv=kv)
+    d.wait_for_ranks(10)
+    model = _model_stream(fake, sc)
+    kv[1][1][9].fill_(1.0)
+    gate = fake.hold(backend.transfer_stream.ptr, "a long copy")
+    stack.callback(gate.open)
+    seq = d.publish([P.Op(0, P.D2H, _ids(9), _ids(5))], 0)
+    assert holds_within(lambda: sc.actor.counter.is_done(seq, 0), 10)  # issued, not run
+    assert sc.abandon_saves(seq, timeout=1)
+    fake.enqueue(model, lambda: kv[1][1][9].fill_(7.0), "the forward writes block 9 anew")
+    fake.drain(model)
+    assert fake.pending(model), "the forward's write ran before the queued d2h"
+    gate.open()
+    done = poll_until_done(d, seq, 10)[seq]
+    assert done.ok, done  # issued before the abandon, it read the finished request's KV
+    fake.drain_all()
+    assert bool((sc.host_pool[5, 1, 1] == 1.0).all()), "the save read the forward's write"
+    assert bool((kv[1][1][9] == 7.0).all())

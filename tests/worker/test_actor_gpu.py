@@ -120,6 +120,32 @@ class HostGate:
         self._flag.view(np.int32)[0] = 1
 
 
+def model_work_behind_held_copies(sc: Sidecar, model: Any, work: Callable[[], None],
+                                  what: str) -> None:
+    """Hold the transfer stream behind a gate and run ``work()`` (which publishes a batch
+    and queues the model's work on its stream) with ``model`` current: the model's work
+    must not run while the gate holds the batch's copies."""
+    gate = HostGate(sc.backend.transfer_stream)
+    try:
+        with torch.cuda.stream(model):
+            work()
+            after = torch.cuda.Event()
+            after.record(model)
+        # The model's work takes microseconds once nothing holds it: 0.5 s is plenty to
+        # see it run if the model's stream does not wait for the copies' events.
+        ran_early = holds_within(after.query, 0.5)
+        held = gate.holding()
+    finally:
+        gate.open()
+    model.synchronize()
+    # Without this the test proves nothing: on an H100 the reads' first (lazy) launch
+    # waited for the device until the gate expired, and the reads then ran after the
+    # copies whatever the compute stream waited for.
+    assert held, ("the gate expired before the test opened it: something the test ran "
+                  "waited for the held transfer stream")
+    assert not ran_early, f"the model's {what} ran while the batch's copies were held"
+
+
 def test_wait_layer_orders_the_models_reads_after_the_h2d(rig: Any) -> None:
     d, sc, kv, model = rig
     n = LAYOUT.num_host_blocks
@@ -155,29 +181,17 @@ def test_wait_layer_orders_the_models_reads_after_the_h2d(rig: Any) -> None:
     # The transfer stream is held by a gate kernel until the test opens it, the model's
     # stream is idle, and the host hears "layer recorded" while the copies cannot run:
     # only the stream wait keeps the reads below from running before the copies.
-    gate = HostGate(sc.backend.transfer_stream)
-    try:
-        with torch.cuda.stream(model):
-            seq = d.publish([op], 0)
-            for layer in range(LAYOUT.num_layers):
-                sc.wait_layer(seq, layer, timeout=10)  # the host waits for the record only
-                for part, t in enumerate(kv[layer]):  # read on the model's stream
-                    torch.index_select(t, 0, index, out=got[layer][part])
-            reads = torch.cuda.Event()
-            reads.record(model)
-        # The reads take microseconds once nothing holds them: 0.5 s is plenty to see them
-        # run if the model's stream does not wait for the copies' events.
-        ran_early = holds_within(reads.query, 0.5)
-        held = gate.holding()
-    finally:
-        gate.open()
-    model.synchronize()
-    # Without this the test proves nothing: on an H100 the reads' first (lazy) launch
-    # waited for the device until the gate expired, and the reads then ran after the
-    # copies whatever the compute stream waited for.
-    assert held, ("the gate expired before the test opened it: something the test ran "
-                  "waited for the held transfer stream")
-    assert not ran_early, "the model's reads ran while the h2d copies were held"
+    seqs: list[int] = []
+
+    def reads() -> None:
+        seqs.append(d.publish([op], 0))
+        for layer in range(LAYOUT.num_layers):
+            sc.wait_layer(seqs[0], layer, timeout=10)  # the host waits for the record only
+            for part, t in enumerate(kv[layer]):  # read on the model's stream
+                torch.index_select(t, 0, index, out=got[layer][part])
+
+    model_work_behind_held_copies(sc, model, reads, "reads")
+    seq = seqs[0]
     assert poll_until_done(d, seq, 10)[seq].ok
     for layer in range(LAYOUT.num_layers):
         for part in range(2):
@@ -264,3 +278,75 @@ def test_d2h_waits_for_the_stream_the_model_moved_to() -> None:
         done = poll_until_done(d, seq, 10)[seq]
         assert done.ok, done
         assert bool((sc.host_pool[2, 3, 0] == 9.0).all()), "the d2h ran before the model's write"
+
+
+def test_an_abandoned_load_holds_the_recompute_behind_the_copies_it_issued(rig: Any) -> None:
+    """The engine gave up on layer 2 once the actor had issued every layer's h2d (held on
+    the transfer stream). vLLM recomputes layers 2.. into the same blocks on its stream:
+    those writes must run after the copies (abandon's latest-issued event), or the copies
+    land over them."""
+    d, sc, kv, model = rig
+    n, last = 64, LAYOUT.num_layers - 1
+    dst = np.arange(100, 100 + n)
+    op = P.Op(0, P.H2D, P.as_ids(list(range(n))), P.as_ids(dst.tolist()), layerwise=True)
+    sc.host_pool[:n].fill_(2.0)
+    first = d.publish([op], 0)  # the batch's allocations, once (see the first test)
+    assert poll_until_done(d, first, 10)[first].ok
+    index = torch.from_numpy(dst).cuda()
+
+    def recompute() -> None:
+        for layer in range(2, LAYOUT.num_layers):
+            for t in kv[layer]:
+                t.index_fill_(0, index, 3.0)
+
+    with torch.cuda.stream(model):
+        recompute()  # first launches (see the module docstring)
+        for pair in kv:
+            for t in pair:
+                t.zero_()
+    model.synchronize()
+    seqs: list[int] = []
+
+    def abandon_and_recompute() -> None:
+        seqs.append(d.publish([op], 0))
+        assert holds_within(lambda: sc.actor.counter.is_done(seqs[0], last), 10)
+        assert sc.abandon_load(seqs[0], 2, "layer 2 timed out", timeout=1)
+        recompute()
+
+    model_work_behind_held_copies(sc, model, abandon_and_recompute, "recompute")
+    poll_until_done(d, seqs[0], 10)
+    torch.cuda.synchronize()
+    for layer in range(LAYOUT.num_layers):
+        for t in kv[layer]:
+            want = 2.0 if layer < 2 else 3.0
+            assert bool((t[index] == want).all()), f"layer {layer}: the copy landed last"
+
+
+def test_a_forward_past_an_abandoned_save_waits_for_the_queued_d2h(rig: Any) -> None:
+    """The engine's wait for a finished request's save ran out while its d2h was held on
+    the transfer stream; the forward then writes the freed block for another request. The
+    write must run after the d2h (abandon_saves' event), or the save stores the new
+    request's KV under the finished one's hashes."""
+    d, sc, kv, model = rig
+    op = P.Op(0, P.D2H, P.as_ids([9]), P.as_ids([5]))
+    with torch.cuda.stream(model):
+        kv[1][1][9].fill_(1.0)  # first launch
+    model.synchronize()
+    first = d.publish([op], 0)  # the batch's allocations, once
+    assert poll_until_done(d, first, 10)[first].ok
+    with torch.cuda.stream(model):
+        kv[1][1][9].fill_(4.0)
+    model.synchronize()
+    seqs: list[int] = []
+
+    def abandon_and_write() -> None:
+        seqs.append(d.publish([op], 0))
+        assert holds_within(lambda: sc.actor.counter.is_done(seqs[0], 0), 10)
+        assert sc.abandon_saves(seqs[0], timeout=1)
+        kv[1][1][9].fill_(7.0)  # the block, freed, now another request's
+
+    model_work_behind_held_copies(sc, model, abandon_and_write, "write")
+    done = poll_until_done(d, seqs[0], 10)[seqs[0]]
+    assert done.ok, done  # issued before the abandon, it read the finished request's KV
+    assert bool((sc.host_pool[5, 1, 1] == 4.0).all()), "the save read the forward's write"
+    assert bool((kv[1][1][9] == 7.0).all())
