@@ -76,6 +76,7 @@ READ_FAILED = "storage.read_failed"
 STORE_EVICTED = "storage.blocks_evicted"
 STORE_DISK_FULL = "storage.disk_full"
 STORE_MISCONFIGURED = "storage.store_misconfigured"
+STORE_TUNING = "storage.store_tuning"
 # launcher
 RANK_STARTED = "launch.rank_started"
 RANK_EXITED = "launch.rank_exited"

@@ -167,3 +167,34 @@ def test_config_refused_says_nothing(tmp_path: Path) -> None:
             assert isinstance(store, RedisStore) and store.policy is None
         finally:
             admin.close()
+
+
+def test_an_lru_redis_that_samples_few_keys_is_told_to_sample_more(
+        redis_server: RedisServer) -> None:
+    """Under ``allkeys-lru`` redis evicts the best of ``maxmemory-samples`` keys (default 5),
+    and a prompt's blocks, touched together, tie: a sample that takes a chain's first block
+    strands the rest. At 32 fewer chains break (bench/redis_eviction.py); one info line at
+    open says so. At 32, or without ``maxmemory``, or under another policy: nothing."""
+    admin = redis_server.client()
+    was = admin.config_get("maxmemory*")
+    try:
+        for samples, maxmemory, policy, said in [(5, "64mb", "allkeys-lru", True),
+                                                 (10, "64mb", "volatile-lru", True),
+                                                 (32, "64mb", "allkeys-lru", False),
+                                                 (5, "0", "allkeys-lru", False),
+                                                 (5, "64mb", "allkeys-lfu", False)]:
+            admin.config_set("maxmemory-samples", samples)
+            admin.config_set("maxmemory", maxmemory)
+            admin.config_set("maxmemory-policy", policy)
+            with capture_logs() as logs:
+                open_store(redis_server.url + "?ttl_s=600", "ns-tuning").close()
+            hints = _events(logs, "storage.store_tuning")
+            assert len(hints) == int(said), (samples, maxmemory, policy, hints)
+            if said:
+                assert hints[0]["maxmemory_samples"] == samples
+                assert hints[0]["policy"] == policy and hints[0]["log_level"] == "info"
+                assert "set maxmemory-samples 32" in hints[0]["hint"]
+    finally:
+        for name in ("maxmemory-samples", "maxmemory", "maxmemory-policy"):
+            admin.config_set(name, was[name])
+        admin.close()
