@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 
 import orjson
 import xxhash
@@ -107,16 +107,31 @@ class CacheLayout:
     def from_json(cls, text: str | bytes) -> CacheLayout:
         try:
             raw = orjson.loads(text)
+        except orjson.JSONDecodeError as e:
+            raise ConfigError(f"bad cache layout JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"bad cache layout JSON: expected an object of fields, got "
+                              f"{type(raw).__name__}")
+        fields = cls.__dataclass_fields__
+        unknown = sorted(set(raw) - set(fields))
+        missing = [n for n, f in fields.items() if n not in raw and f.default is MISSING
+                   and f.default_factory is MISSING]
+        if unknown or missing:
+            raise ConfigError("bad cache layout JSON: " + "; ".join(
+                ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])
+                + ([f"missing field(s) {', '.join(missing)}"] if missing else [])))
+        try:
             return cls(**raw)
-        except (orjson.JSONDecodeError, TypeError) as e:
-            raise ConfigError(f"bad cache layout JSON: {e}") from e
+        except TypeError as e:
+            raise ConfigError(f"bad cache layout JSON: {e}") from None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CacheLayout:
         env = os.environ if env is None else env
         text = env.get("ZKV_CONFIG")
         if not text:
-            raise ConfigError("ZKV_CONFIG is not set (zkvrun sets it for every rank)")
+            raise ConfigError("ZKV_CONFIG is not set: run the ranks with zkvrun --config FILE "
+                              "(the cache layout as JSON), which sets it for every rank")
         return cls.from_json(text)
 
 

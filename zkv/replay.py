@@ -663,10 +663,14 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
         check_log_dir(args.log_dir)
     check_level()  # ZKV_LOG_LEVEL, which every process of the run reads
     if args.workload == "trace":
-        if not os.path.isfile(args.trace):
+        if not os.path.exists(args.trace):
             raise ConfigError(f"trace not found: {args.trace}")
-        for _ in trace_workload(args.trace, args.requests):  # a bad line: one line here
-            pass
+        if not os.path.isfile(args.trace):  # read twice (checked here, then replayed)
+            raise ConfigError(f"--trace {args.trace} is not a regular file (a directory, a "
+                              "pipe or a device): give a JSONL file")
+        n = sum(1 for _ in trace_workload(args.trace, args.requests))  # a bad line: one line
+        if n == 0:
+            raise ConfigError(f"--trace {args.trace} holds no request")
     layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype,
                          args.device_blocks, args.host_blocks, world_size=args.ranks)
     if args.force:

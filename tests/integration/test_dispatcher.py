@@ -397,6 +397,31 @@ def test_a_socket_that_cannot_be_made_leaves_nothing_open(eps: tuple[str, str],
     assert not ender.is_alive(), "a socket left open keeps the context from ending"
 
 
+def test_an_endpoint_it_cannot_listen_on_is_one_line_and_leaves_nothing_open(
+        eps: tuple[str, str]) -> None:
+    """A port another process holds, an address not this machine's (zkvrun's
+    ``--master-addr`` / ``--master-port``): one ConfigError naming the endpoint, not a
+    zmq traceback; the first socket, bound already, is closed again."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for pub, why in [(f"tcp://127.0.0.1:{port}", "Address already in use"),
+                         ("tcp://bad host:29511", "No such device")]:
+            with pytest.raises(ConfigError) as err:
+                Dispatcher(pub, eps[1], 1, FP, insecure=True, allow_remote=True)
+            assert str(err.value) == f"the scheduler cannot listen on {pub}: {why}"
+        with pytest.raises(ConfigError, match=f"cannot listen on tcp://127.0.0.1:{port}: "):
+            Dispatcher(eps[0], f"tcp://127.0.0.1:{port}", 1, FP, insecure=True)
+        d = Dispatcher(*eps, 1, FP)  # the ipc endpoints were closed again: free to bind
+        d.close()
+    finally:
+        taken.close()
+
+
 def test_a_context_ended_under_a_registered_domain_ends_the_zap_thread_quietly() -> None:
     """Its owner stopped before it closed (SIGTERM while a dispatcher was being made, in
     zkv soak): the ZAP thread ends with the context, which ends, and a late unregister is

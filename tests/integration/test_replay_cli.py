@@ -61,6 +61,11 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
      "trace {tmp}/no-ids.jsonl, line 1: no 'hash_ids'"),
     (["--workload", "trace", "--trace", "{tmp}/bad-ids.jsonl"],
      "trace {tmp}/bad-ids.jsonl, line 1: block ids must be a 1-D sequence of integers"),
+    (["--workload", "trace", "--trace", "{tmp}"],
+     "--trace {tmp} is not a regular file (a directory, a pipe or a device)"),
+    (["--workload", "trace", "--trace", "{tmp}/file"], "--trace {tmp}/file holds no request"),
+    (["--storage", "redis://127.0.0.1:1/0?ttl_s=99999999999999999999"],
+     "ttl_s must be <= 3153600000"),
     (["--workload", "trace", "--trace", "{tmp}/bool-ids.jsonl"],
      "trace {tmp}/bool-ids.jsonl, line 1: block ids must be a 1-D sequence of integers, got a "
      "bool"),

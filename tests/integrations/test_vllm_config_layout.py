@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -57,7 +59,14 @@ def test_defaults() -> None:
     ({"layer_timeout_s": 0}, "layer_timeout_s must be > 0"),
     ({"layer_timeout_s": float("nan")}, "layer_timeout_s must be a finite number"),
     ({"prefetch_max_ms": float("inf")}, "prefetch_max_ms must be a finite number"),
-    ({"heartbeat_timeout_s": -1}, "heartbeat_timeout_s must be > 0"),
+    ({"heartbeat_timeout_s": -1}, "heartbeat_timeout_s must be >= 1.0"),
+    ({"heartbeat_timeout_s": 1e-9}, "heartbeat_timeout_s must be >= 1.0"),
+    ({"storage": ""}, "storage is empty: give an L3 URL, or 'none'"),
+    ({"storage": "file:///tmp/a#b"}, "storage: .*'#' starts a fragment"),
+    ({"storage": "none", "storage_write": True}, "storage_write is true but storage is none"),
+    ({"log_dir": "/dev/null"}, "log_dir: log directory /dev/null: not a directory"),
+    ("notadict", "kv_connector_extra_config must be a JSON object of zkv keys, got str"),
+    (5, "kv_connector_extra_config must be a JSON object of zkv keys, got int"),
     ({"write_through_threshold": 0}, "write_through_threshold must be >= 1"),
     ({"inject_load_failures": [1, -2]}, "inject_load_failures must be a list of integers"),
     ({"log_level": "loud"}, "log_level must be one of"),
@@ -65,7 +74,7 @@ def test_defaults() -> None:
     ({"metrics_port": "9000"}, "metrics_port must be an integer port"),
     ({"metrics_port": 70000}, "metrics_port must be <= 65535"),
 ])
-def test_bad_values_refused_with_one_line(extra: dict, msg: str) -> None:
+def test_bad_values_refused_with_one_line(extra: Any, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg) as e:
         parse_extra_config(extra)
     assert "\n" not in str(e.value) and str(e.value).startswith("zkv: ")

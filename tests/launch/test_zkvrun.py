@@ -368,6 +368,9 @@ def test_bad_layout_is_refused(tmp_path: Path) -> None:
     assert r.returncode == 2 and "world_size=1" in r.stderr and "WORLD_SIZE=2" in r.stderr
     r = run_zkvrun(tmp_path, "--config", "{not json", "-c", "pass")
     assert r.returncode == 2 and "bad cache layout JSON" in r.stderr
+    r = run_zkvrun(tmp_path, "--config", '{"num_layers": 2, "colour": 1}', "-c", "pass")
+    assert r.returncode == 2 and ("bad cache layout JSON: unknown field(s) colour; missing "
+                                  "field(s) kv_heads, block_size, head_dim") in r.stderr, r.stderr
 
 
 def test_missing_command_is_a_usage_error(tmp_path: Path) -> None:

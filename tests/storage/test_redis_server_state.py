@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from structlog.testing import capture_logs
 
 from tests.servers import RedisServer
 from tests.storage.test_backends import BLOCK, blocks, digest
+from zkv.errors import ConfigError
 from zkv.storage import HEADER_SIZE, open_store, pack_key
 from zkv.storage.redis_store import RedisStore
 
@@ -198,3 +200,14 @@ def test_an_lru_redis_that_samples_few_keys_is_told_to_sample_more(
         for name in ("maxmemory-samples", "maxmemory", "maxmemory-policy"):
             admin.config_set(name, was[name])
         admin.close()
+
+
+def test_a_database_the_server_lacks_is_a_bad_url(redis_server: RedisServer) -> None:
+    """``redis://HOST:PORT/99`` on a server of 16 databases: one ConfigError at open, not an
+    outage that fails every call for the life of the engine."""
+    url = redis_server.url.rsplit("/", 1)[0]
+    with pytest.raises(ConfigError) as err:
+        open_store(f"{url}/99", "ns-db")
+    assert str(err.value) == (f"{url}/99: the server has no database 99 (CONFIG GET "
+                              "databases: it numbers them from 0)")
+    open_store(f"{url}/15", "ns-db").close()  # the last one there

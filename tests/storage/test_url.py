@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,20 @@ def test_file_url_opens_a_local_dir_store(tmp_path: Path) -> None:
     assert isinstance(s, LocalDirStore)
     assert (s.root, s.namespace, s.max_bytes, s.fsync) == (str(tmp_path), "ns", 4096, True)
     assert file_url(tmp_path) == f"file://{tmp_path}"
+
+
+@pytest.mark.parametrize("name", ["a#b", "q?max_gb=1", "p%41", "a\tb", "sp ace"])
+def test_a_store_dir_is_the_directory_named_whatever_its_characters(
+        tmp_path: Path, name: str) -> None:
+    """``--store-dir`` maps to ``file_url``: a ``#``, ``?`` or ``%`` in the path was read as
+    URL syntax (a fragment, a query, an escape) and the blocks went to another directory."""
+    s = open_store(file_url(tmp_path / name), "ns")
+    try:
+        assert isinstance(s, LocalDirStore) and s.root == str(tmp_path / name)
+        s.put_many([bytes(18)], [bytes(64)])
+        assert os.listdir(tmp_path) == [name]
+    finally:
+        s.close()
 
 
 def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
@@ -47,6 +62,11 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("mooncake://:50051", "needs HOST:PORT"),
     ("mooncake://127.0.0.1:50051?segment_mb=-1", "segment_mb must be >= 0"),
     ("mooncake://127.0.0.1:50051/x", "master only"),
+    ("redis://127.0.0.1:6379/0?ttl_s=99999999999999999999", "ttl_s must be <= 3153600000"),
+    ("redis://127.0.0.1:6379/0?ttl_s=60&ttl_s=70", "ttl_s is given twice"),
+    ("file:///tmp/a#b", "'#' starts a fragment"),
+    ("file:///tmp/a#", "'#' starts a fragment"),
+    ("file:///tmp/l3%00x", "the path holds a NUL byte"),
 ])
 def test_bad_url_is_one_clear_line(url: str, why: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -20,7 +20,8 @@ LAYOUT = CacheLayout(2, 2, 16, 32, "float16", 16, 16, world_size=2)
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"ZKV_CONFIG": ""}, "zkv.worker: ZKV_CONFIG is not set (zkvrun sets it for every rank)"),
+    ({"ZKV_CONFIG": ""}, "zkv.worker: ZKV_CONFIG is not set: run the ranks with zkvrun --config "
+                         "FILE (the cache layout as JSON), which sets it for every rank"),
     ({"RANK": "2"}, "zkv.worker: RANK 2 is not below the layout's world_size 2"),
     ({"ZKV_HEARTBEAT_S": "nan"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number > 0, "
                                  "got 'nan'"),

@@ -219,8 +219,12 @@ class Dispatcher:
             self._pull = self._ctx.socket(zmq.PULL)
             opened.append(self._pull)
             self._setup_sockets(keys, pub_endpoint, pull_endpoint)
-            self._pub.bind(pub_endpoint)
-            self._pull.bind(pull_endpoint)
+            for sock, endpoint in ((self._pub, pub_endpoint), (self._pull, pull_endpoint)):
+                try:
+                    sock.bind(endpoint)
+                except zmq.ZMQError as e:  # a port in use, an address not this machine's
+                    raise ConfigError(f"the scheduler cannot listen on {endpoint}: "
+                                      f"{zmq.strerror(e.errno or 0)}") from None
         except BaseException:  # a socket error, a bad key, SystemExit from a signal
             for sock in opened:
                 sock.close(0)

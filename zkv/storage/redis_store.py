@@ -137,8 +137,11 @@ class RedisStore(Store):
         self.link = Link(self.url, self._ping, log=self._log)
         try:  # a server down at start is no error: the store degrades to misses
             self._call("ping", self._client.ping)
-        except StorageError:
-            pass
+        except StorageError as e:
+            if "DB index is out of range" in str(e.__cause__):  # the URL's /DB: a bad URL
+                self.close()
+                raise ConfigError(f"{self.url}: the server has no database {db} (CONFIG GET "
+                                  "databases: it numbers them from 0)") from None
         else:
             self._log.info(ev.STORE_OPENED, store=self.url)
             self._check_memory()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from zkv.errors import ConfigError
 from zkv.security import redact_credentials, userinfo_end
@@ -40,6 +40,11 @@ _PARAMS = {
 }
 
 
+# Upper bounds where the server would refuse every call (redis: an EX past its clock's range
+# is "value is not an integer or out of range" on each SET); a TTL of a century is none.
+_MAX = {"ttl_s": 100 * 365 * 86400}
+
+
 def _bad(url: str, why: str) -> ConfigError:
     return ConfigError(f"bad store URL {redact_credentials(url)!r}: {why}")
 
@@ -50,6 +55,8 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
         kind = _PARAMS[scheme].get(name)
         if kind is None:
             raise _bad(url, f"unknown parameter {name!r} (known: {', '.join(_PARAMS[scheme])})")
+        if name in out:
+            raise _bad(url, f"{name} is given twice")
         try:
             if kind is bool:
                 if raw not in ("0", "1", "true", "false"):
@@ -66,6 +73,8 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
                 raise _bad(url, f"{name} must be >= 0")
         elif kind in (int, float) and out[name] <= 0:
             raise _bad(url, f"{name} must be > 0")
+        if name in _MAX and out[name] > _MAX[name]:
+            raise _bad(url, f"{name} must be <= {_MAX[name]}")
     return out
 
 
@@ -103,6 +112,9 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
     if scheme not in SCHEMES:
         raise _bad(url, f"unknown scheme {scheme!r} (one of {', '.join(SCHEMES)})")
     _check_credentials(url)
+    if parts.fragment or url.endswith("#"):  # dropped by urlsplit: a path cut short
+        raise _bad(url, "'#' starts a fragment, which a store URL has none of "
+                        "(percent-encode a '#' in a path as %23)")
     if writers < 1:
         raise ValueError(f"writers must be >= 1, got {writers}")
     params = _params(url, scheme, parts.query)
@@ -169,6 +181,8 @@ def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict
     path = unquote(parts.path)
     if not path.startswith("/"):
         raise _bad(url, "the path must be absolute: file:///abs/path")
+    if "\0" in path:
+        raise _bad(url, "the path holds a NUL byte (%00)")
     max_bytes = params.get("max_bytes")
     if "max_gb" in params:
         if max_bytes is not None:
@@ -180,5 +194,6 @@ def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict
 
 
 def file_url(path: str | os.PathLike[str]) -> str:
-    """``file://`` URL of a local directory (what ``--store-dir`` maps to)."""
-    return "file://" + os.path.abspath(os.fspath(path))
+    """``file://`` URL of a local directory (what ``--store-dir`` maps to), its path
+    percent-encoded: a ``#``, ``?`` or ``%`` in it stays part of the path."""
+    return "file://" + quote(os.path.abspath(os.fspath(path)), safe="/")

@@ -26,11 +26,12 @@ Keys (all optional)::
                                           (auto: when vLLM schedules asynchronously)
     layer_timeout_s          float > 0    a forward waits this long for a layer's load
                                           before it counts as failed (default 30)
-    heartbeat_timeout_s      float > 0    a rank not heard from for this long is lost and
+    heartbeat_timeout_s      float >= 1   a rank not heard from for this long is lost and
                                           zkv is off for the engine (default 30; an idle
                                           engine loses none: what the ranks sent while
                                           nothing polled is read first)
-    log_dir                  str          zkv's JSON logs (default: stderr, level warning)
+    log_dir                  str          zkv's JSON logs (default: stderr, level warning); a
+                                          directory this process can write or make
     log_level                str          debug | info | warning | error
     metrics_port             int >= 0     serve zkv's Prometheus metrics on 127.0.0.1:PORT
                                           from the scheduler process (0: any port)
@@ -54,20 +55,22 @@ from typing import Any
 
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError
+from zkv.log import check_log_dir
 from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy
 from zkv.scheduler.records import WRITE_POLICIES, WRITE_THROUGH
-from zkv.storage.url import parse_url
+from zkv.storage.url import file_url, parse_url
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEFAULT_HOST_BYTES = 2 * 2**30
+MIN_HEARTBEAT_TIMEOUT_S = 1.0  # four of the ranks' heartbeats (Sidecar: every 0.25 s)
 
 
 def default_storage_url() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return "file://" + os.path.join(base, "zkv", "l3")
+    return file_url(os.path.join(base, "zkv", "l3"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +149,10 @@ def _number(key: str, value: Any, low: float, strict: bool = False) -> float:
 
 def _storage(value: Any) -> str | None:
     url = _typed("storage", value, str, "an L3 URL or 'none'")
-    if url.lower() in ("none", "off", ""):
+    if url.lower() in ("none", "off"):
         return None
+    if not url.strip():
+        raise ConfigError("zkv: storage is empty: give an L3 URL, or 'none' for no L3")
     try:
         parse_url(url)  # the storage package's own check, without connecting
     except ConfigError as e:
@@ -157,6 +162,9 @@ def _storage(value: Any) -> str | None:
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
     """Validate ``kv_connector_extra_config``; see the module docstring for the keys."""
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigError("zkv: kv_connector_extra_config must be a JSON object of zkv keys, "
+                          f"got {type(extra).__name__} {extra!r:.60}")
     extra = dict(extra or {})
     known = set(ZkvVllmConfig.__dataclass_fields__)
     unknown = sorted(set(extra) - known)
@@ -189,9 +197,17 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
             if value != "auto" and not isinstance(value, bool):
                 raise ConfigError(f"zkv: gate must be \"auto\", true or false; got {value!r}")
             kw[key] = value
-        elif key in ("layer_timeout_s", "heartbeat_timeout_s"):
+        elif key == "layer_timeout_s":
             kw[key] = _number(key, value, 0, strict=True)
-        elif key in ("log_dir", "namespace_salt"):
+        elif key == "heartbeat_timeout_s":  # a few of the ranks' heartbeats (every 0.25 s)
+            kw[key] = _number(key, value, MIN_HEARTBEAT_TIMEOUT_S)
+        elif key == "log_dir":
+            kw[key] = _typed(key, value, str, "a string")
+            try:
+                check_log_dir(kw[key])
+            except ConfigError as e:
+                raise ConfigError(f"zkv: log_dir: {e}") from None
+        elif key == "namespace_salt":
             kw[key] = _typed(key, value, str, "a string")
         elif key == "log_level":
             kw[key] = _choice(key, value, LOG_LEVELS)
@@ -208,6 +224,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
         elif key == "inject_rank":
             kw[key] = int(_number(key, _typed(key, value, int, "an integer"), 0))
     if kw["storage"] is None:
+        if kw.get("storage_write"):
+            raise ConfigError("zkv: storage_write is true but storage is none: nothing to "
+                              "write to")
         kw.setdefault("storage_write", False)
     return ZkvVllmConfig(**kw)
 
