@@ -285,10 +285,13 @@ class MooncakeServer(_Server):
     """A Mooncake master and one ``mooncake_client`` that mounts ``segment_mb`` of memory
     (where blocks live; zkv clients mount none, so blocks outlive them)."""
 
-    def __init__(self, folder: str, segment_mb: int = 256) -> None:
+    def __init__(self, folder: str, segment_mb: int = 256,
+                 master_args: tuple[str, ...] = ()) -> None:
+        """``master_args``: more ``mooncake_master`` flags (``--default_kv_lease_ttl=1``)."""
         super().__init__(folder)
         self.port, self.metrics_port, self.holder_port = free_port(), free_port(), free_port()
         self.segment_mb = segment_mb
+        self.master_args = master_args
         self.master: subprocess.Popen[bytes] | None = None
         self.holder: subprocess.Popen[bytes] | None = None
         self.env = dict(os.environ, MC_TCP_BIND_ADDRESS=HOST, MC_LOG_LEVEL="ERROR")
@@ -312,7 +315,7 @@ class MooncakeServer(_Server):
         self.master = self._spawn("master", [
             binary("mooncake_master"), f"--rpc_address={HOST}", f"--rpc_port={self.port}",
             f"--metrics_host={HOST}", f"--metrics_port={self.metrics_port}",
-            "--logtostderr=true"], env=self.env)
+            "--logtostderr=true", *self.master_args], env=self.env)
         wait_for(lambda: port_open(self.port) and port_open(self.metrics_port),
                  f"mooncake_master on port {self.port}", self.master)
 

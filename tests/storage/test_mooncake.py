@@ -3,6 +3,8 @@ other), and a call whose blocks failed asks the master for their sizes once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -158,3 +160,29 @@ def test_a_closed_store_used_by_a_living_thread_is_freed(mooncake_server: Moonca
     del store
     gc.collect()
     assert ref() is None, gc.get_referrers(ref())
+
+
+def test_a_lease_that_runs_out_during_a_read_is_a_miss_not_an_outage(tmp_path: Any) -> None:
+    """A master whose objects' lease (``--default_kv_lease_ttl``) is shorter than a read: its
+    gets return -707 (LEASE_EXPIRED) per object. Those blocks miss; the store stays up and
+    the next call is made. (Before: -707 counted as the store not answering, so each get
+    raised StorageError and the link went down.)"""
+    from structlog.testing import capture_logs
+
+    with MooncakeServer(str(tmp_path), 64, master_args=("--default_kv_lease_ttl=1",)) as srv:
+        store = open_store(srv.url, "lease", rank=0)
+        try:
+            keys = [pack_key(bytes([7, i]) * 8, 0) for i in range(32)]
+            src = np.arange(BLOCK, dtype=np.uint8)
+            assert all(store.put_many(keys, [src] * len(keys)))
+            out = [np.empty(BLOCK, np.uint8) for _ in keys]
+            with capture_logs() as logs:
+                for _ in range(3):
+                    got = store.get_many_into(keys, out)
+                    assert all(o.tobytes() == src.tobytes() for o, g in zip(out, got) if g)
+            assert store.link.up  # type: ignore[attr-defined]
+            assert not [e for e in logs if e["event"] == "storage.store_unreachable"]
+            failed = [e for e in logs if e["event"] == "storage.read_failed"]
+            assert failed and "get returned -707" in failed[0]["error"], logs
+        finally:
+            store.close()

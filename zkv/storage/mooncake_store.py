@@ -29,7 +29,10 @@ Return codes (ints): a size = read OK; -704 not found (a normal miss, also after
 -600 the object is larger than the block (refused); -800 on a get may be a shorter object
 (its stored size decides: refused) or a transfer failure; -706 lease (refused blocks are
 removed with ``force=True``, at the end of the get call, in one batch, after one batched
-read again: a good copy saved meanwhile stays, see ``_remove_refused``); -200 no space
+read again: a good copy saved meanwhile stays, see ``_remove_refused``); -707 the lease
+ran out during the read (a master run with a lease shorter than a read: that block
+misses, with a rate-limited line, and the store stays up; it was taken for an outage,
+and every get failed whole); -200 no space
 (the put is declined and counted); -900 / -901 RPC failure or timeout: the link goes
 down (see base.py). The stored sizes of a call's failed blocks come from one batched
 query to the master (``_stored_sizes``), not a ``get_size`` round trip each. ``put`` on an
@@ -91,8 +94,10 @@ STALE_S = 0.1
 _PROBE = ["zkv-probe"]
 TOO_SMALL = -600
 TRANSFER_FAIL = -800
+LEASE_EXPIRED = -707  # the object's lease ran out while it was read: that block misses
 #: Codes about one object; anything else negative means the store is not answering.
-_PER_OBJECT = frozenset({NOT_FOUND, TOO_SMALL, TRANSFER_FAIL, -200, -703, -705, -706, -10})
+_PER_OBJECT = frozenset({NOT_FOUND, TOO_SMALL, TRANSFER_FAIL, LEASE_EXPIRED, -200, -703, -705,
+                         -706, -10})
 
 
 def _transport_error(rcs: list[int]) -> int | None:
