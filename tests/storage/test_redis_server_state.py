@@ -175,7 +175,7 @@ def test_an_lru_redis_that_samples_few_keys_is_told_to_sample_more(
         redis_server: RedisServer) -> None:
     """Under ``allkeys-lru`` redis evicts the best of ``maxmemory-samples`` keys (default 5),
     and a prompt's blocks, touched together, tie: a sample that takes a chain's first block
-    strands the rest. At 32 fewer chains break (bench/redis_eviction.py); one info line at
+    strands the rest. At 32 fewer chains break (bench/store_eviction.py); one info line at
     open says so. At 32, or without ``maxmemory``, or under another policy: nothing."""
     admin = redis_server.client()
     was = admin.config_get("maxmemory*")

@@ -464,7 +464,9 @@ class MooncakeStore(Store):
                     bytes_written=sum(v.nbytes for v, good in zip(views, ok) if good))
         if n < len(ok):
             rc = next(rc for rc in rcs if rc != 0)
-            hint = " (no space: mount memory, e.g. mooncake_client)" if rc == -200 else ""
+            hint = (" (no space: the segments are full and the master has not evicted yet, "
+                    "or none is mounted: mount memory, e.g. mooncake_client)"
+                    if rc == -200 else "")
             self._declined(len(ok) - n, f"put returned {rc}{hint}")
         return ok
 

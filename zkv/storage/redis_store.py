@@ -35,7 +35,7 @@ block: sampling 32 keys (redis's default is 5) strands fewer chains. On the bund
 through a server that holds about a quarter of its blocks, zkv loads 0.75-0.77x of what an
 exact LRU of the same size would give with 5 samples, 0.85x with 10 and 0.91-0.94x with 32
 (64: no better), at the same put throughput; ``volatile-ttl`` 0.74x, ``allkeys-lfu`` 0.26x
-(``bench/redis_eviction.py``). A server that refuses writes when
+(``bench/store_eviction.py``). A server that refuses writes when
 full (``noeviction``, or a ``volatile-*`` policy while ``ttl_s`` is not set) is said at
 open in one warning (``storage.store_misconfigured``, where ``CONFIG GET`` is allowed), and
 each declined put's line says what to configure; an LRU one that samples fewer than 32
@@ -338,7 +338,7 @@ class RedisStore(Store):
 
 
 # maxmemory-samples that keeps chains loadable (redis's default is 5; 64 gains no more, and
-# neither costs put throughput with blocks this large): bench/redis_eviction.py
+# neither costs put throughput with blocks this large): bench/store_eviction.py
 _LRU_SAMPLES = 32
 _FULL_HINT = ("set maxmemory-policy allkeys-lru (or volatile-ttl with the store's ttl_s), "
               "or raise maxmemory")
