@@ -47,6 +47,7 @@ import dataclasses
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -400,6 +401,16 @@ def _install_handlers(handler: Callable[[int, object], None]) -> dict[int, objec
     return {s: signal.signal(s, handler) for s in FORWARDED_SIGNALS}
 
 
+def _check_resolves(host: str) -> None:
+    """ConfigError unless ``--master-addr`` names an address (a name that does not resolve
+    left the ranks of a node waiting ``ZKV_SCHEDULER_TIMEOUT_S`` in silence)."""
+    try:
+        socket.getaddrinfo(host.strip("[]"), None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--master-addr {host}: not an address this machine can resolve "
+                          f"({e})") from None
+
+
 def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig, str | None]:
     """Validate (the default log root made here: it is checked as it is made); the config
     with ``--config`` parsed once into canonical JSON."""
@@ -416,6 +427,8 @@ def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig,
             _make_default_log_root()
         if problem is None:
             zlog.check_level()  # ZKV_LOG_LEVEL, which every child reads
+        if problem is None and config.nnodes > 1:
+            _check_resolves(config.master_addr)
     except ConfigError as e:
         problem = str(e)
     return config, problem

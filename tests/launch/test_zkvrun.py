@@ -324,6 +324,17 @@ def test_multi_node_needs_insecure_tcp(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())  # nothing started, no log dir
 
 
+@pytest.mark.parametrize("node_rank", ["0", "1"])
+def test_a_master_addr_that_does_not_resolve_is_one_line(tmp_path: Path, node_rank: str) -> None:
+    """(On node rank 1 the ranks waited ZKV_SCHEDULER_TIMEOUT_S, 300 s, in silence.)"""
+    r = run_zkvrun(tmp_path, "--nnodes", "2", "--node-rank", node_rank, "--insecure-tcp",
+                   "--allow-remote", "--master-addr", "999.1.1.1", "-c", "open('started', 'w')")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("zkvrun: error: --master-addr 999.1.1.1: not an address this "
+                               "machine can resolve (") and r.stderr.count("\n") == 1
+    assert not (tmp_path / "started").exists()
+
+
 @pytest.mark.parametrize("via_env", [False, True])
 def test_a_log_dir_that_is_a_file_is_one_line_and_starts_nothing(tmp_path: Path,
                                                                  via_env: bool) -> None:
