@@ -67,12 +67,23 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("file:///tmp/a#b", "'#' starts a fragment"),
     ("file:///tmp/a#", "'#' starts a fragment"),
     ("file:///tmp/l3%00x", "the path holds a NUL byte"),
+    ("redis://127.0.0.1:0/0", "port 0 is no server's port"),
+    ("mooncake://127.0.0.1:50051?protocol=foo", "protocol must be tcp or rdma, got 'foo'"),
 ])
 def test_bad_url_is_one_clear_line(url: str, why: str) -> None:
     with pytest.raises(ConfigError) as info:
         open_store(url, "ns")
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith(f"bad store URL {url!r}: ") and why in msg
+
+
+def test_a_mooncake_url_with_credentials_is_refused_without_showing_them() -> None:
+    """Mooncake has no auth: a user and password there were ignored, silently."""
+    with pytest.raises(ConfigError) as info:
+        open_store("mooncake://u:s3cret@127.0.0.1:50051", "ns")
+    assert str(info.value) == ("bad store URL 'mooncake://***@127.0.0.1:50051': a Mooncake "
+                               "master takes no user or password (it has no auth: keep it on "
+                               "a network only the engines reach)")
 
 
 def test_bad_namespace_and_writers(tmp_path: Path) -> None:

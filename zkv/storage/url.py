@@ -96,6 +96,8 @@ def _host_port(url: str, parts: Any) -> tuple[str, int]:
         raise _bad(url, str(e)) from None
     if not host or port is None:
         raise _bad(url, "needs HOST:PORT")
+    if port == 0:
+        raise _bad(url, "port 0 is no server's port")
     return host, port
 
 
@@ -133,6 +135,11 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
                             password=password, **params)
     if parts.path not in ("", "/"):
         raise _bad(url, "a mooncake URL names the master only (no path)")
+    if parts.username or parts.password:
+        raise _bad(url, "a Mooncake master takes no user or password (it has no auth: keep "
+                        "it on a network only the engines reach)")
+    if params.get("protocol", "tcp") not in ("tcp", "rdma"):
+        raise _bad(url, f"protocol must be tcp or rdma, got {params['protocol']!r}")
     if "segment_mb" in params:
         params["segment_bytes"] = params.pop("segment_mb") << 20
     if "buffer_mb" in params:
