@@ -25,6 +25,13 @@ up the two are equal. Zero copy is what RDMA needs (both buffers registered with
 ``register_buffer``), so RDMA always splits. Both forms store identical objects: clients
 in either mode read each other's blocks.
 
+Capacity: the master's allocator rounds each object up to a size class an eighth of a
+power of two apart, and KV blocks are powers of two, so the 64-byte header puts each one in
+the next class: a 32 MiB segment held 910 blocks of 32 KiB (+ header) where 1,024 objects
+of exactly 32 KiB fit, and 227 of 128 KiB where 256 fit (12.5% of the store). Any byte
+added does the same; payload-only objects would drop the checksum and the key check that
+every get makes (see base.py). Not done: the header stays.
+
 Return codes (ints): a size = read OK; -704 not found (a normal miss, also after exists);
 -600 the object is larger than the block (refused); -800 on a get may be a shorter object
 (its stored size decides: refused) or a transfer failure; -706 lease (refused blocks are
