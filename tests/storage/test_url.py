@@ -68,6 +68,8 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("file:///tmp/a#", "'#' starts a fragment"),
     ("file:///tmp/l3%00x", "the path holds a NUL byte"),
     ("redis://127.0.0.1:0/0", "port 0 is no server's port"),
+    ("redis://127.0.0.1:6379/0?timeout_s=1e-9", "timeout_s must be >= 0.001"),
+    ("mooncake://127.0.0.1:50051?timeout_s=0.0001", "timeout_s must be >= 0.001"),
     ("mooncake://127.0.0.1:50051?protocol=foo", "protocol must be tcp or rdma, got 'foo'"),
 ])
 def test_bad_url_is_one_clear_line(url: str, why: str) -> None:

@@ -43,6 +43,8 @@ _PARAMS = {
 # Upper bounds where the server would refuse every call (redis: an EX past its clock's range
 # is "value is not an integer or out of range" on each SET); a TTL of a century is none.
 _MAX = {"ttl_s": 100 * 365 * 86400}
+# Lower bounds where every call would time out on a healthy server (and say it is down).
+_MIN = {"timeout_s": 0.001}
 
 
 def _bad(url: str, why: str) -> ConfigError:
@@ -75,6 +77,8 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
             raise _bad(url, f"{name} must be > 0")
         if name in _MAX and out[name] > _MAX[name]:
             raise _bad(url, f"{name} must be <= {_MAX[name]}")
+        if name in _MIN and out[name] < _MIN[name]:
+            raise _bad(url, f"{name} must be >= {_MIN[name]} (a second's thousandth)")
     return out
 
 
