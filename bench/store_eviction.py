@@ -54,7 +54,7 @@ from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
 
 from zkv import log as zlog  # noqa: E402
 from zkv.argtypes import nonneg_float  # noqa: E402
-from zkv.storage import HEADER_SIZE, Store, open_store, pack_key  # noqa: E402
+from zkv.storage import HEADER_SIZE, Store, file_url, open_store, pack_key  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 SAMPLES = (5, 10, 32, 64)  # the put cost table's maxmemory-samples, redis's default first
@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             label, held, run = through_server(name, os.path.join(folder, f"server-{i}"),
                                               chains, args)
             budget = max(1, held) * (HEADER_SIZE + args.payload)
-            lru = open_store(f"file://{folder}/lru-{i}?max_bytes={budget}", name, rank=0)
+            lru = open_store(f"{file_url(os.path.join(folder, f'lru-{i}'))}?max_bytes={budget}",
+                             name, rank=0)
             try:
                 base = Replay(lru, args.payload, 0.0).run(chains)
             finally:

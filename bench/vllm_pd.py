@@ -39,6 +39,7 @@ from tests.integration.vllm_runner import build_smollm2, build_tiny_llama, scrap
 from tests.integration.vllm_server import MAX_MODEL_LEN as SERVER_MAX_MODEL_LEN  # noqa: E402
 from tests.integration.vllm_server import VllmServer, vllm_sockets_here  # noqa: E402
 from tests.servers import free_port  # noqa: E402
+from zkv.storage import file_url  # noqa: E402
 
 KV_BYTES = 96 << 20  # vLLM's own cache: about one document of SmolLM2's
 
@@ -75,7 +76,7 @@ def run_alone(tmp: Path, model: str, prompts: list[list[int]], args: list[str]
 
 def run_pd(tmp: Path, model: str, prompts: list[list[int]], args: list[str]
            ) -> dict[str, Any]:
-    store = f"file://{tmp / 'l3'}"
+    store = file_url(tmp / "l3")
     ports = {role: free_port() for role in ("kv_producer", "kv_consumer")}
     servers = {role: VllmServer(tmp, model, _kv_config(role, store, str(tmp / f"logs-{role}"),
                                                        port),

@@ -401,14 +401,20 @@ def _install_handlers(handler: Callable[[int, object], None]) -> dict[int, objec
     return {s: signal.signal(s, handler) for s in FORWARDED_SIGNALS}
 
 
-def _check_resolves(host: str) -> None:
-    """ConfigError unless ``--master-addr`` names an address (a name that does not resolve
-    left the ranks of a node waiting ``ZKV_SCHEDULER_TIMEOUT_S`` in silence)."""
+def _check_resolves(host: str, node_rank: int) -> None:
+    """``--master-addr`` that does not resolve: on node rank 0, which listens there, a
+    ConfigError; on the others one warning line, and the ranks wait for it as before (a
+    leader's DNS record may appear only once it starts, as on Kubernetes; libzmq resolves
+    a connect's address again until it does). Before, they waited in silence."""
     try:
         socket.getaddrinfo(host.strip("[]"), None)
     except (socket.gaierror, UnicodeError) as e:
-        raise ConfigError(f"--master-addr {host}: not an address this machine can resolve "
-                          f"({e})") from None
+        if node_rank == 0:
+            raise ConfigError(f"--master-addr {host}: not an address this machine can "
+                              f"resolve ({e})") from None
+        print(f"zkvrun: warning: --master-addr {host} does not resolve yet ({e}); the ranks "
+              "wait for the scheduler there up to ZKV_SCHEDULER_TIMEOUT_S", file=sys.stderr,
+              flush=True)
 
 
 def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig, str | None]:
@@ -428,7 +434,7 @@ def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig,
         if problem is None:
             zlog.check_level()  # ZKV_LOG_LEVEL, which every child reads
         if problem is None and config.nnodes > 1:
-            _check_resolves(config.master_addr)
+            _check_resolves(config.master_addr, config.node_rank)
     except ConfigError as e:
         problem = str(e)
     return config, problem

@@ -669,7 +669,7 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
             raise ConfigError(f"--trace {args.trace} is not a regular file (a directory, a "
                               "pipe or a device): give a JSONL file")
         n = sum(1 for _ in trace_workload(args.trace, args.requests))  # a bad line: one line
-        if n == 0:
+        if n == 0 and args.requests > 0:
             raise ConfigError(f"--trace {args.trace} holds no request")
     layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype,
                          args.device_blocks, args.host_blocks, world_size=args.ranks)

@@ -155,7 +155,7 @@ class Soak:
 
     def __init__(self, args: argparse.Namespace, run_dir: str) -> None:
         from zkv import security
-        from zkv.storage import LocalDirStore
+        from zkv.storage import LocalDirStore, file_url
 
         self.args = args
         self.rng = random.Random(args.seed)
@@ -168,7 +168,7 @@ class Soak:
         # A byte budget keeps the store (and each writer's in-memory index of its files,
         # ~250 bytes a file) bounded however long the soak runs.
         budget = args.store_mb << 20
-        self.store_url = f"file://{self.store_dir}?max_bytes={budget}"
+        self.store_url = f"{file_url(self.store_dir)}?max_bytes={budget}"
         self.store = LocalDirStore(self.store_dir, self.layout.fingerprint(), max_bytes=budget)
         self.pub, self.pull = f"ipc://{run_dir}/pub", f"ipc://{run_dir}/pull"
         self.log_dir = args.log_dir or os.path.join(run_dir, "logs")

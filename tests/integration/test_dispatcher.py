@@ -400,26 +400,35 @@ def test_a_socket_that_cannot_be_made_leaves_nothing_open(eps: tuple[str, str],
 def test_an_endpoint_it_cannot_listen_on_is_one_line_and_leaves_nothing_open(
         eps: tuple[str, str]) -> None:
     """A port another process holds, an address not this machine's (zkvrun's
-    ``--master-addr`` / ``--master-port``): one ConfigError naming the endpoint, not a
-    zmq traceback; the first socket, bound already, is closed again."""
+    ``--master-addr`` / ``--master-port``): one ConfigError naming the endpoint, not a zmq
+    traceback; the XPUB, bound already when the PULL fails, is closed again, and so is the
+    ZAP domain: the context ends."""
     import socket
+    import threading
+
+    from zkv.security import ZapHandler
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
+    c: zmq.Context[Any] = zmq.Context()
     try:
-        for pub, why in [(f"tcp://127.0.0.1:{port}", "Address already in use"),
-                         ("tcp://bad host:29511", "No such device")]:
+        for pub, pull, why in [
+                (f"tcp://127.0.0.1:{port}", eps[1], "Address already in use"),
+                ("tcp://bad host:29511", eps[1], "No such device"),
+                (eps[0], f"tcp://127.0.0.1:{port}", "Address already in use")]:  # XPUB bound
             with pytest.raises(ConfigError) as err:
-                Dispatcher(pub, eps[1], 1, FP, insecure=True, allow_remote=True)
-            assert str(err.value) == f"the scheduler cannot listen on {pub}: {why}"
-        with pytest.raises(ConfigError, match=f"cannot listen on tcp://127.0.0.1:{port}: "):
-            Dispatcher(eps[0], f"tcp://127.0.0.1:{port}", 1, FP, insecure=True)
-        d = Dispatcher(*eps, 1, FP)  # the ipc endpoints were closed again: free to bind
-        d.close()
+                Dispatcher(pub, pull, 1, FP, insecure=True, allow_remote=True, context=c)
+            bad = pull if pub == eps[0] else pub
+            assert str(err.value) == f"the scheduler cannot listen on {bad}: {why}"
+            assert id(c) not in ZapHandler._by_context
     finally:
         taken.close()
+        ender = threading.Thread(target=c.term, daemon=True)
+        ender.start()
+        ender.join(5.0)
+    assert not ender.is_alive(), "a socket left open keeps the context from ending"
 
 
 def test_a_context_ended_under_a_registered_domain_ends_the_zap_thread_quietly() -> None:

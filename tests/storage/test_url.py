@@ -19,7 +19,8 @@ def test_file_url_opens_a_local_dir_store(tmp_path: Path) -> None:
     assert file_url(tmp_path) == f"file://{tmp_path}"
 
 
-@pytest.mark.parametrize("name", ["a#b", "q?max_gb=1", "p%41", "a\tb", "sp ace"])
+@pytest.mark.parametrize("name", ["a#b", "q?max_gb=1", "p%41", "a\tb", "sp ace",
+                                  os.fsdecode(b"caf\xe9#x")])  # not UTF-8
 def test_a_store_dir_is_the_directory_named_whatever_its_characters(
         tmp_path: Path, name: str) -> None:
     """``--store-dir`` maps to ``file_url``: a ``#``, ``?`` or ``%`` in the path was read as
@@ -62,7 +63,7 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("mooncake://:50051", "needs HOST:PORT"),
     ("mooncake://127.0.0.1:50051?segment_mb=-1", "segment_mb must be >= 0"),
     ("mooncake://127.0.0.1:50051/x", "master only"),
-    ("redis://127.0.0.1:6379/0?ttl_s=99999999999999999999", "ttl_s must be <= 3153600000"),
+    ("redis://127.0.0.1:6379/0?ttl_s=99999999999999999999", "ttl_s must be <= 1000000000000000"),
     ("redis://127.0.0.1:6379/0?ttl_s=60&ttl_s=70", "ttl_s is given twice"),
     ("file:///tmp/a#b", "'#' starts a fragment"),
     ("file:///tmp/a#", "'#' starts a fragment"),
@@ -70,7 +71,6 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("redis://127.0.0.1:0/0", "port 0 is no server's port"),
     ("redis://127.0.0.1:6379/0?timeout_s=1e-9", "timeout_s must be >= 0.001"),
     ("mooncake://127.0.0.1:50051?timeout_s=0.0001", "timeout_s must be >= 0.001"),
-    ("mooncake://127.0.0.1:50051?protocol=foo", "protocol must be tcp or rdma, got 'foo'"),
 ])
 def test_bad_url_is_one_clear_line(url: str, why: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, unquote_to_bytes, urlsplit
 
 from zkv.errors import ConfigError
 from zkv.security import redact_credentials, userinfo_end
@@ -40,9 +40,10 @@ _PARAMS = {
 }
 
 
-# Upper bounds where the server would refuse every call (redis: an EX past its clock's range
-# is "value is not an integer or out of range" on each SET); a TTL of a century is none.
-_MAX = {"ttl_s": 100 * 365 * 86400}
+# Upper bounds where the server would refuse every call: redis refuses an EX whose expiry in
+# ms passes a 64-bit integer ("invalid expire time in 'set' command" on each SET; 9e15 was
+# taken, 1e16 refused).
+_MAX = {"ttl_s": 10**15}
 # Lower bounds where every call would time out on a healthy server (and say it is down).
 _MIN = {"timeout_s": 0.001}
 
@@ -142,8 +143,6 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
     if parts.username or parts.password:
         raise _bad(url, "a Mooncake master takes no user or password (it has no auth: keep "
                         "it on a network only the engines reach)")
-    if params.get("protocol", "tcp") not in ("tcp", "rdma"):
-        raise _bad(url, f"protocol must be tcp or rdma, got {params['protocol']!r}")
     if "segment_mb" in params:
         params["segment_bytes"] = params.pop("segment_mb") << 20
     if "buffer_mb" in params:
@@ -189,7 +188,7 @@ def open_store(url: str, namespace: str, *, writers: int = 1, rank: int | None =
 def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict[str, Any]:
     if parts.netloc not in ("", "localhost"):
         raise _bad(url, "file URLs name a local path: file:///abs/path")
-    path = unquote(parts.path)
+    path = os.fsdecode(unquote_to_bytes(parts.path))  # a name not in UTF-8 too (file_url)
     if not path.startswith("/"):
         raise _bad(url, "the path must be absolute: file:///abs/path")
     if "\0" in path:
@@ -207,4 +206,4 @@ def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict
 def file_url(path: str | os.PathLike[str]) -> str:
     """``file://`` URL of a local directory (what ``--store-dir`` maps to), its path
     percent-encoded: a ``#``, ``?`` or ``%`` in it stays part of the path."""
-    return "file://" + quote(os.path.abspath(os.fspath(path)), safe="/")
+    return "file://" + quote(os.fsencode(os.path.abspath(os.fspath(path))), safe="/")
