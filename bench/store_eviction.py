@@ -56,7 +56,12 @@ from zkv import log as zlog  # noqa: E402
 from zkv.argtypes import nonneg_float  # noqa: E402
 from zkv.storage import HEADER_SIZE, Store, file_url, open_store, pack_key  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+REPO = Path(__file__).resolve().parents[1]
+#: The bundled trace beside the checkout, else its first 800 requests in tests/data (a clean
+#: clone has no ../shared).
+TRACE = next((p for p in (REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",
+                          REPO / "tests" / "data" / "mooncake_trace_head800.jsonl")
+              if p.is_file()), REPO / "tests" / "data" / "mooncake_trace_head800.jsonl")
 SAMPLES = (5, 10, 32, 64)  # the put cost table's maxmemory-samples, redis's default first
 CONFIGS = {  # name: (maxmemory-policy, maxmemory-samples, store URL query)
     "lru5": ("allkeys-lru", 5, ""),
