@@ -79,7 +79,7 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
         if name in _MAX and out[name] > _MAX[name]:
             raise _bad(url, f"{name} must be <= {_MAX[name]}")
         if name in _MIN and out[name] < _MIN[name]:
-            raise _bad(url, f"{name} must be >= {_MIN[name]} (a second's thousandth)")
+            raise _bad(url, f"{name} must be >= {_MIN[name]} (1 ms)")
     return out
 
 
