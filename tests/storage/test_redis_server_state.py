@@ -211,3 +211,31 @@ def test_a_database_the_server_lacks_is_a_bad_url(redis_server: RedisServer) -> 
     assert str(err.value) == (f"{url}/99: the server has no database 99 (CONFIG GET "
                               "databases: it numbers them from 0)")
     open_store(f"{url}/15", "ns-db").close()  # the last one there
+
+
+def test_a_database_missing_when_the_server_comes_back_is_said_once(tmp_path: Path) -> None:
+    """The server was down at open, so the URL's database could not be checked; when it
+    answers without it, the store stays down and says why, once. (Before: only the first
+    outage's "unreachable" line, then silence for as long as it ran.)"""
+    from structlog.testing import capture_logs
+
+    from tests.servers import free_port
+    from tests.waiting import wait_until
+
+    port = free_port()
+    with capture_logs() as logs:
+        store = open_store(f"redis://127.0.0.1:{port}/99?timeout_s=0.5", "ns-db")
+        try:
+            with RedisServer(str(tmp_path), port=port):
+                said = lambda: _events(logs, "storage.store_misconfigured")  # noqa: E731
+                wait_until(lambda: said(), 20, "the missing database said")
+                attempts = store.link.num_attempts  # type: ignore[attr-defined]
+                wait_until(lambda: store.link.num_attempts > attempts + 1,  # type: ignore
+                           20, "two more reconnect attempts")
+                assert not store.link.up  # type: ignore[attr-defined]
+        finally:
+            store.close()
+    [line] = said()
+    assert line["log_level"] == "error" and line["error"] == (
+        f"redis://127.0.0.1:{port}/99: the server has no database 99 (CONFIG GET databases: "
+        "it numbers them from 0)")

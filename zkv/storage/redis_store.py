@@ -43,7 +43,9 @@ keys, in one info line (``storage.store_tuning``).
 
 Outages: every call has a socket timeout and no client-side retry; a connection or timeout
 error marks the :class:`~zkv.storage.base.Link` down, later calls fail at once until its
-backoff passes, then one ``PING`` decides (the connection pool reconnects by itself).
+backoff passes, then one ``PING`` decides (the connection pool reconnects by itself). A
+URL's database the server lacks is a ConfigError at open; found only when a server that was
+down at open answers, the store stays down and says so once (``storage.store_misconfigured``).
 """
 
 from __future__ import annotations
@@ -135,19 +137,32 @@ class RedisStore(Store):
         self.policy: str | None = None  # maxmemory-policy, once CONFIG GET told it
         self._memory_checked = False
         self.link = Link(self.url, self._ping, log=self._log)
+        self._no_db_said = False
         try:  # a server down at start is no error: the store degrades to misses
             self._call("ping", self._client.ping)
         except StorageError as e:
-            if "DB index is out of range" in str(e.__cause__):  # the URL's /DB: a bad URL
+            if _no_database(e.__cause__):  # the URL's /DB: a bad URL
                 self.close()
-                raise ConfigError(f"{self.url}: the server has no database {db} (CONFIG GET "
-                                  "databases: it numbers them from 0)") from None
+                raise ConfigError(self._no_database_text()) from None
         else:
             self._log.info(ev.STORE_OPENED, store=self.url)
             self._check_memory()
 
+    def _no_database_text(self) -> str:
+        return (f"{self.url}: the server has no database {self.url.rsplit('/', 1)[1]} "
+                "(CONFIG GET databases: it numbers them from 0)")
+
     def _ping(self) -> None:
-        self._client.ping()
+        """The link's reconnect attempt. A server that was down at open and answers without
+        the URL's database stays down, said once (else only the first outage's line)."""
+        try:
+            self._client.ping()
+        except self._errors as e:
+            if _no_database(e) and not self._no_db_said:
+                self._no_db_said = True
+                self._log.error(ev.STORE_MISCONFIGURED, store=self.url,
+                                error=self._no_database_text())
+            raise
         self._check_memory()  # (a server that was down at open: checked once it answers)
 
     def _check_memory(self) -> None:
@@ -342,6 +357,11 @@ class RedisStore(Store):
 _LRU_SAMPLES = 32
 _FULL_HINT = ("set maxmemory-policy allkeys-lru (or volatile-ttl with the store's ttl_s), "
               "or raise maxmemory")
+
+
+def _no_database(error: BaseException | None) -> bool:
+    """A redis error that says the connection's ``SELECT`` named a database the server lacks."""
+    return error is not None and "DB index is out of range" in str(error)
 
 
 def _stored_len(head: Any) -> int:
