@@ -246,16 +246,21 @@ class WorkerActor:
     def wait_acked(self, seq: int, timeout: float | None = None) -> P.BlocksCopied | None:
         """This rank's ack of batch ``seq`` once it is sent (None after ``timeout`` or when
         the actor stopped). Acks older than the last ~1024 seqs are forgotten (None)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._gate:
-            while True:
-                ack = self._acks.get(seq)
-                if ack is not None or self._last_seq >= seq or self.exit_code is not None:
-                    return ack
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                self._gate_wait(left if left is None else min(left, 0.1))
+            self._gate_wait_until(lambda: seq in self._acks or self._last_seq >= seq
+                                  or self.exit_code is not None, timeout)
+            return self._acks.get(seq)
+
+    def _gate_wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """(``self._gate`` held) Wait until ``done()`` holds, at most ``timeout`` seconds
+        (None: no limit), waking at least every 0.1 s; whether it holds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._gate_wait(left if left is None else min(left, 0.1))
+        return True
 
     def _gate_wait(self, timeout: float | None) -> None:
         """``self._gate.wait`` (the lock held), counted so that notifiers can skip the
@@ -732,12 +737,8 @@ class WorkerActor:
         """
         with self._gate:
             self._saves_abandoned = max(self._saves_abandoned, upto)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while 0 <= self._saving <= upto and self.exit_code is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._gate_wait(left if left is None else min(left, 0.1))
+            self._gate_wait_until(lambda: not 0 <= self._saving <= upto
+                                  or self.exit_code is not None, timeout)
             quiet = not 0 <= self._saving <= upto
             if not quiet:
                 self._saves_overrun = max(self._saves_overrun, self._saving)
