@@ -91,6 +91,31 @@ def test_close_reports_a_leaked_host_block(group: Group) -> None:
     assert closed["invariants"] == "broken"
 
 
+def test_calls_after_close_miss_and_a_second_close_does_nothing(group: Group) -> None:
+    """vLLM's scheduler may call once more after the connector's shutdown (a request that
+    arrives while the engine stops): each call is a miss, not a zmq error from a closed
+    socket, and no batch goes out. The doc is cached: before the close it matches, after
+    it nothing does."""
+    half = group.half
+    group.compute_and_save()
+    before = group.request()
+    assert half.get_num_new_matched_tokens(before, 0)[0] == 8 * 16
+    half.request_finished(before)  # (never allocated: nothing to free)
+    half.close()
+    req = group.request()
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+    half.update_state_after_alloc(req, list(range(9)), 0)
+    meta = half.build_connector_meta(Group.step(req, list(range(9)), 0))
+    assert meta.loads == [] and meta.load_seq is None
+    half.update_connector_output(())
+    req.status = SimpleNamespace(name="FINISHED_STOPPED")
+    assert half.request_finished(req) == (False, None)
+    assert half.wait_idle(1.0)
+    with capture_logs() as logs:
+        half.close()
+    assert logs == []
+
+
 def test_the_stats_vllm_reads_every_step_walk_no_tree(group: Group) -> None:
     """vLLM calls ``get_kv_connector_stats`` after every step (``update_from_output``): the
     connector reads the half's running totals (``counters``), not its snapshot, whose

@@ -390,8 +390,11 @@ class Dispatcher:
         Returns as soon as at least one batch completed (after taking the messages already
         queued while batches are still in flight: their acks), so a tight loop of ``poll``
         calls adds no latency. With nothing left in flight it returns at once: what else
-        is queued (a heartbeat) waits for the next call.
+        is queued (a heartbeat) waits for the next call. After :meth:`close`: nothing
+        (no batch completes any more).
         """
+        if self._closed:
+            return []
         deadline = time.monotonic() + timeout_s
         pull_only = self._pull_only
         taken = 0
@@ -433,6 +436,10 @@ class Dispatcher:
     def take_completed(self) -> list[BatchDone]:
         done, self._completed = self._completed, []
         return done
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self, shutdown: bool = True, timeout_s: float = 1.0) -> None:
         """Publish ``Shutdown`` (and wait up to ``timeout_s`` for the ranks' ``Bye``), then

@@ -83,8 +83,7 @@ from zkv.scheduler.manager import (
 )
 from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 
-# The pump (SchedulerHalf._pump): how often it looks while batches are in flight, and how
-# long vLLM must have called nothing before it steps in.
+# The pump (SchedulerHalf._pump): how often it looks while batches fly; how long vLLM waits
 PUMP_INTERVAL_S = 0.002
 PUMP_IDLE_S = 0.005
 EMPTY_STEP_WAIT_S = 0.005  # a step that scheduled nothing waits this long for an ack
@@ -147,8 +146,7 @@ class SchedulerHalf:
         self._reqs: dict[str, RequestState] = {}
         # (step, {req_id: (epoch, tokens computed once the step ran)}) per step whose
         # output has not come back yet
-        self._steps: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = \
-            collections.deque()
+        self._steps: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = collections.deque()
         # requests vLLM preempted outside schedule() whose preemption was handled when it
         # asked about them again, in this step (see _num_matched)
         self._preempted_early: set[str] = set()
@@ -158,8 +156,7 @@ class SchedulerHalf:
         self._epochs = itertools.count()
         self._fence = -1
         self._promised: list[int] = []  # blocks whose loads vLLM was promised this step
-        self._done_upto = -1         # every seq <= this completed on all ranks
-        self._done_above: set[int] = set()
+        self._done_upto, self._done_above = -1, set[int]()  # seqs all ranks acked: <= upto; these
         self._step = 0
         self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         from zkv.integrations.vllm import metrics
@@ -770,9 +767,12 @@ class SchedulerHalf:
         """Report what is left (``connector.closed``: info, a warning when something was
         left; ``connector.invariants_broken``, an error, if the pools and the tree disagree;
         one O(tree) check), then close. vLLM stops the workers first, so batches still in
-        flight are reported, not waited for."""
+        flight are reported, not waited for. Once closed, vLLM's calls miss (zkv is off)
+        and a second close does nothing."""
         from zkv.integrations.vllm import metrics
 
+        if self.dp.closed:
+            return
         metrics.unregister_half(self)  # (the process's other engines keep theirs)
         self._stop.set()
         self._kick.set()
@@ -796,4 +796,5 @@ class SchedulerHalf:
                num_steps=self._step, disabled=self.disabled, **left)
         self.cm.flush_logs()
         self._await_expired_log.flush()
+        self.disabled = self.disabled or "closed"  # a late call of vLLM's: misses, no batch
         self.dp.close()
