@@ -137,6 +137,20 @@ def test_cli_logs_subcommand(run_dir: Path, capsys: pytest.CaptureFixture[str]) 
     assert capsys.readouterr().err == f"zkv logs: {run_dir / 'empty'}: no *.jsonl log files in it\n"
 
 
+def test_a_view_that_matches_nothing_says_so_and_names_the_ranks_that_logged(
+        run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rank 99`` on a two-rank run printed nothing with status 0, like a quiet run."""
+    assert cli.main(["logs", str(run_dir), "--rank", "99"]) == 0
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err == f"zkv logs: {run_dir}: no event matched (ranks in these logs: 0, 1)\n"
+    assert cli.main(["logs", str(run_dir), "--event", "no-such-event"]) == 0
+    assert capsys.readouterr().err == f"zkv logs: {run_dir}: no event matched\n"
+    assert cli.main(["logs", str(run_dir), "--rank", "1"]) == 0
+    out = capsys.readouterr()
+    assert out.out and out.err == ""  # something matched: nothing said
+
+
 @pytest.mark.parametrize("args, message", [
     (["--seq", "-1"], "argument --seq: must be >= 0, got -1"),
     (["--rank", "-2"], "argument --rank: must be >= 0, got -2"),

@@ -314,6 +314,27 @@ def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
             t.close()
 
 
+def _no_match(path: str, filters: Filters) -> str:
+    """The line for a view that printed nothing (status 0 still: an empty answer is one),
+    so that a typo in ``--rank`` or ``--event`` does not read as a quiet run. With a rank
+    filter, the ranks that did log (one more pass over the files; only in this case)."""
+    line = f"{path}: no event matched"
+    if filters.ranks is None:
+        return line
+    ranks: set[int] = set()
+    tails = [Tail(p) for p in log_files(path, rotated=True)]
+    try:
+        for rec in merge(tails, final=True):
+            r = _as_int(rec.data.get("rank")) if rec.data is not None else None
+            if r is not None:
+                ranks.add(r)
+    finally:
+        for t in tails:
+            t.close()
+    logged = ", ".join(map(str, sorted(ranks))) if ranks else "none"
+    return f"{line} (ranks in these logs: {logged})"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="log directory of a run (or one .jsonl file)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
@@ -345,7 +366,8 @@ def run_args(ns: argparse.Namespace) -> int:
         if not log_files(ns.dir):
             print(f"zkv logs: {ns.dir}: no *.jsonl log files in it", file=sys.stderr)
             return 1
-        view(ns.dir, filters, as_json=ns.json)
+        if not view(ns.dir, filters, as_json=ns.json):
+            print(f"zkv logs: {_no_match(ns.dir, filters)}", file=sys.stderr)
         sys.stdout.flush()
     except BrokenPipeError:  # `zkv logs DIR | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
