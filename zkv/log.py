@@ -77,6 +77,8 @@ STORE_EVICTED = "storage.blocks_evicted"
 STORE_DISK_FULL = "storage.disk_full"
 STORE_MISCONFIGURED = "storage.store_misconfigured"
 STORE_TUNING = "storage.store_tuning"
+STORE_CLOSE_TIMEOUT = "storage.close_timeout"
+STOP_TIMEOUT = "worker.stop_timeout"
 # launcher
 RANK_STARTED = "launch.rank_started"
 RANK_EXITED = "launch.rank_exited"

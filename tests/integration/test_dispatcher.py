@@ -311,6 +311,26 @@ def test_close_publishes_shutdown(ctx: zmq.Context[Any], eps: tuple[str, str]) -
         d.close()  # idempotent
 
 
+def test_after_close_nothing_is_in_flight_and_nothing_waits(
+        ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
+    """A batch in flight at close is counted in ``dispatcher.stopped`` and forgotten: no
+    ack can complete it, so ``drain`` returns at once (it spun a core for its whole
+    timeout) and ``poll`` says nothing (a closed socket's zmq error before). A group
+    that never joined is told ``wait_for_ranks`` comes after close (a zmq error too)."""
+    with joined_fakes(ctx, eps, 2, FP) as (d, _ranks):
+        d.publish([_op(0)], step=0)
+        with capture_logs() as logs:
+            d.close(shutdown=False)
+        (stopped,) = [e for e in logs if e["event"] == "dispatcher.stopped"]
+        assert stopped["num_in_flight"] == 1
+        assert d.in_flight == 0 and d.closed
+        assert d.drain(2.0) == [] and d.poll(0.5) == []  # (drain: nothing left to wait on)
+    never = Dispatcher(*eps, 1, FP, context=ctx)
+    never.close(shutdown=False)
+    with pytest.raises(RuntimeError, match=r"wait_for_ranks\(\) after close"):
+        never.wait_for_ranks(1)
+
+
 def test_rank_loss_fails_in_flight_and_later_publish(
         group: tuple[Dispatcher, list[FakeRank]]) -> None:
     d, ranks = group

@@ -5,12 +5,19 @@ a real worker process, with the calls made the way vLLM's scheduler makes them."
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 from structlog.testing import capture_logs
 
 from tests.integrations.test_vllm_rank_loss import Group
 from zkv.integrations.vllm import metrics
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gauges() -> dict[str, float]:
@@ -114,6 +121,50 @@ def test_calls_after_close_miss_and_a_second_close_does_nothing(group: Group) ->
     with capture_logs() as logs:
         half.close()
     assert logs == []
+
+
+_CONNECTOR_CHILD = '''
+import json, warnings
+from types import SimpleNamespace
+warnings.simplefilter("ignore")
+from tests.integrations.test_vllm_rank_loss import Group
+from tests.worker.helpers import short_ipc_dir
+from zkv.integrations.vllm.connector import ZkvConnector
+
+with short_ipc_dir() as folder:
+    group = Group(folder)
+    try:
+        conn = object.__new__(ZkvConnector)  # the scheduler role's (__init__ needs VllmConfig)
+        conn.sched, conn.worker, conn._store, conn._ipc_dir = group.half, None, None, None
+        conn._metrics_server = None
+        group.compute_and_save()
+        conn.shutdown()
+        conn.shutdown()  # (again: nothing)
+        req = group.request()
+        out = {"matched": conn.get_num_new_matched_tokens(req, 0)}
+        conn.update_state_after_alloc(
+            req, SimpleNamespace(get_block_ids=lambda: [list(range(9))]), 0)
+        meta = conn.build_connector_meta(Group.step(req, list(range(9)), 0))
+        out["loads"], out["load_seq"] = meta.loads, meta.load_seq
+        req.status = SimpleNamespace(name="FINISHED_STOPPED")
+        out["finished"] = conn.request_finished(req, list(range(9)))
+    finally:
+        group.close()
+print(json.dumps(out))
+'''
+
+
+def test_a_connector_shut_down_answers_vllm_with_misses() -> None:
+    """The same through the connector vLLM holds: its shutdown kept no half, so each call
+    failed ``assert self.sched is not None``; now the closed half answers. (In a child
+    process: importing vLLM here would change this one, its warnings above all.)"""
+    proc = subprocess.run([sys.executable, "-c", _CONNECTOR_CHILD], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"matched": [0, False], "loads": [], "load_seq": None,
+                   "finished": [False, None]}, got
 
 
 def test_the_stats_vllm_reads_every_step_walk_no_tree(group: Group) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 import zkv.kernels as kernels
 import zkv.kernels.reference as reference
@@ -219,6 +220,30 @@ def _probe(store: Store) -> bool:
         return True
     except Exception:
         return False
+
+
+def test_a_worker_closed_under_a_hung_store_write_waits_for_it_and_stops(
+        stack: ExitStack, folder: str, tmp_path: Any) -> None:
+    """vLLM's shutdown closes a worker while an L3 write hangs on a paused redis whose
+    timeout (3 s) is past the sidecar's 2 s: close waits for the call (the actor's exit
+    waits for its I/O threads) and returns with the thread stopped. Before, it raised
+    RuntimeError at 2 s: vLLM's worker teardown stopped there and the store stayed open."""
+    srv = stack.enter_context(RedisServer(str(tmp_path)))
+    store = open_store(srv.url + "?timeout_s=3", LAYOUT.fingerprint())
+    stack.callback(store.close)
+    rig = Rig(stack, folder, [store])
+    keys = tuple(digest(16, i) for i in range(4))
+    assert rig.run([P.Op(0, P.FILL, dst=ids(range(4)), keys=keys)]).ok
+    assert rig.run([P.Op(0, P.D2H, ids(range(4)), ids(range(4)))]).ok
+    srv.pause()
+    stack.callback(srv.resume)  # (runs before the store's close)
+    rig.d.publish([P.Op(0, P.H2S, src=ids(range(4)), keys=keys)], 1)
+    wait_for(lambda: store.num_calls == 1, "the write inside the store")
+    sc = rig.sidecars[0]
+    with capture_logs() as logs:
+        assert sc.close() is True
+    assert not sc.alive and store.num_calls == 0
+    assert not [e for e in logs if e["event"] == "worker.stop_timeout"]
 
 
 def test_a_restarted_scheduler_never_gets_the_old_ones_io_results(

@@ -287,10 +287,13 @@ class Dispatcher:
         """Return once every rank joined (hello with our layout + subscription proven).
 
         Raises :class:`~zkv.errors.ConfigError` at once when a rank's layout differs
-        (naming the fields), ``TimeoutError`` naming the missing ranks.
+        (naming the fields), ``TimeoutError`` naming the missing ranks; ``RuntimeError``
+        after :meth:`close` (a group that had not joined).
         """
         if self._members.started:
             return
+        if self._closed:
+            raise RuntimeError("wait_for_ranks() after close()")
         deadline = time.monotonic() + timeout_s
         while True:
             self._drain()
@@ -443,7 +446,9 @@ class Dispatcher:
 
     def close(self, shutdown: bool = True, timeout_s: float = 1.0) -> None:
         """Publish ``Shutdown`` (and wait up to ``timeout_s`` for the ranks' ``Bye``), then
-        close both sockets with linger 0. Idempotent."""
+        close both sockets with linger 0. Batches still in flight are counted in the
+        ``dispatcher.stopped`` line and forgotten: nothing completes them any more, so
+        ``in_flight`` is 0 and :meth:`drain` returns at once. Idempotent."""
         if self._closed:
             return
         self._closing = True
@@ -471,6 +476,7 @@ class Dispatcher:
             self._forged_log.flush()
             self._log.info(ev.DISPATCHER_STOPPED, next_seq=self._next_seq,
                            num_in_flight=len(self._in_flight), **counts)
+            self._in_flight.clear()
 
     def __enter__(self) -> Dispatcher:
         return self

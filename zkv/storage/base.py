@@ -41,19 +41,29 @@ once, backoff reset: the scheduler's queries come back with the ranks' writes. `
 stops the thread.
 
 Stores are called from the worker's I/O threads concurrently: implementations are
-thread-safe.
+thread-safe. Closing is too: ``close`` refuses new calls (``StorageError``: closed) and
+waits up to ``close_wait_s`` for the calls running (a networked store's: two of its
+timeouts and a second) before it releases the connections. A backend whose client must
+not be released under a call (Mooncake's native client: a segfault) keeps it when a call
+still runs at the end of the wait, and says so (``storage.close_timeout``)::
+
+    OPEN ──close()──► CLOSING: new calls StorageError; running ones finish
+                         │ none left, or close_wait_s passed
+                         ▼
+                      CLOSED: connections released (unless a call still ran: kept)
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import os
 import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -302,6 +312,30 @@ class Link:
             return
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def store_call(fn: _F) -> _F:
+    """A store's public call: refused once the store is closing (``StorageError``), and
+    counted while it runs, so that ``close`` waits for it."""
+
+    @functools.wraps(fn)
+    def call(self: Store, *args: Any, **kwargs: Any) -> Any:
+        with self._calls_cv:
+            if self._closed:
+                raise StorageError(f"{self.url}: the store is closed")
+            self._calls += 1
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            with self._calls_cv:
+                self._calls -= 1
+                if not self._calls:
+                    self._calls_cv.notify_all()
+
+    return call  # type: ignore[return-value]
+
+
 class Store(abc.ABC):
     """An L3 key/value store of host blocks (see the module docstring).
 
@@ -330,6 +364,20 @@ class Store(abc.ABC):
         self._read_failed_log = failure_log(self, ev.READ_FAILED, "get")
         #: where :func:`~zkv.storage.query.leading_present` logs a failed query by default
         self.query_failed_log = failure_log(self, ev.QUERY_FAILED, "exists")
+        self._closed = False  # closing or closed: calls refused (store_call)
+        self._calls = 0       # store_call calls running
+        self._calls_cv = threading.Condition()
+
+    @property
+    def num_calls(self) -> int:
+        """Calls running now (``close`` waits for them)."""
+        return self._calls
+
+    @property
+    def close_wait_s(self) -> float:
+        """How long ``close`` waits for the calls running (a networked store: its
+        timeouts); a worker's shutdown waits this long for its I/O threads too."""
+        return 5.0
 
     # ---------------------------------------------------------------- the interface
 
@@ -337,6 +385,7 @@ class Store(abc.ABC):
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """One batched existence query (one round trip where the backend allows)."""
 
+    @store_call
     def count_leading(self, digests: Sequence[bytes], world_size: int) -> int:
         """How many leading blocks of ``digests`` are present for every rank
         ``0..world_size-1``: the scheduler's query, which runs inside the engine's
@@ -381,8 +430,18 @@ class Store(abc.ABC):
         """Memory that blocks will be read into / written from (zero copy where the
         backend needs registration, e.g. Mooncake's RDMA). Default: nothing to do."""
 
+    def _quiesce(self) -> bool:
+        """Refuse new calls; wait up to ``close_wait_s`` for the running ones. Whether none
+        runs any more (a backend's close calls this before it releases its client)."""
+        with self._calls_cv:
+            self._closed = True
+            return self._calls_cv.wait_for(lambda: not self._calls, self.close_wait_s)
+
     def close(self) -> None:
-        """Release connections (a backend's own close calls this last). Idempotent."""
+        """Refuse new calls, wait for the running ones (see the module), release
+        connections (a backend's own close quiesces first and calls this last).
+        Idempotent."""
+        self._quiesce()
         self._write_failed_log.flush()  # what the rate limits held back: their counts
         self._read_failed_log.flush()
         self.query_failed_log.flush()

@@ -89,6 +89,7 @@ from zkv.storage.base import (
     check_header,
     pack_header,
     payload_ok,
+    store_call,
 )
 
 _STALE_TMP_S = 600.0
@@ -168,6 +169,7 @@ class LocalDirStore(Store):
 
     # ---------------------------------------------------------------- interface
 
+    @store_call
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         try:
             return [os.path.isfile(self.path(k)) for k in keys]
@@ -193,14 +195,17 @@ class LocalDirStore(Store):
                     return i
         return len(digests)
 
+    @store_call
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
         for key, data in zip(keys, datas, strict=True):
             self._put_one(key, as_bytes_view(data))
         return [True] * len(keys)
 
+    @store_call
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         return [self._get_one(k, as_bytes_view(o)) for k, o in zip(keys, outs, strict=True)]
 
+    @store_call
     def remove(self, key: bytes) -> None:
         path = self.path(key)
         try:

@@ -84,6 +84,7 @@ from zkv.storage.base import (
     Store,
     as_bytes_view,
     pack_header,
+    store_call,
     value_ok,
 )
 
@@ -290,6 +291,7 @@ class MooncakeStore(Store):
 
     # ---------------------------------------------------------------- interface
 
+    @store_call
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
             return []
@@ -297,6 +299,7 @@ class MooncakeStore(Store):
         rcs = self._call("exists", lambda c: c.batch_is_exist(names))
         return [rc == 1 for rc in rcs]
 
+    @store_call
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         views = [as_bytes_view(o) for o in outs]
         found: list[bool] = []
@@ -309,6 +312,7 @@ class MooncakeStore(Store):
             self._remove_refused()
         return found
 
+    @store_call
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
         views = [as_bytes_view(d) for d in datas]
         if len(views) != len(keys):
@@ -517,18 +521,31 @@ class MooncakeStore(Store):
             self._log.warning(ev.BLOCK_REFUSED, num_blocks=len(names), store=self.url,
                               error=f"delete failed: {e!r}")
 
+    @store_call
     def remove(self, key: bytes) -> None:
         name = self.name(key)
         rc = self._call("remove", lambda c: [c.remove(name, True)])[0]
         if rc not in (0, NOT_FOUND):
             raise StorageError(f"{self.url} remove {name}: returned {rc}")
 
+    @property
+    def close_wait_s(self) -> float:
+        return 2 * self.timeout_s + 1.0
+
     def close(self) -> None:
+        """Quiesce (see base), then close the native client, unless a call still runs:
+        closing it under one crashes the process (SIGSEGV), so it is kept (and said)."""
+        quiet = self._quiesce()
         self.link.close()  # first: an attempt could set a client up again
         with self._setup_lock:
             client, self._client = self._client, None
-        if client is not None:
+        if client is not None and quiet:
             client.close()
+        elif client is not None:
+            self._kept_client = client  # (no destructor runs under the call either)
+            self._log.warning(ev.STORE_CLOSE_TIMEOUT, store=self.url,
+                              waited_s=self.close_wait_s, num_calls=self.num_calls,
+                              detail="a call still ran: the client is kept open")
         super().close()
 
     def __repr__(self) -> str:

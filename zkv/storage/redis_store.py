@@ -68,6 +68,7 @@ from zkv.storage.base import (
     pack_header,
     pack_key,
     payload_ok,
+    store_call,
 )
 
 # KEYS: the keys of n blocks, ARGV[1] (ranks) keys a block; returns the leading blocks
@@ -124,6 +125,7 @@ class RedisStore(Store):
         self._errors = redis.RedisError
         self._transport_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
         tls_kw: dict[str, Any] = {}
         if tls:
             tls_kw = dict(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=True,
@@ -218,6 +220,7 @@ class RedisStore(Store):
 
     # ---------------------------------------------------------------- interface
 
+    @store_call
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key holds a block: a string of the stored length its own header
         gives (as the query's script, key by key)."""
@@ -262,6 +265,7 @@ class RedisStore(Store):
             return super()._count_present(digests, world_size)
         return min(len(digests), max(0, found))
 
+    @store_call
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         if not keys:
             return []
@@ -290,6 +294,7 @@ class RedisStore(Store):
         self._count(hits=1, bytes_read=want)
         return True
 
+    @store_call
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
         if not keys:
             return []
@@ -322,6 +327,7 @@ class RedisStore(Store):
         return (f"{err} (redis is full: maxmemory-policy {self.policy or 'unknown'}; "
                 f"{_FULL_HINT})")
 
+    @store_call
     def remove(self, key: bytes) -> None:
         self._call("remove", lambda: self._client.delete(self.name(key)))
 
@@ -343,7 +349,14 @@ class RedisStore(Store):
                               fallback="DEL: a good copy saved since the read goes too")
             self.remove(key)
 
+    @property
+    def close_wait_s(self) -> float:
+        return 2 * self.timeout_s + 1.0
+
     def close(self) -> None:
+        """Quiesce (see base), then close the pool. A call still running after the wait
+        fails on its closed connection, which is harmless here."""
+        self._quiesce()
         self.link.close()
         self._client.close()
         super().close()

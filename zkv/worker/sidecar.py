@@ -21,6 +21,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zkv import log as ev
 from zkv import security
 from zkv.config import CacheLayout
 from zkv.errors import ConfigError
@@ -181,6 +182,8 @@ class Sidecar:
             gated=gated, keys=client_keys, insecure=insecure,
             scheduler_timeout_s=scheduler_timeout_s,
         )
+        # the actor's exit waits for its store calls running (the store's own timeouts)
+        self._join_s = _JOIN_TIMEOUT_S + (store.close_wait_s if store is not None else 0.0)
         self._thread = threading.Thread(target=self._run, name=f"zkv-worker-{rank}",
                                         daemon=True)
         self._thread.start()
@@ -248,13 +251,20 @@ class Sidecar:
         """This rank's ack of batch ``seq`` (a ``BlocksCopied``), or None on timeout."""
         return self.actor.wait_acked(seq, timeout)
 
-    def close(self) -> None:
-        """Stop the actor (it says ``Bye``) and join its thread."""
+    def close(self) -> bool:
+        """Stop the actor (it says ``Bye``) and join its thread: at most 2 s plus the store's
+        ``close_wait_s`` (the actor's exit waits for its store calls running). Whether it
+        stopped; if not, ``worker.stop_timeout`` (an error) says so and the daemon thread
+        is left to the process's exit: the engine's own shutdown goes on (an exception
+        here stopped vLLM's worker teardown, and the store was never closed)."""
         self.actor.stop("sidecar closed")
-        self._thread.join(_JOIN_TIMEOUT_S)
+        self._thread.join(self._join_s)
         if self._thread.is_alive():
-            raise RuntimeError(f"rank {self.rank} worker thread did not stop within "
-                               f"{_JOIN_TIMEOUT_S} s")
+            ev.get_logger("worker", rank=self.rank).error(
+                ev.STOP_TIMEOUT, waited_s=round(self._join_s, 3),
+                detail="the worker thread did not stop (a store call hung?); left running")
+            return False
+        return True
 
     def __enter__(self) -> Sidecar:
         return self

@@ -363,18 +363,22 @@ class ZkvConnector(KVConnectorBase_V1):
         return ZkvConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
-        if self._metrics_server is not None:  # its port, for the next engine of the process
-            server, self._metrics_server = self._metrics_server, None
-            server.shutdown()
-        if self.worker is not None:
-            self.worker.close()
-        if self.sched is not None:
-            self.sched.close()
-            self.sched = None
-            if self._ipc_dir:
-                shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        if self._store is not None:  # its connections and reconnect thread
-            store, self._store = self._store, None
-            store.close()
-            zlog.get_logger("connector").info(E.STORE_CLOSED, store=store.url,
-                                              **store.stats.snapshot())
+        """Close what this connector runs; the store last, even when closing another part
+        raised. The scheduler half stays, closed: a call of vLLM's after this one misses
+        (was: an AssertionError). Idempotent."""
+        try:
+            if self._metrics_server is not None:  # its port, for the next engine
+                server, self._metrics_server = self._metrics_server, None
+                server.shutdown()
+            if self.worker is not None:
+                self.worker.close()
+            if self.sched is not None:
+                self.sched.close()
+                if self._ipc_dir:
+                    shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        finally:
+            if self._store is not None:  # its connections and reconnect thread
+                store, self._store = self._store, None
+                store.close()
+                zlog.get_logger("connector").info(E.STORE_CLOSED, store=store.url,
+                                                  **store.stats.snapshot())

@@ -1,0 +1,166 @@
+"""Closing a store, against its real server: calls after ``close`` are refused with a
+``StorageError`` (no new connection, nothing written), a second close does nothing, and
+``close`` waits for the calls running (Mooncake's native client closed under a call
+crashed the process with SIGSEGV; redis opened a new connection after close)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+from tests.servers import MooncakeServer, RedisServer
+from tests.storage.test_backends import BLOCK, blocks, keys
+from tests.waiting import wait_until
+from zkv.errors import StorageError
+from zkv.storage import Store, file_url, open_store
+from zkv.storage.mooncake_store import MooncakeStore
+
+
+def _url(kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    if kind == "file":
+        return file_url(tmp_path / "l3")
+    return str(request.getfixturevalue(f"{kind}_server").url)
+
+
+def _connections(server: RedisServer) -> int:
+    with server.client() as c:
+        return len(c.client_list()) - 1  # (less this one)
+
+
+@pytest.mark.parametrize("kind", ["file", "redis", "mooncake"])
+def test_calls_after_close_are_refused_and_a_second_close_does_nothing(
+        kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> None:
+    url = _url(kind, request, tmp_path)
+    server = request.getfixturevalue("redis_server") if kind == "redis" else None
+    before = _connections(server) if server is not None else 0
+    store = open_store(url, f"t{uuid.uuid4().hex[:12]}")
+    ks = keys(2, "close")
+    assert store.put_many(ks[:1], list(blocks(1, 1))) == [True]
+    store.close()
+    out = np.zeros(BLOCK, np.uint8)
+    calls = {"put_many": lambda: store.put_many(ks[1:], list(blocks(1, 2))),
+             "get_many_into": lambda: store.get_many_into(ks[:1], [out]),
+             "exists": lambda: store.exists(ks),
+             "count_leading": lambda: store.count_leading([k[:16] for k in ks], 1),
+             "remove": lambda: store.remove(ks[0])}
+    for name, call in calls.items():
+        with pytest.raises(StorageError, match="the store is closed"):
+            call()
+        assert not out.any(), name
+    with capture_logs() as logs:
+        store.close()
+    assert logs == []
+    if server is not None:  # (was: a call after close opened a connection, kept open)
+        assert _connections(server) == before
+    reopened = open_store(url, store.namespace)  # nothing was written or removed
+    try:
+        assert reopened.exists(ks) == [True, False]
+    finally:
+        reopened.close()
+
+
+def test_close_waits_for_a_call_on_a_hung_redis(tmp_path: Any) -> None:
+    """A put hangs on a paused server; close returns only once the put ended (its
+    timeout), so no call runs on a closed pool."""
+    with RedisServer(str(tmp_path)) as srv:
+        store = open_store(srv.url + "?timeout_s=1", f"t{uuid.uuid4().hex[:12]}")
+        errors: list[BaseException] = []
+
+        def put() -> None:
+            try:
+                store.put_many(keys(1, "hung"), list(blocks(1, 3)))
+            except BaseException as e:  # noqa: BLE001 - what the test checks
+                errors.append(e)
+
+        srv.pause()
+        try:
+            t = threading.Thread(target=put)
+            t.start()
+            wait_until(lambda: store.num_calls == 1, what="the put inside the store")
+            store.close()
+            alive = t.is_alive()
+        finally:
+            srv.resume()
+        t.join(10)
+    assert not alive, "close returned while the put still ran"
+    assert len(errors) == 1 and isinstance(errors[0], StorageError), errors
+    assert "Timeout" in str(errors[0]), errors
+
+
+def test_mooncake_closed_under_running_calls_neither_crashes_nor_loses_a_call(
+        mooncake_server: MooncakeServer) -> None:
+    """Four threads put and get while the store closes: each call completes or is refused
+    as closed (was: SIGSEGV, the whole process gone)."""
+    store = open_store(mooncake_server.url, f"t{uuid.uuid4().hex[:12]}")
+    errors: list[BaseException] = []
+    done = [0] * 4
+
+    def work(i: int) -> None:
+        src = blocks(4, i)
+        out = [np.zeros(BLOCK, np.uint8) for _ in range(4)]
+        n = 0
+        try:
+            while True:
+                ks = keys(4, ("mc-close", i, n))
+                store.put_many(ks, list(src))
+                store.get_many_into(ks, out)
+                n += 1
+                done[i] = n
+        except BaseException as e:  # noqa: BLE001 - what the test checks
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: min(done) >= 2, timeout=30, what="every thread's calls")
+    store.close()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 4, errors
+    assert all(isinstance(e, StorageError) and "the store is closed" in str(e)
+               for e in errors), errors
+
+
+def test_mooncake_keeps_its_client_when_a_call_outlives_the_wait(
+        mooncake_server: MooncakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call still running when the wait ends: the native client stays open (closing it
+    under the call is the crash above), and the close says so."""
+    store: Store = open_store(mooncake_server.url + "?timeout_s=1", f"t{uuid.uuid4().hex[:12]}")
+    monkeypatch.setattr(MooncakeStore, "close_wait_s", property(lambda self: 0.05))
+    gate, entered = threading.Event(), threading.Event()
+    inner = store._call  # type: ignore[attr-defined]
+
+    def held_call(what: str, fn: Any) -> Any:  # a call that takes longer than the wait
+        entered.set()
+        assert gate.wait(10)
+        return inner(what, fn)
+
+    monkeypatch.setattr(store, "_call", held_call)
+    errors: list[BaseException] = []
+
+    def exists() -> None:
+        try:
+            store.exists(keys(1, "held"))
+        except BaseException as e:  # noqa: BLE001 - what the test checks
+            errors.append(e)
+
+    t = threading.Thread(target=exists)
+    t.start()
+    try:
+        assert entered.wait(10)
+        with capture_logs() as logs:
+            store.close()
+    finally:
+        gate.set()
+        t.join(10)
+    (line,) = [e for e in logs if e["event"] == "storage.close_timeout"]
+    assert line["num_calls"] == 1 and line["log_level"] == "warning", line
+    assert store._kept_client is not None  # type: ignore[attr-defined]
+    # the held call went on without its client: a clear error, no crash
+    assert len(errors) == 1 and "not connected" in str(errors[0]), errors
