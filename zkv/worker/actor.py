@@ -59,7 +59,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import orjson
 import zmq
 
@@ -71,6 +70,7 @@ from zkv.errors import ConfigError, DeviceFault, ProtocolError
 from zkv.exit_codes import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, EXIT_SCHEDULER_GONE, EXIT_SEQ_GAP
 from zkv.kernels.layout import describe_for_layout
 from zkv.storage import Store
+from zkv.worker.copies import merged_copy, run_sim
 from zkv.worker.layers import LayerDoneCounter
 from zkv.worker.storage_io import IO_KINDS, StorageIO
 from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
@@ -82,7 +82,6 @@ _ACK_HISTORY = 1024
 _new = tuple.__new__  # a NamedTuple built without its Python-level __new__
 _ACK_SEND_TIMEOUT_MS = 10_000
 _COPY_KINDS = (P.D2H, P.BACKUP)
-_SIM_KINDS = (P.FILL, P.CHECK)
 # Gated actors hold a batch until release only if it writes the engine's KV cache (h2d,
 # fill) or stands for a forward (check). d2h / backup read blocks whose forward ended
 # (an engine confirms a block before saving it); s2h / h2s touch no engine block.
@@ -603,15 +602,17 @@ class WorkerActor:
         # request to finish runs although no step comes after it to release it.
         gate = self.gated and any(op.kind in _GATED_KINDS for op in batch.ops)
         why = self._wait_released(seq) if gate else None
-        if why is not None:
-            self._log.error(ev.COPY_FAILED, seq=seq, error=why)
+        if why is not None:  # (at a shutdown, the engine ran no forward for it: no error)
+            report = self._log.info if self._stop.is_set() else self._log.error
+            report(ev.COPY_FAILED, seq=seq, error=why)
             self.counter.fail(seq, why)
             res = tuple(P.OpResult(op.id, False, 0, why) for op in batch.ops)
             self._ack(P.BlocksCopied(seq, self.rank, False, res, t_recv, time.time()))
             return
         try:
             handle = self._run_copies(batch, results)
-            self._run_sim(batch, results, handle)
+            run_sim(self._log, batch, results, handle, self.backend, self.kv_caches,
+                    self.compute_stream, self.rank)
             if handle is not None:  # before the I/O too: an h2s may read what a d2h wrote
                 self.backend.synchronize_event(handle)
             pending = self._start_io(batch, results)
@@ -673,9 +674,9 @@ class WorkerActor:
                 live = []
             elif live:
                 try:
-                    self._copy(seq, live,
-                               lambda s, d, i=layer: b.copy_h2d(host, kv, s, d, i),  # type: ignore[misc]
-                               failed, layer=layer)
+                    merged_copy(self._log, seq, live,
+                                lambda s, d, i=layer: b.copy_h2d(host, kv, s, d, i),  # type: ignore[misc]
+                                failed, layer=layer)
                 except BaseException:
                     counter.end_layer(seq)
                     raise
@@ -706,7 +707,7 @@ class WorkerActor:
                 results[op.id] = P.OpResult(op.id, False, 0, why)
             return
         try:
-            self._copy(seq, ops, lambda s, d: b.copy_d2h(kv, host, s, d), results)
+            merged_copy(self._log, seq, ops, lambda s, d: b.copy_d2h(kv, host, s, d), results)
         except BaseException:  # (a dead device: no event to record)
             with self._gate:
                 self._saving = -1
@@ -744,68 +745,6 @@ class WorkerActor:
                 self._saves_overrun = max(self._saves_overrun, self._saving)
             handle = self._last_save
         return quiet, handle
-
-    def _copy(self, seq: int, ops: list[P.Op], copy: Callable[[np.ndarray, np.ndarray], None],
-              out: dict[int, P.OpResult], layer: int | None = None) -> None:
-        """One merged copy for ``ops``; if it fails, op by op so each op gets its own
-        outcome. Copies are idempotent, so redoing the ones that succeeded is harmless.
-        For d2h ``out`` gets every op's result; for one h2d layer only failures."""
-        report_ok = layer is None
-        try:
-            if len(ops) == 1:
-                copy(ops[0].src, ops[0].dst)
-            else:
-                copy(np.concatenate([op.src for op in ops]), np.concatenate([op.dst for op in ops]))
-        except DeviceFault:
-            raise  # the context is lost: not one op's failure
-        except Exception:
-            for op in ops:
-                try:
-                    copy(op.src, op.dst)
-                except DeviceFault:
-                    raise
-                except Exception as e:
-                    self._log.error(ev.COPY_FAILED, seq=seq, op_id=op.id, kind=op.kind,
-                                    layer=layer, num_blocks=op.num_blocks, error=repr(e))
-                    out[op.id] = P.OpResult(op.id, False, 0, f"{op.kind} failed: {e!r}")
-                else:
-                    if report_ok:
-                        out[op.id] = P.OpResult(op.id, True, op.num_blocks)
-            return
-        if report_ok:
-            for op in ops:
-                out[op.id] = P.OpResult(op.id, True, op.num_blocks)
-
-    def _run_sim(self, batch: P.CopyBlocks, results: dict[int, P.OpResult], handle: Any) -> None:
-        """fill / check: the simulated forward pass (replay, tests)."""
-        sims = [op for op in batch.ops if op.kind in _SIM_KINDS]
-        if not sims:
-            return
-        from zkv.kernels import reference
-
-        if handle is not None:
-            self.backend.synchronize_event(handle)
-        for op in sims:
-            try:
-                if op.kind == P.FILL:
-                    with self.backend.on_compute(self.compute_stream):  # the "forward"
-                        reference.fill_pattern(self.kv_caches, op.dst, op.keys, self.rank)
-                    results[op.id] = P.OpResult(op.id, True, op.num_blocks)
-                    continue
-                with self.backend.on_compute(self.compute_stream):
-                    n = int(reference.check_pattern(self.kv_caches, op.src, op.keys, self.rank))
-                if n == op.num_blocks:
-                    results[op.id] = P.OpResult(op.id, True, n)
-                else:
-                    err = (f"check: block {n} (device block {int(op.src[n])}) does not hold "
-                           "the expected pattern")
-                    self._log.error(ev.COPY_FAILED, seq=batch.seq, op_id=op.id, kind=op.kind,
-                                    num_blocks=op.num_blocks, done=n, error=err)
-                    results[op.id] = P.OpResult(op.id, False, n, err)
-            except Exception as e:
-                self._log.error(ev.COPY_FAILED, seq=batch.seq, op_id=op.id, kind=op.kind,
-                                num_blocks=op.num_blocks, error=repr(e))
-                results[op.id] = P.OpResult(op.id, False, 0, f"{op.kind} failed: {e!r}")
 
     # ------------------------------------------------------------ storage
 
