@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
+from structlog.testing import capture_logs
 
 import zkv.kernels.reference as reference
 from tests.worker.helpers import digest, endpoints, poll_until_done, short_ipc_dir
@@ -71,6 +72,22 @@ def test_a_batch_never_released_fails_its_layers_and_its_ack(
     assert not done.ok and "did not release" in str(done.results[0].error)
     later = d.publish([], 1)  # the actor is alive and in order afterwards
     assert poll_until_done(d, later)[later].ok
+
+
+def test_a_load_left_held_at_shutdown_fails_without_an_error_line(
+        rig: tuple[Dispatcher, Sidecar]) -> None:
+    """vLLM stops with a load published that no forward released: the load fails (its
+    layers and ack, as above) but at info level: an operator alerts on errors, and this
+    is a normal shutdown. A held load that times out (above) is still an error."""
+    d, sc = rig
+    seq = d.publish([P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([1]), layerwise=True)], 0)
+    assert sc.wait_acked(seq, 0.2) is None  # held
+    with capture_logs() as logs:
+        assert sc.close()
+    (failed,) = [e for e in logs if e["event"] == "worker.copy_failed"]
+    assert failed["log_level"] == "info" and "actor stopping" in failed["error"], failed
+    with pytest.raises(TransferError, match="actor stopping"):
+        sc.wait_layer(seq, 0, timeout=1)
 
 
 def test_saves_are_not_held_and_a_batch_with_a_load_is(rig: tuple[Dispatcher, Sidecar]) -> None:
