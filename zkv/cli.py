@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="create CURVE keys for a group (zkvrun --keys DIR)",
                           description="Write the scheduler's key pair and one key pair per "
                                       "rank into a new 0700 directory DIR. The scheduler node "
-                                      "needs all of it; rank r's node needs server.key and "
+                                      "needs all of it; rank r's node needs the public keys "
+                                      "(server.key, every rank-N.key) and its own "
                                       "rank-r.key_secret.")
     keys.add_argument("dir")
     keys.add_argument("--world-size", type=int, required=True)

@@ -396,7 +396,6 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from zkv import security
     from zkv.scheduler.dispatcher import Dispatcher
     from zkv.storage import StorageQuery, open_store
 
@@ -419,11 +418,8 @@ def _serve(args: argparse.Namespace) -> int:
         workload = list(chat_workload(args.requests, layout.block_size, args.seed))
     else:
         workload = list(trace_workload(args.trace, args.requests))
-    env = os.environ
-    dp = Dispatcher(env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"], layout.world_size, layout,
-                    heartbeat_timeout_s=10.0, ack_timeout_s=60.0, keys=security.keyring_from_env(),
-                    insecure=env.get("ZKV_INSECURE") == "1",
-                    allow_remote=env.get("ZKV_ALLOW_REMOTE") == "1")
+    dp = Dispatcher.from_env(layout.world_size, layout, heartbeat_timeout_s=10.0,
+                             ack_timeout_s=60.0)
     M.watch_refusals(dp)
     if server is not None:
         print(f"zkv replay: metrics at {server.url}", file=sys.stderr, flush=True)

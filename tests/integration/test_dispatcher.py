@@ -311,6 +311,11 @@ def test_close_publishes_shutdown(ctx: zmq.Context[Any], eps: tuple[str, str]) -
         d.close()  # idempotent
 
 
+def test_from_env_names_a_missing_endpoint() -> None:
+    with pytest.raises(ConfigError, match="ZKV_PULL_ENDPOINT is not set .zkvrun sets it"):
+        Dispatcher.from_env(1, FP, env={"ZKV_PUB_ENDPOINT": "ipc:///nowhere"})
+
+
 def test_after_close_nothing_is_in_flight_and_nothing_waits(
         ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
     """A batch in flight at close is counted in ``dispatcher.stopped`` and forgotten: no

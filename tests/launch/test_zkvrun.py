@@ -497,6 +497,37 @@ def test_the_commands_it_logs_hide_url_passwords(tmp_path: Path) -> None:
     assert "s3cret" not in "".join(p.read_text() for p in logs.iterdir()) + r.stderr
 
 
+def _readme_block(after: str) -> str:
+    """The first fenced code block of README.md after the line that starts with ``after``."""
+    text = (Path(ROOT) / "README.md").read_text()
+    at = text.index("\n" + after)
+    start = text.index("```python\n", at) + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+def test_the_readme_scheduler_runs_under_zkvrun(tmp_path: Path) -> None:
+    """README's "Using zkv inside an engine" scheduler, as written there, as zkvrun's
+    ``--scheduler`` with two real ``zkv.worker`` ranks and zkvrun's default per-run
+    keyring: the ranks join, three steps' batches are acked by both, and its exit ends the
+    group with status 0. (The block built its Dispatcher without the keyring: the ranks never
+    joined, ``TimeoutError`` after 60 s naming them.)"""
+    code = _readme_block("Scheduler process (node rank 0")
+    assert "Dispatcher.from_env" in code
+    sched = tmp_path / "readme_sched.py"
+    sched.write_text(code + "\nprint('readme scheduler: steps done', flush=True)\n")
+    layout = CacheLayout(2, 2, 16, 32, "float16", 8, 8, world_size=2)
+    r = run_zkvrun(tmp_path, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+                   "--config", layout.to_json(), "--scheduler", str(sched),
+                   "-m", "zkv.worker", ZKV_BACKEND="cpu")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "readme scheduler: steps done" in r.stdout
+    acked = [ln for ln in r.stdout.splitlines() if "dispatcher.batch_acked" in ln]
+    assert len(acked) == 3 and all("ok=True" in ln for ln in acked), r.stdout[-3000:]
+    assert "num_in_flight=0" in r.stdout
+    evs = events(tmp_path / "logs")
+    assert [e["reason"] for e in evs if e["event"] == zlog.GROUP_STOPPED] == ["scheduler_done"]
+
+
 def test_a_refused_zkv_worker_rank_is_reported_with_what_its_code_means(tmp_path: Path) -> None:
     """A real ``-m zkv.worker`` rank whose layout the scheduler refuses exits 4 on its own;
     zkvrun says what 4 means for zkv.worker (another program's 4 stays a plain ``code 4``:

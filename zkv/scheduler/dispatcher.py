@@ -47,7 +47,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import zmq
@@ -204,6 +204,24 @@ class Dispatcher:
         self._closing = False
         self._closed = False
         self._next_check = 0.0
+
+    @classmethod
+    def from_env(cls, world_size: int, layout: CacheLayout | str,
+                 env: Mapping[str, str] | None = None, **kwargs: Any) -> Dispatcher:
+        """The scheduler of a group ``zkvrun`` started (what its ``--scheduler`` command
+        calls; the ranks' Sidecar reads the same variables): the endpoints
+        (``ZKV_PUB_ENDPOINT``, ``ZKV_PULL_ENDPOINT``), the run's keyring (``ZKV_KEYS``:
+        zkvrun makes one unless ``--insecure-tcp``; without it the ranks never join) and
+        its flags (``ZKV_INSECURE``, ``ZKV_ALLOW_REMOTE``). ``kwargs``: the constructor's."""
+        env = os.environ if env is None else env
+        try:
+            pub, pull = env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"]
+        except KeyError as e:
+            raise ConfigError(f"{e.args[0]} is not set (zkvrun sets it for the scheduler)"
+                              ) from None
+        return cls(pub, pull, world_size, layout, keys=security.keyring_from_env(env),
+                   insecure=env.get("ZKV_INSECURE") == "1",
+                   allow_remote=env.get("ZKV_ALLOW_REMOTE") == "1", **kwargs)
 
     def _open_sockets(self, keys: security.Keyring | None, pub_endpoint: str,
                       pull_endpoint: str) -> None:
