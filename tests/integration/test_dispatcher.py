@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -134,6 +135,25 @@ def test_batches_complete_in_seq_order_only_when_all_acked(
     for b in got[2][3:]:
         ranks[2].ack(b)
     assert sorted(poll_until_done(d, {3, 4})) == [3, 4]
+
+
+def test_a_batch_stuck_on_pending_io_keeps_one_entry_and_later_ones_settle(
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    """A batch whose storage op never finishes (a hung file system under a file://
+    store) stays in flight, alone: the batches after it settle, and nothing is kept per
+    settled batch (the vLLM half kept every later seq in a set while one was stuck)."""
+    d, ranks = group
+    stuck = d.publish([P.Op(0, P.H2S, src=P.as_ids([1]), keys=(b"k" * 16,))], step=0)
+    for r in ranks:  # its first ack names the op pending: its result never comes
+        b = r.recv_batch()
+        r.send(P.BlocksCopied(b.seq, r.rank, True, (), time.time(), time.time(), (0,)))
+    later = [d.publish([_op(1)], step=s) for s in range(1, 200)]
+    for r in ranks:
+        for _ in later:
+            r.ack(r.recv_batch())
+    poll_until_done(d, set(later))
+    assert d.in_flight == 1 and not d.settled(stuck)
+    assert all(d.settled(s) for s in later) and not d.settled(later[-1] + 1)
 
 
 def test_bad_acks_are_refused_and_ignored(group: tuple[Dispatcher, list[FakeRank]]) -> None:

@@ -167,6 +167,74 @@ def test_a_connector_shut_down_answers_vllm_with_misses() -> None:
                    "finished": [False, None]}, got
 
 
+_FAILED_START_CHILD = '''
+import json, os, socket, subprocess, sys, threading, warnings
+from types import SimpleNamespace
+warnings.simplefilter("ignore")
+from tests.integrations.test_vllm_rank_loss import LAYOUT
+from tests.worker.helpers import worker_env
+from zkv.errors import ConfigError
+from zkv.integrations.vllm import metrics
+from zkv.integrations.vllm.config import parse_extra_config
+from zkv.integrations.vllm.connector import ZkvConnector
+from zkv.integrations.vllm.ipc import ipc_endpoints
+
+busy = socket.socket()
+busy.bind(("127.0.0.1", 0))
+busy.listen()
+eid = f"failed-start-{os.getpid()}"
+pub, pull, folder = ipc_endpoints(eid, create=True)
+worker = subprocess.Popen([sys.executable, "-m", "zkv.worker"], stdin=subprocess.DEVNULL,
+                          env=worker_env(0, LAYOUT.to_json(), pub, pull))
+conn = object.__new__(ZkvConnector)  # the scheduler role as vLLM builds it, up to its start
+conn.cfg = parse_extra_config({"host_blocks": LAYOUT.num_host_blocks, "storage": "none",
+                               "metrics_port": busy.getsockname()[1]})
+conn.engine_id, conn.world_size, conn.model = eid, 1, LAYOUT.model
+conn.sched = conn.worker = conn._ipc_dir = conn._store = conn._metrics_server = None
+conn._layout = lambda kv: LAYOUT  # (vLLM's KV cache config: not needed here)
+conn._kv_cache_config = SimpleNamespace(kv_cache_layout=None)
+conn._vllm_config = SimpleNamespace(
+    cache_config=SimpleNamespace(kv_cache_layout=None),
+    model_config=SimpleNamespace(multimodal_config=None),
+    scheduler_config=SimpleNamespace(async_scheduling=False),
+    kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True,
+                                       kv_load_failure_policy="recompute"))
+try:
+    conn._start_scheduler(conn._vllm_config)
+    error = None
+except ConfigError as e:
+    error = str(e)
+try:
+    code = worker.wait(10)  # told Shutdown by the closed half
+except subprocess.TimeoutExpired:
+    worker.kill()
+    code = "still running"
+print(json.dumps({
+    "error": error, "worker_exit": code, "dir_left": os.path.exists(folder),
+    "halves": len(metrics._HALVES.halves),
+    "pumps": sum(t.name == "zkv-pump" for t in threading.enumerate()),
+    "enabled_series": sum(ln.startswith("zkv:enabled{") for ln in metrics.render().splitlines()),
+}))
+'''
+
+
+def test_a_failed_start_leaves_no_half_behind() -> None:
+    """The scheduler role's start fails after its half joined the ranks (a taken
+    ``metrics_port``): vLLM never gets the connector, so nothing would call ``shutdown``.
+    The start closes what it made before it raises: the worker is told to stop, no pump
+    thread or registered half (with ``zkv:enabled 1``) is left, and the engine's ipc
+    directory is removed. Before, each failed try of an in-process engine left all of
+    them running."""
+    proc = subprocess.run([sys.executable, "-c", _FAILED_START_CHILD], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got.pop("error", "").startswith("zkv: metrics port"), got
+    assert got == {"worker_exit": 0, "dir_left": False, "halves": 0, "pumps": 0,
+                   "enabled_series": 0}, got
+
+
 def test_the_stats_vllm_reads_every_step_walk_no_tree(group: Group) -> None:
     """vLLM calls ``get_kv_connector_stats`` after every step (``update_from_output``): the
     connector reads the half's running totals (``counters``), not its snapshot, whose

@@ -458,6 +458,13 @@ class Dispatcher:
         done, self._completed = self._completed, []
         return done
 
+    def settled(self, seq: int) -> bool:
+        """Whether batch ``seq`` was published and is in flight no more: every rank acked
+        it (its copies ran), a rank loss failed it, or :meth:`close` forgot it. O(1), and
+        nothing kept per batch: a batch stuck on a storage call that never returns holds
+        one entry however many complete after it."""
+        return seq < self._next_seq and seq not in self._in_flight
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -214,6 +214,17 @@ class ZkvConnector(KVConnectorBase_V1):
                             world_size=self.world_size, model=self.model)
 
     def _start_scheduler(self, vllm_config: VllmConfig) -> None:
+        """Start the scheduler role; a start that fails releases what it made (the half
+        that joined the ranks, its pump thread and metrics, the store, the engine's ipc
+        directory) before it raises: vLLM never gets the connector, so no ``shutdown``
+        would (a retried in-process engine kept one live phantom half per failed try)."""
+        try:
+            self._start_scheduler_parts(vllm_config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_scheduler_parts(self, vllm_config: VllmConfig) -> None:
         from vllm.platforms import current_platform
 
         zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level)
@@ -374,8 +385,8 @@ class ZkvConnector(KVConnectorBase_V1):
                 self.worker.close()
             if self.sched is not None:
                 self.sched.close()
-                if self._ipc_dir:
-                    shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            if self._ipc_dir:  # (the scheduler role's; also after a failed start)
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
         finally:
             if self._store is not None:  # its connections and reconnect thread
                 store, self._store = self._store, None

@@ -156,7 +156,6 @@ class SchedulerHalf:
         self._epochs = itertools.count()
         self._fence = -1
         self._promised: list[int] = []  # blocks whose loads vLLM was promised this step
-        self._done_upto, self._done_above = -1, set[int]()  # seqs all ranks acked: <= upto; these
         self._step = 0
         self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         from zkv.integrations.vllm import metrics
@@ -422,7 +421,7 @@ class SchedulerHalf:
         if self.cm.has_request(rid):
             self.cm.cancel_saves(rid)
             self.cm.finish(rid)
-        if r.last_save_seq is not None and not self._seq_done(r.last_save_seq):
+        if r.last_save_seq is not None and not self.dp.settled(r.last_save_seq):
             self._fence = max(self._fence, r.last_save_seq)  # its blocks may be reused now
         r.epoch = next(self._epochs)
         r.allocated, r.block_ids, r.confirmed = False, [], 0
@@ -563,7 +562,7 @@ class SchedulerHalf:
             held = self._finish_producer_save(r)
         self.cm.finish(rid)
         seq = r.last_save_seq
-        if seq is not None and not self._seq_done(seq):
+        if seq is not None and not self.dp.settled(seq):
             # vLLM frees the blocks now and may give them to another request at its next
             # schedule(): that step's forward must not start before the save read them.
             # Gated workers run every earlier batch first anyway; ungated ones wait on the
@@ -675,7 +674,6 @@ class SchedulerHalf:
         for done in self.dp.poll(timeout_s):
             self._batch_seconds.observe(done.latency_s)
             self.cm.on_ops_done(done.results.values(), done.seq)
-            self._mark_done(done.seq)
             self._io_open = True  # the pump publishes what the commit opened
             self._kick.set()
         # A rank lost with nothing in flight completes no batch: ask the dispatcher, so
@@ -684,15 +682,6 @@ class SchedulerHalf:
             self._disable(f"ranks {sorted(self.dp.lost_ranks)} lost")
         for rid, failed in self.cm.take_load_failures().items():
             self.log.warning(E.LOAD_FAILED, req_id=rid, num_blocks=len(failed))
-
-    def _mark_done(self, seq: int) -> None:
-        self._done_above.add(seq)
-        while self._done_upto + 1 in self._done_above:
-            self._done_upto += 1
-            self._done_above.discard(self._done_upto)
-
-    def _seq_done(self, seq: int) -> bool:
-        return seq <= self._done_upto or seq in self._done_above
 
     def _disable(self, reason: str) -> None:
         """A lost rank ends zkv for this engine: vLLM goes on without it (misses only)."""
