@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,6 +122,31 @@ def test_calls_after_close_miss_and_a_second_close_does_nothing(group: Group) ->
     with capture_logs() as logs:
         half.close()
     assert logs == []
+
+
+def test_a_step_after_close_with_saves_planned_misses_and_two_closes_report_once(
+        group: Group) -> None:
+    """The close lands between a step's output (which planned the request's saves) and
+    vLLM's next ``build_connector_meta``, and two threads close at once: the late step
+    misses (was: ``RuntimeError: publish ... after close()``) with the saves rolled back,
+    and ``connector.closed`` is written once (was: twice, each walking the tree)."""
+    half = group.half
+    req = group.request()
+    group.ask_until_matched(req)
+    half.update_state_after_alloc(req, list(range(9)), 0)
+    half.build_connector_meta(Group.step(req, list(range(9)), 0))
+    req.num_computed_tokens = req.num_tokens
+    half.update_connector_output(())  # the saves are planned, not yet published
+    with capture_logs() as logs:
+        closers = [threading.Thread(target=half.close) for _ in range(2)]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(30)
+    assert len([e for e in logs if e["event"] == "connector.closed"]) == 1
+    meta = half.build_connector_meta(Group.output(cached=[(req, None, req.num_tokens, 1)]))
+    assert meta.loads == [] and meta.load_seq is None
+    assert half.snapshot()["cm_pending_ops"] == 0  # rolled back: nothing will run them
 
 
 _CONNECTOR_CHILD = '''

@@ -164,3 +164,30 @@ def test_mooncake_keeps_its_client_when_a_call_outlives_the_wait(
     assert store._kept_client is not None  # type: ignore[attr-defined]
     # the held call went on without its client: a clear error, no crash
     assert len(errors) == 1 and "not connected" in str(errors[0]), errors
+
+
+def test_mooncake_keeps_its_client_when_a_reconnect_attempt_outlives_the_wait(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reconnect thread's attempt uses the native client too (it is no store call):
+    a close while one hangs on a paused master keeps the client rather than closing it
+    under the attempt, and the attempt sets up no client after the close."""
+    with MooncakeServer(str(tmp_path)) as mc:
+        store = open_store(mc.url + "?timeout_s=1", f"t{uuid.uuid4().hex[:12]}")
+        link = store.link
+        assert link is not None
+        monkeypatch.setattr(MooncakeStore, "close_wait_s", property(lambda self: 0.05))
+        mc.pause_master()
+        try:
+            with pytest.raises(StorageError):
+                store.exists(keys(1, "paused"))
+            wait_until(lambda: not link.up and link.retry_in_s == 0, timeout=10,
+                       what="a reconnect attempt running")
+            with capture_logs() as logs:
+                store.close()
+        finally:
+            mc.resume_master()
+        (line,) = [e for e in logs if e["event"] == "storage.close_timeout"]
+        assert "reconnect attempt" in line["detail"], line
+        assert store._kept_client is not None  # type: ignore[attr-defined]
+        wait_until(lambda: link.close(0.1), timeout=10, what="the attempt's end")
+        assert store._client is None  # type: ignore[attr-defined]  # none set up after

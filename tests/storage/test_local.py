@@ -327,6 +327,54 @@ def test_a_put_landing_during_an_eviction_survives(tmp_path: Path,
     assert (s.num_blocks, s.num_bytes, s.stats.evicted) == (2, 2 * FILE, 1)
 
 
+def test_a_put_landing_during_a_missed_read_stays_indexed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read misses (no file), and a put of that key renames its file in and indexes it
+    before the read unindexes the missing path: the put's entry stays, so the budget
+    still covers the file. (Before, the read dropped it: the file stayed on disk out of
+    the index, past the budget, never evicted.) The window is entered in the reading
+    thread itself, deterministically: the put runs where the miss is counted."""
+    s = LocalDirStore(tmp_path, "ns", max_bytes=2 * FILE)
+    count = s._count
+
+    def at_the_miss(**deltas: int) -> None:
+        count(**deltas)
+        if deltas.get("misses"):
+            s.put(key(5), data(5))  # lands after the read's open failed
+
+    monkeypatch.setattr(s, "_count", at_the_miss)
+    assert not get(s, 5)
+    monkeypatch.setattr(s, "_count", count)
+    assert (s.num_blocks, s.num_bytes) == (1, FILE)
+    s.put(key(6), data(6))
+    s.put(key(7), data(7))  # over budget: key 5, the oldest, is evicted from the disk too
+    on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+    assert on_disk == sorted([s.path(key(6)), s.path(key(7))])
+
+
+def test_remove_and_a_put_of_the_same_key_leave_the_index_and_the_disk_agreeing(
+        tmp_path: Path) -> None:
+    """Removes and puts of one key from two threads: whatever order they land in, a file
+    on disk is in the index and an indexed file is on disk."""
+    s = LocalDirStore(tmp_path, "ns", max_bytes=64 * FILE)
+    stop = threading.Event()
+
+    def remover() -> None:
+        while not stop.is_set():
+            s.remove(key(9))
+
+    t = threading.Thread(target=remover)
+    t.start()
+    try:
+        for _ in range(300):
+            s.put(key(9), data(9))
+    finally:
+        stop.set()
+        t.join(10)
+    on_disk = os.path.exists(s.path(key(9)))
+    assert s.num_blocks == int(on_disk), (s.num_blocks, on_disk)
+
+
 def test_a_hit_evicted_before_it_is_touched_is_not_indexed_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A read hits key 0; before it marks the file as used, another thread's put evicts

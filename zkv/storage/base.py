@@ -270,15 +270,17 @@ class Link:
             self._thread_pid = pid
         thread.start()
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = 5.0) -> bool:
         """Stop the reconnect thread (waiting up to ``timeout_s`` for an attempt that is
-        running). Idempotent."""
+        running); whether no attempt runs any more. Idempotent."""
         with self._lock:
             self._closed = True
             thread = self._thread
         self._wake.set()
         if thread is not None:
             thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
 
     def _reconnect(self) -> None:
         while True:

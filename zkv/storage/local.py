@@ -208,13 +208,14 @@ class LocalDirStore(Store):
     @store_call
     def remove(self, key: bytes) -> None:
         path = self.path(key)
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise StorageError(f"remove {self.name(key)}: {e}") from e
-        self._forget(path)
+        with self._files_lock:  # the unlink and its unindexing, one step as a put sees it
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise StorageError(f"remove {self.name(key)}: {e}") from e
+            self._forget(path)
 
     # ---------------------------------------------------------------- put
 
@@ -350,7 +351,7 @@ class LocalDirStore(Store):
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             self._count(misses=1)
-            self._forget(path)
+            self._forget_missing(path)
             return False
         except OSError as e:
             self._count(errors=1)
@@ -514,6 +515,15 @@ class LocalDirStore(Store):
             size = self._lru.pop(path, None)
             if size is not None:
                 self._total -= size
+
+    def _forget_missing(self, path: str) -> None:
+        """Unindex a file a read found missing (removed by another writer), unless a put
+        renamed a new one into place since: checked under ``_files_lock``, which a put
+        holds from its rename to its indexing. (Before, that put's entry went: its file
+        stayed on disk out of the index, past the budget, never evicted.)"""
+        with self._files_lock:
+            if not os.path.lexists(path):
+                self._forget(path)
 
     def _owns(self, path: str) -> bool:
         """Whether a block file is this writer's (its rank's; every file without a rank)."""

@@ -184,6 +184,8 @@ class MooncakeStore(Store):
     def _connect(self) -> None:
         self._probe_master()
         with self._setup_lock:
+            if self._closed:  # (an attempt that outlived close: no client after it)
+                raise StorageError("the store is closed")
             if self._client is None:
                 client = self._factory()
                 rc = client.setup(self.local_hostname, "P2PHANDSHAKE", self.segment_bytes,
@@ -533,10 +535,11 @@ class MooncakeStore(Store):
         return 2 * self.timeout_s + 1.0
 
     def close(self) -> None:
-        """Quiesce (see base), then close the native client, unless a call still runs:
+        """Quiesce (see base), stop the reconnect thread, then close the native client,
+        unless a call or a reconnect attempt (which uses the client too) still runs:
         closing it under one crashes the process (SIGSEGV), so it is kept (and said)."""
         quiet = self._quiesce()
-        self.link.close()  # first: an attempt could set a client up again
+        quiet = self.link.close(self.close_wait_s) and quiet
         with self._setup_lock:
             client, self._client = self._client, None
         if client is not None and quiet:
@@ -545,7 +548,8 @@ class MooncakeStore(Store):
             self._kept_client = client  # (no destructor runs under the call either)
             self._log.warning(ev.STORE_CLOSE_TIMEOUT, store=self.url,
                               waited_s=self.close_wait_s, num_calls=self.num_calls,
-                              detail="a call still ran: the client is kept open")
+                              detail="a call or a reconnect attempt still ran: the client "
+                                     "is kept open")
         super().close()
 
     def __repr__(self) -> str:

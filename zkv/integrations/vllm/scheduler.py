@@ -641,6 +641,9 @@ class SchedulerHalf:
         notes nothing."""
         if not ops:
             return None
+        if self.dp.closed:  # a late call of vLLM's after close: nothing would run them
+            self.cm.fail_pending()
+            return None
         savers = self._savers(ops)
         try:
             seq = self.dp.publish(ops, self._step)
@@ -767,7 +770,8 @@ class SchedulerHalf:
         self._kick.set()
         self._pump_thread.join(timeout=5.0)
         with self._lock:
-            self._close()
+            if not self.dp.closed:  # (two threads closing at once: one report)
+                self._close()
 
     def _close(self) -> None:
         try:
