@@ -112,6 +112,11 @@ def test_malformed_lines_are_shown_and_never_crash(tmp_path: Path,
     assert "zkv logs: malformed line a.jsonl:2: garbage {" in captured.err
     assert logview.main([str(tmp_path), "--rank", "0"]) == 0  # filters hide what they can't read
     assert capsys.readouterr().out == ""
+    (tmp_path / "only-bad").mkdir()
+    write(tmp_path / "only-bad" / "d.jsonl", b"garbage\n")
+    assert logview.main([str(tmp_path / "only-bad"), "--json"]) == 0
+    err = capsys.readouterr().err  # the malformed line was shown: something matched
+    assert "malformed line d.jsonl:1" in err and "no event matched" not in err
 
 
 def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -259,6 +259,7 @@ def _emit(records: Iterable[Record], filters: Filters, out: TextIO, as_json: boo
         if as_json and rec.malformed:
             print(f"zkv logs: malformed line {rec.source}:{rec.lineno}: {rec.raw[:_MAX_RAW]}",
                   file=err)
+            n += 1  # (shown, on stderr: it matched)
             continue
         print(rec.raw if as_json else format_record(rec), file=out)
         n += 1

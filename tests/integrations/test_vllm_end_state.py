@@ -261,6 +261,58 @@ def test_a_failed_start_leaves_no_half_behind() -> None:
                    "enabled_series": 0}, got
 
 
+_TAKEN_ID_CHILD = '''
+import json, os, subprocess, sys, warnings
+from types import SimpleNamespace
+warnings.simplefilter("ignore")
+from tests.integrations.test_vllm_rank_loss import LAYOUT
+from zkv.errors import ConfigError
+from zkv.integrations.vllm.config import parse_extra_config
+from zkv.integrations.vllm.connector import ZkvConnector
+from zkv.integrations.vllm.ipc import ipc_endpoints
+
+eid = f"taken-{os.getpid()}"
+_, _, folder = ipc_endpoints(eid, create=True)
+CLAIM = ("import sys; from zkv import security; security.claim_dir(sys.argv[1]); "
+         "open(sys.argv[1] + '/pub', 'w').close(); print('claimed', flush=True); "
+         "sys.stdin.read()")
+owner = subprocess.Popen([sys.executable, "-c", CLAIM, folder], text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+assert owner.stdout.readline() == "claimed\\n"
+conn = object.__new__(ZkvConnector)  # a second engine given the first one's engine_id
+conn.cfg = parse_extra_config({"host_blocks": LAYOUT.num_host_blocks, "storage": "none"})
+conn.engine_id, conn.world_size, conn.model = eid, 1, LAYOUT.model
+conn.sched = conn.worker = conn._ipc_dir = conn._store = conn._metrics_server = None
+conn._layout = lambda kv: LAYOUT
+conn._kv_cache_config = SimpleNamespace(kv_cache_layout=None)
+conn._vllm_config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=None))
+try:
+    conn._start_scheduler(conn._vllm_config)
+    error = None
+except ConfigError as e:
+    error = str(e)
+conn.shutdown()  # (again: as a caller that cleans up after a failure might)
+left = sorted(os.listdir(folder)) if os.path.isdir(folder) else None
+owner.stdin.close()
+owner.wait(10)
+print(json.dumps({"error": error, "left": left}))
+'''
+
+
+def test_a_start_refused_for_a_taken_engine_id_leaves_the_live_engine_its_sockets() -> None:
+    """The start that fails because a live engine owns the ``engine_id``'s directory
+    releases only what it made: the live engine's directory (its owner file, its
+    sockets) stays, also after more shutdowns. (The release added for failed starts
+    removed it at first: the directory was named the connector's before the claim.)"""
+    proc = subprocess.run([sys.executable, "-c", _TAKEN_ID_CHILD], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "another engine" in got["error"], got
+    assert got["left"] is not None and "pub" in got["left"], got
+
+
 def test_the_stats_vllm_reads_every_step_walk_no_tree(group: Group) -> None:
     """vLLM calls ``get_kv_connector_stats`` after every step (``update_from_output``): the
     connector reads the half's running totals (``counters``), not its snapshot, whose

@@ -18,6 +18,7 @@ from tests.storage.test_backends import BLOCK, blocks, keys
 from tests.waiting import wait_until
 from zkv.errors import StorageError
 from zkv.storage import Store, file_url, open_store
+from zkv.storage.base import store_call
 from zkv.storage.mooncake_store import MooncakeStore
 
 
@@ -180,8 +181,7 @@ def test_mooncake_keeps_its_client_when_a_reconnect_attempt_outlives_the_wait(
         try:
             with pytest.raises(StorageError):
                 store.exists(keys(1, "paused"))
-            wait_until(lambda: not link.up and link.retry_in_s == 0, timeout=10,
-                       what="a reconnect attempt running")
+            wait_until(lambda: link.attempting, timeout=10, what="a reconnect attempt running")
             with capture_logs() as logs:
                 store.close()
         finally:
@@ -191,3 +191,51 @@ def test_mooncake_keeps_its_client_when_a_reconnect_attempt_outlives_the_wait(
         assert store._kept_client is not None  # type: ignore[attr-defined]
         wait_until(lambda: link.close(0.1), timeout=10, what="the attempt's end")
         assert store._client is None  # type: ignore[attr-defined]  # none set up after
+
+
+class _CountingCondition(threading.Condition):
+    """A Condition that counts the waits that found the predicate false (real waits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+
+    def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
+        if not predicate():
+            self.waits += 1
+        return super().wait_for(predicate, timeout)
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+def test_close_waits_once_for_a_call_that_outlives_the_wait(
+        kind: str, request: pytest.FixtureRequest, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend's close quiesces, then the base close would again: one wait in all, so
+    a close takes at most ``close_wait_s`` (was: two for redis, three with Mooncake's
+    reconnect wait). A call made inside the running one still goes on."""
+    store = open_store(_url(kind, request, tmp_path), f"t{uuid.uuid4().hex[:12]}")
+    cv = _CountingCondition()
+    monkeypatch.setattr(store, "_calls_cv", cv)
+    monkeypatch.setattr(type(store), "close_wait_s", property(lambda self: 0.05))
+    entered, gate = threading.Event(), threading.Event()
+    nested: list[object] = []
+    inner = store.put_many
+
+    def held_put(_store: Store, ks: Any, datas: Any) -> Any:  # a call that holds on
+        entered.set()
+        assert gate.wait(10)
+        nested.append(store.exists(ks))  # a call inside a running one, the store closing
+        return inner(ks, datas)
+
+    t = threading.Thread(target=lambda: store_call(held_put)(store, keys(1, "held"),
+                                                            list(blocks(1, 4))))
+    t.start()
+    try:
+        assert entered.wait(10)
+        store.close()
+    finally:
+        gate.set()
+        t.join(10)
+    assert cv.waits == 1, cv.waits
+    assert nested == [[False]], nested
+

@@ -217,6 +217,11 @@ class Link:
         return self._up
 
     @property
+    def attempting(self) -> bool:
+        """A reconnect attempt runs now (on the link's thread)."""
+        return self._attempting
+
+    @property
     def retry_in_s(self) -> float:
         """Seconds until the next reconnect attempt (0 while up or while one runs)."""
         if self._up or self._attempting:
@@ -323,13 +328,17 @@ def store_call(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def call(self: Store, *args: Any, **kwargs: Any) -> Any:
+        tls = self._call_depth
+        depth = getattr(tls, "n", 0)
         with self._calls_cv:
-            if self._closed:
+            if self._closed and not depth:  # (a call inside a running one goes on)
                 raise StorageError(f"{self.url}: the store is closed")
             self._calls += 1
+        tls.n = depth + 1
         try:
             return fn(self, *args, **kwargs)
         finally:
+            tls.n = depth
             with self._calls_cv:
                 self._calls -= 1
                 if not self._calls:
@@ -369,6 +378,7 @@ class Store(abc.ABC):
         self._closed = False  # closing or closed: calls refused (store_call)
         self._calls = 0       # store_call calls running
         self._calls_cv = threading.Condition()
+        self._call_depth = threading.local()  # store_call calls this thread is inside
 
     @property
     def num_calls(self) -> int:
@@ -433,9 +443,12 @@ class Store(abc.ABC):
         backend needs registration, e.g. Mooncake's RDMA). Default: nothing to do."""
 
     def _quiesce(self) -> bool:
-        """Refuse new calls; wait up to ``close_wait_s`` for the running ones. Whether none
-        runs any more (a backend's close calls this before it releases its client)."""
+        """Refuse new calls; wait up to ``close_wait_s`` for the running ones (once: a
+        second call, the base close after a backend's, waits no more). Whether none runs
+        any more (a backend's close calls this before it releases its client)."""
         with self._calls_cv:
+            if self._closed:
+                return not self._calls
             self._closed = True
             return self._calls_cv.wait_for(lambda: not self._calls, self.close_wait_s)
 

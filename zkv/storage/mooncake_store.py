@@ -538,8 +538,10 @@ class MooncakeStore(Store):
         """Quiesce (see base), stop the reconnect thread, then close the native client,
         unless a call or a reconnect attempt (which uses the client too) still runs:
         closing it under one crashes the process (SIGSEGV), so it is kept (and said)."""
-        quiet = self._quiesce()
-        quiet = self.link.close(self.close_wait_s) and quiet
+        t0 = time.monotonic()
+        quiet = self._quiesce()  # then the attempt, within what is left of the one wait
+        left = max(0.0, self.close_wait_s - (time.monotonic() - t0))
+        quiet = self.link.close(left) and quiet
         with self._setup_lock:
             client, self._client = self._client, None
         if client is not None and quiet:

@@ -231,8 +231,9 @@ class ZkvConnector(KVConnectorBase_V1):
         layout = self._layout(expected_kv_layout(current_platform.is_cpu(),
                                                  self._resolved_layout()))
         check_host_memory(layout)
-        pub, pull, self._ipc_dir = ipc_endpoints(self.engine_id, create=True)
-        claim_engine_dir(self._ipc_dir)
+        pub, pull, ipc_dir = ipc_endpoints(self.engine_id, create=True)
+        claim_engine_dir(ipc_dir)  # (another live engine's: refused, and never removed here)
+        self._ipc_dir = ipc_dir
         store = self._store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
         exists = None
         if store is not None:
@@ -385,8 +386,9 @@ class ZkvConnector(KVConnectorBase_V1):
                 self.worker.close()
             if self.sched is not None:
                 self.sched.close()
-            if self._ipc_dir:  # (the scheduler role's; also after a failed start)
-                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            if self._ipc_dir:  # (ours, claimed; also after a failed start; once)
+                ipc_dir, self._ipc_dir = self._ipc_dir, None
+                shutil.rmtree(ipc_dir, ignore_errors=True)
         finally:
             if self._store is not None:  # its connections and reconnect thread
                 store, self._store = self._store, None
