@@ -83,7 +83,7 @@ from zkv.scheduler.manager import (
 )
 from zkv.scheduler.prefetch import BEST_EFFORT, PrefetchTracker
 
-# The pump (SchedulerHalf._pump): how often it looks while batches fly; vLLM's idle before it
+# The pump (SchedulerHalf._pump): how often it looks while batches fly; how long vLLM is idle first
 PUMP_INTERVAL_S = 0.002
 PUMP_IDLE_S = 0.005
 EMPTY_STEP_WAIT_S = 0.005  # a step that scheduled nothing waits this long for an ack
