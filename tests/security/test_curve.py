@@ -71,6 +71,36 @@ def group(ctx: zmq.Context[Any], keyring: Keyring, transport: str,
         yield group
 
 
+def test_a_scrape_during_close_never_sees_the_refusals_drop(
+        ctx: zmq.Context[Any], keyring: Keyring,
+        group: tuple[Dispatcher, list[FakeRank]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A metrics scrape reads ``refusals()`` on its own thread while the dispatcher closes:
+    the close unregisters the ZAP domain, whose count then reads 0. A scrape that looked
+    before the close and read the ZAP count after it reported ``unauthenticated`` 0 once
+    (a counter that went back). The interleaving is made exact: the close runs inside
+    the scrape's read of the ZAP count."""
+    d, ranks = group
+    own_public, own_secret = zmq.curve_keypair()  # a key pair of its own: not a rank's
+    rogue = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 0, FP, pid=ranks[0].pid,
+                     keys=ClientKeys(0, keyring.server_public, own_public, own_secret))
+    try:
+        rogue.subscribe()
+        _poll_until(d, lambda: d.refusals()["unauthenticated"] >= 1, "the ZAP refusal")
+        before = d.refusals()["unauthenticated"]
+        zap = d._zap
+        read = zap.num_refused
+
+        def close_first(domain: str) -> int:
+            monkeypatch.setattr(zap, "num_refused", read)
+            d.close(shutdown=False)  # lands between the scrape's look and its read
+            return read(domain)
+
+        monkeypatch.setattr(zap, "num_refused", close_first)
+        assert d.refusals()["unauthenticated"] == before
+    finally:
+        rogue.close()
+
+
 def test_rogue_without_a_rank_key_reads_no_batch_and_gets_nothing_counted(
         ctx: zmq.Context[Any], keyring: Keyring,
         group: tuple[Dispatcher, list[FakeRank]]) -> None:

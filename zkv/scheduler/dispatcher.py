@@ -297,9 +297,11 @@ class Dispatcher:
         ``hello``: hellos refused for a layout that differs or a group that started; a
         hello from a rank past the world size is ``unknown_rank``). Still there once
         closed (``zkv.metrics.watch_refusals`` reads it at the end of a run)."""
-        if self._final_counts is not None:
-            return dict(self._final_counts)
-        return {**self._counts, "unauthenticated": self._zap.num_refused(self._domain)}
+        if self._final_counts is None:
+            refused = self._zap.num_refused(self._domain)
+            if self._final_counts is None:  # (a close between: its domain reads 0 now)
+                return {**self._counts, "unauthenticated": refused}
+        return dict(self._final_counts)
 
     def wait_for_ranks(self, timeout_s: float) -> None:
         """Return once every rank joined (hello with our layout + subscription proven).
