@@ -360,6 +360,7 @@ class Store(abc.ABC):
     stats: StoreStats
     url: str  # what logs and errors name the store by: never with a password
     link: Link | None = None  # the reconnect breaker of a networked store
+    timeout_s: float | None = None  # a networked store's per-call timeout (None: local)
 
     def __init__(self, namespace: str, url: str = "") -> None:
         self.namespace = check_namespace(namespace)
@@ -387,9 +388,10 @@ class Store(abc.ABC):
 
     @property
     def close_wait_s(self) -> float:
-        """How long ``close`` waits for the calls running (a networked store: its
-        timeouts); a worker's shutdown waits this long for its I/O threads too."""
-        return 5.0
+        """How long ``close`` waits for the calls running: two of a networked store's
+        timeouts and a second, 5 s for a local one; a worker's shutdown waits this long
+        for its I/O threads too."""
+        return 5.0 if self.timeout_s is None else 2 * self.timeout_s + 1.0
 
     # ---------------------------------------------------------------- the interface
 

@@ -129,6 +129,7 @@ class MooncakeStore(Store):
     shared; each I/O thread has its own header arena."""
 
     link: Link  # always one (made in __init__): a networked store
+    timeout_s: float  # (set in __init__: the URL's timeout_s)
 
     def __init__(self, host: str, port: int, namespace: str, *, segment_bytes: int = 0,
                  buffer_bytes: int = 16 << 20, timeout_s: float = 2.0,
@@ -529,10 +530,6 @@ class MooncakeStore(Store):
         rc = self._call("remove", lambda c: [c.remove(name, True)])[0]
         if rc not in (0, NOT_FOUND):
             raise StorageError(f"{self.url} remove {name}: returned {rc}")
-
-    @property
-    def close_wait_s(self) -> float:
-        return 2 * self.timeout_s + 1.0
 
     def close(self) -> None:
         """Quiesce (see base), stop the reconnect thread, then close the native client,

@@ -109,6 +109,7 @@ class RedisStore(Store):
     connection pool hands each concurrent pipeline its own connection."""
 
     link: Link  # always one (made in __init__): a networked store
+    timeout_s: float  # (set in __init__: the URL's timeout_s)
 
     def __init__(self, host: str, port: int, db: int, namespace: str, *, timeout_s: float = 2.0,
                  connect_timeout_s: float = 0.5, ttl_s: int | None = None,
@@ -348,10 +349,6 @@ class RedisStore(Store):
             self._log.warning(ev.BLOCK_REFUSED, store=self.url, error=str(e),
                               fallback="DEL: a good copy saved since the read goes too")
             self.remove(key)
-
-    @property
-    def close_wait_s(self) -> float:
-        return 2 * self.timeout_s + 1.0
 
     def close(self) -> None:
         """Quiesce (see base), then close the pool. A call still running after the wait
