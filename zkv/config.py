@@ -136,6 +136,17 @@ class CacheLayout:
 
 
 #: Pools may take at most this share of the memory available when they are sized.
+def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The scheduler's endpoints as zkvrun sets them (``ZKV_PUB_ENDPOINT``,
+    ``ZKV_PULL_ENDPOINT``): the scheduler binds them, every rank connects to them."""
+    env = os.environ if env is None else env
+    try:
+        return env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"]
+    except KeyError as e:
+        raise ConfigError(f"{e.args[0]} is not set (zkvrun sets it for the scheduler and "
+                          "every rank)") from None
+
+
 POOL_MEMORY_SHARE = 0.8
 
 

@@ -55,7 +55,7 @@ import zmq
 from zkv import log as ev
 from zkv import protocol as P
 from zkv import security
-from zkv.config import CacheLayout
+from zkv.config import CacheLayout, endpoints_from_env
 from zkv.errors import ConfigError, ProtocolError, RankLost
 from zkv.scheduler.membership import TELL_S, Membership
 from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
@@ -214,11 +214,7 @@ class Dispatcher:
         zkvrun makes one unless ``--insecure-tcp``; without it the ranks never join) and
         its flags (``ZKV_INSECURE``, ``ZKV_ALLOW_REMOTE``). ``kwargs``: the constructor's."""
         env = os.environ if env is None else env
-        try:
-            pub, pull = env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"]
-        except KeyError as e:
-            raise ConfigError(f"{e.args[0]} is not set (zkvrun sets it for the scheduler)"
-                              ) from None
+        pub, pull = endpoints_from_env(env)
         return cls(pub, pull, world_size, layout, keys=security.keyring_from_env(env),
                    insecure=env.get("ZKV_INSECURE") == "1",
                    allow_remote=env.get("ZKV_ALLOW_REMOTE") == "1", **kwargs)

@@ -41,13 +41,12 @@ import threading  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
 
 from zkv import log as zlog
-from zkv.config import CacheLayout
+from zkv.config import CacheLayout, endpoints_from_env
 from zkv.errors import ConfigError
 from zkv.exit_codes import EXIT_CONFIG, EXIT_FATAL, EXIT_REFUSED, EXIT_SCHEDULER_GONE
 from zkv.storage import Store, file_url, open_store
 from zkv.worker.actor import WorkerActor
 from zkv.worker.sidecar import (
-    endpoints_from_env,
     rank_from_env,
     resolve_backend,
     security_from_env,

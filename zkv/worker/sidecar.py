@@ -23,7 +23,7 @@ from typing import Any
 
 from zkv import log as ev
 from zkv import security
-from zkv.config import CacheLayout
+from zkv.config import CacheLayout, endpoints_from_env
 from zkv.errors import ConfigError
 from zkv.storage import Store
 from zkv.worker.actor import WorkerActor
@@ -98,14 +98,6 @@ def _tensors(kv_caches: Any) -> Any:
     for entry in kv_caches:
         parts = entry if isinstance(entry, (tuple, list)) else (entry,)
         yield from (t for t in parts if isinstance(t, torch.Tensor))
-
-
-def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str]:
-    env = os.environ if env is None else env
-    try:
-        return env["ZKV_PUB_ENDPOINT"], env["ZKV_PULL_ENDPOINT"]
-    except KeyError as e:
-        raise ConfigError(f"{e.args[0]} is not set (zkvrun sets it for every rank)") from None
 
 
 def security_from_env(rank: int, keys: security.ClientKeys | str | None = None,
