@@ -266,16 +266,20 @@ def _emit(records: Iterable[Record], filters: Filters, out: TextIO, as_json: boo
     return n
 
 
-def view(path: str, filters: Filters | None = None, out: TextIO | None = None,
-         as_json: bool = False) -> int:
-    """Print the merged logs once; the number of lines printed."""
-    out = out or sys.stdout
+def _merged(path: str) -> Iterator[Record]:
+    """Every line of ``path``'s logs (logrotate's ``*.jsonl.N`` too), merged by time, once."""
     tails = [Tail(p) for p in log_files(path, rotated=True)]
     try:
-        return _emit(merge(tails, final=True), filters or Filters(), out, as_json, sys.stderr)
+        yield from merge(tails, final=True)
     finally:
         for t in tails:
             t.close()
+
+
+def view(path: str, filters: Filters | None = None, out: TextIO | None = None,
+         as_json: bool = False) -> int:
+    """Print the merged logs once; the number of lines printed."""
+    return _emit(_merged(path), filters or Filters(), out or sys.stdout, as_json, sys.stderr)
 
 
 def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
@@ -323,15 +327,10 @@ def _no_match(path: str, filters: Filters) -> str:
     if filters.ranks is None:
         return line
     ranks: set[int] = set()
-    tails = [Tail(p) for p in log_files(path, rotated=True)]
-    try:
-        for rec in merge(tails, final=True):
-            r = _as_int(rec.data.get("rank")) if rec.data is not None else None
-            if r is not None:
-                ranks.add(r)
-    finally:
-        for t in tails:
-            t.close()
+    for rec in _merged(path):
+        r = _as_int(rec.data.get("rank")) if rec.data is not None else None
+        if r is not None:
+            ranks.add(r)
     logged = ", ".join(map(str, sorted(ranks))) if ranks else "none"
     return f"{line} (ranks in these logs: {logged})"
 
