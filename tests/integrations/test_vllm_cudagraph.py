@@ -13,17 +13,11 @@ config.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("vllm", reason="needs vLLM's CPU build: pip install -e '.[vllm]'")
+from tests.integrations.child import run_child
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("vllm", reason="needs vLLM's CPU build: pip install -e '.[vllm]'")
 
 CHILD = r'''
 import json, warnings
@@ -49,8 +43,5 @@ print(json.dumps({"class": cls.__name__,
 
 
 def test_full_cuda_graphs_become_piecewise() -> None:
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_child(CHILD)
     assert got == {"class": "ZkvConnector", "piecewise": True, "mode": "PIECEWISE"}, got

@@ -5,20 +5,14 @@ a real worker process, with the calls made the way vLLM's scheduler makes them."
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 from structlog.testing import capture_logs
 
+from tests.integrations.child import STUB_CONNECTOR, run_child
 from tests.integrations.test_vllm_rank_loss import Group
 from zkv.integrations.vllm import metrics
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gauges() -> dict[str, float]:
@@ -184,26 +178,15 @@ def test_a_connector_shut_down_answers_vllm_with_misses() -> None:
     """The same through the connector vLLM holds: its shutdown kept no half, so each call
     failed ``assert self.sched is not None``; now the closed half answers. (In a child
     process: importing vLLM here would change this one, its warnings above all.)"""
-    proc = subprocess.run([sys.executable, "-c", _CONNECTOR_CHILD], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_child(_CONNECTOR_CHILD)
     assert got == {"matched": [0, False], "loads": [], "load_seq": None,
                    "finished": [False, None]}, got
 
 
-_FAILED_START_CHILD = '''
-import json, os, socket, subprocess, sys, threading, warnings
-from types import SimpleNamespace
-warnings.simplefilter("ignore")
-from tests.integrations.test_vllm_rank_loss import LAYOUT
+_FAILED_START_CHILD = STUB_CONNECTOR + '''
+import socket, threading
 from tests.worker.helpers import worker_env
-from zkv.errors import ConfigError
 from zkv.integrations.vllm import metrics
-from zkv.integrations.vllm.config import parse_extra_config
-from zkv.integrations.vllm.connector import ZkvConnector
-from zkv.integrations.vllm.ipc import ipc_endpoints
 
 busy = socket.socket()
 busy.bind(("127.0.0.1", 0))
@@ -212,24 +195,13 @@ eid = f"failed-start-{os.getpid()}"
 pub, pull, folder = ipc_endpoints(eid, create=True)
 worker = subprocess.Popen([sys.executable, "-m", "zkv.worker"], stdin=subprocess.DEVNULL,
                           env=worker_env(0, LAYOUT.to_json(), pub, pull))
-conn = object.__new__(ZkvConnector)  # the scheduler role as vLLM builds it, up to its start
-conn.cfg = parse_extra_config({"host_blocks": LAYOUT.num_host_blocks, "storage": "none",
-                               "metrics_port": busy.getsockname()[1]})
-conn.engine_id, conn.world_size, conn.model = eid, 1, LAYOUT.model
-conn.sched = conn.worker = conn._ipc_dir = conn._store = conn._metrics_server = None
-conn._layout = lambda kv: LAYOUT  # (vLLM's KV cache config: not needed here)
-conn._kv_cache_config = SimpleNamespace(kv_cache_layout=None)
-conn._vllm_config = SimpleNamespace(
+conn = stub_connector(eid, {"metrics_port": busy.getsockname()[1]}, SimpleNamespace(
     cache_config=SimpleNamespace(kv_cache_layout=None),
     model_config=SimpleNamespace(multimodal_config=None),
     scheduler_config=SimpleNamespace(async_scheduling=False),
     kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True,
-                                       kv_load_failure_policy="recompute"))
-try:
-    conn._start_scheduler(conn._vllm_config)
-    error = None
-except ConfigError as e:
-    error = str(e)
+                                       kv_load_failure_policy="recompute")))
+error = start(conn)  # the half joins the worker, then the metrics port is taken
 try:
     code = worker.wait(10)  # told Shutdown by the closed half
 except subprocess.TimeoutExpired:
@@ -251,26 +223,13 @@ def test_a_failed_start_leaves_no_half_behind() -> None:
     thread or registered half (with ``zkv:enabled 1``) is left, and the engine's ipc
     directory is removed. Before, each failed try of an in-process engine left all of
     them running."""
-    proc = subprocess.run([sys.executable, "-c", _FAILED_START_CHILD], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_child(_FAILED_START_CHILD)
     assert got.pop("error", "").startswith("zkv: metrics port"), got
     assert got == {"worker_exit": 0, "dir_left": False, "halves": 0, "pumps": 0,
                    "enabled_series": 0}, got
 
 
-_TAKEN_ID_CHILD = '''
-import json, os, subprocess, sys, warnings
-from types import SimpleNamespace
-warnings.simplefilter("ignore")
-from tests.integrations.test_vllm_rank_loss import LAYOUT
-from zkv.errors import ConfigError
-from zkv.integrations.vllm.config import parse_extra_config
-from zkv.integrations.vllm.connector import ZkvConnector
-from zkv.integrations.vllm.ipc import ipc_endpoints
-
+_TAKEN_ID_CHILD = STUB_CONNECTOR + '''
 eid = f"taken-{os.getpid()}"
 _, _, folder = ipc_endpoints(eid, create=True)
 CLAIM = ("import sys; from zkv import security; security.claim_dir(sys.argv[1]); "
@@ -279,18 +238,9 @@ CLAIM = ("import sys; from zkv import security; security.claim_dir(sys.argv[1]);
 owner = subprocess.Popen([sys.executable, "-c", CLAIM, folder], text=True,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 assert owner.stdout.readline() == "claimed\\n"
-conn = object.__new__(ZkvConnector)  # a second engine given the first one's engine_id
-conn.cfg = parse_extra_config({"host_blocks": LAYOUT.num_host_blocks, "storage": "none"})
-conn.engine_id, conn.world_size, conn.model = eid, 1, LAYOUT.model
-conn.sched = conn.worker = conn._ipc_dir = conn._store = conn._metrics_server = None
-conn._layout = lambda kv: LAYOUT
-conn._kv_cache_config = SimpleNamespace(kv_cache_layout=None)
-conn._vllm_config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=None))
-try:
-    conn._start_scheduler(conn._vllm_config)
-    error = None
-except ConfigError as e:
-    error = str(e)
+# a second engine given the first one's engine_id
+conn = stub_connector(eid, {}, SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=None)))
+error = start(conn)
 conn.shutdown()  # (again: as a caller that cleans up after a failure might)
 left = sorted(os.listdir(folder)) if os.path.isdir(folder) else None
 owner.stdin.close()
@@ -304,11 +254,7 @@ def test_a_start_refused_for_a_taken_engine_id_leaves_the_live_engine_its_socket
     releases only what it made: the live engine's directory (its owner file, its
     sockets) stays, also after more shutdowns. (The release added for failed starts
     removed it at first: the directory was named the connector's before the claim.)"""
-    proc = subprocess.run([sys.executable, "-c", _TAKEN_ID_CHILD], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_child(_TAKEN_ID_CHILD)
     assert "another engine" in got["error"], got
     assert got["left"] is not None and "pub" in got["left"], got
 

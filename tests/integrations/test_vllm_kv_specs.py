@@ -5,17 +5,11 @@ sliding-window refusal with a real engine too."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("vllm", reason="needs vLLM's CPU build: pip install -e '.[vllm]'")
+from tests.integrations.child import run_child
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("vllm", reason="needs vLLM's CPU build: pip install -e '.[vllm]'")
 
 CHILD = r'''
 import json, warnings
@@ -70,10 +64,7 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, object]:
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_child(CHILD)  # type: ignore[no-any-return]
 
 
 def test_full_attention_is_taken(outcomes: dict[str, object]) -> None:
