@@ -14,8 +14,16 @@ from zkv.config import CacheLayout
 from zkv.errors import ConfigError
 from zkv.storage.url import parse_url
 
-__all__ = ["choices", "directory", "dtype", "existing_file", "nonneg_int", "positive_float",
-           "positive_int", "positive_ints", "store_url"]
+__all__ = ["DEFAULT_TRACE", "choices", "directory", "dtype", "existing_file", "nonneg_int",
+           "positive_float", "positive_int", "positive_ints", "store_url"]
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TRACE_HEAD = os.path.join(_REPO, "tests", "data", "mooncake_trace_head800.jsonl")
+#: ``--trace``'s default: the bundled trace beside the checkout, else its first 800
+#: requests in tests/data (a clean clone has no ../shared).
+DEFAULT_TRACE = next(
+    (p for p in (os.path.join(_REPO, "..", "shared", "traces", "mooncake_synthetic_trace.jsonl"),
+                 _TRACE_HEAD) if os.path.isfile(p)), _TRACE_HEAD)
 
 
 def choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:

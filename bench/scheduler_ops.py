@@ -54,7 +54,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _args import existing_file, positive_int  # noqa: E402
+from _args import DEFAULT_TRACE, existing_file, positive_int  # noqa: E402
 from _sched_baseline import (  # noqa: E402
     chain_hashes_ids,
     chain_hashes_tokens,
@@ -68,14 +68,6 @@ from zkv.scheduler import hashing  # noqa: E402
 from zkv.scheduler.eviction import POLICIES  # noqa: E402
 from zkv.scheduler.manager import CacheConfig, CacheManager  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: The bundled trace beside the checkout, else its first 800 requests in tests/data (a
-#: clean clone has no ../shared; --quick replays 800).
-DEFAULT_TRACE = next(
-    (p for p in (os.path.join(REPO, "..", "shared", "traces", "mooncake_synthetic_trace.jsonl"),
-                 os.path.join(REPO, "tests", "data", "mooncake_trace_head800.jsonl"))
-     if os.path.isfile(p)),
-    os.path.join(REPO, "tests", "data", "mooncake_trace_head800.jsonl"))
 HOST_FACTOR = 4
 POLICY_CAPACITIES = (1_000, 10_000, 30_000)
 TARGET_CHAT_US = 150.0

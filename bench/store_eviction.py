@@ -49,19 +49,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _args import existing_file, positive_int  # noqa: E402
+from _args import DEFAULT_TRACE, existing_file, positive_int  # noqa: E402
 from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
 
 from zkv import log as zlog  # noqa: E402
 from zkv.argtypes import nonneg_float  # noqa: E402
 from zkv.storage import HEADER_SIZE, Store, file_url, open_store, pack_key  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-#: The bundled trace beside the checkout, else its first 800 requests in tests/data (a clean
-#: clone has no ../shared).
-TRACE = next((p for p in (REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",
-                          REPO / "tests" / "data" / "mooncake_trace_head800.jsonl")
-              if p.is_file()), REPO / "tests" / "data" / "mooncake_trace_head800.jsonl")
 SAMPLES = (5, 10, 32, 64)  # the put cost table's maxmemory-samples, redis's default first
 CONFIGS = {  # name: (maxmemory-policy, maxmemory-samples, store URL query)
     "lru5": ("allkeys-lru", 5, ""),
@@ -84,7 +78,7 @@ def segment_mb(s: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", type=existing_file, default=str(TRACE))
+    p.add_argument("--trace", type=existing_file, default=DEFAULT_TRACE)
     p.add_argument("--requests", type=positive_int, default=3000)
     p.add_argument("--pace-ms", type=nonneg_float, default=20.0, help="between requests")
     p.add_argument("--payload", type=positive_int, default=4096, help="bytes per block")
