@@ -8,6 +8,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from structlog.testing import capture_logs
+
 from tests.waiting import wait_until
 from tests.worker.helpers import endpoints, poll_until_done, short_ipc_dir
 from zkv import protocol as P
@@ -53,6 +55,20 @@ def test_a_failed_load_ack_is_a_load_error_without_the_layer_hooks() -> None:
             w.close()
             d.close()
 
+
+
+def test_a_load_bound_after_close_is_recomputed_without_an_error_line() -> None:
+    """vLLM's teardown may ask a closed worker half for its load errors: every block is
+    one (nothing will arrive), said at info with the reason, not as a failed load."""
+    with short_ipc_dir() as folder:
+        w, d = _half(folder, TorchCpuBackend(), gated=True)
+        w.close()
+        d.close()
+        w.bind(ZkvMetadata(step=0, release_upto=-1, load_seq=3, load_op=0, loads=[4, 5]))
+        with capture_logs() as logs:
+            assert w.load_errors() == {4, 5}
+        [line] = [e for e in logs if e["event"] == "connector.load_failed"]
+        assert line["log_level"] == "info" and line["error"] == "closed", line
 
 def _recomputed(kv: Any, block: int, value: float) -> bool:
     return all(bool((part[block] == value).all()) for layer in kv for part in layer)

@@ -168,11 +168,14 @@ class WorkerHalf:
             self._checked = meta.load_seq
             return self._errors
         self._checked = meta.load_seq
-        ack = None
-        if self.sidecar is not None:
-            t0 = time.perf_counter()
-            ack = self.sidecar.wait_acked(meta.load_seq, self.cfg.layer_timeout_s)
-            self.wait_s["acks"] += time.perf_counter() - t0
+        if self.sidecar is None:  # closed (vLLM's teardown): nothing will arrive; recompute
+            self._errors.update(meta.loads)
+            self.log.info(E.LOAD_FAILED, seq=meta.load_seq, num_blocks=len(meta.loads),
+                          error="closed")
+            return self._errors
+        t0 = time.perf_counter()
+        ack = self.sidecar.wait_acked(meta.load_seq, self.cfg.layer_timeout_s)
+        self.wait_s["acks"] += time.perf_counter() - t0
         res = None if ack is None else next((r for r in ack.results if r.id == meta.load_op), None)
         if res is None or not res.ok:
             done = 0 if res is None else res.done
