@@ -725,23 +725,19 @@ def _without_storage(argv: Sequence[str]) -> list[str]:
 
 def _storage_url(args: argparse.Namespace, layout: CacheLayout, tmp: str) -> str | None:
     """The L3 URL the run uses: --storage, else --store-dir as file://, else ``tmp``."""
-    from zkv.security import redact_credentials
     from zkv.storage import HEADER_SIZE, file_url, open_store
     from zkv.storage.local import check_root
-    from zkv.storage.url import parse_url
+    from zkv.storage.url import check_budget, parse_url
 
     if args.storage and args.store_dir:
         raise ConfigError("give --storage or --store-dir, not both")
     if "none" in (args.storage, args.store_dir):
         return None
     url = args.storage or file_url(args.store_dir or tmp)
-    scheme, kw = parse_url(url)  # a bad URL or directory: one line here, not one per rank
-    block = HEADER_SIZE + layout.block_bytes
-    if scheme == "file" and kw["max_bytes"] is not None and (
-            kw["max_bytes"] // layout.world_size < block):  # it stored nothing, silently
-        raise ConfigError(f"--storage {redact_credentials(url)}: a budget of "
-                          f"{kw['max_bytes']} bytes holds no block of {block} bytes on each of "
-                          f"{layout.world_size} ranks")
+    # a bad URL or directory, or a budget that holds no block: one line here, not one a rank
+    scheme, kw = parse_url(url, layout.world_size)
+    if scheme == "file":
+        check_budget(url, kw, layout.world_size, HEADER_SIZE + layout.block_bytes)
     if scheme == "file" and check_root(kw["root"]) <= 0:  # (an engine serves on without)
         # no free space: it opens only with a budget or with files of its own to reuse
         open_store(url, layout.fingerprint(), writers=layout.world_size).close()

@@ -55,8 +55,9 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--store-dir", "{tmp}/file/l3"], "store directory {tmp}/file/l3: cannot create it (Not "
                                        "a directory)"),
     (["--storage", "file://{tmp}/l3?max_gb=nan"], "max_gb='nan' is not a finite number"),
-    (["--storage", "file://{tmp}/l3?max_bytes=1"], "--storage file://{tmp}/l3?max_bytes=1: a "
-     "budget of 1 bytes holds no block of 32832 bytes on each of 2 ranks"),
+    (["--storage", "file://{tmp}/l3?max_bytes=1"], "bad store URL 'file://{tmp}/l3?max_bytes=1': "
+     "a budget of 1 bytes per writer (2 writers) holds no block of 32832 bytes; give a larger "
+     "max_gb"),
     (["--workload", "trace", "--trace", "{tmp}/not-json.jsonl"],
      "trace {tmp}/not-json.jsonl, line 2: unexpected character"),
     (["--workload", "trace", "--trace", "{tmp}/no-ids.jsonl"],

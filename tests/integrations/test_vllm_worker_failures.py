@@ -4,10 +4,12 @@ ignored, a timed-out layer forgotten, or the ungated fence skipped, no test fail
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from structlog.testing import capture_logs
 
 from tests.waiting import wait_until
@@ -19,6 +21,7 @@ from zkv.integrations.vllm.records import ZkvMetadata
 from zkv.integrations.vllm.worker import WorkerHalf, _FaultyLoads
 from zkv.kernels import TorchCpuBackend
 from zkv.scheduler.dispatcher import Dispatcher
+from zkv.security import Keyring
 from zkv.worker import Sidecar
 
 LAYOUT = CacheLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="float32",
@@ -69,6 +72,27 @@ def test_a_load_bound_after_close_is_recomputed_without_an_error_line() -> None:
             assert w.load_errors() == {4, 5}
         [line] = [e for e in logs if e["event"] == "connector.load_failed"]
         assert line["log_level"] == "info" and line["error"] == "closed", line
+
+
+def test_a_keyring_in_vllms_environment_does_not_keep_the_rank_out(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The connector's scheduler half builds its Dispatcher without keys (its sockets are
+    in a private ipc directory): a ``$ZKV_KEYS`` vLLM inherited (zkvrun exports one) must
+    not make the worker half speak CURVE to it. (It did: the rank never joined, and vLLM
+    waited 120 s for a start that failed without naming keys.)"""
+    monkeypatch.setenv("ZKV_KEYS", Keyring.generate(1).save(os.path.join(tmp_path, "keys")))
+    with short_ipc_dir() as folder:
+        pub, pull = endpoints(folder)
+        d = Dispatcher(pub, pull, 1, LAYOUT.fingerprint())
+        w = WorkerHalf(parse_extra_config({"storage": "none"}), 0)
+        try:
+            kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
+            w.start([f"l{i}" for i in range(LAYOUT.num_layers)], kv, LAYOUT,
+                    pub_endpoint=pub, pull_endpoint=pull, store=None)
+            d.wait_for_ranks(10)
+        finally:
+            w.close()
+            d.close()
 
 def _recomputed(kv: Any, block: int, value: float) -> bool:
     return all(bool((part[block] == value).all()) for layer in kv for part in layer)

@@ -155,9 +155,15 @@ if __name__ == "__main__":
 
 
 def _child(tmp_path: Path, case: str) -> dict:
+    return _on_small_fs(tmp_path, "512k", _CHILD, case)
+
+
+def _on_small_fs(tmp_path: Path, size: str, code: str, *args: str) -> dict:
+    """Run ``code`` (argv: the file system's mount point, then ``args``) on a small tmpfs
+    of ``size``; its last stdout line, as JSON."""
     fs = tmp_path / "fs"
     fs.mkdir()
-    proc = run_on_small_fs(str(fs), "512k", [sys.executable, "-c", _CHILD, str(fs), case],
+    proc = run_on_small_fs(str(fs), size, [sys.executable, "-c", code, str(fs), *args],
                            timeout_s=120, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -197,12 +203,7 @@ def test_writers_sharing_a_full_disk_each_get_room_and_lose_nothing(tmp_path: Pa
     holding nothing when the others filled the disk, gets room from the namespace's oldest
     files, whoever wrote them (and keeps about that much: the shares are what each writer
     held when the disk filled)."""
-    fs = tmp_path / "fs"
-    fs.mkdir()
-    proc = run_on_small_fs(str(fs), "1m", [sys.executable, "-c", _WRITERS, str(fs)],
-                           timeout_s=120, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _on_small_fs(tmp_path, "1m", _WRITERS)
     assert out["exit"] == [0, 0, 0] and out["tmp_files"] == []
     for w in out["writers"]:
         assert (w["num_errors"], w["errors"]) == (0, []), w
@@ -268,3 +269,48 @@ def test_replay_on_a_full_disk_without_a_budget_is_one_line_and_starts_nothing(
     assert proc.stderr == (f"zkv replay: error: store directory {fs}/l3: its file system has "
                            "no free space; free some, or give a budget (file://...?max_gb=G)\n")
     assert proc.stdout == "" and not (tmp_path / "logs").exists()
+
+
+# Run in the child, on a 4 MiB file system at argv[1]: the default budget of a group of two
+# writers, and of one writer opened again after it filled its budget. One JSON line.
+_DEFAULT_BUDGET = r"""
+import json, os, shutil, sys
+import numpy as np
+from zkv.storage import file_url, open_store, pack_key
+
+root = sys.argv[1]
+url = file_url(os.path.join(root, "l3"))
+BLOCK = 32 << 10
+free = lambda: shutil.disk_usage(root).free
+out = {"free": free()}
+group = [open_store(url, "ns", writers=2, rank=r) for r in (0, 1)]
+out["group"] = [s.max_bytes for s in group]
+for s in group:
+    s.close()
+opens = []
+for run in range(4):  # one writer, opened, filled past its budget, closed: four times
+    s = open_store(url, "solo", rank=0)
+    opens.append((s.max_bytes, free()))
+    for i in range(run * 1000, run * 1000 + s.max_bytes // BLOCK + 4):
+        s.put(pack_key(i.to_bytes(16, "big"), 0), np.full(BLOCK - 64, i % 251, np.uint8))
+    s.close()
+out["opens"] = opens
+out["free_after"] = free()
+print(json.dumps(out))
+"""
+
+
+def test_the_default_budget_is_half_the_free_space_for_a_group_and_across_restarts(
+        tmp_path: Path) -> None:
+    """No ``max_gb``: a group of writers takes half the free space together, and a writer
+    opened again takes the budget it had. (Before, each writer took half the free space, a
+    group of two all of it, and each restart half of what was left on top of what it held:
+    32, 47, 55, 59 MiB of a 64 MiB disk.)"""
+    out = _on_small_fs(tmp_path, "4m", _DEFAULT_BUDGET)
+    free = out["free"]
+    assert sum(out["group"]) <= free // 2 and min(out["group"]) >= free // 4 - 4096, out
+    (first, _), *again = out["opens"]
+    assert first == free // 2, out
+    for budget, _ in again:  # the same budget, up to the file system's rounding
+        assert abs(budget - first) <= 64 << 10, out["opens"]
+    assert out["free_after"] >= free // 2 - (64 << 10), out

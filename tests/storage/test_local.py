@@ -155,6 +155,15 @@ def test_budget_is_shared_by_the_writers(tmp_path: Path) -> None:
     assert 0 < s.max_bytes <= shutil.disk_usage(tmp_path).free  # type: ignore[attr-defined]
 
 
+def test_a_budget_that_holds_no_block_on_each_writer_is_refused(tmp_path: Path) -> None:
+    """It would store nothing, silently (under vLLM: ``max_gb=0.0001`` at TP 2)."""
+    url = file_url(tmp_path) + "?max_bytes=1000"
+    assert open_store(url, "ns", writers=2, block_bytes=500).max_bytes == 500  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"a budget of 333 bytes per writer \(3 writers\) "
+                                          r"holds no block of 500 bytes; give a larger max_gb"):
+        open_store(url, "ns", writers=3, block_bytes=500)
+
+
 def test_a_restart_keeps_every_ranks_blocks(tmp_path: Path) -> None:
     """Two ranks share a directory and its budget, each ``max_bytes / 2``: after a restart
     each indexes its own files alone, so its first put evicts its own oldest block, not

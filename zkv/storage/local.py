@@ -108,18 +108,24 @@ class LocalDirStore(Store):
     Invariant: ``_total == sum(_lru.values())``; ``_total + _pending <= max_bytes`` after
     a reservation (unless one block alone is larger); ``_pending`` is the bytes of the
     puts in progress. put/get/evict are O(1) in the index.
-    ``max_bytes=None`` takes half the free space of the file system at open (plus what
-    the namespace already holds). ``fsync=True`` makes puts durable across a crash: the
-    file's data, then the directory entry the rename made (and any folder the put made).
+    ``max_bytes=None`` takes half the room this writer has at open: its ``1/writers``
+    share of the file system's free space plus what its own files already hold. So a
+    group of ``writers`` ranks takes half the free space together, and a restart takes
+    the budget the last run had (before, each rank took half the free space, a group of
+    two all of it, and each restart half of what was left on top of what it held).
+    ``fsync=True`` makes puts durable across a crash: the file's data, then the directory
+    entry the rename made (and any folder the put made).
     ``rank``: the writer's rank, whose files alone this store indexes (module docstring).
     """
 
     def __init__(self, root: str | os.PathLike[str], namespace: str, *,
                  max_bytes: int | None = None, fsync: bool = False,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, writers: int = 1) -> None:
         super().__init__(namespace, f"file://{os.path.abspath(os.fspath(root))}")
         if rank is not None and rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
+        if writers < 1:
+            raise ValueError(f"writers must be >= 1, got {writers}")
         self.rank = rank
         self._suffix = None if rank is None else f".{rank}"
         self.root = os.fspath(root)
@@ -143,7 +149,7 @@ class LocalDirStore(Store):
             free = _free_bytes(self.root)
         self._rebuild_index()
         if max_bytes is None:
-            max_bytes = free // 2 + self._total
+            max_bytes = (free // writers + self._total) // 2
             if max_bytes <= 0:
                 raise ConfigError(f"store directory {self.root}: its file system has no free "
                                   "space; free some, or give a budget (file://...?max_gb=G)")

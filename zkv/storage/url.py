@@ -162,10 +162,12 @@ def _tls_kw(url: str, params: dict[str, Any]) -> dict[str, Any]:
             "tls_key": params.pop("key", None), **params}
 
 
-def open_store(url: str, namespace: str, *, writers: int = 1, rank: int | None = None
-               ) -> Store:
+def open_store(url: str, namespace: str, *, writers: int = 1, rank: int | None = None,
+               block_bytes: int | None = None) -> Store:
     """The store ``url`` names, in ``namespace`` (the layout fingerprint); ``rank``: the
     rank whose blocks this process writes (a worker's), None for a reader (the scheduler).
+    ``block_bytes``: one stored block, header included: a ``file://`` budget that holds
+    none on each writer is refused (it would store nothing, silently).
 
     A redis or mooncake server that is down is no error here: the store starts
     disconnected, every call fails fast (a miss on the scheduler side) and it reconnects
@@ -175,6 +177,8 @@ def open_store(url: str, namespace: str, *, writers: int = 1, rank: int | None =
     if scheme == "file":
         from zkv.storage.local import LocalDirStore
 
+        check_budget(url, kw, writers, block_bytes)
+
         return LocalDirStore(kw.pop("root"), namespace, rank=rank, **kw)
     if scheme in ("redis", "rediss"):
         from zkv.storage.redis_store import RedisStore
@@ -183,6 +187,16 @@ def open_store(url: str, namespace: str, *, writers: int = 1, rank: int | None =
     from zkv.storage.mooncake_store import MooncakeStore
 
     return MooncakeStore(kw.pop("host"), kw.pop("port"), namespace, **kw)
+
+
+def check_budget(url: str, kw: dict[str, Any], writers: int, block_bytes: int | None
+                 ) -> None:
+    """Refuse a ``file://`` budget (``kw`` from :func:`parse_url`) that holds no block of
+    ``block_bytes`` on each of ``writers``."""
+    per_writer = kw.get("max_bytes")
+    if block_bytes is not None and per_writer is not None and per_writer < block_bytes:
+        raise _bad(url, f"a budget of {per_writer} bytes per writer ({writers} writers) "
+                        f"holds no block of {block_bytes} bytes; give a larger max_gb")
 
 
 def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict[str, Any]:
@@ -200,7 +214,8 @@ def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict
         max_bytes = int(params["max_gb"] * (1 << 30))
     if max_bytes is not None:
         max_bytes = max(1, max_bytes // writers)
-    return dict(root=path, max_bytes=max_bytes, fsync=params.get("fsync", False))
+    return dict(root=path, max_bytes=max_bytes, fsync=params.get("fsync", False),
+                writers=writers)
 
 
 def file_url(path: str | os.PathLike[str]) -> str:

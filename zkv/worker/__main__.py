@@ -44,7 +44,7 @@ from zkv import log as zlog
 from zkv.config import CacheLayout, endpoints_from_env
 from zkv.errors import ConfigError
 from zkv.exit_codes import EXIT_CONFIG, EXIT_FATAL, EXIT_REFUSED, EXIT_SCHEDULER_GONE
-from zkv.storage import Store, file_url, open_store
+from zkv.storage import HEADER_SIZE, Store, file_url, open_store
 from zkv.worker.actor import WorkerActor
 from zkv.worker.sidecar import (
     rank_from_env,
@@ -77,7 +77,8 @@ def store_from_env(layout: CacheLayout, rank: int, env: Mapping[str, str] | None
         url = file_url(env["ZKV_STORE_DIR"])
     if url is None:
         return None
-    return open_store(url, layout.fingerprint(), writers=layout.world_size, rank=rank)
+    return open_store(url, layout.fingerprint(), writers=layout.world_size, rank=rank,
+                      block_bytes=HEADER_SIZE + layout.block_bytes)
 
 
 def scheduler_timeout_from_env(env: Mapping[str, str] | None = None) -> float | None:

@@ -133,7 +133,10 @@ class Sidecar:
     ``gated``: run a batch that writes the KV cache (a load) only after :meth:`release`
     (an engine that schedules ahead); saves and storage I/O run as they come.
     ``scheduler_timeout_s``: stop once no scheduler was reachable for that long (None:
-    wait forever; see :class:`WorkerActor`).
+    wait forever; see :class:`WorkerActor`). ``env``: where missing arguments come from
+    (default ``os.environ``; an engine that starts its own scheduler passes ``{}``, so a
+    ``$ZKV_KEYS`` it inherited does not make the rank speak CURVE to a scheduler without
+    keys).
     """
 
     def __init__(
@@ -152,12 +155,13 @@ class Sidecar:
         gated: bool = False,
         keys: security.ClientKeys | str | None = None,
         scheduler_timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        layout = layout if layout is not None else CacheLayout.from_env()
-        rank = rank if rank is not None else rank_from_env()
-        client_keys, insecure = security_from_env(rank, keys)
+        layout = layout if layout is not None else CacheLayout.from_env(env)
+        rank = rank if rank is not None else rank_from_env(env)
+        client_keys, insecure = security_from_env(rank, keys, env)
         if pub_endpoint is None or pull_endpoint is None:
-            env_pub, env_pull = endpoints_from_env()
+            env_pub, env_pull = endpoints_from_env(env)
             pub_endpoint = pub_endpoint or env_pub
             pull_endpoint = pull_endpoint or env_pull
         device = select_device(kv_caches)

@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from zkv.config import CacheLayout
+
 
 class ZkvConnectorMetadata(KVConnectorMetadata, ZkvMetadata):
     """:class:`ZkvMetadata` as vLLM's metadata type."""
@@ -141,15 +143,17 @@ def world_size(vllm_config: VllmConfig) -> int:
     return int(pc.tensor_parallel_size)
 
 
-def open_l3(url: str | None, namespace: str, world_size: int, rank: int | None = None) -> Any:
+def open_l3(url: str | None, layout: CacheLayout, rank: int | None = None) -> Any:
     """The L3 store (None without one); ``rank``: a worker's, whose blocks it writes (None:
     the scheduler's, which only asks). A server that is down is no error here: the store
-    fails fast (misses) and reconnects when it is back."""
+    fails fast (misses) and reconnects when it is back. A ``file://`` budget that holds no
+    block on each rank is refused."""
     if url is None:
         return None
-    from zkv.storage import open_store
+    from zkv.storage import HEADER_SIZE, open_store
 
-    return open_store(url, namespace, writers=world_size, rank=rank)
+    return open_store(url, layout.fingerprint(), writers=layout.world_size, rank=rank,
+                      block_bytes=HEADER_SIZE + layout.block_bytes)
 
 
 class ZkvConnector(KVConnectorBase_V1):
@@ -234,7 +238,7 @@ class ZkvConnector(KVConnectorBase_V1):
         pub, pull, ipc_dir = ipc_endpoints(self.engine_id, create=True)
         claim_engine_dir(ipc_dir)  # (another live engine's: refused, and never removed here)
         self._ipc_dir = ipc_dir
-        store = self._store = open_l3(self.cfg.storage, layout.fingerprint(), self.world_size)
+        store = self._store = open_l3(self.cfg.storage, layout)
         exists = None
         if store is not None:
             from zkv.storage import StorageQuery
@@ -286,8 +290,7 @@ class ZkvConnector(KVConnectorBase_V1):
         layout = self._layout(kind)
         check_host_memory(layout)  # (vLLM registers the caches before it starts a scheduler)
         pub, pull, _ = ipc_endpoints(self.engine_id, create=True)
-        store = self._store = open_l3(self.cfg.storage, layout.fingerprint(),
-                                      self.world_size, self.rank)
+        store = self._store = open_l3(self.cfg.storage, layout, self.rank)
         gate = self.cfg.gate
         if gate == "auto":
             gate = bool(getattr(self._vllm_config.scheduler_config, "async_scheduling", True))

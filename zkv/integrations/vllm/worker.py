@@ -100,7 +100,7 @@ class WorkerHalf:
         self.gated = gated
         self.sidecar = Sidecar(views, layout=layout, rank=self.rank, pub_endpoint=pub_endpoint,
                                pull_endpoint=pull_endpoint, backend=backend, store=store,
-                               gated=gated)
+                               gated=gated, env={})  # (the scheduler half's Dispatcher: no keys)
         self.log.info(E.WORKER_STARTED, gated=gated, backend=type(backend).__name__,
                       num_host_blocks=layout.num_host_blocks)
 
