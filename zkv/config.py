@@ -183,4 +183,5 @@ def pools_shortfall(layout: CacheLayout, *, device: bool = True) -> str | None:
               else f"{layout.num_host_blocks}")
     return (f"the {'pools' if device else 'host pools'} need {need / 2**30:.1f} GiB "
             f"({layout.world_size} ranks x {counts} blocks x {layout.block_bytes >> 10} KiB) "
-            f"and {free / 2**30:.1f} GiB is available")
+            f"and {free / 2**30:.1f} GiB is available (pools may take "
+            f"{POOL_MEMORY_SHARE:.0%} of it)")

@@ -571,11 +571,17 @@ def claim_dir(path: str) -> None:
         f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
 
 
+#: A directory no process claimed for this long is a start that failed before its owner
+#: claimed it (a vLLM engine's worker halves make its socket directory, its scheduler half
+#: claims it: a scheduler half that failed at start never did): removed like a dead one.
+UNCLAIMED_STALE_S = 3600.0
+
+
 def clean_stale_runs(base: str, names: re.Pattern[str] | None = _RUN_NAME) -> list[str]:
     """Remove the directories under ``{base}/zkv-{uid}`` whose owner process is gone
-    (killed with SIGKILL); return what was removed. Only directories with an owner file
-    (:func:`claim_dir`) and, unless ``names`` is None, a name it matches (what
-    :func:`make_run_dir` makes); never follows symlinks."""
+    (killed with SIGKILL), or that no process claimed for ``UNCLAIMED_STALE_S``; return
+    what was removed. Only directories with, unless ``names`` is None, a name it matches
+    (what :func:`make_run_dir` makes); never follows symlinks."""
     root = os.path.join(base, f"zkv-{os.geteuid()}")
     if not os.path.isdir(root):
         return []
@@ -584,7 +590,7 @@ def clean_stale_runs(base: str, names: re.Pattern[str] | None = _RUN_NAME) -> li
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
         if ((names is not None and not names.match(name)) or os.path.islink(path)
-                or not os.path.isdir(path) or _owner_alive(path)):
+                or not os.path.isdir(path) or not _stale(path)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -605,11 +611,17 @@ def live_owner(path: str) -> int | None:
     return owner[0]
 
 
-def _owner_alive(path: str) -> bool:
-    """True unless the run's owner file names a process that is gone (or was replaced by
-    another with the same pid). Without a readable owner file: left alone (True)."""
+def _stale(path: str) -> bool:
+    """The run's owner file names a process that is gone (or was replaced by another with
+    the same pid); or it has none (or none readable) and the directory has not changed for
+    ``UNCLAIMED_STALE_S``."""
     owner = _read_owner(path)
-    return owner is None or owner[0] == os.getpid() or _running(*owner)
+    if owner is None:
+        try:
+            return time.time() - os.lstat(path).st_mtime > UNCLAIMED_STALE_S
+        except OSError:
+            return False
+    return owner[0] != os.getpid() and not _running(*owner)
 
 
 def _read_owner(path: str) -> tuple[int, str] | None:

@@ -86,8 +86,8 @@ def test_ranks_and_pools_past_the_machine_are_refused_unless_forced(
     assert e.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]
     assert re.fullmatch(r"zkv soak: error: the pools need [\d.]+ GiB \(2 ranks x "
-                        r"1000000000000\+256 blocks x \d+ KiB\) and [\d.]+ GiB is available; "
-                        r"lower them or pass --force", last), last
+                        r"1000000000000\+256 blocks x \d+ KiB\) and [\d.]+ GiB is available "
+                        r"\(pools may take 80% of it\); lower them or pass --force", last), last
     assert _parse(["--ranks", str(too_many), "--device-blocks", str(10**12), "--force"]).force
 
 

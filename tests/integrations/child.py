@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: A child's prelude: ``stub_connector(eid, extra, vllm_config)``, the scheduler-role
 #: ZkvConnector as vLLM builds it up to its start (its ``__init__`` needs a whole
-#: VllmConfig; the start reads only what ``vllm_config`` gives), and
-#: ``start(conn)``: its start's ConfigError text, or None.
+#: VllmConfig; the start reads only what ``vllm_config`` gives), ``plain_vllm_config()``
+#: and ``start(conn)``: its start's ConfigError text, or None.
 STUB_CONNECTOR = '''
 import json, os, subprocess, sys, warnings
 from types import SimpleNamespace
@@ -37,6 +37,17 @@ def stub_connector(eid, extra, vllm_config):
     conn._kv_cache_config = SimpleNamespace(kv_cache_layout=None)
     conn._vllm_config = vllm_config
     return conn
+
+
+def plain_vllm_config():
+    """What the start reads of a plain engine's VllmConfig (no layout override, no
+    multimodal model, synchronous scheduling, a kv_both role, recompute on a failed load)."""
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_layout=None),
+        model_config=SimpleNamespace(multimodal_config=None),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+        kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True,
+                                           kv_load_failure_policy="recompute"))
 
 
 def start(conn):

@@ -111,8 +111,9 @@ def test_host_pools_that_do_not_fit_the_machine_are_refused_at_start() -> None:
     share = int(0.5 * free)  # half the memory for each rank: fits alone, not twice
     check_host_memory(layout(1, share))
     with pytest.raises(ConfigError, match=r"^zkv: the host pools need .* \(2 ranks x \d+ "
-                                          r"blocks x 32 KiB\) and .* GiB is available; lower "
-                                          r"host_bytes or host_blocks$"):
+                                          r"blocks x 32 KiB\) and .* GiB is available \(pools "
+                                          r"may take 80% of it\); lower host_bytes or "
+                                          r"host_blocks$"):
         check_host_memory(layout(2, share))
 
 

@@ -195,12 +195,8 @@ eid = f"failed-start-{os.getpid()}"
 pub, pull, folder = ipc_endpoints(eid, create=True)
 worker = subprocess.Popen([sys.executable, "-m", "zkv.worker"], stdin=subprocess.DEVNULL,
                           env=worker_env(0, LAYOUT.to_json(), pub, pull))
-conn = stub_connector(eid, {"metrics_port": busy.getsockname()[1]}, SimpleNamespace(
-    cache_config=SimpleNamespace(kv_cache_layout=None),
-    model_config=SimpleNamespace(multimodal_config=None),
-    scheduler_config=SimpleNamespace(async_scheduling=False),
-    kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True,
-                                       kv_load_failure_policy="recompute")))
+conn = stub_connector(eid, {"metrics_port": busy.getsockname()[1]},
+                      plain_vllm_config())
 error = start(conn)  # the half joins the worker, then the metrics port is taken
 try:
     code = worker.wait(10)  # told Shutdown by the closed half
@@ -245,8 +241,43 @@ conn.shutdown()  # (again: as a caller that cleans up after a failure might)
 left = sorted(os.listdir(folder)) if os.path.isdir(folder) else None
 owner.stdin.close()
 owner.wait(10)
+import shutil
+shutil.rmtree(folder, ignore_errors=True)  # (the real socket root's: nothing of ours stays)
 print(json.dumps({"error": error, "left": left}))
 '''
+
+
+_POOLS_TAKEN_CHILD = STUB_CONNECTOR + '''
+from tests.worker.helpers import worker_env
+from zkv import config
+
+eid = f"pools-taken-{os.getpid()}"
+pub, pull, folder = ipc_endpoints(eid, create=True)
+worker = subprocess.Popen([sys.executable, "-m", "zkv.worker"], stdin=subprocess.DEVNULL,
+                          env=worker_env(0, LAYOUT.to_json(), pub, pull))
+# the worker halves checked, allocated and filled their host pools: the memory left is less
+# than the pools (here, none)
+config.available_memory = lambda: 0
+conn = stub_connector(eid, {}, plain_vllm_config())
+error = start(conn)
+conn.shutdown()
+try:
+    code = worker.wait(10)
+except subprocess.TimeoutExpired:
+    worker.kill()
+    code = "still running"
+print(json.dumps({"error": error, "worker_exit": code}))
+'''
+
+
+def test_the_scheduler_half_does_not_count_the_workers_pools_twice() -> None:
+    """vLLM registers the KV caches (the worker halves check the machine's memory, then
+    allocate their host pools) before it starts the scheduler: the scheduler half's start
+    must not check those pools again against the memory they already took. (It did: a
+    ``host_bytes`` of 45% of the memory stopped the engine with "the host pools need 9.9
+    GiB ... and 11.4 GiB is available".)"""
+    got = run_child(_POOLS_TAKEN_CHILD)
+    assert got == {"error": None, "worker_exit": 0}, got
 
 
 def test_a_start_refused_for_a_taken_engine_id_leaves_the_live_engine_its_sockets() -> None:

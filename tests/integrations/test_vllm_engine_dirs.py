@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
+from zkv import security
 from zkv.errors import ConfigError
 from zkv.integrations.vllm.ipc import claim_engine_dir, engine_dir_name, ipc_endpoints
 
@@ -34,12 +36,17 @@ def test_a_killed_engines_directory_goes_at_the_next_start(tmp_path: Path,
     dead = ipc_endpoints("engine-killed", create=True)[2]
     live = ipc_endpoints("engine-running", create=True)[2]
     unclaimed = ipc_endpoints("engine-starting", create=True)[2]  # its workers made it
+    # its workers made it an hour ago and its scheduler half failed before it claimed it
+    # (it was kept for good: only an owner file that names a dead process let it go)
+    failed = ipc_endpoints("engine-failed-start", create=True)[2]
+    old = time.time() - security.UNCLAIMED_STALE_S - 60
+    os.utime(failed, (old, old))
     with _owner(dead) as killed:
         killed.kill()  # SIGKILL: its shutdown never ran
     with _owner(live) as running:
         ours = ipc_endpoints("engine-new", create=True)[2]
-        assert claim_engine_dir(ours) == [dead]
-        assert not os.path.exists(dead)
+        assert sorted(claim_engine_dir(ours)) == sorted([dead, failed])
+        assert not os.path.exists(dead) and not os.path.exists(failed)
         assert all(os.path.isdir(d) for d in (live, unclaimed, ours))
         assert claim_engine_dir(ours) == []  # ours is claimed by this (live) process
         assert running.stdin is not None
@@ -83,3 +90,18 @@ def test_an_engine_id_never_names_the_socket_root_or_above(engine_id: str) -> No
     assert name.strip(".") and "/" not in name and "\0" not in name and len(name) <= 40
     assert name not in (engine_dir_name(other) for other in ("", ".", "..", "...", "a\0b")
                         if other != engine_id)
+
+
+def test_a_socket_root_that_is_a_symlink_is_refused(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``{tmp}/zkv-{uid}`` has a name anyone can guess: a symlink planted there, even to a
+    private directory of ours (``~/.ssh``), must not put an engine's sockets in it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    target = tmp_path / "private"
+    target.mkdir(mode=0o700)
+    os.symlink(target, tmp_path / f"zkv-{os.getuid()}")
+    with pytest.raises(ConfigError, match=r"^zkv: socket directory .*/zkv-\d+ is not a "
+                                          r"directory \(a symlink or a file\) \(TMPDIR names "
+                                          r"where it is made\)$"):
+        ipc_endpoints("engine", create=True)
+    assert os.listdir(target) == []

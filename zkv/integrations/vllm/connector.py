@@ -232,9 +232,11 @@ class ZkvConnector(KVConnectorBase_V1):
         from vllm.platforms import current_platform
 
         zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level)
+        # (no check_host_memory here: vLLM registers the caches, and the worker halves
+        # check and allocate their pools, before it starts a scheduler; checked again now,
+        # those pools counted twice, against memory they already took)
         layout = self._layout(expected_kv_layout(current_platform.is_cpu(),
                                                  self._resolved_layout()))
-        check_host_memory(layout)
         pub, pull, ipc_dir = ipc_endpoints(self.engine_id, create=True)
         claim_engine_dir(ipc_dir)  # (another live engine's: refused, and never removed here)
         self._ipc_dir = ipc_dir
@@ -288,7 +290,7 @@ class ZkvConnector(KVConnectorBase_V1):
             raise ConfigError(f"zkv: vLLM's KV tensors are {kind}, but vLLM resolved the "
                               f"layout {resolved}")
         layout = self._layout(kind)
-        check_host_memory(layout)  # (vLLM registers the caches before it starts a scheduler)
+        check_host_memory(layout)  # before this rank's pool is allocated
         pub, pull, _ = ipc_endpoints(self.engine_id, create=True)
         store = self._store = open_l3(self.cfg.storage, layout, self.rank)
         gate = self.cfg.gate

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import tempfile
 
 from zkv import log as zlog
@@ -36,13 +35,11 @@ def ipc_endpoints(engine_id: str, create: bool) -> tuple[str, str, str]:
     base = os.path.join(tempfile.gettempdir(), f"zkv-{os.getuid()}")
     d = os.path.join(base, engine_dir_name(engine_id))
     if create:
-        for path in (base, d):
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            st = os.stat(path)
-            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                raise ConfigError(f"zkv: {path} must be owned by uid {os.getuid()} with mode "
-                                  f"0700 (it is uid {st.st_uid}, mode "
-                                  f"{oct(stat.S_IMODE(st.st_mode))})")
+        for path in (base, d):  # (a symlink, even to a private directory of ours: refused)
+            try:
+                security.make_private_dir(path, what="zkv: socket directory")
+            except ConfigError as e:
+                raise ConfigError(f"{e} (TMPDIR names where it is made)") from None
     return f"ipc://{d}/pub", f"ipc://{d}/pull", d
 
 
