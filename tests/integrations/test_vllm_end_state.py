@@ -5,13 +5,17 @@ a real worker process, with the calls made the way vLLM's scheduler makes them."
 
 from __future__ import annotations
 
+import signal
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 from structlog.testing import capture_logs
 
 from tests.integrations.child import STUB_CONNECTOR, run_child
 from tests.integrations.test_vllm_rank_loss import Group
+from tests.waiting import wait_until
+from tests.worker.helpers import short_ipc_dir
 from zkv.integrations.vllm import metrics
 
 
@@ -45,6 +49,38 @@ def test_in_flight_gauges_follow_a_request_and_settle_at_zero(group: Group) -> N
     assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
                          "steps": 0, "store_retry": 0}
 
+
+
+def test_workers_stopped_first_during_a_store_outage_are_a_warning_and_a_true_report(
+        tmp_path: Path) -> None:
+    """vLLM stops its workers before its scheduler: their bye, read while the store is
+    down (the pump polls for the retries), is a warning, not a lost rank's error line and
+    ``connector.disabled`` error (false pages at every shutdown). The close report names
+    the L3 writes that were waiting for the store and will never be made: it said
+    ``store_retry: 0`` at info (the loss cleared them first)."""
+    blocker = tmp_path / "l3"
+    blocker.write_text("a file where the store's directory goes: every write fails")
+    with short_ipc_dir() as folder:
+        group = Group(folder, store_url=f"file://{blocker}")
+        try:
+            group.compute_and_save()
+            half = group.half
+            wait_until(lambda: half.in_flight()["store_retry"] == 8, 10.0,
+                       "the failed writes waiting for their retry")
+            with capture_logs() as logs:
+                group.proc.send_signal(signal.SIGTERM)  # the worker closes: it says bye
+                wait_until(lambda: half.update_connector_output(()) or half.disabled, 10.0,
+                           "the half seeing the rank leave")
+                half.close()
+        finally:
+            group.close()
+    assert group.proc.returncode == 0
+    levels = {e["event"]: e["log_level"] for e in logs}
+    assert levels["dispatcher.rank_lost"] == "warning", logs
+    assert levels["connector.disabled"] == "warning", logs
+    (closed,) = [e for e in logs if e["event"] == "connector.closed"]
+    assert closed["log_level"] == "warning" and closed["store_dropped"] == 8, closed
+    assert not [e for e in logs if e["log_level"] == "error"], logs
 
 def test_a_step_without_output_does_not_shift_later_outputs(group: Group) -> None:
     """vLLM reports no output for a step that scheduled no token (requests waiting on a

@@ -198,6 +198,7 @@ class Dispatcher:
                                    forged=self._forged_log, tell=self._publish_refused)
         self._ranks = self._members.ranks  # the same records (acks update them)
         self._lost: dict[int, str] = {}
+        self._left: set[int] = set()  # of the lost: those that said bye
         self._in_flight: dict[int, _InFlight] = {}
         self._completed: list[BatchDone] = []
         self._next_seq = 0
@@ -274,6 +275,11 @@ class Dispatcher:
     @property
     def lost_ranks(self) -> frozenset[int]:
         return frozenset(self._lost)
+
+    @property
+    def left_ranks(self) -> frozenset[int]:
+        """The lost ranks that said bye (closed in order), not died or went silent."""
+        return frozenset(self._left)
 
     @property
     def num_lost(self) -> int:
@@ -607,7 +613,8 @@ class Dispatcher:
             return
         if not self._members.started:
             self._members.forget(r, msg.pid, msg.reason)
-        elif not self._closing:
+        elif not self._closing and msg.rank not in self._lost:
+            self._left.add(msg.rank)  # (a warning: e.g. an engine stopping its workers first)
             self._declare_lost(msg.rank, f"it said bye: {msg.reason}")
 
     def _on_ack(self, ack: P.BlocksCopied) -> None:
@@ -746,8 +753,8 @@ class Dispatcher:
         if rank in self._lost:
             return
         self._lost[rank] = reason
-        self._log.error(ev.RANK_LOST, rank=rank, reason=reason,
-                        num_in_flight=len(self._in_flight))
+        log = self._log.warning if rank in self._left else self._log.error
+        log(ev.RANK_LOST, rank=rank, reason=reason, num_in_flight=len(self._in_flight))
         error = f"rank {rank} lost: {reason}"
         lost = frozenset(self._lost)
         t = time.perf_counter()

@@ -138,6 +138,7 @@ class SchedulerHalf:
             raise
         self.counts = TokenCounts()
         self.disabled: str | None = None
+        self._store_dropped = 0  # L3 writes still to retry when zkv went off: never made
         self._namespace = xxhash.xxh3_64_hexdigest(layout.fingerprint().encode())
         policy = cfg.prefetch_policy()
         # how long a consumer request waits for blocks its producer promised (a write that
@@ -650,7 +651,6 @@ class SchedulerHalf:
             self._kick.set()
         except RankLost as e:
             self._disable(f"rank {e.rank} lost: {e.reason}")
-            self.cm.fail_pending()
             return None
         for rid in savers:
             r = self._reqs.get(rid)
@@ -687,9 +687,13 @@ class SchedulerHalf:
             self.log.warning(E.LOAD_FAILED, req_id=rid, num_blocks=len(failed))
 
     def _disable(self, reason: str) -> None:
-        """A lost rank ends zkv for this engine: vLLM goes on without it (misses only)."""
+        """A lost rank ends zkv for this engine: vLLM goes on without it (misses only).
+        Ranks that all said bye closed in order (vLLM stops its workers first): a warning.
+        The L3 writes waiting to be tried again are dropped (``store_dropped`` at close)."""
         self.disabled = reason
-        self.log.error(E.DISABLED, reason=reason)
+        bye = bool(self.dp.num_lost) and self.dp.lost_ranks <= self.dp.left_ranks
+        (self.log.warning if bye else self.log.error)(E.DISABLED, reason=reason, said_bye=bye)
+        self._store_dropped = self.cm.num_unstored_blocks
         self.cm.fail_pending()
 
     # ------------------------------------------------------------ helpers
@@ -780,7 +784,7 @@ class SchedulerHalf:
         except AssertionError as e:
             broken = str(e) or "assertion failed"
             self.log.error(E.INVARIANTS_BROKEN, error=broken[:500])
-        left = self.in_flight()
+        left = {**self.in_flight(), "store_dropped": self._store_dropped}
         # an open step is no leak: under async scheduling vLLM keeps the step it scheduled
         # before the last request finished, and a later output drops older records
         leak = any(v for k, v in left.items() if k != "steps")
