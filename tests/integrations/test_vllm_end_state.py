@@ -5,10 +5,12 @@ a real worker process, with the calls made the way vLLM's scheduler makes them."
 
 from __future__ import annotations
 
+import collections
 import signal
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from structlog.testing import capture_logs
 
@@ -349,6 +351,39 @@ def test_the_stats_vllm_reads_every_step_walk_no_tree(group: Group) -> None:
     assert totals["requests"] == 1 and totals == {k: snap[k] for k in totals}
     assert {"requests", "zkv_host_tokens", "saved_blocks", "loaded_blocks"} <= totals.keys()
 
+
+
+def test_a_selective_save_looks_up_only_the_blocks_not_yet_popular() -> None:
+    """Under write_through_selective every running request's save is planned every step:
+    it looks up only the blocks past those already found popular. (It scanned the whole
+    hash list from block 0 each step: 76 ms a step at 100 requests of 128k tokens sharing
+    a system prompt.)"""
+    with short_ipc_dir() as folder:
+        group = Group(folder, extra={"policy": "write_through_selective",
+                                     "write_through_threshold": 2})
+        try:
+            half = group.half
+            a, b = group.request(), group.request()  # one prompt twice: its blocks popular
+            for req, ids in ((a, list(range(9))), (b, list(range(10, 19)))):
+                half.get_num_new_matched_tokens(req, 0)
+                half.update_state_after_alloc(req, ids, 0)
+
+            class Lookups(collections.OrderedDict[bytes, int]):
+                num = 0
+
+                def get(self, key: bytes, default: Any = None) -> Any:
+                    Lookups.num += 1
+                    return super().get(key, default)
+
+            with half._lock:
+                half._seen = Lookups(half._seen)
+                r = half._reqs[b.request_id]
+                half._plan_save(r, False)
+                first, Lookups.num = Lookups.num, 0
+                half._plan_save(r, False)  # the next step: no new block
+            assert first == len(r.hashes) == 8 and Lookups.num == 0, (first, Lookups.num)
+        finally:
+            group.close()
 
 def test_a_step_of_an_aborted_request_confirms_nothing_of_a_new_one_with_its_id(
         group: Group) -> None:

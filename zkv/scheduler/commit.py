@@ -233,6 +233,7 @@ def _commit_load(core: Core, p: PendingOp, done: int) -> None:
         st = running(core, p.reqs[e])
         if st is not None:
             st.failed_loads += p.dst[pos : pos + len(n.hashes)]
+            core.load_failed[st.req_id] = st
     relist_all(core, settled)
 
 

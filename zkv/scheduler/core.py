@@ -82,7 +82,9 @@ class NegativeCache:
 class Core:
     """Shared state (no behaviour). ``device`` / ``host`` own block ids; ``tree`` the nodes
     and which are evictable; ``ledger`` the ops built this step and in flight; ``requests``
-    the running requests (each holds its path's nodes); ``deleting`` nodes detached while
+    the running requests (each holds its path's nodes), ``load_failed`` those of them with
+    ``failed_loads`` to report (so the engine's asking every call is O(failures), not
+    O(requests)); ``deleting`` nodes detached while
     an op was in flight (freed when it settles); ``unstored`` nodes whose storage write
     failed, written again at ``store_retry_at`` (``tiers.retry_stores``; the backoff
     doubles once per round with a failure: ``store_round_failed``; ``store_failing``: a
@@ -99,6 +101,7 @@ class Core:
     ledger: Ledger = field(default_factory=Ledger)
     stats: CacheStats = field(default_factory=CacheStats)
     requests: dict[str, RequestState] = field(default_factory=dict)
+    load_failed: dict[str, RequestState] = field(default_factory=dict)  # failed_loads set
     deleting: set[Node] = field(default_factory=set)
     unstored: dict[Node, None] = field(default_factory=dict)
     store_retry_at: float = 0.0

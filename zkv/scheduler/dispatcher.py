@@ -428,8 +428,8 @@ class Dispatcher:
             if now >= self._next_subs:  # joins and disconnects: on a clock (see below)
                 self._next_subs = now + _SUBS_EVERY_S
                 self._drain(acks=False)
-            if now >= self._next_check or now >= deadline:
-                self._check_deadlines(now)
+            if now >= self._next_check:  # (every 5 ms, also for poll(0): a check scans
+                self._check_deadlines(now)  # the batches waiting on storage I/O)
             if self._completed:
                 if self._in_flight:  # acks of later batches already queued
                     self._drain(subscriptions=False)

@@ -137,16 +137,29 @@ def _check_policy(pol: EvictionPolicy, listed: list[Node], ordered: Callable[[No
     assert pol.num_blocks == sum(len(n.hashes) for n in listed), f"{pol.name}: block count"
     pos = {id(n): i for i, n in enumerate(order)}
     assert all(id(n) in pos for n in listed), f"{pol.name}: a listed node is missing"
+
+    def counts(a: Node) -> bool:
+        return id(a) in pos and ordered(a)
+
+    # Each ordered node against its nearest ordered ancestor only: the order is transitive,
+    # so that proves it against all of them, in O(nodes) (against every ancestor it was
+    # O(nodes x depth): 7.3 s at vLLM's close for one 128k-token decode's 8,000 nodes).
+    near: dict[int, Node | None] = {}  # a node's nearest ordered proper ancestor
     for n in listed:
         if not ordered(n):
             continue
-        a = n.parent
-        while a is not None and a.parent is not None:
-            if id(a) in pos and ordered(a):
-                assert pol.class_of(a) >= pol.class_of(n), f"{pol.name}: class rises at {n}"
-                if pol.class_of(a) == pol.class_of(n):
-                    assert pos[id(a)] > pos[id(n)], f"{pol.name}: {a} before its descendant {n}"
+        chain, a = [n], n.parent
+        while a is not None and a.parent is not None and not counts(a) and id(a) not in near:
+            chain.append(a)
             a = a.parent
+        found = (None if a is None or a.parent is None else a if counts(a) else near[id(a)])
+        for c in chain:
+            near[id(c)] = found
+        if found is not None:
+            assert pol.class_of(found) >= pol.class_of(n), f"{pol.name}: class rises at {n}"
+            if pol.class_of(found) == pol.class_of(n):
+                assert pos[id(found)] > pos[id(n)], \
+                    f"{pol.name}: {found} before its descendant {n}"
 
 
 def _check_owned(pool: BlockPool, owners: Counter[int]) -> None:

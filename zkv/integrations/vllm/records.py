@@ -52,6 +52,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     allocated: bool = False
     confirmed: int = 0          # tokens whose KV every rank computed (or loaded) for sure
+    popular: int = 0            # leading blocks seen often enough to save (selective policy)
     prefetched: bool = False
     counted: bool = False
     last_save_seq: int | None = None

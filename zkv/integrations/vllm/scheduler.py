@@ -609,10 +609,11 @@ class SchedulerHalf:
         upto = r.confirmed
         self._extend_hashes(r, upto)
         if self.cfg.policy == WRITE_THROUGH_SELECTIVE and not final:
-            k = 0
+            k = r.popular  # (a block once popular stays so: each step scans the new ones)
             thr = self.cfg.write_through_threshold
             while k < len(r.hashes) and self._seen.get(r.hashes[k], 0) >= thr:
                 k += 1
+            r.popular = k
             upto = min(upto, k * self.bs)
         rid = r.request.request_id
         try:  # a save planned goes with the next batch that takes ops (see _publish)
