@@ -103,7 +103,9 @@ key = lambda w, i: pack_key(i.to_bytes(16, "big"), w)
 data = lambda w, i: np.full(BLOCK, (w * 7 + i) % 251, np.uint8)
 
 def writer(w, start, done, out):
-    s = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=1 << 30)  # empty: indexes none
+    # each its rank, as replay ranks: a store without one (a reader, or the one writer)
+    # would index at its first put every file there then, the others' too
+    s = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=1 << 30, rank=w)  # indexes none
     wrote, errors = [], []
     def run(t):
         for i in range(t * 1000, t * 1000 + (PER_THREAD if w < 2 else 5)):

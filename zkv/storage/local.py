@@ -21,7 +21,8 @@ re-created).
 
 Byte budget. The store keeps an LRU index ``path -> size`` of the files it knows: all
 files of its namespace at open (one scan, oldest mtime first; stale temp files removed),
-then every block it writes or serves. A put that takes the indexed total past
+then every block it writes or serves. The scan reads names first: only the files the
+store indexes (and temp files) cost a ``stat``. A put that takes the indexed total past
 ``max_bytes`` removes the least recently used files until it fits: O(1) per file, no
 directory scan. A hit refreshes the file's mtime, so the order survives a restart.
 Several processes writing one directory each keep their own index: the bound holds per
@@ -30,7 +31,16 @@ writer, so give each of ``W`` writers ``max_bytes / W`` (:func:`~zkv.storage.ope
 so evicts, the files of that rank alone, at open too. (A store without a rank indexes
 every file of the namespace: one writer, or one that only reads. Ranks that indexed each
 other's files at a restart each evicted everyone's blocks down to their own share at
-their first put: a group of ``W`` kept ~1/W of its store across a restart.)
+their first put: a group of ``W`` kept ~1/W of its store across a restart.) A store
+without a rank builds its index when it is first needed, not at open: at its first put,
+or when asked its ``num_blocks``, ``num_bytes`` or ``max_bytes`` (a budget taken from the
+free space, measured at open, counts the files held then). A reader, such as the
+scheduler's store, which only asks what exists (one ``stat`` a key, no index) and reads,
+never builds it: its open costs one pass over the names (stale temp files removed) and no
+memory per file. (Before, it indexed every rank's files at open: 1.7 s and 119 MiB for
+400k files, unused. Its hits refresh the file's mtime, which the scan orders by, so an
+index built later still finds them recent.) Without free space at open (the budget would
+rest on the files held alone) it indexes at open, as a rank's store does.
 
 A put reserves its bytes in the index before it writes (the temp file counts): the files a
 writer holds, finished or in progress, stay within its budget. An evicted file leaves the
@@ -73,7 +83,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from zkv import log as ev
@@ -115,7 +125,9 @@ class LocalDirStore(Store):
     two all of it, and each restart half of what was left on top of what it held).
     ``fsync=True`` makes puts durable across a crash: the file's data, then the directory
     entry the rename made (and any folder the put made).
-    ``rank``: the writer's rank, whose files alone this store indexes (module docstring).
+    ``rank``: the writer's rank, whose files alone this store indexes (module docstring);
+    without one the index (and a budget taken from the free space) waits for its first use:
+    ``_indexed`` says whether it is built, and ``_lru`` is empty until it is.
     """
 
     def __init__(self, root: str | os.PathLike[str], namespace: str, *,
@@ -142,28 +154,39 @@ class LocalDirStore(Store):
         self._lru: OrderedDict[str, int] = OrderedDict()
         self._total = 0
         self._pending = 0
+        self._indexed = False  # set once, by _ensure_index
         try:
             free = check_root(self.root)
         except ConfigError as e:  # as a server down at start: puts fail, reads miss
             self._log.error(ev.STORE_UNREACHABLE, store=self.url, error=str(e))
             free = _free_bytes(self.root)
-        self._rebuild_index()
-        if max_bytes is None:
-            max_bytes = (free // writers + self._total) // 2
-            if max_bytes <= 0:
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self._share = free // writers
+        self._max_bytes = max_bytes or 0  # 0: taken when indexing, (_share + held) // 2
+        if rank is None and (max_bytes is not None or self._share >= 2):
+            self._sweep_stale_tmp()  # the index waits for its first use (module docstring)
+        else:
+            self._ensure_index(remove_stale_tmp=True)
+            if self._max_bytes <= 0:
                 raise ConfigError(f"store directory {self.root}: its file system has no free "
                                   "space; free some, or give a budget (file://...?max_gb=G)")
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-        self.max_bytes = max_bytes
+
+    @property
+    def max_bytes(self) -> int:
+        """The byte budget (lowered on a full disk)."""
+        self._ensure_index()
+        return self._max_bytes
 
     @property
     def num_bytes(self) -> int:
         """Bytes of the blocks in the index."""
+        self._ensure_index()
         return self._total
 
     @property
     def num_blocks(self) -> int:
+        self._ensure_index()
         return len(self._lru)
 
     def path(self, key: bytes) -> str:
@@ -203,6 +226,7 @@ class LocalDirStore(Store):
 
     @store_call
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        self._ensure_index()
         for key, data in zip(keys, datas, strict=True):
             self._put_one(key, as_bytes_view(data))
         return [True] * len(keys)
@@ -313,8 +337,8 @@ class LocalDirStore(Store):
             if not removed and not others:  # nothing to remove: unless room came meanwhile
                 return False if _has_room(self.root, need) else None
             with self._lock:
-                old = self.max_bytes
-                new = self.max_bytes = max(size, min(old, self._total + self._pending + size))
+                old = self._max_bytes
+                new = self._max_bytes = max(size, min(old, self._total + self._pending + size))
                 held = self._total
             self._room_gen += 1
         if removed:
@@ -328,7 +352,7 @@ class LocalDirStore(Store):
         """(Making room, with none of this store's own files left.) Remove the namespace's
         files on the disk, any writer's, oldest mtime first, until the file system has room
         for ``size`` bytes; how many. One directory scan."""
-        found = sorted(self._scan())
+        found = sorted(self._scan(None))
         n = 0
         for _, path, _ in found:
             if n and _has_room(self.root, size):
@@ -440,7 +464,7 @@ class LocalDirStore(Store):
         files for them."""
         with self._lock:
             self._pending += size
-            victims = self._pop_lru_over(self.max_bytes - self._pending, keep=0)
+            victims = self._pop_lru_over(self._max_bytes - self._pending, keep=0)
         self._remove_files(victims)
 
     def _release(self, size: int) -> None:
@@ -461,7 +485,7 @@ class LocalDirStore(Store):
                 self._total -= old
             self._lru[path] = size
             self._total += size
-            return self._pop_lru_over(self.max_bytes - self._pending, keep=1)
+            return self._pop_lru_over(self._max_bytes - self._pending, keep=1)
 
     def _pop_lru_over(self, limit: int, keep: int) -> list[tuple[str, int]]:
         """(Under the lock.) Take least recently used files out of the index until it holds
@@ -505,9 +529,10 @@ class LocalDirStore(Store):
                 known = True
             else:
                 known = False
-        if not known and self._owns(path):  # written by another process of this writer's
-            # (an earlier run): accounted for from now on, if still there; an eviction that
-            # unlinked it since the read (another thread's put) holds the same lock
+        if not known and self._indexed and self._owns(path):  # written by another process
+            # of this writer's (an earlier run): accounted for from now on, if still there; an
+            # eviction that unlinked it since the read (another thread's put) holds the same
+            # lock. (No index yet: the scan that builds it finds the file, recent by mtime.)
             with self._files_lock:
                 victims = self._index(path, size) if os.path.exists(path) else []
             self._remove_files(victims)
@@ -535,37 +560,62 @@ class LocalDirStore(Store):
         """Whether a block file is this writer's (its rank's; every file without a rank)."""
         return self._suffix is None or path.endswith(self._suffix)
 
-    def _rebuild_index(self) -> None:
-        """One scan at open: every block file of the namespace that is this writer's, oldest
-        mtime first."""
-        found = sorted(f for f in self._scan(remove_stale_tmp=True) if self._owns(f[1]))
-        self._lru = OrderedDict((p, s) for _, p, s in found)
-        self._total = sum(s for _, _, s in found)
+    def _ensure_index(self, remove_stale_tmp: bool = False) -> None:
+        """Index this writer's block files on the disk, oldest mtime first (one scan), and
+        take the budget from the free space if none was given; once. The scan holds
+        ``_files_lock``: this process's unlinks (evictions, removals, refusals) wait, so
+        none is indexed again by a scan that saw the file before it went."""
+        if self._indexed:
+            return
+        with self._files_lock:
+            if self._indexed:
+                return
+            found = sorted(self._scan(self._suffix, remove_stale_tmp=remove_stale_tmp))
+            lru = OrderedDict((p, s) for _, p, s in found)
+            del found
+            with self._lock:
+                self._lru = lru
+                self._total = sum(lru.values())
+                if not self._max_bytes:
+                    self._max_bytes = (self._share + self._total) // 2
+                self._indexed = True
 
-    def _scan(self, remove_stale_tmp: bool = False) -> list[tuple[float, str, int]]:
-        """(mtime, path, size) of every block file of the namespace on the disk."""
-        found: list[tuple[float, str, int]] = []
+    def _sweep_stale_tmp(self) -> None:
+        """Remove stale temp files (a writer died mid-put): one pass over the names, a
+        ``stat`` for the temp files alone."""
+        for _ in self._scan(None, blocks=False, remove_stale_tmp=True):
+            pass
+
+    def _scan(self, suffix: str | None, *, blocks: bool = True,
+              remove_stale_tmp: bool = False) -> Iterator[tuple[float, str, int]]:
+        """(mtime, path, size) of the namespace's block files on the disk whose names end
+        with ``suffix`` (a rank's; every one for None; none for ``blocks=False``). Names are
+        read first: a file it does not yield costs no ``stat``, but a temp file when
+        ``remove_stale_tmp`` (its age)."""
         now = time.time()
         try:
-            folders = [e.path for e in os.scandir(self._base) if e.is_dir()]
+            with os.scandir(self._base) as top:
+                folders = [e.path for e in top if e.is_dir()]
         except OSError:  # missing or unusable: puts say why (StorageError), reads miss
-            return found
+            return
         for folder in folders:
             try:
-                entries = list(os.scandir(folder))
-            except OSError:
+                with os.scandir(folder) as entries:
+                    for e in entries:
+                        name = e.name
+                        if name.endswith(".tmp"):
+                            if remove_stale_tmp:
+                                _remove_if_stale(e, now)
+                            continue
+                        if not blocks or (suffix is not None and not name.endswith(suffix)):
+                            continue
+                        try:
+                            st = e.stat()
+                        except OSError:  # gone meanwhile, or unusable (a symlink loop)
+                            continue
+                        yield st.st_mtime, e.path, st.st_size
+            except OSError:  # the folder went, or cannot be read
                 continue
-            for e in entries:
-                try:
-                    st = e.stat()
-                except OSError:  # gone meanwhile, or unusable (a symlink loop): not a block
-                    continue
-                if e.name.endswith(".tmp"):
-                    if remove_stale_tmp and now - st.st_mtime > _STALE_TMP_S:
-                        _unlink_quietly(e.path)  # a writer died mid-put
-                    continue
-                found.append((st.st_mtime, e.path, st.st_size))
-        return found
 
     def __repr__(self) -> str:
         return f"LocalDirStore({self.root!r}, {self.namespace!r})"
@@ -580,6 +630,15 @@ def _write_all(fd: int, bufs: list[Any]) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+def _remove_if_stale(entry: os.DirEntry[str], now: float) -> None:
+    """Remove a temp file left more than ``_STALE_TMP_S`` ago (a writer died mid-put)."""
+    try:
+        if now - entry.stat().st_mtime > _STALE_TMP_S:
+            _unlink_quietly(entry.path)
+    except OSError:  # gone meanwhile
+        pass
 
 
 def _free_bytes(path: str) -> int:
