@@ -84,24 +84,26 @@ _MAX_WORLD_SIZE = 4096
 
 @dataclass(frozen=True, slots=True)
 class ClientKeys:
-    """What one rank needs: the server's public key (pinned) and its own key pair (z85)."""
+    """What one rank needs: the server's public key (pinned) and its own key pair (z85).
+    The secret key is left out of ``repr`` (a logged or printed record never shows it)."""
 
     rank: int
     server_public: bytes
     public: bytes
-    secret: bytes
+    secret: bytes = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Keyring:
     """Server key pair and one key pair per rank (z85 bytes). A node's copy may lack secrets
     it does not need: the scheduler node needs ``server_secret`` and every rank's public key,
-    a rank's node only the server's public key and that rank's secret."""
+    a rank's node only the server's public key and that rank's secret. Secret keys are left
+    out of ``repr``."""
 
     server_public: bytes
-    server_secret: bytes | None
+    server_secret: bytes | None = field(repr=False)
     rank_publics: tuple[bytes, ...]
-    rank_secrets: dict[int, bytes] = field(default_factory=dict)
+    rank_secrets: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def world_size(self) -> int:

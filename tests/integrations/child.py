@@ -47,7 +47,8 @@ def plain_vllm_config():
         model_config=SimpleNamespace(multimodal_config=None),
         scheduler_config=SimpleNamespace(async_scheduling=False),
         kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True,
-                                           kv_load_failure_policy="recompute"))
+                                           kv_load_failure_policy="recompute",
+                                           kv_connector_extra_config={}))
 
 
 def start(conn):

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.integrations.child import STUB_CONNECTOR, run_child
 from zkv.config import CacheLayout, available_memory
 from zkv.errors import ConfigError
 from zkv.integrations.vllm.config import (
     DEFAULT_HOST_BYTES,
+    STORE_URL_ENV,
     check_host_memory,
+    default_storage_url,
     failure_policy_advice,
     parse_extra_config,
     parse_size,
+    storage_secret_advice,
 )
 from zkv.integrations.vllm.layout import Geometry, kv_views, split_kv
 
@@ -32,7 +39,8 @@ def test_failure_policy_advice(policy: str, asynchronous: bool, says: str | None
     assert hint is None if says is None else says in hint
 
 
-def test_defaults() -> None:
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(STORE_URL_ENV, raising=False)
     cfg = parse_extra_config({})
     assert cfg.policy == "write_through" and cfg.prefetch == "timeout"
     assert cfg.storage is not None and cfg.storage.startswith("file://") and cfg.storage_write
@@ -308,3 +316,127 @@ def test_kernel_blocks_of_5d_tensors_are_refused_naming_the_block_size() -> None
         split_kv("l", t, geo)
     with pytest.raises(ConfigError, match="matches no known layout"):
         split_kv("l", torch.zeros(2, 20, 8, 3, 9), geo)
+
+
+# ---------------------------------------------------------------- the store URL's secret
+
+SECRET_URL = "redis://:S3cret@127.0.0.1:6397/0"
+
+
+def test_the_store_url_comes_from_the_environment_when_storage_is_absent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM logs its whole extra config at every start: without a ``storage`` key the
+    connector takes ``$ZKV_STORE_URL`` (what ``python -m zkv.worker`` reads), so a password
+    need not be in that config. Before, the variable was not read: the default store."""
+    monkeypatch.setenv(STORE_URL_ENV, SECRET_URL)
+    assert parse_extra_config({}).storage == SECRET_URL  # os.environ, as vLLM's processes
+    assert parse_extra_config({"policy": "write_back"}).storage_write is True
+    env = {STORE_URL_ENV: "rediss://zkv:S3cret@kv.example:6380/1"}
+    assert parse_extra_config({}, env).storage == env[STORE_URL_ENV]
+    assert parse_extra_config({"storage": "none"}).storage is None  # an explicit key wins
+    file = "file:///srv/zkv/l3"
+    assert parse_extra_config({"storage": file}).storage == file
+    none = parse_extra_config({}, {STORE_URL_ENV: "none"})
+    assert none.storage is None and none.storage_write is False
+    for unset in ({}, {STORE_URL_ENV: ""}, {STORE_URL_ENV: "  "}):
+        assert parse_extra_config({}, unset).storage == default_storage_url()
+
+
+def test_a_bad_store_url_in_the_environment_is_one_line_without_its_password() -> None:
+    with pytest.raises(ConfigError) as bad:
+        parse_extra_config({}, {STORE_URL_ENV: "redis://:S3cret@127.0.0.1:6397/x"})
+    assert str(bad.value) == ("zkv: ZKV_STORE_URL: bad store URL "
+                              "'redis://***@127.0.0.1:6397/x': database must be a number, got 'x'")
+    with pytest.raises(ConfigError, match="^zkv: ZKV_STORE_URL: .*unknown scheme 's3'"):
+        parse_extra_config({}, {STORE_URL_ENV: "s3://bucket"})
+    # (a bad variable is not read when the extra config names the store)
+    assert parse_extra_config({"storage": "none"}, {STORE_URL_ENV: "s3://x"}).storage is None
+
+
+def _parsed_in_a_child() -> tuple[str | None, str | None]:
+    cfg = parse_extra_config({})
+    return cfg.storage, repr(cfg)
+
+
+def test_both_halves_resolve_the_same_url_from_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each half parses the extra config in its own process: the scheduler half in the
+    EngineCore, a worker half in each of vLLM's worker processes, which vLLM starts with
+    multiprocessing (spawn once CUDA is up) and which inherit the environment. A spawned
+    process resolves what this one does."""
+    monkeypatch.setenv(STORE_URL_ENV, SECRET_URL)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        storage, shown = pool.apply(_parsed_in_a_child)
+    assert storage == parse_extra_config({}).storage == SECRET_URL
+    assert "S3cret" not in shown
+
+
+@pytest.mark.parametrize("url", [
+    SECRET_URL,
+    "redis://zkv:S3cret@127.0.0.1:6397/0",
+    "rediss://zkv:S3cret@kv.example:6380/1?timeout_s=2",
+    "redis://:S3cret@[::1]:6397",
+])
+def test_a_password_in_storage_still_works_and_is_advised_against(url: str) -> None:
+    """A ``storage`` with a password keeps working; the start's advice says that vLLM logs
+    the extra config and names ``$ZKV_STORE_URL``, showing the URL without the password."""
+    assert parse_extra_config({"storage": url}).storage == url
+    advice = storage_secret_advice({"storage": url})
+    assert advice is not None and "S3cret" not in advice
+    assert "***@" in advice and "vLLM logs" in advice and "$ZKV_STORE_URL" in advice
+
+
+@pytest.mark.parametrize("extra", [
+    None, {}, {"host_blocks": 8}, {"storage": "none"}, {"storage": "file:///srv/kv@1/l3"},
+    {"storage": "redis://127.0.0.1:6397/0"}, {"storage": "mooncake://127.0.0.1:50051"},
+])
+def test_a_storage_without_credentials_is_not_advised_against(
+        extra: dict[str, Any] | None) -> None:
+    assert storage_secret_advice(extra) is None
+
+
+def test_a_mooncake_url_with_a_password_is_refused_without_showing_it() -> None:
+    with pytest.raises(ConfigError, match="takes no user or password") as bad:
+        parse_extra_config({"storage": "mooncake://:S3cret@127.0.0.1:50051"})
+    assert "S3cret" not in str(bad.value)
+
+
+def test_the_config_repr_hides_the_store_password() -> None:
+    """vLLM or a user may log the parsed config: its ``repr`` shows the store without the
+    password (it showed it), the rest as a dataclass's ``repr`` would."""
+    shown = repr(parse_extra_config({"storage": SECRET_URL, "host_blocks": 8}))
+    assert "S3cret" not in shown
+    assert shown.startswith("ZkvVllmConfig(host_blocks=8, host_bytes=None, "
+                            "storage='redis://***@127.0.0.1:6397/0', storage_write=True, ")
+    assert shown.endswith("inject_load_failures=(), inject_rank=0)")
+    assert repr(parse_extra_config({"storage": "none"})).count("storage=None") == 1
+
+
+_SECRET_CHILD = STUB_CONNECTOR + '''
+from zkv.integrations.vllm import connector
+
+def stop(*args, **kwargs):
+    raise ConfigError("zkv: stopped after the start's warnings")
+
+connector.open_l3 = lambda *args, **kwargs: None  # (no store server here)
+connector.SchedulerHalf = stop  # (no ranks to join)
+extra = json.loads(sys.argv[1])
+vllm_config = plain_vllm_config()
+vllm_config.kv_transfer_config.kv_connector_extra_config = extra
+print(json.dumps(start(stub_connector(f"secret-{os.getpid()}", extra, vllm_config))))
+'''
+
+
+def test_the_scheduler_half_warns_once_of_a_password_in_storage(tmp_path: Path) -> None:
+    """The scheduler half's start (once per engine; the worker halves say nothing) writes
+    one ``connector.secret_in_config`` warning, and no line of its log holds the password.
+    (In a child process: importing vLLM here would change this one.)"""
+    logs = tmp_path / "logs"
+    extra = {"storage": SECRET_URL, "log_dir": str(logs)}
+    got = run_child(_SECRET_CHILD.replace("sys.argv[1]", repr(json.dumps(extra))))
+    assert got == "zkv: stopped after the start's warnings"
+    text = "".join(p.read_text() for p in sorted(logs.iterdir()))
+    assert "S3cret" not in text
+    events = [json.loads(line) for line in text.splitlines()]
+    (warning,) = [e for e in events if e["event"] == "connector.secret_in_config"]
+    assert warning["level"] == "warning" and "redis://***@127.0.0.1:6397/0" in warning["hint"]

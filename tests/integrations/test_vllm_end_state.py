@@ -273,7 +273,7 @@ owner = subprocess.Popen([sys.executable, "-c", CLAIM, folder], text=True,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 assert owner.stdout.readline() == "claimed\\n"
 # a second engine given the first one's engine_id
-conn = stub_connector(eid, {}, SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=None)))
+conn = stub_connector(eid, {}, plain_vllm_config())
 error = start(conn)
 conn.shutdown()  # (again: as a caller that cleans up after a failure might)
 left = sorted(os.listdir(folder)) if os.path.isdir(folder) else None

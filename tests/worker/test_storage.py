@@ -316,10 +316,13 @@ def test_worker_store_from_environment(tmp_path: Any) -> None:
     assert store_from_env(LAYOUT, 0, {}) is None
     s = store_from_env(LAYOUT, 0, {"ZKV_STORE_DIR": str(tmp_path)})
     assert isinstance(s, LocalDirStore) and s.root == str(tmp_path)
-    s = store_from_env(LAYOUT, 1, {"ZKV_STORE_URL": file_url(tmp_path) + "?max_bytes=1000",
+    s = store_from_env(LAYOUT, 1, {"ZKV_STORE_URL": file_url(tmp_path) + "?max_bytes=10000",
                                    "ZKV_STORE_DIR": "/ignored"})
-    assert isinstance(s, LocalDirStore) and s.max_bytes == 500  # two ranks share the budget
+    assert isinstance(s, LocalDirStore) and s.max_bytes == 5000  # two ranks share the budget
     assert s.rank == 1  # it indexes rank 1's files alone
     assert s.namespace == LAYOUT.fingerprint()
+    with pytest.raises(ConfigError, match="a budget of 500 bytes per writer .2 writers. holds "
+                                          "no block of 1088 bytes"):  # it would store nothing
+        store_from_env(LAYOUT, 0, {"ZKV_STORE_URL": file_url(tmp_path) + "?max_bytes=1000"})
     with pytest.raises(ConfigError, match="bad store URL 'redis://nohost'"):
         store_from_env(LAYOUT, 0, {"ZKV_STORE_URL": "redis://nohost"})

@@ -5,9 +5,11 @@ Keys (all optional)::
     host_blocks              int > 0      zkv host (L2) blocks per rank
     host_bytes               int | "4GiB" host pool bytes per rank (instead of host_blocks;
                                           default 2GiB)
-    storage                  URL | "none" L3: file:///path (default file://~/.cache/zkv/l3),
-                                          redis://127.0.0.1:PORT/DB (rediss:// over TLS),
-                                          mooncake://127.0.0.1:PORT
+    storage                  URL | "none" L3: file:///path, redis://127.0.0.1:PORT/DB
+                                          (rediss:// over TLS), mooncake://127.0.0.1:PORT;
+                                          default $ZKV_STORE_URL, else
+                                          file://~/.cache/zkv/l3. A password belongs in
+                                          $ZKV_STORE_URL: vLLM logs this config at start
     storage_write            bool         write blocks that reach host to L3 (default: true
                                           when there is an L3)
     policy                   str          write_through (default): save each full block as
@@ -42,6 +44,11 @@ Keys (all optional)::
 
 A value of the wrong type or out of range, or an unknown key, raises :class:`ConfigError`
 with one line naming the key (vLLM refuses to start).
+
+Both halves parse the same config in their own process (the scheduler half in the
+EngineCore, a worker half in each of vLLM's worker processes) and so resolve the same
+``storage``: those processes inherit the environment (``$ZKV_STORE_URL`` included) of the
+process that started them.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from zkv.errors import ConfigError
 from zkv.log import check_log_dir
 from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy
 from zkv.scheduler.records import WRITE_POLICIES, WRITE_THROUGH
+from zkv.security import redact_credentials
 from zkv.storage.url import file_url, parse_url
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -66,6 +74,10 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEFAULT_HOST_BYTES = 2 * 2**30
 MIN_HEARTBEAT_TIMEOUT_S = 1.0  # four of the ranks' heartbeats (Sidecar: every 0.25 s)
+#: ``storage`` when the extra config gives none (the variable ``python -m zkv.worker``
+#: reads): vLLM logs its whole extra config at INFO at every start, and ``vllm serve`` has
+#: it on its command line (``ps``), so a store password belongs here.
+STORE_URL_ENV = "ZKV_STORE_URL"
 
 
 def default_storage_url() -> str:
@@ -73,8 +85,17 @@ def default_storage_url() -> str:
     return file_url(os.path.join(base, "zkv", "l3"))
 
 
+def env_storage_url(env: Mapping[str, str] | None = None) -> str | None:
+    """``storage`` when the extra config has no such key: ``$ZKV_STORE_URL`` (``none``: no
+    L3; empty: unset), else :func:`default_storage_url`."""
+    raw = (os.environ if env is None else env).get(STORE_URL_ENV, "")
+    return _storage(raw, STORE_URL_ENV) if raw.strip() else default_storage_url()
+
+
 @dataclass(frozen=True, slots=True)
 class ZkvVllmConfig:
+    """The parsed extra config. ``repr`` shows ``storage`` without its user or password."""
+
     host_blocks: int | None = None
     host_bytes: int | None = None
     storage: str | None = None             # None: no L3
@@ -94,6 +115,12 @@ class ZkvVllmConfig:
     namespace_salt: str = ""
     inject_load_failures: tuple[int, ...] = field(default_factory=tuple)
     inject_rank: int = 0
+
+    def __repr__(self) -> str:
+        shown = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        if self.storage is not None:
+            shown["storage"] = redact_credentials(self.storage)
+        return f"ZkvVllmConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def prefetch_policy(self) -> PrefetchPolicy:
         return PrefetchPolicy(self.prefetch, self.prefetch_base_ms / 1e3,
@@ -147,21 +174,35 @@ def _number(key: str, value: Any, low: float, strict: bool = False) -> float:
     return v
 
 
-def _storage(value: Any) -> str | None:
-    url = _typed("storage", value, str, "an L3 URL or 'none'")
+def _storage(value: Any, key: str = "storage") -> str | None:
+    url = _typed(key, value, str, "an L3 URL or 'none'")
     if url.lower() in ("none", "off"):
         return None
     if not url.strip():
-        raise ConfigError("zkv: storage is empty: give an L3 URL, or 'none' for no L3")
+        raise ConfigError(f"zkv: {key} is empty: give an L3 URL, or 'none' for no L3")
     try:
         parse_url(url)  # the storage package's own check, without connecting
-    except ConfigError as e:
-        raise ConfigError(f"zkv: storage: {e}") from None
+    except ConfigError as e:  # (its message shows no password)
+        raise ConfigError(f"zkv: {key}: {e}") from None
     return url
 
 
-def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
-    """Validate ``kv_connector_extra_config``; see the module docstring for the keys."""
+def storage_secret_advice(extra: Mapping[str, Any] | None) -> str | None:
+    """What to say at start when the extra config's ``storage`` holds a user or password
+    (None: nothing). The URL still works; the advice shows it without the credentials."""
+    url = (extra or {}).get("storage")
+    if not isinstance(url, str) or redact_credentials(url) == url:
+        return None
+    return (f"storage {redact_credentials(url)!r} holds credentials, and vLLM logs its "
+            "kv_connector_extra_config at every start (vllm serve also shows it in ps): "
+            f"leave storage out and give the URL in ${STORE_URL_ENV}, in the environment "
+            "vLLM starts in")
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None,
+                       env: Mapping[str, str] | None = None) -> ZkvVllmConfig:
+    """Validate ``kv_connector_extra_config``; see the module docstring for the keys.
+    ``env``: where ``$ZKV_STORE_URL`` is read (default ``os.environ``)."""
     if extra is not None and not isinstance(extra, Mapping):
         raise ConfigError("zkv: kv_connector_extra_config must be a JSON object of zkv keys, "
                           f"got {type(extra).__name__} {extra!r:.60}")
@@ -173,7 +214,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ZkvVllmConfig:
                           f"known: {sorted(known)}")
     if "host_blocks" in extra and "host_bytes" in extra:
         raise ConfigError("zkv: give host_blocks or host_bytes, not both")
-    kw: dict[str, Any] = {"storage": default_storage_url()}
+    kw: dict[str, Any] = {}
+    if "storage" not in extra:  # (an explicit key wins; the variable is not read then)
+        kw["storage"] = env_storage_url(env)
     for key, value in extra.items():
         if key == "host_blocks":
             kw[key] = int(_typed(key, value, int, "an integer"))

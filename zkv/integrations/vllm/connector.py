@@ -41,6 +41,7 @@ from zkv.integrations.vllm.config import (
     check_host_memory,
     failure_policy_advice,
     parse_extra_config,
+    storage_secret_advice,
 )
 from zkv.integrations.vllm.identity import model_identity
 from zkv.integrations.vllm.ipc import claim_engine_dir, ipc_endpoints
@@ -232,6 +233,12 @@ class ZkvConnector(KVConnectorBase_V1):
         from vllm.platforms import current_platform
 
         zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level)
+        tc = vllm_config.kv_transfer_config
+        assert tc is not None
+        secret = storage_secret_advice(tc.kv_connector_extra_config)
+        if secret is not None:  # said by the scheduler half only: once per engine
+            zlog.get_logger("connector", role="scheduler").warning(E.SECRET_IN_CONFIG,
+                                                                   hint=secret)
         # (no check_host_memory here: vLLM registers the caches, and the worker halves
         # check and allocate their pools, before it starts a scheduler; checked again now,
         # those pools counted twice, against memory they already took)
@@ -246,8 +253,6 @@ class ZkvConnector(KVConnectorBase_V1):
             from zkv.storage import StorageQuery
 
             exists = StorageQuery(store, self.world_size)
-        tc = vllm_config.kv_transfer_config
-        assert tc is not None
         mm_scope = b"" if mm_ids_name_content(vllm_config) else os.urandom(16)
         self.sched = SchedulerHalf(self.cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
                                    store=store, storage_exists=exists,

@@ -16,6 +16,7 @@ PUMP_FAILED = "connector.pump_failed"
 SAVE_REFUSED = "connector.save_refused"
 CACHE_RESET = "connector.cache_reset"
 FAILURE_POLICY = "connector.failure_policy"    # advice on kv_load_failure_policy
+SECRET_IN_CONFIG = "connector.secret_in_config"  # storage's password is in vLLM's log
 MM_IDS_LOCAL = "connector.mm_ids_local"        # multimodal inputs not named by content
 METRICS_SERVING = "connector.metrics_serving"
 STORE_CLOSED = "connector.store_closed"
