@@ -78,6 +78,8 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"write_through_threshold": 0}, "write_through_threshold must be >= 1"),
     ({"inject_load_failures": [1, -2]}, "inject_load_failures must be a list of integers"),
     ({"log_level": "loud"}, "log_level must be one of"),
+    ({"layer_timeout_s": 1e10}, r"layer_timeout_s must be <= 86400 s, got 1e\+10"),
+    ({"heartbeat_timeout_s": 1e6}, r"heartbeat_timeout_s must be <= 86400 s"),
     ({"gate": "maybe"}, "gate must be"),
     ({"metrics_port": "9000"}, "metrics_port must be an integer port"),
     ({"metrics_port": 70000}, "metrics_port must be <= 65535"),
@@ -86,6 +88,22 @@ def test_bad_values_refused_with_one_line(extra: Any, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg) as e:
         parse_extra_config(extra)
     assert "\n" not in str(e.value) and str(e.value).startswith("zkv: ")
+
+
+
+def test_log_levels_as_zkv_log_level_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any case and ``warn``, as ``$ZKV_LOG_LEVEL`` takes them (``INFO`` and ``warn`` were
+    refused), and ``$ZKV_LOG_LEVEL`` itself when the key is absent (it was ignored)."""
+    monkeypatch.delenv("ZKV_LOG_LEVEL", raising=False)
+    assert parse_extra_config({}).log_level == "warning"
+    assert parse_extra_config({"log_level": "INFO"}).log_level == "info"
+    assert parse_extra_config({"log_level": "warn"}).log_level == "warning"
+    monkeypatch.setenv("ZKV_LOG_LEVEL", "Debug")
+    assert parse_extra_config({}).log_level == "debug"
+    assert parse_extra_config({"log_level": "error"}).log_level == "error"  # the key wins
+    monkeypatch.setenv("ZKV_LOG_LEVEL", "verbose")
+    with pytest.raises(ConfigError, match="ZKV_LOG_LEVEL must be one of debug"):
+        parse_extra_config({})
 
 
 def test_sizes() -> None:

@@ -385,6 +385,32 @@ def test_a_selective_save_looks_up_only_the_blocks_not_yet_popular() -> None:
         finally:
             group.close()
 
+
+def test_a_pump_that_keeps_failing_is_a_few_lines_with_the_traceback(group: Group) -> None:
+    """The pump retries every few milliseconds: a cause that lasts was 1,411 error lines in
+    3 s, each without its traceback. A few lines, with it; the close says how many."""
+    from zkv.log import REPEAT_BURST
+
+    half = group.half
+
+    def broken(timeout_s: float = 0.0) -> None:
+        raise RuntimeError("a cause that lasts")
+
+    with capture_logs() as logs:
+        with half._lock:
+            half._poll = broken  # type: ignore[method-assign]
+            half._io_open = True  # something for the pump to do
+            half._last_call = 0.0  # and vLLM idle
+        half._kick.set()
+        wait_until(lambda: half._pump_failed_log.total > 3 * REPEAT_BURST, 10.0,
+                   "the pump failing again and again")
+        half.close()
+    lines = [e for e in logs if e["event"] == "connector.pump_failed"]
+    assert len(lines) == REPEAT_BURST + 1, lines  # the burst, then the close's summary
+    assert all(e["exc_info"] is True and "a cause that lasts" in e["error"]
+               for e in lines[:-1]), lines
+    assert lines[-1]["summary"] and lines[-1]["num_total"] == half._pump_failed_log.total
+
 def test_a_step_of_an_aborted_request_confirms_nothing_of_a_new_one_with_its_id(
         group: Group) -> None:
     """A client's request ids can come back (vLLM keeps them with

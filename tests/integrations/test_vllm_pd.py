@@ -197,6 +197,28 @@ def test_other_or_bad_params_wait_for_nothing(pair: tuple[Group, Group],
     assert consumer.half.snapshot()["awaited"] == 0
 
 
+
+def test_garbled_params_from_many_clients_are_a_few_lines_and_a_count(
+        pair: tuple[Group, Group]) -> None:
+    """Clients send ``kv_transfer_params``: one warning per bad request would let them
+    write the log at their pace (2,000 bad requests were 2,000 lines). A few lines, then
+    a count, and the close writes the rest as one summary."""
+    from structlog.testing import capture_logs
+
+    from zkv.log import REPEAT_BURST
+
+    _, consumer = pair
+    with capture_logs() as logs:
+        for _ in range(50):
+            req = consumer.request()
+            req.kv_transfer_params = {PARAM_BLOCKS: "8",
+                                      PARAM_NAMESPACE: consumer.half._namespace}
+            assert consumer.half.get_num_new_matched_tokens(req, 0)[0] == 0
+        consumer.half.close()
+    lines = [e for e in logs if e["event"] == "connector.bad_transfer_params"]
+    assert len(lines) == REPEAT_BURST + 1, lines
+    assert lines[-1]["summary"] and lines[-1]["num_total"] == 50
+
 def test_a_step_that_runs_nothing_waits_instead_of_spinning(pair: tuple[Group, Group]
                                                             ) -> None:
     """While every request waits (here on its producer), vLLM schedules empty steps back

@@ -27,14 +27,16 @@ Keys (all optional)::
     gate                     "auto"|bool  run a batch only once the worker half released it
                                           (auto: when vLLM schedules asynchronously)
     layer_timeout_s          float > 0    a forward waits this long for a layer's load
-                                          before it counts as failed (default 30)
+                                          before it counts as failed (default 30,
+                                          at most a day, as heartbeat_timeout_s)
     heartbeat_timeout_s      float >= 1   a rank not heard from for this long is lost and
                                           zkv is off for the engine (default 30; an idle
                                           engine loses none: what the ranks sent while
                                           nothing polled is read first)
     log_dir                  str          zkv's JSON logs (default: stderr, level warning); a
                                           directory this process can write or make
-    log_level                str          debug | info | warning | error
+    log_level                str          debug | info | warning | error (any case,
+                                          warn; default $ZKV_LOG_LEVEL, else warning)
     metrics_port             int >= 0     serve zkv's Prometheus metrics on 127.0.0.1:PORT
                                           from the scheduler process (0: any port)
     namespace_salt           str          mixed into the L3 namespace
@@ -74,6 +76,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEFAULT_HOST_BYTES = 2 * 2**30
 MIN_HEARTBEAT_TIMEOUT_S = 1.0  # four of the ranks' heartbeats (Sidecar: every 0.25 s)
+MAX_TIMEOUT_S = 86400.0  # a day: "never" for these timeouts (1e10 s overflowed a wait)
 #: ``storage`` when the extra config gives none (the variable ``python -m zkv.worker``
 #: reads): vLLM logs its whole extra config at INFO at every start, and ``vllm serve`` has
 #: it on its command line (``ps``), so a store password belongs here.
@@ -165,6 +168,18 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
+def _log_level(key: str, value: Any) -> str:
+    """A level name, any case, ``warn`` for ``warning`` (as ``$ZKV_LOG_LEVEL`` takes it)."""
+    name = _typed(key, value, str, "a level name").lower()
+    return _choice(key, {"warn": "warning"}.get(name, name), LOG_LEVELS)
+
+
+def _at_most(key: str, v: float, high: float) -> float:
+    if v > high:  # (a wait past the platform's limit raised OverflowError in the forward)
+        raise ConfigError(f"zkv: {key} must be <= {high:g} s, got {v:g}")
+    return v
+
+
 def _number(key: str, value: Any, low: float, strict: bool = False) -> float:
     v = float(_typed(key, value, (int, float), "a number"))
     if not math.isfinite(v):  # JSON configs may carry NaN / Infinity
@@ -215,8 +230,11 @@ def parse_extra_config(extra: Mapping[str, Any] | None,
     if "host_blocks" in extra and "host_bytes" in extra:
         raise ConfigError("zkv: give host_blocks or host_bytes, not both")
     kw: dict[str, Any] = {}
+    env = os.environ if env is None else env
     if "storage" not in extra:  # (an explicit key wins; the variable is not read then)
         kw["storage"] = env_storage_url(env)
+    if "log_level" not in extra and env.get("ZKV_LOG_LEVEL"):  # (as every zkv process)
+        kw["log_level"] = _log_level("ZKV_LOG_LEVEL", env["ZKV_LOG_LEVEL"])
     for key, value in extra.items():
         if key == "host_blocks":
             kw[key] = int(_typed(key, value, int, "an integer"))
@@ -241,9 +259,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None,
                 raise ConfigError(f"zkv: gate must be \"auto\", true or false; got {value!r}")
             kw[key] = value
         elif key == "layer_timeout_s":
-            kw[key] = _number(key, value, 0, strict=True)
+            kw[key] = _at_most(key, _number(key, value, 0, strict=True), MAX_TIMEOUT_S)
         elif key == "heartbeat_timeout_s":  # a few of the ranks' heartbeats (every 0.25 s)
-            kw[key] = _number(key, value, MIN_HEARTBEAT_TIMEOUT_S)
+            kw[key] = _at_most(key, _number(key, value, MIN_HEARTBEAT_TIMEOUT_S), MAX_TIMEOUT_S)
         elif key == "log_dir":
             kw[key] = _typed(key, value, str, "a string")
             try:
@@ -253,7 +271,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None,
         elif key == "namespace_salt":
             kw[key] = _typed(key, value, str, "a string")
         elif key == "log_level":
-            kw[key] = _choice(key, value, LOG_LEVELS)
+            kw[key] = _log_level(key, value)
         elif key == "metrics_port":
             kw[key] = None if value is None else int(_number(key, _typed(
                 key, value, int, "an integer port"), 0))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zkv.integrations.vllm import pd
-from zkv.scheduler.hashing import BlockHash, MultiModalItem
+from zkv.scheduler.hashing import BlockHash, MultiModalItem, hash_tokens
 
 
 @dataclass
@@ -58,6 +58,17 @@ class RequestState:
     last_save_seq: int | None = None
     generation: bytes = b""     # the cache generation its hashes were made in (reset())
     wait: pd.ProducerWait | None = None  # P/D: for its producer's blocks (first match)
+
+    def extend_hashes(self, upto: int, block_size: int) -> None:
+        """Hash the full blocks of its tokens up to token ``upto`` not hashed yet."""
+        full = min(upto, len(self.request.all_token_ids)) // block_size
+        have = len(self.hashes)
+        if full <= have:
+            return
+        tokens = list(self.request.all_token_ids[have * block_size : full * block_size])
+        parent = self.hashes[-1] if self.hashes else self.root
+        self.hashes += hash_tokens(tokens, block_size, parent=parent,
+                                   start_token=have * block_size, mm_items=self.mm_items)
 
 
 @dataclass(slots=True)

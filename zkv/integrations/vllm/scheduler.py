@@ -119,8 +119,13 @@ class SchedulerHalf:
         self.bs = layout.block_size
         self.store = store
         self.log = zlog.get_logger("connector", role="scheduler")
-        # P/D: a producer that keeps no promise makes every consumer request give up
-        self._await_expired_log = zlog.repeating(self.log, E.AWAIT_EXPIRED, level="warning")
+        # Repeating lines, rate-limited: a P/D producer that keeps no promise makes every
+        # consumer request give up; clients send the transfer params; a pump's failure
+        # repeats every 2 ms while its cause lasts
+        self._await_expired_log, self._bad_params_log, self._pump_failed_log = (
+            zlog.repeating(self.log, e, level) for e, level in (
+                (E.AWAIT_EXPIRED, "warning"), (E.BAD_TRANSFER_PARAMS, "warning"),
+                (E.PUMP_FAILED, "error")))
         self.cm = CacheManager(
             CacheConfig(0, layout.num_host_blocks, layout.block_size, cfg.policy,
                         cfg.write_through_threshold,
@@ -213,7 +218,7 @@ class SchedulerHalf:
                     self._io_open = False
                     self._flush(keep=_STEP_KINDS)
                 except Exception as e:  # noqa: BLE001 - never silently: vLLM's calls go on
-                    self.log.error(E.PUMP_FAILED, error=f"{type(e).__name__}: {e}")
+                    self._pump_failed_log(error=f"{type(e).__name__}: {e}", exc_info=True)
 
     # ------------------------------------------------------------ vLLM calls
 
@@ -524,8 +529,7 @@ class SchedulerHalf:
             try:
                 n = pd.promised(getattr(r.request, "kv_transfer_params", None), self._namespace)
             except ValueError as e:  # forged or garbled: no wait on it
-                self.log.warning(E.BAD_TRANSFER_PARAMS, req_id=r.request.request_id,
-                                 error=str(e))
+                self._bad_params_log(req_id=r.request.request_id, error=str(e))
                 n = None
             # (best_effort waits for nothing: a promise is no wait, not an expired one)
             w = r.wait = (pd.ProducerWait(min(n, r.num_prompt_blocks))
@@ -607,7 +611,7 @@ class SchedulerHalf:
         if r.generation != self._generation:
             return  # running across a reset: its KV may be of both weights
         upto = r.confirmed
-        self._extend_hashes(r, upto)
+        r.extend_hashes(upto, self.bs)
         if self.cfg.policy == WRITE_THROUGH_SELECTIVE and not final:
             k = r.popular  # (a block once popular stays so: each step scans the new ones)
             thr = self.cfg.write_through_threshold
@@ -620,16 +624,6 @@ class SchedulerHalf:
             self.cm.cache_computed(rid, upto, block_hashes=r.hashes, device_ids=r.block_ids)
         except ValueError as e:  # hashes of a resumed request diverged: stop saving it
             self.log.error(E.SAVE_REFUSED, req_id=rid, error=str(e))
-
-    def _extend_hashes(self, r: RequestState, upto: int) -> None:
-        full = min(upto, len(r.request.all_token_ids)) // self.bs
-        have = len(r.hashes)
-        if full <= have:
-            return
-        tokens = list(r.request.all_token_ids[have * self.bs : full * self.bs])
-        parent = r.hashes[-1] if r.hashes else r.root
-        r.hashes += hash_tokens(tokens, self.bs, parent=parent, start_token=have * self.bs,
-                                mm_items=r.mm_items)
 
     def _flush(self, keep: tuple[str, ...] = ()) -> None:
         """Publish the open ops now (a finishing request's saves, a prefetch), but those
@@ -793,6 +787,7 @@ class SchedulerHalf:
         report(E.CLOSED, invariants="ok" if broken is None else "broken",
                num_steps=self._step, disabled=self.disabled, **left)
         self.cm.flush_logs()
-        self._await_expired_log.flush()
+        for repeated in (self._await_expired_log, self._bad_params_log, self._pump_failed_log):
+            repeated.flush()
         self.disabled = self.disabled or "closed"  # a late call of vLLM's: misses, no batch
         self.dp.close()
