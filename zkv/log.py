@@ -82,7 +82,6 @@ STOP_TIMEOUT = "worker.stop_timeout"
 # launcher
 RANK_STARTED = "launch.rank_started"
 RANK_EXITED = "launch.rank_exited"
-RANK_RESTARTED = "launch.rank_restarted"
 GROUP_FAILED = "launch.group_failed"
 GROUP_STARTED = "launch.group_started"
 GROUP_STOPPED = "launch.group_stopped"

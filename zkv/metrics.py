@@ -50,8 +50,9 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 # zkv replay's (registered by register_replay)
 HITS_BLOCKS = Counter("zkv:hit_blocks", "Prefix-cache hits in blocks, by the tier that held "
                       "them.", ("tier",), registry=None)
-BLOCKS_MOVED = Counter("zkv:moved_blocks", "Blocks copied between tiers (every rank), by "
-                       "direction.", ("direction",), registry=None)
+BLOCKS_MOVED = Counter("zkv:moved_blocks", "Blocks copied between tiers, by direction (a "
+                       "block once, when every rank copied its part; moved_bytes counts every "
+                       "rank's bytes).", ("direction",), registry=None)
 BYTES_MOVED = Counter("zkv:moved_bytes", "Bytes copied between tiers over all ranks, by "
                       "direction.", ("direction",), registry=None)
 INFLIGHT_BATCHES = Gauge("zkv:inflight_batches", "Batches published and not yet acked by "

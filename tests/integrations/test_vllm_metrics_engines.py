@@ -105,3 +105,34 @@ def test_a_second_half_with_the_same_engine_id_is_refused(group: Group) -> None:
     with pytest.raises(ValueError, match="engine_id .* is registered already"):
         metrics.register_half(same)
     metrics.register_half(group.half)  # the same half again: nothing changes
+
+
+def test_a_store_down_on_the_read_path_shows_in_the_metrics() -> None:
+    """An engine that only reads from L3 (a P/D consumer writes nothing) while the store is
+    down: every existence query fails, and vLLM computes every prompt. Writes' failures do
+    not show it; ``zkv:store_query_failures_total`` does (no metric moved before)."""
+    from tests.servers import free_port
+
+    down = f"redis://127.0.0.1:{free_port()}/0?timeout_s=0.5"  # nothing listens there
+    with short_ipc_dir() as folder:
+        g = Group(folder, store_url=down, extra={"storage_write": False})
+        try:
+            metrics.register_half(g.half)
+
+            def failures() -> float:
+                return next(s.value for fam in text_string_to_metric_families(metrics.render())
+                            for s in fam.samples
+                            if s.name == "zkv:store_query_failures_total"
+                            and s.labels["engine_id"] == g.half.engine_id)
+
+            assert failures() == 0
+            for _ in range(3):
+                req = g.request()
+                req.prompt_token_ids = req.all_token_ids = [7] * (8 * BS)
+                req.num_tokens = req.num_prompt_tokens = 8 * BS
+                ext, _ = g.ask_until_matched(req)
+                assert ext == 0
+            assert failures() >= 1
+            assert g.half.snapshot()["disabled"] is None  # zkv still serves, from host
+        finally:
+            g.close()

@@ -15,9 +15,12 @@ every number is the minimum-over-ranks outcome zkv commits on)::
                                                           producer promised; await_expired:
                                                           ... and computed some after all
     zkv:scheduler_seconds_total                          time in the scheduler-side calls
-    zkv:blocks_total{op="load|save|store_write|store_read|failed_load"}
+    zkv:blocks_total{op="load|save|store_write|store_read|failed_load|failed_store_write|
+                         failed_store_read|failed_save"}
     zkv:bytes_total{op="load|save"}
     zkv:batch_seconds (histogram: publish -> every rank acked)
+    zkv:store_query_failures_total                       L3 existence queries that failed
+                                                          (an outage on the read path)
     zkv:host_blocks{state="free|used"}
     zkv:enabled                                           1; 0 once a lost rank turned zkv
                                                           off for the engine (alert on it)
@@ -106,6 +109,9 @@ def _families() -> dict[str, Any]:
                  labels=[*LABELS, "op"]),
         "pool": g("zkv:host_blocks", "zkv host pool blocks per rank.",
                   labels=[*LABELS, "state"]),
+        "qry": c("zkv:store_query_failures", "L3 existence queries that failed (answered as "
+                 "misses): a store outage on the read path, which writes may not show (a P/D "
+                 "consumer writes nothing).", labels=LABELS),
         "on": g("zkv:enabled", "1 while zkv serves this engine; 0 once a lost rank turned it "
                 "off (vLLM goes on without it).", labels=LABELS),
         "fly": g("zkv:in_flight", "Requests the connector tracks (requests), requests holding "
@@ -138,6 +144,7 @@ def _add_samples(fams: dict[str, Any], h: Any) -> None:
     fams["byt"].add_metric([*labels, "save"], s.saved_external * per_block)
     fams["pool"].add_metric([*labels, "free"], h.cm.host.num_free)
     fams["pool"].add_metric([*labels, "used"], h.cm.host.num_used)
+    fams["qry"].add_metric(labels, 0 if h.store is None else h.store.stats.query_failures)
     fams["on"].add_metric(labels, 0 if h.disabled else 1)
     for what, v in h.in_flight().items():
         fams["fly"].add_metric([*labels, what], v)
