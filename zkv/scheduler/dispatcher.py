@@ -43,7 +43,6 @@ The dispatcher is single-threaded: call it from the scheduling loop only.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import uuid
@@ -153,6 +152,7 @@ class Dispatcher:
         allow_remote: bool = False,
         send_hwm: int = P.SEND_HWM,
         send_timeout_s: float | None = None,
+        batch_log_level: str = "info",
     ) -> None:
         if world_size <= 0 or world_size > 4096:
             raise ValueError(f"world_size must be in [1, 4096], got {world_size}")
@@ -175,8 +175,11 @@ class Dispatcher:
         self._log = _logger()
         # Per-batch events: bound once logging is configured (wait_for_ranks); a lazy proxy
         # resolves the configuration on every call (~4 us even when filtered out).
-        self._hot_log = self._log
-        self._info = True  # whether info lines pass (checked once the group started)
+        if batch_log_level not in ev.LEVELS:
+            raise ValueError(f"batch_log_level must be one of {list(ev.LEVELS)}")
+        self._hot_log = getattr(self._log, batch_log_level)
+        self._batch_level = batch_log_level  # of the two lines a batch (an engine: debug)
+        self._info = True  # whether those lines pass (checked once the group started)
         self._refused_log = ev.RateLimited(self._log, ev.ACK_REFUSED, burst=_LOG_BURST)
         self._forged_log = ev.RateLimited(self._log, ev.IDENTITY_FORGED, burst=_LOG_BURST)
         self._counts = {"malformed": 0, "forged": 0, "unknown_seq": 0, "duplicate": 0,
@@ -337,8 +340,8 @@ class Dispatcher:
         for r in self._ranks:
             r.last_seen = now
         self._members.started = True
-        self._hot_log = self._log.bind()
-        self._info = ev.enabled(logging.INFO)
+        self._hot_log = getattr(self._log.bind(), self._batch_level)
+        self._info = ev.enabled(ev.LEVELS[self._batch_level])
         self._log.info(ev.RANK_JOINED, num_ranks=self.world_size, all_joined=True)
 
     def publish(self, ops: Sequence[P.Op], step: int) -> int:
@@ -379,7 +382,7 @@ class Dispatcher:
                                          time.monotonic() + self.ack_timeout_s)
         self._next_seq = seq + 1
         if self._info:
-            self._hot_log.info(ev.BATCH_PUBLISHED, seq=seq, step=step, num_ops=len(ops))
+            self._hot_log(ev.BATCH_PUBLISHED, seq=seq, step=step, num_ops=len(ops))
         return seq
 
     def _send_when_room(self, frames: list[bytes]) -> None:
@@ -695,8 +698,8 @@ class Dispatcher:
                                          frozenset(self._lost) if self._lost else _NO_RANKS,
                                          latency))
         if self._info:
-            self._hot_log.info(ev.BATCH_ACKED, seq=batch.seq, num_ops=len(batch.op_ids),
-                               ok=ok, dur_ms=round(latency * 1e3, 3))
+            self._hot_log(ev.BATCH_ACKED, seq=batch.seq, num_ops=len(batch.op_ids), ok=ok,
+                          dur_ms=round(latency * 1e3, 3))
 
     # ------------------------------------------------------------ failure
 

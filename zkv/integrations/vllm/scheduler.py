@@ -135,7 +135,7 @@ class SchedulerHalf:
         self.prefetch = PrefetchTracker(cfg.prefetch_policy())
         self.dp = Dispatcher(pub_endpoint, pull_endpoint, layout.world_size,
                              layout.fingerprint(), heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                             ack_timeout_s=120.0)
+                             ack_timeout_s=120.0, batch_log_level="debug")  # (not a line a step)
         try:
             self.dp.wait_for_ranks(join_timeout_s)
         except BaseException:
