@@ -415,11 +415,15 @@ def test_a_pump_that_keeps_failing_is_a_few_lines_with_the_traceback(group: Grou
 def test_an_engine_writes_no_info_line_per_batch(group: Group) -> None:
     """A serving engine at ``log_level: info`` writes what changed, not a line per step:
     the dispatcher's two lines a batch are debug there (3.9 GB a day at replay's pace; zkv
-    replay, a harness, keeps them at info)."""
+    replay, a harness, keeps them at info). Every line names its engine (none did)."""
     with capture_logs() as logs:
         group.compute_and_save()
     batch = [e for e in logs if e["event"].startswith("dispatcher.batch_")]
     assert batch and {e["log_level"] for e in batch} == {"debug"}, batch
+    # and every line of the half and its dispatcher names the engine (two engines may share
+    # a process or a log directory)
+    ours = [e for e in logs if e.get("component") in ("connector", "dispatcher")]
+    assert ours and {e.get("engine_id") for e in ours} == {group.half.engine_id}, ours
 
 def test_a_step_of_an_aborted_request_confirms_nothing_of_a_new_one_with_its_id(
         group: Group) -> None:

@@ -130,6 +130,8 @@ class Dispatcher:
     or only a layout fingerprint string (then only the fingerprint is compared).
     ``keys``: a :class:`~zkv.security.Keyring` (CURVE, per-rank identities); without one,
     only ``ipc://`` in a private directory is accepted, or ``tcp://`` with ``insecure``.
+    ``batch_log_level``: of ``batch_published`` / ``batch_acked`` (an engine's: debug, not
+    a line a step); ``log_fields``: bound on every line (an engine's ``engine_id``).
 
     Invariants: seqs are published 0, 1, 2, ... with no gap; a batch completes exactly once
     (all acks, or failed by a rank loss); the in-flight table only holds uncompleted seqs;
@@ -153,6 +155,7 @@ class Dispatcher:
         send_hwm: int = P.SEND_HWM,
         send_timeout_s: float | None = None,
         batch_log_level: str = "info",
+        log_fields: dict[str, Any] | None = None,
     ) -> None:
         if world_size <= 0 or world_size > 4096:
             raise ValueError(f"world_size must be in [1, 4096], got {world_size}")
@@ -172,7 +175,7 @@ class Dispatcher:
         self._all_mask = (1 << world_size) - 1
         self._own_context = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
-        self._log = _logger()
+        self._log = _logger().bind(**(log_fields or {}))  # (an engine's: its engine_id)
         # Per-batch events: bound once logging is configured (wait_for_ranks); a lazy proxy
         # resolves the configuration on every call (~4 us even when filtered out).
         if batch_log_level not in ev.LEVELS:

@@ -203,7 +203,7 @@ class ZkvConnector(KVConnectorBase_V1):
 
             self.rank = int(get_tensor_model_parallel_rank())
             zlog.configure("connector", self.rank, self.cfg.log_dir, self.cfg.log_level)
-            self.worker = WorkerHalf(self.cfg, self.rank)
+            self.worker = WorkerHalf(self.cfg, self.rank, self.engine_id)
 
     def _resolved_layout(self) -> str | None:
         """The KV cache layout the engine resolved (vLLM 0.32 on; None before)."""
@@ -237,8 +237,8 @@ class ZkvConnector(KVConnectorBase_V1):
         assert tc is not None
         secret = storage_secret_advice(tc.kv_connector_extra_config)
         if secret is not None:  # said by the scheduler half only: once per engine
-            zlog.get_logger("connector", role="scheduler").warning(E.SECRET_IN_CONFIG,
-                                                                   hint=secret)
+            zlog.get_logger("connector", role="scheduler", engine_id=self.engine_id).warning(
+                E.SECRET_IN_CONFIG, hint=secret)
         # (no check_host_memory here: vLLM registers the caches, and the worker halves
         # check and allocate their pools, before it starts a scheduler; checked again now,
         # those pools counted twice, against memory they already took)

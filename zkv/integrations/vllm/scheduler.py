@@ -118,7 +118,7 @@ class SchedulerHalf:
         self.layout = layout
         self.bs = layout.block_size
         self.store = store
-        self.log = zlog.get_logger("connector", role="scheduler")
+        self.log = zlog.get_logger("connector", role="scheduler", engine_id=self.engine_id)
         # Repeating lines, rate-limited: a P/D producer that keeps no promise makes every
         # consumer request give up; clients send the transfer params; a pump's failure
         # repeats every 2 ms while its cause lasts
@@ -135,7 +135,8 @@ class SchedulerHalf:
         self.prefetch = PrefetchTracker(cfg.prefetch_policy())
         self.dp = Dispatcher(pub_endpoint, pull_endpoint, layout.world_size,
                              layout.fingerprint(), heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                             ack_timeout_s=120.0, batch_log_level="debug")  # (not a line a step)
+                             ack_timeout_s=120.0, batch_log_level="debug",  # (not a line a step)
+                             log_fields={"engine_id": self.engine_id})
         try:
             self.dp.wait_for_ranks(join_timeout_s)
         except BaseException:

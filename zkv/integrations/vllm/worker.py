@@ -69,10 +69,11 @@ class _FaultyLoads:
 class WorkerHalf:
     """One rank's Sidecar and the per-step bookkeeping vLLM's worker calls need."""
 
-    def __init__(self, cfg: ZkvVllmConfig, rank: int) -> None:
+    def __init__(self, cfg: ZkvVllmConfig, rank: int, engine_id: str | None = None) -> None:
         self.cfg = cfg
         self.rank = rank
-        self.log = zlog.get_logger("connector", role="worker", rank=rank)
+        self.log = zlog.get_logger("connector", role="worker", rank=rank,
+                                   **({} if engine_id is None else {"engine_id": engine_id}))
         self.sidecar: Any = None
         self.layer_index: dict[str, int] = {}
         self.meta: ZkvMetadata | None = None
