@@ -23,15 +23,17 @@ KEY = pack_key(b"\x07" * 16, 0)
 BLOCK = np.arange(4096, dtype=np.uint16).view(np.uint8)
 
 
-def _refused(url: str) -> str:
+def _refused(url: str, hint: str | None = None) -> str:
     """The store opens (a server it cannot use is no error at open), logs why once, and
-    every call fails fast; the logged error."""
+    every call fails fast; the logged error. ``hint``: what the line must say to do (else
+    it says nothing more)."""
     with capture_logs() as logs:
         store = open_store(url, "ns")
     try:
         with pytest.raises(StorageError, match="unreachable"):
             store.put(KEY, BLOCK)
         [event] = [e for e in logs if e["event"] == "storage.store_unreachable"]
+        assert (hint is None and "hint" not in event) or hint in event["hint"], event
         return str(event["error"])
     finally:
         store.close()
@@ -63,8 +65,11 @@ def test_what_must_not_connect_does_not(rediss_server: RedisServer) -> None:
     assert "certificate verify failed" in _refused(
         f"rediss://zkv:s3cret@localhost:{port}/0?ca={tls.ca}&timeout_s=0.5")
     # right CA, wrong password or none (the default user is off)
-    assert "invalid username-password pair" in _refused(f"rediss://zkv:nope@{HOST}:{port}/0?ca={tls.ca}")
-    assert "authenticated" in _refused(f"rediss://{HOST}:{port}/0?ca={tls.ca}")
+    # (a wrong password was an outage like any other, retried forever without a word)
+    hint = "the server refused the URL's credentials: check its user and password"
+    assert "invalid username-password pair" in _refused(
+        f"rediss://zkv:nope@{HOST}:{port}/0?ca={tls.ca}", hint)
+    assert "authenticated" in _refused(f"rediss://{HOST}:{port}/0?ca={tls.ca}", hint)
 
 
 @pytest.mark.parametrize("query, why", [

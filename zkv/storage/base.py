@@ -248,9 +248,9 @@ class Link:
             self._backoff = self._min
         self._wake.set()
 
-    def down(self, error: BaseException | str) -> None:
+    def down(self, error: BaseException | str, hint: str | None = None) -> None:
         """A call failed for a transport reason: fail calls at once and reconnect on the
-        link's thread (started here, once per outage)."""
+        link's thread (started here, once per outage). ``hint``: what to do, in the line."""
         with self._lock:
             was_up = self._up
             self._up = False
@@ -259,7 +259,8 @@ class Link:
                 self._retry_at = time.monotonic() + self._backoff
         if was_up:
             self._log.error(ev.STORE_UNREACHABLE, store=self.what, error=str(error),
-                            retry_in_s=round(self._backoff, 3))
+                            retry_in_s=round(self._backoff, 3),
+                            **({} if hint is None else {"hint": hint}))
         self._ensure_thread()
 
     def _ensure_thread(self) -> None:
@@ -513,10 +514,11 @@ class Store(abc.ABC):
         (``stats.put_failures`` counts every one)."""
         self._write_failed_log(num_blocks=num_blocks, error=error)
 
-    def _unreachable(self, link: Link, what: str, error: object) -> StorageError:
+    def _unreachable(self, link: Link, what: str, error: object,
+                     hint: str | None = None) -> StorageError:
         """A transport failure: count it, take the link down, and give the error to raise."""
         self._count(errors=1)
-        link.down(str(error))
+        link.down(str(error), hint)
         return StorageError(f"{self.url} {what}: {error}")
 
     def _delete_refused(self, key: bytes, seen: Any) -> None:

@@ -125,6 +125,7 @@ class RedisStore(Store):
             raise ConfigError("redis:// needs the redis client: pip install 'zkv[redis]'") from e
         self._errors = redis.RedisError
         self._transport_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._auth_errors = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         tls_kw: dict[str, Any] = {}
@@ -202,7 +203,8 @@ class RedisStore(Store):
         try:
             return fn()
         except self._transport_errors as e:
-            raise self._unreachable(self.link, what, e) from e
+            auth = isinstance(e, self._auth_errors)  # (tried again all the same: ACLs change)
+            raise self._unreachable(self.link, what, e, _AUTH_HINT if auth else None) from e
         except self._errors as e:
             self._count(errors=1)
             raise StorageError(f"{self.url} {what}: {e}") from e
@@ -365,6 +367,8 @@ class RedisStore(Store):
 # maxmemory-samples that keeps chains loadable (redis's default is 5; 64 gains no more, and
 # neither costs put throughput with blocks this large): bench/store_eviction.py
 _LRU_SAMPLES = 32
+_AUTH_HINT = ("the server refused the URL's credentials: check its user and password "
+              "(give them in $ZKV_STORE_URL, not on a command line)")
 _FULL_HINT = ("set maxmemory-policy allkeys-lru (or volatile-ttl with the store's ttl_s), "
               "or raise maxmemory")
 
