@@ -105,3 +105,17 @@ def test_a_socket_root_that_is_a_symlink_is_refused(tmp_path: Path,
                                           r"where it is made\)$"):
         ipc_endpoints("engine", create=True)
     assert os.listdir(target) == []
+
+
+def test_a_tmpdir_too_long_for_a_socket_path_is_one_line_that_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket path has a length limit: a long ``TMPDIR`` stopped the engine with "cannot
+    listen on ipc://...: File name too long" and no word of TMPDIR."""
+    long = tmp_path / ("d" * 60)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    with pytest.raises(ConfigError, match=r"^zkv: socket path .*/pull is \d+ bytes, past the "
+                                          r"107 a Unix socket takes: set TMPDIR to a shorter "
+                                          r"directory \(it is .*d{60}\)$"):
+        ipc_endpoints("0f8fad5b-d9cb-469f-a165-70867728950e", create=True)
+    assert os.listdir(long) == []  # nothing made

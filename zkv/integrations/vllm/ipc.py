@@ -28,12 +28,18 @@ from zkv.errors import ConfigError
 from zkv.integrations.vllm import events as E
 
 _NAME_CHARS = 40  # {tmp}/zkv-{uid}/{name}/pull stays well inside a socket path's limit
+_SOCKET_PATH_MAX = 107  # sun_path's 108 bytes, less the NUL (Linux)
 
 
 def ipc_endpoints(engine_id: str, create: bool) -> tuple[str, str, str]:
     """(pub, pull, directory) of an engine: ``{tmp}/zkv-{uid}/{engine_id}``, mode 0700."""
     base = os.path.join(tempfile.gettempdir(), f"zkv-{os.getuid()}")
     d = os.path.join(base, engine_dir_name(engine_id))
+    longest = len(os.fsencode(os.path.join(d, "pull")))
+    if longest > _SOCKET_PATH_MAX:  # (the bind said "File name too long", nothing more)
+        raise ConfigError(f"zkv: socket path {d}/pull is {longest} bytes, past the "
+                          f"{_SOCKET_PATH_MAX} a Unix socket takes: set TMPDIR to a shorter "
+                          f"directory (it is {tempfile.gettempdir()})")
     if create:
         for path in (base, d):  # (a symlink, even to a private directory of ours: refused)
             try:
