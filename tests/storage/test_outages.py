@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from tests.servers import KillableStore, MooncakeServer, RedisServer, free_port, wait_for
-from tests.waiting import holds_within
+from tests.waiting import holds_within, idle_for
 from zkv.errors import StorageError
 from zkv.storage import Store, leading_present, open_store, pack_key
 
@@ -64,16 +65,21 @@ def test_redis_down_at_start_then_up(tmp_path: Path) -> None:
 
 
 def test_redis_killed_mid_run_and_restarted(tmp_path: Path) -> None:
-    with RedisServer(str(tmp_path)) as srv:
+    with RedisServer(str(tmp_path)) as srv, capture_logs() as logs:
         store = open_store(srv.url + "?timeout_s=0.5", "ns")
         try:
             round_trip(store, 0)
             srv.stop()
             fails(store)
+            t_down = time.monotonic()
             assert "unreachable" in fails(store)  # then fast, without touching the socket
             assert not store.link.up  # type: ignore[attr-defined]
+            idle_for(0.3)  # (the outage lasts at least this)
             srv.start()
             wait_for(works(store), "reconnect")
+            # the line that says it is back says how long it was not (an operator's SLO)
+            [back] = [e for e in logs if e["event"] == "storage.store_reconnected"]
+            assert 0.3 <= back["down_s"] <= time.monotonic() - t_down + 1.0, back
             assert store.get_many_into(K[:1], [np.zeros(BLOCK, np.uint8)]) == [False]  # gone
             round_trip(store, 1)
             assert store.link.num_down == 1  # type: ignore[attr-defined]

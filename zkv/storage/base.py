@@ -202,6 +202,7 @@ class Link:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._up = True
+        self._down_at = time.monotonic()  # when it last went down (down_s when back)
         self._backoff = min_backoff_s
         self._retry_at = 0.0
         self._attempting = False
@@ -256,7 +257,8 @@ class Link:
             self._up = False
             if was_up:
                 self.num_down += 1
-                self._retry_at = time.monotonic() + self._backoff
+                self._down_at = time.monotonic()
+                self._retry_at = self._down_at + self._backoff
         if was_up:
             self._log.error(ev.STORE_UNREACHABLE, store=self.what, error=str(error),
                             retry_in_s=round(self._backoff, 3),
@@ -316,7 +318,8 @@ class Link:
                 self._backoff = self._min
                 self.num_reconnects += 1
                 self._thread = None
-            self._log.warning(ev.STORE_RECONNECTED, store=self.what)
+            self._log.warning(ev.STORE_RECONNECTED, store=self.what,
+                              down_s=round(time.monotonic() - self._down_at, 3))
             return
 
 
