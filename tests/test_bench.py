@@ -38,6 +38,8 @@ BAD_FLAGS = [
     ("transfer.py", ["--blocks", "1000"], "--blocks 1000 is more than the smaller pool holds"),
     ("transfer.py", ["--cpu-only", "--gpu-only"], "leave nothing to run"),
     ("connector_sched.py", ["--doc-tokens", "-1"], "argument --doc-tokens: must be > 0"),
+    ("decode_steps.py", ["--contexts", "64,5"], "--contexts must be > 10 blocks"),
+    ("decode_steps.py", ["--requests", "0"], "argument --requests: must be > 0, got 0"),
     ("vllm_e2e.py", ["--models", "tiny,llama"], "argument --models: unknown 'llama'"),
     ("vllm_e2e.py", ["--doc-tokens", "9000"], "--doc-tokens must be <= 7936"),
     ("vllm_pd.py", ["--docs", "0"], "argument --docs: must be > 0, got 0"),
@@ -111,6 +113,9 @@ SMOKE = [
      [r"cpu d2h ext \(16 scattered blocks\)\s+[\d.]+", r"oracle d2h"]),
     ("connector_sched.py", ["--docs", "4", "--doc-tokens", "256"],
      [r"saved blocks 32, loaded blocks 32, tokens served from zkv 1024 of 2048"]),
+    ("decode_steps.py", ["--requests", "4", "--contexts", "16,64"],
+     [r"^  context +16 blocks .* us/request/step .*1\.00x the shortest context$",
+      r"^  context +64 blocks "]),
 ]
 
 
