@@ -569,8 +569,11 @@ def make_run_dir(base: str, prefix: str = "run-") -> str:
 def claim_dir(path: str) -> None:
     """Name this process the owner of the directory ``path`` (its owner file): once the
     process is gone, :func:`clean_stale_runs` may remove it."""
-    with open(os.path.join(path, _OWNER_FILE), "w", encoding="ascii") as f:
+    owner = os.path.join(path, _OWNER_FILE)
+    tmp = f"{owner}.{os.getpid()}"  # then renamed over it: never seen empty (unclaimed)
+    with open(tmp, "w", encoding="ascii") as f:
         f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    os.replace(tmp, owner)
 
 
 #: A directory no process claimed for this long is a start that failed before its owner

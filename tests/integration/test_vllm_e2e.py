@@ -771,6 +771,11 @@ def test_deployed_engine_identical_and_clean_after_aborts(env, ref_tp1) -> None:
     stores = sorted(_events(logs, "connector.store_closed"), key=lambda e: e["puts"])
     assert [e["store"] for e in stores] == [f"file://{env['tmp'] / 'l3-deployed'}"] * 2
     assert stores[0]["puts"] == 0 and stores[1]["puts"] > 0, stores
+    # every line of the connector's halves and their dispatcher names the engine
+    ours = [e for f in sorted(logs.glob("*.jsonl")) for e in map(json.loads, f.read_text()
+            .splitlines()) if e.get("component") in ("connector", "dispatcher")]
+    assert ours and len({e.get("engine_id") for e in ours} - {None}) == 1, ours
+    assert all(e.get("engine_id") for e in ours), [e for e in ours if not e.get("engine_id")]
 
 
 def test_async_scheduling_identical_and_every_save_lands(env, ref_tp1) -> None:  # noqa: ANN001

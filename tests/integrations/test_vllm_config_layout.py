@@ -101,6 +101,9 @@ def test_log_levels_as_zkv_log_level_takes_them(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("ZKV_LOG_LEVEL", "Debug")
     assert parse_extra_config({}).log_level == "debug"
     assert parse_extra_config({"log_level": "error"}).log_level == "error"  # the key wins
+    for name, level in (("critical", "critical"), ("FATAL", "critical")):  # as zkv.log
+        monkeypatch.setenv("ZKV_LOG_LEVEL", name)  # takes them (it stopped the engine)
+        assert parse_extra_config({}).log_level == level
     monkeypatch.setenv("ZKV_LOG_LEVEL", "verbose")
     with pytest.raises(ConfigError, match="ZKV_LOG_LEVEL must be one of debug"):
         parse_extra_config({})

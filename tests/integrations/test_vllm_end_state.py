@@ -382,6 +382,28 @@ def test_a_selective_save_looks_up_only_the_blocks_not_yet_popular() -> None:
                 first, Lookups.num = Lookups.num, 0
                 half._plan_save(r, False)  # the next step: no new block
             assert first == len(r.hashes) == 8 and Lookups.num == 0, (first, Lookups.num)
+            # a cache reset re-hashes a waiting request: none of its new blocks was seen
+            # twice, so none is saved before it finishes (the count it had was kept: its 8
+            # blocks were saved as popular)
+            with half._lock:
+                half._seen = collections.OrderedDict(half._seen)
+                half._preempted(b.request_id)
+            assert half.reset()
+            half.get_num_new_matched_tokens(b, 0)
+            half.update_state_after_alloc(b, list(range(20, 29)), 0)
+            planned: list[int] = []
+            cache_computed = half.cm.cache_computed
+
+            def spy(rid: str, upto: int, **kw: Any) -> int:
+                planned.append(upto)
+                return cache_computed(rid, upto, **kw)
+
+            with half._lock:
+                half.cm.cache_computed = spy  # type: ignore[method-assign]
+                r = half._reqs[b.request_id]
+                r.confirmed = 8 * half.bs  # the forward computed its 8 full blocks
+                half._plan_save(r, False)
+            assert planned == [0] and r.popular == 0, (planned, r.popular)
         finally:
             group.close()
 

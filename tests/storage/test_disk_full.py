@@ -298,6 +298,13 @@ for run in range(4):  # one writer, opened, filled past its budget, closed: four
     s.close()
 out["opens"] = opens
 out["free_after"] = free()
+# a store without a rank takes its budget at its first use: files another writer put since
+# its open count once (as held), not twice (in the free space measured at open, and held)
+late = open_store(url, "late")
+other = open_store(url, "late", rank=1)
+for i in range(32):  # 1 MiB
+    other.put(pack_key(i.to_bytes(16, "big"), 1), np.full(BLOCK - 64, 7, np.uint8))
+out["late"] = (late.max_bytes, free(), other.num_bytes)
 print(json.dumps(out))
 """
 
@@ -316,3 +323,5 @@ def test_the_default_budget_is_half_the_free_space_for_a_group_and_across_restar
     for budget, _ in again:  # the same budget, up to the file system's rounding
         assert abs(budget - first) <= 64 << 10, out["opens"]
     assert out["free_after"] >= free // 2 - (64 << 10), out
+    budget, free_now, held = out["late"]
+    assert budget == (free_now + held) // 2, out["late"]

@@ -34,7 +34,7 @@ other's files at a restart each evicted everyone's blocks down to their own shar
 their first put: a group of ``W`` kept ~1/W of its store across a restart.) A store
 without a rank builds its index when it is first needed, not at open: at its first put,
 or when asked its ``num_blocks``, ``num_bytes`` or ``max_bytes`` (a budget taken from the
-free space, measured at open, counts the files held then). A reader, such as the
+free space measures it then, with the files held then). A reader, such as the
 scheduler's store, which only asks what exists (one ``stat`` a key, no index) and reads,
 never builds it: its open costs one pass over the names (stale temp files removed) and no
 memory per file. (Before, it indexed every rank's files at open: 1.7 s and 119 MiB for
@@ -163,11 +163,12 @@ class LocalDirStore(Store):
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self._share = free // writers
-        self._max_bytes = max_bytes or 0  # 0: taken when indexing, (_share + held) // 2
+        self._writers = writers
+        self._max_bytes = max_bytes or 0  # 0: taken when indexing, (share + held) // 2
         if rank is None and (max_bytes is not None or self._share >= 2):
             self._sweep_stale_tmp()  # the index waits for its first use (module docstring)
         else:
-            self._ensure_index(remove_stale_tmp=True)
+            self._ensure_index(at_open=True)
             if self._max_bytes <= 0:
                 raise ConfigError(f"store directory {self.root}: its file system has no free "
                                   "space; free some, or give a budget (file://...?max_gb=G)")
@@ -560,9 +561,11 @@ class LocalDirStore(Store):
         """Whether a block file is this writer's (its rank's; every file without a rank)."""
         return self._suffix is None or path.endswith(self._suffix)
 
-    def _ensure_index(self, remove_stale_tmp: bool = False) -> None:
+    def _ensure_index(self, at_open: bool = False) -> None:
         """Index this writer's block files on the disk, oldest mtime first (one scan), and
-        take the budget from the free space if none was given; once. The scan holds
+        take the budget from the free space if none was given (measured at open, or now
+        for an index built later: files written since count once, as held); once. At open
+        stale temp files are removed too. The scan holds
         ``_files_lock``: this process's unlinks (evictions, removals, refusals) wait, so
         none is indexed again by a scan that saw the file before it went."""
         if self._indexed:
@@ -570,14 +573,15 @@ class LocalDirStore(Store):
         with self._files_lock:
             if self._indexed:
                 return
-            found = sorted(self._scan(self._suffix, remove_stale_tmp=remove_stale_tmp))
+            found = sorted(self._scan(self._suffix, remove_stale_tmp=at_open))
+            share = self._share if at_open else _free_bytes(self.root) // self._writers
             lru = OrderedDict((p, s) for _, p, s in found)
             del found
             with self._lock:
                 self._lru = lru
                 self._total = sum(lru.values())
                 if not self._max_bytes:
-                    self._max_bytes = (self._share + self._total) // 2
+                    self._max_bytes = (share + self._total) // 2
                 self._indexed = True
 
     def _sweep_stale_tmp(self) -> None:

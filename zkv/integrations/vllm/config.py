@@ -35,8 +35,9 @@ Keys (all optional)::
                                           nothing polled is read first)
     log_dir                  str          zkv's JSON logs (default: stderr, level warning); a
                                           directory this process can write or make
-    log_level                str          debug | info | warning | error (any case,
-                                          warn; default $ZKV_LOG_LEVEL, else warning)
+    log_level                str          debug | info | warning | error | critical (any
+                                          case, warn, fatal; default $ZKV_LOG_LEVEL, else
+                                          warning)
     metrics_port             int >= 0     serve zkv's Prometheus metrics on 127.0.0.1:PORT
                                           from the scheduler process (0: any port)
     namespace_salt           str          mixed into the L3 namespace
@@ -70,7 +71,7 @@ from zkv.scheduler.records import WRITE_POLICIES, WRITE_THROUGH
 from zkv.security import redact_credentials
 from zkv.storage.url import file_url, parse_url
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -171,7 +172,7 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 def _log_level(key: str, value: Any) -> str:
     """A level name, any case, ``warn`` for ``warning`` (as ``$ZKV_LOG_LEVEL`` takes it)."""
     name = _typed(key, value, str, "a level name").lower()
-    return _choice(key, {"warn": "warning"}.get(name, name), LOG_LEVELS)
+    return _choice(key, {"warn": "warning", "fatal": "critical"}.get(name, name), LOG_LEVELS)
 
 
 def _at_most(key: str, v: float, high: float) -> float:

@@ -245,7 +245,7 @@ class ZkvConnector(KVConnectorBase_V1):
         layout = self._layout(expected_kv_layout(current_platform.is_cpu(),
                                                  self._resolved_layout()))
         pub, pull, ipc_dir = ipc_endpoints(self.engine_id, create=True)
-        claim_engine_dir(ipc_dir)  # (another live engine's: refused, and never removed here)
+        claim_engine_dir(ipc_dir, self.engine_id)  # (another live engine's: refused)
         self._ipc_dir = ipc_dir
         store = self._store = open_l3(self.cfg.storage, layout)
         exists = None
@@ -403,5 +403,6 @@ class ZkvConnector(KVConnectorBase_V1):
             if self._store is not None:  # its connections and reconnect thread
                 store, self._store = self._store, None
                 store.close()
-                zlog.get_logger("connector").info(E.STORE_CLOSED, store=store.url,
-                                                  **store.stats.snapshot())
+                role = "worker" if self.worker is not None else "scheduler"
+                zlog.get_logger("connector", role=role, engine_id=self.engine_id).info(
+                    E.STORE_CLOSED, store=store.url, **store.stats.snapshot())

@@ -59,7 +59,7 @@ def engine_dir_name(engine_id: str) -> str:
     return f"{name[:_NAME_CHARS - len(digest) - 1]}-{digest}"
 
 
-def claim_engine_dir(path: str) -> list[str]:
+def claim_engine_dir(path: str, engine_id: str | None = None) -> list[str]:
     """The scheduler half owns its engine's socket directory (it removes it at shutdown);
     the directories of engines whose scheduler process was killed are removed here, at the
     next engine's start. Returns what was removed. A directory a live engine owns is the
@@ -75,5 +75,6 @@ def claim_engine_dir(path: str) -> list[str]:
     security.claim_dir(path)
     removed = security.clean_stale_runs(tempfile.gettempdir(), names=None)
     if removed:
-        zlog.get_logger("connector").info(E.STALE_DIRS_REMOVED, paths=removed)
+        zlog.get_logger("connector", role="scheduler", engine_id=engine_id).info(
+            E.STALE_DIRS_REMOVED, paths=removed)
     return removed

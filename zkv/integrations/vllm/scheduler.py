@@ -253,7 +253,7 @@ class SchedulerHalf:
         elif r.generation != self._generation:  # waiting across a reset: hash it anew
             self.prefetch.forget(rid)
             r.root, r.hashes, r.num_prompt_blocks = self._hash_prompt(request, r.mm_items)
-            r.generation, r.prefetched = self._generation, False
+            r.generation, r.prefetched, r.popular = self._generation, False, 0
         if not self.loads or getattr(request, "skip_reading_prefix_cache", False):
             # A producer loads nothing; vLLM drops every cache hit of this request (prompt
             # logprobs, or asked by the client) and computes its whole prompt: no match to
@@ -614,7 +614,7 @@ class SchedulerHalf:
         upto = r.confirmed
         r.extend_hashes(upto, self.bs)
         if self.cfg.policy == WRITE_THROUGH_SELECTIVE and not final:
-            k = r.popular  # (a block once popular stays so: each step scans the new ones)
+            k = min(r.popular, len(r.hashes))  # (once popular stays so: it scans new ones)
             thr = self.cfg.write_through_threshold
             while k < len(r.hashes) and self._seen.get(r.hashes[k], 0) >= thr:
                 k += 1
