@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from zkv.scheduler import checks
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import Ledger
 from zkv.scheduler.radix import DEVICE, HOST, SWAP_TO_HOST
@@ -30,7 +31,7 @@ def cache_computed(core: Core, st: RequestState, num_tokens: int,
                    device_ids: Sequence[int] | None) -> int:
     """See ``CacheManager.cache_computed``."""
     if block_hashes is not None:
-        _take_hashes(st, block_hashes)
+        st.take_hashes(block_hashes)
     full = min(num_tokens // core.config.block_size, len(st.hashes))
     if device_ids is not None or st.external:
         if device_ids is None:
@@ -57,31 +58,13 @@ def cache_computed(core: Core, st: RequestState, num_tokens: int,
     return full - start
 
 
-def _take_hashes(st: RequestState, block_hashes: Sequence[bytes]) -> None:
-    """The request's hashes become ``block_hashes``; those it holds must not change. Hashes
-    are chained (each names its whole prefix), so one compare at the end of a common
-    prefix proves all of it: O(1) and O(new blocks) a step, where comparing and copying
-    the lists was O(context) per request per step (12 ms a step at 100 requests of 128k
-    tokens)."""
-    held, have = st.num_held, st.hashes
-    if held and (len(block_hashes) < held or block_hashes[held - 1] != have[held - 1]):
-        raise ValueError(f"request {st.req_id!r}: block_hashes disagree with its prefix")
-    common = min(len(have), len(block_hashes))
-    if common and block_hashes[common - 1] == have[common - 1]:
-        if len(block_hashes) > common:
-            have += block_hashes[common:]
-        else:
-            del have[len(block_hashes):]
-    else:
-        st.hashes = list(block_hashes)
-
-
 def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence[int]) -> int:
     start = st.num_held
     tree = core.tree
     parent = st.tail or tree.root
     if full <= start or parent.status not in (HOST, DEVICE) or st.loading is not None:
         return 0  # an earlier save (or a load from L3) of this request is in flight
+    new_ids = checks.block_ids("device_ids", device_ids[start:full])  # (before any change)
     index, hashes, now = tree.index, st.hashes, core.clock
     i = start
     while i < full:
@@ -95,7 +78,7 @@ def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence
             n.last_access = now
             n.reused = tree.hpol.note_inserted(n) > 0  # (a node in flight is not split)
             Ledger.add(core.ledger.op(SAVE, f"{SAVE}:{st.req_id}"), n, st,
-                       list(map(int, device_ids[i : i + len(hb)])), hb)
+                       new_ids[i - start : i - start + len(hb)], hb)
             parent = n
             i += len(hb)
             break
@@ -117,9 +100,9 @@ def load_external(core: Core, st: RequestState, first_block: int,
     """See ``CacheManager.load_external``."""
     if st.loading is not None:
         raise ValueError(f"request {st.req_id!r} is still loading from storage")
+    checks.count("first_block", first_block)
+    device_ids = checks.block_ids("device_ids", device_ids)
     go_external(core, st)
-    if first_block < 0:
-        raise ValueError(f"first_block must be >= 0, got {first_block}")
     end = min(first_block + len(device_ids), st.num_held)
     tree = core.tree
     planned = 0
@@ -134,7 +117,7 @@ def load_external(core: Core, st: RequestState, first_block: int,
             n = tree.split(n, end - n.depth)
         off = n.depth - first_block
         Ledger.add(core.ledger.op(LOAD), n, st, n.host,  # type: ignore[arg-type]
-                   list(map(int, device_ids[off : off + len(n.hashes)])))
+                   device_ids[off : off + len(n.hashes)])
         planned += len(n.hashes)
     return planned
 

@@ -30,11 +30,11 @@ from collections.abc import Iterable, Sequence
 
 from zkv import log as ev
 from zkv.protocol import Op, OpResult
-from zkv.scheduler import commit, external, invariants, requests
+from zkv.scheduler import checks, commit, external, invariants, requests
 from zkv.scheduler.block_pool import BlockPool
 from zkv.scheduler.core import Core, make_core
 from zkv.scheduler.eviction import EvictionPolicy
-from zkv.scheduler.ledger import Ledger, pieces
+from zkv.scheduler.ledger import KINDS, Ledger, pieces
 from zkv.scheduler.radix import DELETING, BlockView, RadixTree, Status
 from zkv.scheduler.records import (  # re-exported: the manager's public surface
     LOAD,
@@ -106,7 +106,8 @@ class CacheManager:
         The device and host nodes found are held (ref) for the request until ``finish``.
         Calling it again before ``allocate`` re-matches from scratch.
         """
-        return requests.match_prefix(self.core, req_id, block_hashes)
+        return requests.match_prefix(self.core, req_id,
+                                     checks.hashes("block_hashes", block_hashes))
 
     def prefetch(self, req_id: str) -> int:
         """Start loading the request's storage hits into host blocks (one s2h op).
@@ -130,7 +131,8 @@ class CacheManager:
 
     def num_blocks_needed(self, req_id: str, num_tokens: int) -> int:
         """Device blocks ``allocate(req_id, num_tokens)`` would take (swap-ins + new)."""
-        return requests.plan(self.core, self._req(req_id), num_tokens)[0]
+        return requests.plan(self.core, self._req(req_id),
+                             checks.count("num_tokens", num_tokens))[0]
 
     def can_allocate(self, req_id: str, num_tokens: int) -> bool:
         need = self.num_blocks_needed(req_id, num_tokens)
@@ -141,7 +143,8 @@ class CacheManager:
         tier cannot make room (the request is unchanged). Matched host blocks are swapped
         in (one layerwise h2d op per step); the rest are fresh blocks owned by the request.
         Called again with more tokens, it grows the table (decode)."""
-        return requests.allocate(self.core, self._req(req_id), num_tokens)
+        return requests.allocate(self.core, self._req(req_id),
+                                 checks.count("num_tokens", num_tokens))
 
     def block_table(self, req_id: str) -> list[int]:
         return list(self._req(req_id).table)
@@ -179,7 +182,8 @@ class CacheManager:
         flight, stops at a block another request is saving or loading, and stops when no
         host block can be freed. ``block_hashes`` may extend the hashes.
         """
-        return external.cache_computed(self.core, self._req(req_id), num_tokens,
+        return external.cache_computed(self.core, self._req(req_id),
+                                       checks.count("num_tokens", num_tokens),
                                        block_hashes, device_ids)
 
     # ================================================================ external L1
@@ -227,10 +231,13 @@ class CacheManager:
         """Cache the request's computed full blocks, apply the write policy, drop its refs
         and free what cannot be cached. ``block_hashes`` may extend the prompt's hashes
         (decode tokens); ``num_computed_tokens`` defaults to the whole table."""
-        st = self.core.requests.pop(req_id, None)
-        if st is None:
-            raise ValueError(f"unknown request {req_id!r}")
-        requests.finish(self.core, st, num_computed_tokens, block_hashes)
+        st = self._req(req_id)  # (its arguments checked while it still runs: a refusal
+        if num_computed_tokens is not None:  # changes nothing)
+            checks.count("num_computed_tokens", num_computed_tokens)
+        if block_hashes is not None and not st.external:  # (the engine's own, external)
+            st.take_hashes(block_hashes)
+        del self.core.requests[req_id]
+        requests.finish(self.core, st, num_computed_tokens)
 
     def abort(self, req_id: str) -> None:
         """Forget a request without caching anything it computed."""
@@ -244,6 +251,9 @@ class CacheManager:
         Ops of the kinds in ``keep`` (scheduler kinds: ``"load"``, ``"save"``, ``"h2d"``,
         ...) stay open for a later take. Storage writes that failed are queued again
         here when their retry is due (``store_retry_due``)."""
+        if keep and (isinstance(keep, str) or not KINDS.issuperset(keep)):
+            raise ValueError(f"keep must be a tuple of op kinds ({', '.join(sorted(KINDS))}), "
+                             f"got {keep!r}")
         if self.core.unstored:
             retry_stores(self.core)
         out = self.core.ledger.take_ops(keep)
@@ -266,6 +276,7 @@ class CacheManager:
         ``zkv logs --seq N`` shows the scheduler's line beside the ranks')."""
         stats = self.core.stats
         stored = stats.stored
+        results = checks.results(self.core.ledger.pending, results)  # all, before any commit
         unknown = commit.on_ops_done(self.core, results, seq)
         if stats.stored != stored and self._store_reached is not None:
             self._store_reached()
@@ -322,14 +333,16 @@ class CacheManager:
         """Grow or shrink the pools; shrinking succeeds only when the ids past the new size
         are free (call ``reset`` or let requests finish first)."""
         core = self.core
-        plan = [(pool, size) for pool, size in ((core.device, num_device_blocks),
-                                                (core.host, num_host_blocks)) if size is not None]
+        plan = [(pool, checks.count(f"num_{pool.name}_blocks", size))
+                for pool, size in ((core.device, num_device_blocks),
+                                   (core.host, num_host_blocks)) if size is not None]
         for pool, size in plan:  # all or nothing: check every shrink before changing a pool
             if size < pool.num_blocks and any(pool.is_allocated(b)
                                               for b in range(size, pool.num_blocks)):
                 return False
-        for pool, size in plan:
-            assert pool.resize(size)
+        for pool, size in plan:  # (checked above: each resize succeeds)
+            if not pool.resize(size):
+                raise RuntimeError(f"{pool.name} pool: resize to {size} refused after its check")
         core.tree.dpol.resize(core.device.num_blocks)
         core.tree.hpol.resize(core.host.num_blocks)
         return True

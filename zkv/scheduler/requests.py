@@ -279,15 +279,13 @@ def _swap_in(core: Core, st: RequestState, n: Node, evicted: list[int]) -> None:
 # ---------------------------------------------------------------------------- finish
 
 
-def finish(core: Core, st: RequestState, num_computed_tokens: int | None,
-           block_hashes: Sequence[bytes] | None) -> None:
-    """See ``CacheManager.finish`` (``st`` is already out of ``core.requests``)."""
+def finish(core: Core, st: RequestState, num_computed_tokens: int | None) -> None:
+    """See ``CacheManager.finish`` (``st`` is already out of ``core.requests``, its
+    ``block_hashes`` taken)."""
     tree = core.tree
     if st.external:  # the engine frees its own blocks; drop the request's refs
         release(core, st)
         return
-    if block_hashes is not None:
-        st.hashes = list(block_hashes)
     if st.loading is not None:
         unref(tree, st.loading)
         st.loading = None
