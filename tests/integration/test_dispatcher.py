@@ -180,6 +180,31 @@ def test_bad_acks_are_refused_and_ignored(group: tuple[Dispatcher, list[FakeRank
     assert d.lost_ranks == frozenset()
 
 
+
+def test_an_ack_claiming_more_than_its_op_holds_is_refused(
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    """A rank's result for a 2-block op that claims 7 blocks done, or ok with 1 done, is a
+    broken (or forged) ack: refused, so the scheduler never commits on it (the cache
+    manager clamped such a ``done`` and counted a failed copy as a success). The batch
+    completes on the right acks."""
+    d, ranks = group
+    d.publish([_op(0)], step=0)
+    batches = [r.recv_batch() for r in ranks]
+    before = d.refusals().get("malformed", 0)
+    with capture_logs() as logs:
+        ranks[0].ack(batches[0], {0: P.OpResult(0, False, 7, "x")})
+        ranks[1].ack(batches[1], {0: P.OpResult(0, True, 1)})
+        assert d.poll(0.2) == []
+    refused = events_named(logs, "dispatcher.ack_refused")
+    assert [e["error"] for e in refused] == [
+        "ack reports op 0 failed with 7 blocks done; the op has 2",
+        "ack reports op 0 ok with 1 blocks done; the op has 2"], refused
+    assert d.refusals()["malformed"] == before + 2 and d.in_flight == 1
+    for r, b in zip(ranks, batches):
+        r.ack(b)
+    (done,) = poll_until_done(d, 0).values()
+    assert done.ok and done.results == {0: P.OpResult(0, True, 2)}
+
 def test_publish_misuse(ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
     d = Dispatcher(*eps, 1, FP, context=ctx)
     r = FakeRank(ctx, *eps, 0, FP)

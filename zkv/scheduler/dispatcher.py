@@ -56,6 +56,7 @@ from zkv import protocol as P
 from zkv import security
 from zkv.config import CacheLayout, endpoints_from_env
 from zkv.errors import ConfigError, ProtocolError, RankLost
+from zkv.scheduler import acks
 from zkv.scheduler.membership import TELL_S, Membership
 from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
 
@@ -105,15 +106,16 @@ class BatchDone(NamedTuple):
 class _InFlight:
     """A published batch until every rank acked it (one per step: a plain class)."""
 
-    __slots__ = ("seq", "step", "op_ids", "op_set", "t_pub", "deadline", "acked", "results",
-                 "waiting")
+    __slots__ = ("seq", "step", "op_ids", "op_set", "sizes", "t_pub", "deadline", "acked",
+                 "results", "waiting")
 
     def __init__(self, seq: int, step: int, op_ids: tuple[int, ...], t_pub: float,
-                 deadline: float) -> None:
+                 deadline: float, sizes: dict[int, int]) -> None:
         self.seq = seq
         self.step = step
         self.op_ids = op_ids
         self.op_set = frozenset(op_ids)
+        self.sizes = sizes  # blocks per op id (what a result may claim)
         self.t_pub = t_pub
         self.deadline = deadline
         self.acked = 0  # bit per rank
@@ -382,7 +384,8 @@ class Dispatcher:
         except zmq.Again:
             self._send_when_room(frames)
         self._in_flight[seq] = _InFlight(seq, step, op_ids, t_pub,
-                                         time.monotonic() + self.ack_timeout_s)
+                                         time.monotonic() + self.ack_timeout_s,
+                                         {op.id: op.num_blocks for op in ops} if ops else {})
         self._next_seq = seq + 1
         if self._info:
             self._hot_log(ev.BATCH_PUBLISHED, seq=seq, step=step, num_ops=len(ops))
@@ -659,6 +662,10 @@ class Dispatcher:
                          error=f"ack names ops {sorted((by_id.keys() | pending) - expected)}, "
                                "which the batch does not have or already reported")
             return
+        why = acks.bad_result(ack.results, batch.sizes) if ack.results else None
+        if why is not None:  # (the batch waits on: its ack deadline judges the rank)
+            self._refuse("malformed", seq=ack.seq, rank=rank, error=why)
+            return
         batch.acked |= bit
         r.last_seq = max(r.last_seq, ack.seq)
         left = (expected - by_id.keys()) if later else pending
@@ -669,29 +676,10 @@ class Dispatcher:
         missing = () if later else (i for i in batch.op_ids if i not in by_id and i not in pending)
         for op_id in missing:
             by_id[op_id] = P.OpResult(op_id, False, 0, "no result")
-        self._merge(batch.results, by_id.values(), rank)
+        acks.merge(batch.results, by_id.values(), rank)
         if batch.acked == self._all_mask and not batch.waiting:
             del self._in_flight[ack.seq]
             self._complete(batch)
-
-    @staticmethod
-    def _merge(merged: dict[int, P.OpResult], results: Any, rank: int) -> None:
-        """An op's result is the minimum over ranks: all ok, min done, and the error of the
-        rank with the fewest blocks done (the first such one): the one the result stands
-        for. (It kept the first error seen, which could name a rank and block past the
-        merged ``done``.)"""
-        for res in results:
-            op_id = res.id
-            if res.error is not None:
-                res = P.OpResult(op_id, res.ok, res.done, f"rank {rank}: {res.error}")
-            cur = merged.get(op_id)
-            if cur is None:
-                merged[op_id] = res
-            elif cur.ok > res.ok or res.done < cur.done:
-                error = (res.error or cur.error) if res.done < cur.done else (cur.error
-                                                                                or res.error)
-                merged[op_id] = P.OpResult(op_id, cur.ok and res.ok, min(cur.done, res.done),
-                                           error)
 
     def _complete(self, batch: _InFlight) -> None:
         latency = time.perf_counter() - batch.t_pub
