@@ -131,6 +131,10 @@ CASES: list[tuple[str, Callable[[], CacheManager], Callable[[CacheManager], Any]
      lambda cm: (cm.match_prefix("a", H(2)), cm.cache_computed("a", 2 * BS,
                                                                device_ids=["x", "y"])),
      TypeError, "device_ids must hold ints"),
+    ("engine ids that are not ints, with new hashes: neither taken", external,
+     lambda cm: (cm.match_prefix("a", []), cm.cache_computed(
+         "a", 2 * BS, block_hashes=H(2), device_ids=[1.0, 2.0])),  # type: ignore[list-item]
+     TypeError, "device_ids must hold ints"),
     ("negative engine ids", external,
      lambda cm: (cm.match_prefix("a", H(2)), cm.cache_computed("a", 2 * BS,
                                                                device_ids=[-1, -2])),
@@ -165,6 +169,9 @@ def test_a_misuse_is_refused_before_anything_changes(
     with pytest.raises(error, match=message):
         misuse(cm)
     assert (cm.core.device.num_blocks, cm.core.host.num_blocks) == pools  # (resize: none)
+    a = cm.core.requests.get("a")
+    if a is not None and name.endswith("neither taken"):  # the refused call changed nothing
+        assert a.hashes == [] and not a.external, a
     still_works(cm)
 
 

@@ -162,6 +162,20 @@ def test_budget_is_shared_by_the_writers(tmp_path: Path) -> None:
     assert 0 < s.max_bytes <= shutil.disk_usage(tmp_path).free  # type: ignore[attr-defined]
 
 
+def test_a_store_indexed_later_on_a_full_disk_keeps_its_open_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store without a rank takes its budget at its first put, from the free space
+    then: a disk full at that moment made a budget of 0 for good (each put evicted every
+    other block: the store held one). It keeps the share it measured at open then."""
+    from zkv.storage import local
+
+    s = open_store(file_url(tmp_path), "ns")
+    monkeypatch.setattr(local, "_free_bytes", lambda path: 0)  # full just then
+    for i in range(5):
+        s.put(key(i, 0), data(i))
+    assert s.num_blocks == 5 and s.max_bytes > 0  # type: ignore[attr-defined]
+
+
 def test_a_budget_that_holds_no_block_on_each_writer_is_refused(tmp_path: Path) -> None:
     """It would store nothing, silently (under vLLM: ``max_gb=0.0001`` at TP 2)."""
     url = file_url(tmp_path) + "?max_bytes=1000"

@@ -12,6 +12,7 @@ repeats one of the earlier blocks' is not caught there).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -54,11 +55,13 @@ def hashes(name: str, block_hashes: H) -> H:
 
 
 def block_ids(name: str, ids: Sequence[int]) -> list[int]:
-    """Engine block ids: ints >= 0, no two equal; as a new list."""
-    out = list(ids)
-    if out and set(map(type, out)) != {int}:
-        bad = next(i for i in out if type(i) is not int)
-        raise TypeError(f"{name} must hold ints, got {type(bad).__name__} {bad!r:.40}")
+    """Engine block ids: integers (numpy's too) >= 0, no two equal; as a new list of
+    ints."""
+    try:
+        out = list(map(operator.index, ids))
+    except TypeError:
+        bad = next(i for i in ids if not hasattr(type(i), "__index__"))
+        raise TypeError(f"{name} must hold ints, got {type(bad).__name__} {bad!r:.40}") from None
     if out and min(out) < 0:
         raise ValueError(f"{name} must hold ids >= 0, got {min(out)}")
     if len(set(out)) != len(out):

@@ -30,12 +30,18 @@ def cache_computed(core: Core, st: RequestState, num_tokens: int,
                    block_hashes: Sequence[bytes] | None,
                    device_ids: Sequence[int] | None) -> int:
     """See ``CacheManager.cache_computed``."""
+    if device_ids is None and st.external:
+        raise ValueError(f"request {st.req_id!r} is external: pass device_ids")
+    if device_ids is not None:  # checked first (nothing changed yet), each id once: the
+        lo = max(st.num_held, st.ids_checked)  # engine's table only grows while it runs
+        hi = min(num_tokens // core.config.block_size, len(device_ids))
+        if hi > lo:
+            checks.block_ids("device_ids", device_ids[lo:hi])
+            st.ids_checked = hi
     if block_hashes is not None:
         st.take_hashes(block_hashes)
     full = min(num_tokens // core.config.block_size, len(st.hashes))
-    if device_ids is not None or st.external:
-        if device_ids is None:
-            raise ValueError(f"request {st.req_id!r} is external: pass device_ids")
+    if device_ids is not None:
         go_external(core, st)
         return _save_external(core, st, min(full, len(device_ids)), device_ids)
     if not st.allocated:
@@ -64,7 +70,6 @@ def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence
     parent = st.tail or tree.root
     if full <= start or parent.status not in (HOST, DEVICE) or st.loading is not None:
         return 0  # an earlier save (or a load from L3) of this request is in flight
-    new_ids = checks.block_ids("device_ids", device_ids[start:full])  # (before any change)
     index, hashes, now = tree.index, st.hashes, core.clock
     i = start
     while i < full:
@@ -78,7 +83,7 @@ def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence
             n.last_access = now
             n.reused = tree.hpol.note_inserted(n) > 0  # (a node in flight is not split)
             Ledger.add(core.ledger.op(SAVE, f"{SAVE}:{st.req_id}"), n, st,
-                       new_ids[i - start : i - start + len(hb)], hb)
+                       list(map(int, device_ids[i : i + len(hb)])), hb)
             parent = n
             i += len(hb)
             break

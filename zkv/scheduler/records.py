@@ -99,6 +99,7 @@ class RequestState:
     counted: bool = False             # its hits are in CacheStats and its nodes' hits
     external: bool = False            # external-L1 mode: device blocks belong to the engine
     failed_loads: list[int] = field(default_factory=list)  # engine block ids, external mode
+    ids_checked: int = 0              # engine block ids checked so far (checks.block_ids)
 
     def take_hashes(self, block_hashes: Sequence[bytes]) -> None:
         """Its hashes become ``block_hashes``; those it holds must not change (ValueError,

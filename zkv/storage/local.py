@@ -580,8 +580,9 @@ class LocalDirStore(Store):
             with self._lock:
                 self._lru = lru
                 self._total = sum(lru.values())
-                if not self._max_bytes:
-                    self._max_bytes = (share + self._total) // 2
+                if not self._max_bytes:  # (a disk full just then: the share taken at open,
+                    self._max_bytes = ((share + self._total) // 2  # never a budget of 0)
+                                       or (self._share + self._total) // 2)
                 self._indexed = True
 
     def _sweep_stale_tmp(self) -> None:

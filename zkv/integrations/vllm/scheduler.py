@@ -265,7 +265,7 @@ class SchedulerHalf:
         if self.prefetch.waiting(rid):
             if not self.prefetch.ready(rid, self.cm.prefetch_done(rid), time.monotonic()):
                 return None, False  # vLLM asks again next step
-        m = self.cm.match_prefix(rid, r.hashes[: r.num_prompt_blocks])
+        m = self.cm.match_prefix(rid, r.hashes[: r.num_prompt_blocks], check=False)  # (ours)
         if not r.prefetched and self._awaits_producer(r, m.num_host + m.num_storage):
             return None, False  # its producer's blocks are on their way to L3
         if not r.prefetched:
