@@ -304,10 +304,11 @@ def test_block_hashes_must_extend_the_held_prefix() -> None:
 
 
 
-class _Reads(Sequence[bytes]):
-    """A hash list that counts the elements read from it (what a step's compare costs)."""
+class _Reads(Sequence[Any]):
+    """A hash list or block table that counts the elements read from it (what a step's
+    compare or check costs)."""
 
-    def __init__(self, items: list[bytes]) -> None:
+    def __init__(self, items: list[Any]) -> None:
         self.items, self.reads = items, 0
 
     def __len__(self) -> int:
@@ -343,21 +344,6 @@ def test_a_steps_hashes_cost_the_new_blocks_not_the_context() -> None:
 
 
 
-class _IdReads(Sequence[int]):
-    """An engine block table that counts the ids read from it."""
-
-    def __init__(self, items: list[int]) -> None:
-        self.items, self.reads = items, 0
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: Any) -> Any:
-        got = self.items[i]
-        self.reads += len(got) if isinstance(i, slice) else 1
-        return got
-
-
 def test_a_step_reads_its_new_engine_ids_once_also_when_the_host_pool_is_full() -> None:
     """Once the host pool is full (every block held), a running request's unsaved tail
     grows a block a step: its engine ids are checked once each, not the whole tail every
@@ -370,7 +356,7 @@ def test_a_step_reads_its_new_engine_ids_once_also_when_the_host_pool_is_full() 
     cm.match_prefix("r", [])
     ids = list(np.arange(100, 140))  # (numpy ints, as a numpy block table gives)
     for k in range(1, 41):
-        table = _IdReads(ids[:k])
+        table = _Reads(ids[:k])
         cm.cache_computed("r", k * BS, block_hashes=h[:k], device_ids=table)
         assert table.reads <= 2, (k, table.reads)
         ack(cm, cm.take_ops())
