@@ -139,11 +139,19 @@ def _level_no(level: str | None) -> int:
 _LEVEL_ALIASES = {"warn": "warning", "fatal": "critical"}
 
 
+def level_name(name: str) -> str | None:
+    """The level ``name`` names (any case; ``warn``, ``fatal`` for ``warning``,
+    ``critical``), None when it names none."""
+    lower = name.lower()
+    lower = _LEVEL_ALIASES.get(lower, lower)
+    return lower if lower in LEVELS else None
+
+
 def check_level(level: str | None = None) -> None:
     """``level`` (default ``$ZKV_LOG_LEVEL``) names a level, or ConfigError (one line): a
     typo used to log at info, silently."""
     name = level if level is not None else os.environ.get("ZKV_LOG_LEVEL")
-    if name and _LEVEL_ALIASES.get(name.lower(), name.lower()) not in LEVELS:
+    if name and level_name(name) is None:
         what = "log level" if level is not None else "ZKV_LOG_LEVEL"
         raise ConfigError(f"{what} must be one of {', '.join(LEVELS)}, got {name!r}")
 

@@ -65,13 +65,13 @@ from typing import Any
 
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError
-from zkv.log import check_log_dir
+from zkv.log import LEVELS, check_log_dir, level_name
 from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy
 from zkv.scheduler.records import WRITE_POLICIES, WRITE_THROUGH
 from zkv.security import redact_credentials
 from zkv.storage.url import file_url, parse_url
 
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_LEVELS = tuple(LEVELS)  # (zkv.log's: debug, info, warning, error, critical)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -171,8 +171,8 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 def _log_level(key: str, value: Any) -> str:
     """A level name, any case, ``warn`` for ``warning`` (as ``$ZKV_LOG_LEVEL`` takes it)."""
-    name = _typed(key, value, str, "a level name").lower()
-    return _choice(key, {"warn": "warning", "fatal": "critical"}.get(name, name), LOG_LEVELS)
+    name = _typed(key, value, str, "a level name")
+    return _choice(key, level_name(name) or name, LOG_LEVELS)
 
 
 def _at_most(key: str, v: float, high: float) -> float:
