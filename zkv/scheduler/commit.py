@@ -38,7 +38,8 @@ _IO_KINDS = frozenset((S2H, H2S))  # a store that is down fails them every step:
 
 
 def on_ops_done(core: Core, results: Iterable[OpResult], seq: int | None = None) -> list[int]:
-    """Commit (or roll back) acked ops; returns op ids that were not pending (ignored)."""
+    """Commit (or roll back) acked ops (``checks.results`` passed: ``done`` within each
+    op's blocks); returns op ids that were not pending (ignored)."""
     unknown = []
     pending = core.ledger.pending
     stats = core.stats
@@ -49,10 +50,7 @@ def on_ops_done(core: Core, results: Iterable[OpResult], seq: int | None = None)
             continue
         total = sum(p.counts)
         done = r.done
-        if done >= total:
-            done = total
-        else:
-            done = max(0, done)
+        if done < total:
             stats.failed_ops += 1
             stats.failed_blocks += total - done
             stats.failed_by_kind[p.kind] = stats.failed_by_kind.get(p.kind, 0) + total - done
