@@ -158,9 +158,18 @@ def start_group(folder: str, world_size: int,
 
 
 def stop_group(d: Dispatcher, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Shutdown to the ranks; a rank that has not subscribed yet (a SIGTERM while the group
+    joins) misses it and is sent SIGTERM after 2 s (it waited 10 s a rank for a Shutdown
+    that never came: 20 s to exit at 2 ranks, past a test's 30 s under load)."""
     try:
         d.close(shutdown=True)
     finally:
+        deadline = time.monotonic() + 2.0
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()  # (zkv.worker exits 0 on SIGTERM)
         for p in procs:
             try:
                 p.wait(10)
