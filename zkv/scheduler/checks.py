@@ -5,9 +5,9 @@ disagreeing (a float token count after a swap-in was planned, a float ``done`` a
 op left the ledger, engine ids that were not ints after a node was added). Each check
 raises ``TypeError`` / ``ValueError`` naming the argument; the caller's state is as it
 was. The costs stay off the per-block path: O(1) for counts, O(n) in C for lists (a
-``set`` of the hashes, ``min`` / ``max`` of the ids), and a step's ``block_hashes`` and
-engine ids are checked where they are new, not the whole context each step (a hash that
-repeats one of the earlier blocks' is not caught there).
+``join`` and a ``set`` of the hashes, a ``set`` and the ``min`` of the ids), and a step's
+``block_hashes`` and engine ids are checked where they are new, not the whole context
+each step (a hash that repeats one of the earlier blocks' is not caught there).
 """
 
 from __future__ import annotations
