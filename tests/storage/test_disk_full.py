@@ -54,7 +54,7 @@ with capture_logs() as logs:
         out["max_bytes"] = s.max_bytes
         out["num_bytes"] = s.num_bytes
         out["readable"] = [i for i in range(60) if read(s, i)]
-    else:  # full of another file: the store holds nothing it could remove
+    elif case == "full_of_others":  # the store holds nothing it could remove
         filler = os.path.join(root, "filler")
         fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
         for chunk in (64 << 10, 4 << 10):  # then to the last page
@@ -79,6 +79,38 @@ with capture_logs() as logs:
         os.remove(filler)
         s.put(key(2), data(2))  # room again: it works
         out["again"] = read(s, 2)
+    elif case == "room_taken_between_checks":
+        # rank 1 fills the disk with its blocks (and a filler the last pages); rank 0, with
+        # nothing of its own, sees room once after its write failed, as when another writer
+        # frees some and a third takes it before rank 0 looks again
+        other = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=1 << 30, rank=1)
+        key1 = lambda i: pack_key(i.to_bytes(16, "big"), 1)
+        for i in range(100, 130):
+            other.put(key1(i), data(i))
+        fd = os.open(os.path.join(root, "filler"), os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        os.close(fd)
+        import zkv.storage.local as local
+        real, seen = local._has_room, []
+        def has_room_once(path, size):
+            seen.append(size)
+            return len(seen) == 1 or real(path, size)
+        local._has_room = has_room_once
+        s = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=1 << 30, rank=0)
+        try:
+            s.put(key(1), data(1))
+            out["put"] = "ok"
+        except StorageError as e:
+            out["put"] = str(e)
+        out["checks"] = len(seen)
+        out["readable"] = read(s, 1)
+        buf = np.zeros(BLOCK, np.uint8)
+        out["others_left"] = sum(other.get_into(key1(i), buf)
+                                 and buf.tobytes() == data(i).tobytes() for i in range(100, 130))
 out["disk_full"] = [{k: e[k] for k in ("max_bytes_was", "max_bytes", "num_evicted", "error")}
                     for e in logs if e["event"] == "storage.disk_full"]
 print(json.dumps(out))
@@ -196,6 +228,20 @@ def test_a_disk_full_of_other_files_fails_the_put_and_leaves_nothing(tmp_path: P
     assert (num_blocks, num_bytes, max_bytes, errors, tmp_files) == (0, 0, 1 << 30, 1, [])
     assert out["disk_full"] == []  # nothing of its own to remove: the budget is unchanged
     assert out["again"] is True
+
+
+def test_room_taken_between_two_looks_still_removes_the_namespaces_oldest(
+        tmp_path: Path) -> None:
+    """A writer with nothing of its own on a disk another rank filled: its put fails, it
+    sees room (another writer freed some), then none (a third took it). It removes the
+    namespace's oldest files and puts, as when it saw no room at once (it failed the put)."""
+    out = _child(tmp_path, "room_taken_between_checks")
+    assert out["put"] == "ok" and out["readable"] is True, out
+    assert out["checks"] >= 2  # the room seen once, then not
+    assert 0 < out["others_left"] < 30
+    (ev,) = [e for e in out["disk_full"] if e["max_bytes_was"] == 1 << 30
+             and e["num_evicted"] == 0]  # the writer's one lowering: nothing of its own
+    assert "No space left on device" in ev["error"]
 
 
 def test_writers_sharing_a_full_disk_each_get_room_and_lose_nothing(tmp_path: Path) -> None:
