@@ -152,6 +152,17 @@ class OpResult(NamedTuple):
     error: str | None = None
 
 
+def result_claim_error(res: OpResult, blocks: int) -> str | None:
+    """Why ``res`` cannot be the result of an op of ``blocks`` blocks (``done`` outside
+    ``[0, blocks]``, or ``ok`` with fewer done), or None. The one rule for a rank's ack (the
+    dispatcher refuses it) and an engine's call (the cache manager raises)."""
+    if not 0 <= res.done <= blocks:
+        return f"done {res.done} is outside [0, {blocks}] (the op's blocks)"
+    if res.ok and res.done != blocks:
+        return f"ok with {res.done} of {blocks} blocks done"
+    return None
+
+
 class BlocksCopied(NamedTuple):
     """A rank's ack of one batch. ``pending`` names ops (storage I/O) whose results follow
     in later ``BlocksCopied`` of the same seq; the rank is done with the batch when a

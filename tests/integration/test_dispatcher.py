@@ -197,8 +197,8 @@ def test_an_ack_claiming_more_than_its_op_holds_is_refused(
         assert d.poll(0.2) == []
     refused = events_named(logs, "dispatcher.ack_refused")
     assert [e["error"] for e in refused] == [
-        "ack reports op 0 failed with 7 blocks done; the op has 2",
-        "ack reports op 0 ok with 1 blocks done; the op has 2"], refused
+        "ack reports op 0: done 7 is outside [0, 2] (the op's blocks)",
+        "ack reports op 0: ok with 1 of 2 blocks done"], refused
     assert d.refusals()["malformed"] == before + 2 and d.in_flight == 1
     for r, b in zip(ranks, batches):
         r.ack(b)

@@ -2,9 +2,10 @@
 merged over the ranks into the one result per op the scheduler commits on.
 
 A rank's result claims ``done`` blocks of an op: more than the op has, or ``ok`` with
-fewer, is a broken rank's (or a forged) ack, refused like any malformed message, so the
-cache manager never commits on it (it clamped ``done`` to the op and counted a failed
-copy as a success). Costs: O(results) per ack.
+fewer (``protocol.result_claim_error``, the rule the cache manager's ``on_ops_done``
+applies to an engine's results too), is a broken rank's (or a forged) ack, refused like
+any malformed message, so the cache manager never commits on it (it clamped ``done`` to
+the op and counted a failed copy as a success). Costs: O(results) per ack.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ def bad_result(results: Iterable[P.OpResult], sizes: dict[int, int]) -> str | No
     """Why a result claims what its op cannot hold (``sizes``: blocks per op id), or None."""
     for res in results:
         n = sizes.get(res.id)
-        if n is not None and (res.done > n or (res.ok and res.done != n)):
-            return (f"ack reports op {res.id} {'ok' if res.ok else 'failed'} with {res.done} "
-                    f"blocks done; the op has {n}")
+        if n is not None and (why := P.result_claim_error(res, n)) is not None:
+            return f"ack reports op {res.id}: {why}"
     return None
 
 

@@ -16,7 +16,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
-from zkv.protocol import OpResult
+from zkv.protocol import OpResult, result_claim_error
 from zkv.scheduler.hashing import DIGEST_SIZE
 
 H = TypeVar("H", bound=Sequence[bytes])
@@ -83,10 +83,7 @@ def results(pending: dict[int, Any], given: Iterable[OpResult]) -> list[OpResult
         p = pending.get(r.id)
         if p is None:
             continue  # (not pending: the caller is told, nothing else)
-        total = sum(p.counts)
-        if not 0 <= r.done <= total:
-            raise ValueError(f"op result {r.id}: done {r.done} is outside [0, {total}] "
-                             f"(the op's blocks)")
-        if r.ok and r.done != total:
-            raise ValueError(f"op result {r.id}: ok with {r.done} of {total} blocks done")
+        why = result_claim_error(r, sum(p.counts))
+        if why is not None:
+            raise ValueError(f"op result {r.id}: {why}")
     return out
