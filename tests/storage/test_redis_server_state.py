@@ -100,7 +100,8 @@ def _events(logs: list[Any], name: str) -> list[Any]:
 
 def test_a_redis_that_refuses_writes_when_full_is_said_at_open(tmp_path: Path) -> None:
     """``noeviction``, or ``volatile-*`` while the store sets no TTL: once full, every put
-    is refused (OOM). One warning at open says so and what to configure; each write-failed
+    is refused (OOM); no ``maxmemory`` and no TTL: redis grows until the host's memory runs
+    out. One warning at open says so and what to configure; each write-failed
     line names the policy. (Before: a bare write-failed line, and the puts sent again
     forever.)"""
     with RedisServer(str(tmp_path), maxmemory="2mb", policy="noeviction") as srv:
@@ -135,10 +136,19 @@ def test_a_redis_that_refuses_writes_when_full_is_said_at_open(tmp_path: Path) -
                 with capture_logs() as logs:
                     open_store(url, "ns").close()
                 assert len(_events(logs, "storage.store_misconfigured")) == int(said), policy
-            admin.config_set("maxmemory", 0)  # no limit: nothing to say
+            # no limit: redis keeps every block until the host's memory runs out (20 KiB a
+            # 16 KiB block), said at open; with the store's ttl_s the blocks expire
+            admin.config_set("maxmemory", 0)
             admin.config_set("maxmemory-policy", "noeviction")
             with capture_logs() as logs:
                 open_store(srv.url, "ns").close()
+            [warning] = _events(logs, "storage.store_misconfigured")
+            assert warning["log_level"] == "warning" and warning["maxmemory"] == 0
+            assert warning["error"].startswith("redis has no maxmemory and the store sets no "
+                                               "ttl_s: it keeps every block until the host's "
+                                               "memory runs out; set maxmemory")
+            with capture_logs() as logs:
+                open_store(srv.url + "?ttl_s=600", "ns").close()
             assert not _events(logs, "storage.store_misconfigured")
         finally:
             admin.close()

@@ -172,7 +172,7 @@ class RedisStore(Store):
     def _check_memory(self) -> None:
         """Once: warn when the server will refuse writes once full (``maxmemory`` set, and
         ``noeviction``, or a ``volatile-*`` policy while this store sets no TTL: nothing to
-        evict), and say when an LRU one samples too few keys to keep chains whole; where
+        evict) or grow until the host's memory runs out (no ``maxmemory``, no TTL), and say when an LRU one samples too few keys to keep chains whole; where
         ``CONFIG GET`` is allowed (an ACL or a managed redis may refuse it: then nothing is
         said)."""
         if self._memory_checked:
@@ -190,6 +190,9 @@ class RedisStore(Store):
             self._log.warning(ev.STORE_MISCONFIGURED, store=self.url, maxmemory=maxmemory,
                               policy=policy, ttl_s=self.ttl_s,
                               error=f"redis will refuse writes once full: {_FULL_HINT}")
+        elif not maxmemory and self.ttl_s is None:  # (20 KiB a 16 KiB block, for good)
+            self._log.warning(ev.STORE_MISCONFIGURED, store=self.url, maxmemory=0,
+                              policy=policy, ttl_s=None, error=_UNBOUNDED)
         samples = int(conf.get("maxmemory-samples") or _LRU_SAMPLES)
         if maxmemory and policy.endswith("-lru") and samples < _LRU_SAMPLES:
             self._log.info(ev.STORE_TUNING, store=self.url, policy=policy,
@@ -371,6 +374,9 @@ _AUTH_HINT = ("the server refused the URL's credentials: check its user and pass
               "(give them in $ZKV_STORE_URL, not on a command line)")
 _FULL_HINT = ("set maxmemory-policy allkeys-lru (or volatile-ttl with the store's ttl_s), "
               "or raise maxmemory")
+_UNBOUNDED = ("redis has no maxmemory and the store sets no ttl_s: it keeps every block "
+              "until the host's memory runs out; set maxmemory and maxmemory-policy "
+              "allkeys-lru (or give the store a ttl_s)")
 
 
 def _no_database(error: BaseException | None) -> bool:
