@@ -304,6 +304,55 @@ def test_a_file_renamed_away_is_read_to_its_end_and_the_new_one_from_0(tmp_path:
                                       "c.new_file_" + "x" * 200, "d.later_still", "e.next"]
 
 
+def _open_deleted(path: Path) -> list[str]:
+    """This process's open files that are ``path``, deleted."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own, closed since)
+            if os.readlink(f"/proc/self/fd/{fd}") == f"{path} (deleted)":
+                found.append(fd)
+    return found
+
+
+def test_a_deleted_file_is_read_to_its_end_then_closed(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A followed file that is deleted (its space freed only once no one holds it open): its
+    last lines show, and once the grace is over it is closed, and ``follow`` forgets it.
+    (Before: held open, and its space taken, for as long as ``zkv logs -f`` ran.)"""
+    path = tmp_path / "w-0.jsonl"
+    write(path, ev(1.0, "a.first"))
+    tail = logview.Tail(str(path))
+    try:
+        assert [r.data and r.data["event"] for r in tail.records(final=False)] == ["a.first"]
+        with open(path, "ab") as f:
+            os.remove(path)
+            f.write(ev(2.0, "b.written_as_it_was_deleted"))
+        assert _open_deleted(path)  # the tail's handle, the writer's closed
+        monkeypatch.setattr(logview, "ROTATED_GRACE_S", 0.0)  # (5 s: a writer's last lines)
+        got = [r.data and r.data["event"] for r in tail.records(final=False)]
+        assert got == ["b.written_as_it_was_deleted"] and tail.idle
+        assert _open_deleted(path) == []
+    finally:
+        tail.close()
+    # follow: 20 files each deleted while followed, none held open once their grace is over
+    for i in range(20):
+        write(tmp_path / f"d-{i}.jsonl", ev(3.0 + i, f"c.file_{i}"))
+    stop, out = threading.Event(), io.StringIO()
+    t = threading.Thread(target=logview.follow, args=(str(tmp_path),),
+                         kwargs={"out": out, "as_json": True, "poll_s": 0.01, "stop": stop})
+    t.start()
+    try:
+        wait_until(lambda: out.getvalue().count("c.file_") == 20, 10, "the 20 files read")
+        for i in range(20):
+            os.remove(tmp_path / f"d-{i}.jsonl")
+        wait_until(lambda: not any(_open_deleted(tmp_path / f"d-{i}.jsonl")
+                                   for i in range(20)), 10, "the deleted files closed")
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive()
+
+
 def test_control_characters_are_escaped_not_sent_to_the_terminal(tmp_path: Path) -> None:
     """A field (a request id, a store's error text) or a malformed line with an escape
     sequence or a bell reached the operator's terminal as it was."""

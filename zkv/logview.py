@@ -109,10 +109,11 @@ ROTATED_GRACE_S = 5.0
 
 class Tail:
     """Reads one file from where it last stopped. A truncated file restarts at 0; a file
-    renamed away (logrotate's ``create``) is read to its end, for ``ROTATED_GRACE_S``,
-    while the new file at the path is read from 0 (was: the lines written to the old file
-    after the last poll were lost, and a longer new file was read from the old offset,
-    mid-line)."""
+    renamed away (logrotate's ``create``) or deleted is read to its end, for
+    ``ROTATED_GRACE_S``, then closed (a deleted one was held open, its space with it, for as
+    long as ``zkv logs -f`` ran), while the new file at the path is read from 0 (was: the
+    lines written to the old file after the last poll were lost, and a longer new file was
+    read from the old offset, mid-line)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -123,6 +124,11 @@ class Tail:
         self._f: Any = None  # the open file, and its (device, inode)
         self._id: tuple[int, int] | None = None
         self._old: list[tuple[Any, float, int, int]] = []  # renamed away: (f, until, offset, n)
+
+    @property
+    def idle(self) -> bool:
+        """No file open: its path was missing at the last read and the grace is over."""
+        return self._f is None and not self._old
 
     def close(self) -> None:
         for f, *_ in self._old:
@@ -138,14 +144,16 @@ class Tail:
         yield from self._rotated(final)
         try:
             st = os.stat(self.path)
-        except OSError:
-            return
-        if self._f is not None and self._id != (st.st_dev, st.st_ino):
+        except OSError:  # deleted (or rotated away, none new yet): read to its end, closed
+            st = None
+        if self._f is not None and (st is None or self._id != (st.st_dev, st.st_ino)):
             self._old.append((self._f, time.monotonic() + ROTATED_GRACE_S, self.offset,
                               self.lineno))
             self._f = None
             yield from self._rotated(final)
             self.offset = self.lineno = 0
+        if st is None:
+            return
         if self._f is None:
             try:
                 self._f = open(self.path, "rb")  # noqa: SIM115 (kept open: see _rotated)
@@ -299,8 +307,12 @@ def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
     told = False
     try:
         while True:
-            for p in log_files(path):
+            found = log_files(path)
+            for p in found:
                 tails.setdefault(p, Tail(p))
+            for p in set(tails).difference(found):
+                if tails[p].idle:  # deleted, and read to its end (it held the file open)
+                    del tails[p]
             if not tails and not told:
                 what = ("*.jsonl log files in it" if os.path.isdir(path)
                         else "it to appear")

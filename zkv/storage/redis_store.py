@@ -172,9 +172,9 @@ class RedisStore(Store):
     def _check_memory(self) -> None:
         """Once: warn when the server will refuse writes once full (``maxmemory`` set, and
         ``noeviction``, or a ``volatile-*`` policy while this store sets no TTL: nothing to
-        evict) or grow until the host's memory runs out (no ``maxmemory``, no TTL), and say when an LRU one samples too few keys to keep chains whole; where
-        ``CONFIG GET`` is allowed (an ACL or a managed redis may refuse it: then nothing is
-        said)."""
+        evict) or grow until the host's memory runs out (no ``maxmemory``, no TTL), and say
+        when an LRU one samples too few keys to keep chains whole; where ``CONFIG GET`` is
+        allowed (an ACL or a managed redis may refuse it: then nothing is said)."""
         if self._memory_checked:
             return
         self._memory_checked = True
