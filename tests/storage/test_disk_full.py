@@ -79,6 +79,27 @@ with capture_logs() as logs:
         os.remove(filler)
         s.put(key(2), data(2))  # room again: it works
         out["again"] = read(s, 2)
+    elif case == "room_back":
+        # a file fills most of the disk; the store's puts lower its budget to what fits;
+        # the file goes: a minute on (here: at once), a put takes the budget back
+        import zkv.storage.local as local
+        filler = os.path.join(root, "filler")
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (400 << 10))
+        s = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=256 << 10)
+        for i in range(10):
+            s.put(key(i), data(i))
+        out["lowered"] = (s.max_bytes, s.num_blocks)
+        os.remove(filler)
+        s.put(key(10), data(10))  # within the minute: as it was
+        out["within"] = s.max_bytes
+        local._REGROW_S = 0.0
+        for i in range(11, 20):
+            s.put(key(i), data(i))
+        out["after"] = (s.max_bytes, s.num_blocks, s.stats.errors)
+        out["readable"] = [i for i in range(20) if read(s, i)]
+        out["regrown"] = [{k: e[k] for k in ("max_bytes_was", "max_bytes", "log_level")}
+                          for e in logs if e["event"] == "storage.budget_regrown"]
     elif case == "room_taken_between_checks":
         # rank 1 fills the disk with its blocks (and a filler the last pages); rank 0, with
         # nothing of its own, sees room once after its write failed, as when another writer
@@ -228,6 +249,23 @@ def test_a_disk_full_of_other_files_fails_the_put_and_leaves_nothing(tmp_path: P
     assert (num_blocks, num_bytes, max_bytes, errors, tmp_files) == (0, 0, 1 << 30, 1, [])
     assert out["disk_full"] == []  # nothing of its own to remove: the budget is unchanged
     assert out["again"] is True
+
+
+def test_a_budget_the_disk_lowered_grows_back_once_it_has_room(tmp_path: Path) -> None:
+    """Another file filled the disk for a while: the store lowered its budget to what fit.
+    Once the file is gone, a put a minute on takes the budget back (up to the one it had),
+    said once at info, and the store holds as many blocks as before. (Before: lowered for
+    good, until the engine restarted.)"""
+    out = _child(tmp_path, "room_back")
+    budget = 256 << 10
+    lowered, num_lowered = out["lowered"]
+    assert lowered < 4 * ((32 << 10) + 64) and num_lowered < 4, out
+    assert out["within"] == lowered  # looked at again a minute on, not at every put
+    max_bytes, num_blocks, errors = out["after"]
+    assert (max_bytes, errors) == (budget, 0) and num_blocks == budget // ((32 << 10) + 64)
+    assert out["readable"] == list(range(20 - num_blocks, 20))  # the newest, exact
+    assert out["regrown"] == [{"max_bytes_was": lowered, "max_bytes": budget,
+                               "log_level": "info"}]
 
 
 def test_room_taken_between_two_looks_still_removes_the_namespaces_oldest(

@@ -59,7 +59,10 @@ just tries again. A store with none of its own files left
 removes the namespace's oldest files on the disk, whoever wrote them (one directory scan,
 only then): a writer that starts on a disk the others filled still gets room. From then on
 the store keeps working as an LRU within the space it has (one ``storage.disk_full``
-warning per lowering; the lower budget holds until the store is opened again). With no
+warning per lowering). A lowered budget grows back once the disk has room again: a put,
+at most once every ``_REGROW_S``, takes what the store holds plus half its writer's share
+of the free space, up to the budget it had before (``storage.budget_regrown``; before, a
+filler that came and went shrank the store for good). With no
 file of the namespace to remove, the put fails with the system's error
 (``StorageError``)::
 
@@ -110,6 +113,7 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _PUT_TRIES = 10
 _PUT_WRITES = _PUT_TRIES * 4  # with the retries after another thread made room
 _ROOM_SLACK_BLOCKS = 2  # room asked for beyond the block: rounding to fs blocks, a folder
+_REGROW_S = 60.0  # a lowered budget is looked at again at most this often (on a put)
 
 
 class LocalDirStore(Store):
@@ -151,6 +155,8 @@ class LocalDirStore(Store):
         self._files_lock = threading.Lock()
         self._room_lock = threading.Lock()  # one thread makes room on a full disk at a time
         self._room_gen = 0  # times room was made: a put that failed before retries at once
+        self._ceiling = 0  # the budget before a full disk lowered it (0: not lowered)
+        self._looked_at = 0.0  # (monotonic) when it was lowered, or last looked at again
         self._lru: OrderedDict[str, int] = OrderedDict()
         self._total = 0
         self._pending = 0
@@ -256,6 +262,8 @@ class LocalDirStore(Store):
         bufs = [pack_header(self.ns_id, key, view), view]
         size = HEADER_SIZE + view.nbytes
         made = 0  # times this put made room; retries after another thread's do not count
+        if self._ceiling and time.monotonic() - self._looked_at >= _REGROW_S:
+            self._regrow()
         for _ in range(_PUT_WRITES):
             gen = self._room_gen
             self._reserve(size)
@@ -346,6 +354,8 @@ class LocalDirStore(Store):
                 old = self._max_bytes
                 new = self._max_bytes = max(size, min(old, self._total + self._pending + size))
                 held = self._total
+                self._ceiling = self._ceiling or old
+                self._looked_at = time.monotonic()
             self._room_gen += 1
         if removed:
             self._count(evicted=len(removed))
@@ -353,6 +363,30 @@ class LocalDirStore(Store):
                           max_bytes_was=old, max_bytes=new, num_bytes=held,
                           num_evicted=len(removed), num_removed_others=others)
         return True
+
+    def _regrow(self) -> None:
+        """(A budget a full disk lowered, ``_REGROW_S`` after it was last looked at.) Raise
+        it to what the store holds plus half this writer's share of the free space, up to
+        the budget it had before; done with it once it is back there."""
+        with self._room_lock:
+            if not self._ceiling or time.monotonic() - self._looked_at < _REGROW_S:
+                return  # (another thread did, or the disk filled again meanwhile)
+            try:
+                free = _free_bytes(self.root)
+            except OSError:  # (the root went: the put says why)
+                free = 0
+            with self._lock:
+                old = self._max_bytes
+                new = min(self._ceiling, max(old, self._total + self._pending
+                                             + free // self._writers // 2))
+                self._max_bytes = new
+                if new >= self._ceiling:
+                    self._ceiling = 0
+                self._looked_at = time.monotonic()
+                held = self._total
+        if new > old:
+            self._log.info(ev.STORE_BUDGET_REGROWN, store=self.url, max_bytes_was=old,
+                           max_bytes=new, num_bytes=held, free_bytes=free)
 
     def _remove_oldest_on_disk(self, size: int) -> int:
         """(Making room, with none of this store's own files left.) Remove the namespace's
