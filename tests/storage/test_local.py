@@ -17,7 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from zkv.errors import ConfigError, StorageError
-from zkv.storage import HEADER_SIZE, LocalDirStore, file_url, open_store, pack_key
+from zkv.storage import HEADER_SIZE, LocalDirStore, file_url, namespaces, open_store, pack_key
 from zkv.storage.local import check_root
 
 BLOCK = 4096
@@ -52,7 +52,7 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     assert s.exists([key(i) for i in range(5)]) == [True, False, False, True, True]
     assert (s.num_blocks, s.num_bytes, s.stats.evicted) == (3, 3 * FILE, 2)
     on_disk = sum(len(files) for _, _, files in os.walk(tmp_path / "ns"))
-    assert on_disk == 3
+    assert on_disk == 3 + 1  # and the namespace's mark (zkv/storage/namespaces.py)
 
 
 @pytest.mark.parametrize("rank", [0, None])
@@ -231,14 +231,15 @@ def test_fsync_makes_the_rename_durable_too(tmp_path: Path,
 
     monkeypatch.setattr(os, "fsync", fsync)
     s = LocalDirStore(tmp_path / "root", "ns", fsync=True)
-    synced.clear()
-    s.put(key(1), data(1))
     path = s.path(key(1))
     folder = os.path.dirname(path)
-    ns = os.path.dirname(folder)  # the put made ns/ and ns/xx/: their parents' entries,
-    assert synced[:2] == [os.path.dirname(ns) + "/", ns + "/"], synced  # then the data,
-    assert synced[2] == f"{path}.{os.getpid()}.{threading.get_ident()}.tmp", synced
-    assert synced[3:] == [folder + "/"], synced  # then the name the rename gave it
+    ns = os.path.dirname(folder)  # the open made ns/: its parent's entry
+    assert synced == [os.path.dirname(ns) + "/"], synced
+    synced.clear()
+    s.put(key(1), data(1))  # the put made ns/xx/: its parent's entry,
+    assert synced[:1] == [ns + "/"], synced  # then the data,
+    assert synced[1] == f"{path}.{os.getpid()}.{threading.get_ident()}.tmp", synced
+    assert synced[2:] == [folder + "/"], synced  # then the name the rename gave it
     synced.clear()
     s.put(key(2), data(2))  # the folder is there: the data and the new name
     assert len(synced) == 2 and synced[1] == folder + "/", synced
@@ -312,11 +313,12 @@ def test_what_the_store_makes_is_private_to_its_user(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     made = [shared / "zkv", shared / "zkv" / "l3", shared / "zkv" / "l3" / "ns"]
-    made += [p for p in made[-1].iterdir()]  # the fan-out folder
+    mark = made[-1] / namespaces.MARK
+    made += [p for p in made[-1].iterdir() if p != mark]  # the fan-out folder
     files = [p for p in made[-1].iterdir()]
     assert len(made) == 4 and len(files) == 1 and get(s, 1)
     assert {oct(p.stat().st_mode & 0o777) for p in made} == {"0o700"}
-    assert oct(files[0].stat().st_mode & 0o777) == "0o600"
+    assert {oct(p.stat().st_mode & 0o777) for p in (files[0], mark)} == {"0o600"}
     assert oct(shared.stat().st_mode & 0o777) == "0o755"
 
 
@@ -352,7 +354,8 @@ def test_a_put_landing_during_an_eviction_survives(tmp_path: Path,
     out = np.zeros(BLOCK, np.uint8)
     assert s.get_into(key(1), out) and out.tobytes() == fresh.tobytes()
     assert get(s, 2) and not get(s, 0)
-    on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+    on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs
+                     if f != namespaces.MARK)
     assert on_disk == sorted([s.path(key(1)), s.path(key(2))])
     assert (s.num_blocks, s.num_bytes, s.stats.evicted) == (2, 2 * FILE, 1)
 
@@ -378,7 +381,8 @@ def test_a_put_landing_during_a_missed_read_stays_indexed(
     assert (s.num_blocks, s.num_bytes) == (1, FILE)
     s.put(key(6), data(6))
     s.put(key(7), data(7))  # over budget: key 5, the oldest, is evicted from the disk too
-    on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+    on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs
+                     if f != namespaces.MARK)
     assert on_disk == sorted([s.path(key(6)), s.path(key(7))])
 
 
@@ -434,7 +438,8 @@ def test_a_hit_evicted_before_it_is_touched_is_not_indexed_again(
         resume.set()
         reader.join(10)
     assert hits == [True] and out.tobytes() == data(0).tobytes()
-    on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+    on_disk = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs
+                     if f != namespaces.MARK)
     assert on_disk == sorted([s.path(key(1)), s.path(key(2))])
     assert (s.num_blocks, s.num_bytes) == (2, 2 * FILE)
     assert get(s, 1) and get(s, 2)

@@ -19,6 +19,10 @@ reads miss (an engine serves on; ``zkv replay`` refuses the flag first, with
 ``ConfigError``. A root deleted later is made again by the next put (folders are
 re-created).
 
+The namespaces under the root that no store used for ``keep_days`` (a model revision,
+dtype or TP size no engine serves now) are removed when a store opens, before it measures
+the free space (zkv/storage/namespaces.py).
+
 Byte budget. The store keeps an LRU index ``path -> size`` of the files it knows: all
 files of its namespace at open (one scan, oldest mtime first; stale temp files removed),
 then every block it writes or serves. The scan reads names first: only the files the
@@ -91,6 +95,7 @@ from typing import Any
 
 from zkv import log as ev
 from zkv.errors import ConfigError, StorageError
+from zkv.storage import namespaces
 from zkv.storage.base import (
     CORRUPT,
     DIGEST_SIZE,
@@ -136,8 +141,11 @@ class LocalDirStore(Store):
 
     def __init__(self, root: str | os.PathLike[str], namespace: str, *,
                  max_bytes: int | None = None, fsync: bool = False,
-                 rank: int | None = None, writers: int = 1) -> None:
+                 rank: int | None = None, writers: int = 1,
+                 keep_days: float = namespaces.DEFAULT_KEEP_DAYS) -> None:
         super().__init__(namespace, f"file://{os.path.abspath(os.fspath(root))}")
+        if not keep_days >= 0:
+            raise ValueError(f"keep_days must be >= 0, got {keep_days}")
         if rank is not None and rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         if writers < 1:
@@ -161,8 +169,12 @@ class LocalDirStore(Store):
         self._total = 0
         self._pending = 0
         self._indexed = False  # set once, by _ensure_index
+        self.keep_s = keep_days * 86400.0
+        self._marked_at = 0.0  # (monotonic) when this store last marked its namespace used
         try:
             free = check_root(self.root)
+            if self._open_namespace():  # others removed: their room is free now
+                free = _free_bytes(self.root)
         except ConfigError as e:  # as a server down at start: puts fail, reads miss
             self._log.error(ev.STORE_UNREACHABLE, store=self.url, error=str(e))
             free = _free_bytes(self.root)
@@ -262,8 +274,11 @@ class LocalDirStore(Store):
         bufs = [pack_header(self.ns_id, key, view), view]
         size = HEADER_SIZE + view.nbytes
         made = 0  # times this put made room; retries after another thread's do not count
-        if self._ceiling and time.monotonic() - self._looked_at >= _REGROW_S:
+        now = time.monotonic()
+        if self._ceiling and now - self._looked_at >= _REGROW_S:
             self._regrow()
+        if now - self._marked_at >= namespaces.MARK_EVERY_S:
+            self._mark(now)
         for _ in range(_PUT_WRITES):
             gen = self._room_gen
             self._reserve(size)
@@ -580,6 +595,29 @@ class LocalDirStore(Store):
             os.utime(path)
         except OSError:
             pass
+        now = time.monotonic()
+        if now - self._marked_at >= namespaces.MARK_EVERY_S:
+            self._mark(now)
+
+    def _open_namespace(self) -> bool:
+        """(At open.) Make this namespace's folder and mark it used; remove the namespaces
+        unused for ``keep_s`` (``zkv/storage/namespaces.py``); whether any was."""
+        try:
+            for d in make_private_dirs(self._base):
+                if self.fsync:  # (its entry in its parent, as a put's folders)
+                    _fsync_dir(os.path.dirname(d))
+        except OSError:
+            return False  # (its puts say why)
+        self._mark(time.monotonic())
+        pruned = namespaces.prune(self.root, self.namespace, self.keep_s) if self.keep_s else []
+        for name, days in pruned:
+            self._log.info(ev.STORE_NAMESPACE_PRUNED, store=self.url, pruned=name,
+                           idle_days=round(days, 1), keep_days=self.keep_s / 86400.0)
+        return bool(pruned)
+
+    def _mark(self, now: float) -> None:
+        self._marked_at = now
+        namespaces.mark(self._base)
 
     def _forget(self, path: str) -> None:
         with self._lock:

@@ -2,7 +2,7 @@
 
 ::
 
-    file:///abs/path[?max_gb=G|max_bytes=N][&fsync=1]          LocalDirStore (embedded default)
+    file:///abs/path[?max_gb=G|max_bytes=N][&fsync=1][&keep_days=D]   LocalDirStore (default)
     redis://[[user]:password@]HOST:PORT[/DB][?timeout_s=T][&ttl_s=S]
                                                                 RedisStore (Redis / Valkey)
     rediss://...[?ca=CA.pem][&cert=C.pem&key=K.pem]             the same over TLS: the server's
@@ -13,7 +13,9 @@
 
 ``writers``: how many processes write the same local directory (the ranks of a group);
 each gets ``max_bytes / writers`` of the budget, and ``rank`` names the writer: its store
-indexes and evicts only its own rank's files (see zkv/storage/local.py). A bad URL
+indexes and evicts only its own rank's files (see zkv/storage/local.py). ``keep_days``
+(7; 0: never): the other namespaces under a ``file://`` root unused that long are removed
+when a store opens (zkv/storage/namespaces.py). A bad URL
 raises :class:`~zkv.errors.ConfigError` with one line saying what is wrong.
 """
 
@@ -32,7 +34,7 @@ SCHEMES = ("file", "redis", "rediss", "mooncake")
 _REDIS_PARAMS: dict[str, type] = {"timeout_s": float, "ttl_s": int}
 _TLS_FILES = ("ca", "cert", "key")
 _PARAMS = {
-    "file": {"max_gb": float, "max_bytes": int, "fsync": bool},
+    "file": {"max_gb": float, "max_bytes": int, "fsync": bool, "keep_days": float},
     "redis": _REDIS_PARAMS,
     "rediss": {**_REDIS_PARAMS, **dict.fromkeys(_TLS_FILES, str)},
     "mooncake": {"segment_mb": int, "buffer_mb": int, "timeout_s": float, "protocol": str,
@@ -71,8 +73,8 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
             raise _bad(url, f"{name}={raw!r} is not a {kind.__name__}") from None
         if kind is float and not math.isfinite(out[name]):
             raise _bad(url, f"{name}={raw!r} is not a finite number")
-        if name == "segment_mb":  # 0: a client that mounts no segment (reads and writes
-            if out[name] < 0:     # go to other clients' segments)
+        if name in ("segment_mb", "keep_days"):  # 0: a client that mounts no segment
+            if out[name] < 0:  # (others' segments serve it); a store that removes nothing
                 raise _bad(url, f"{name} must be >= 0")
         elif kind in (int, float) and out[name] <= 0:
             raise _bad(url, f"{name} must be > 0")
@@ -214,8 +216,11 @@ def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict
         max_bytes = int(params["max_gb"] * (1 << 30))
     if max_bytes is not None:
         max_bytes = max(1, max_bytes // writers)
-    return dict(root=path, max_bytes=max_bytes, fsync=params.get("fsync", False),
-                writers=writers)
+    kw = dict(root=path, max_bytes=max_bytes, fsync=params.get("fsync", False),
+              writers=writers)
+    if "keep_days" in params:
+        kw["keep_days"] = params["keep_days"]
+    return kw
 
 
 def file_url(path: str | os.PathLike[str]) -> str:

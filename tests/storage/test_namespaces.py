@@ -1,0 +1,97 @@
+"""A ``file://`` root's namespaces that no engine uses any more are removed when a store
+opens (``zkv/storage/namespaces.py``): their files took the live store's room for good."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+from zkv.errors import ConfigError
+from zkv.storage import LocalDirStore, namespaces, open_store, pack_key
+
+DAY = 86400.0
+BLOCK = 4096
+
+
+def _key(i: int) -> bytes:
+    return pack_key(i.to_bytes(16, "big"), 0)
+
+
+def _fill(root: Path, ns: str, n: int, idle_days: float) -> None:
+    """A namespace of ``n`` blocks, last used ``idle_days`` ago."""
+    s = LocalDirStore(root, ns, max_bytes=1 << 30, rank=0, keep_days=0)
+    for i in range(n):
+        s.put(_key(i), np.full(BLOCK, i, np.uint8))
+    s.close()
+    t = time.time() - idle_days * DAY
+    os.utime(root / ns / namespaces.MARK, (t, t))
+
+
+def test_namespaces_unused_for_keep_days_are_removed_at_open(tmp_path: Path) -> None:
+    """Of four folders under the root: the one unused for 8 days goes; the one used a day
+    ago, a folder without zkv's mark (not zkv's: left alone) and the store's own stay. The
+    store's budget is taken after the removal: the room it freed counts."""
+    root = tmp_path / "l3"
+    _fill(root, "old-model", 20, idle_days=8)
+    _fill(root, "recent-model", 5, idle_days=1)
+    (root / "photos").mkdir()
+    (root / "photos" / "cat.jpg").write_bytes(b"x" * 100)
+    os.utime(root / "photos", (0, 0))
+    _fill(root, "live", 3, idle_days=30)  # its own: however old, never
+    with capture_logs() as logs:
+        s = LocalDirStore(root, "live", rank=0)
+    assert sorted(os.listdir(root)) == ["live", "photos", "recent-model"]
+    [line] = [e for e in logs if e["event"] == "storage.namespace_pruned"]
+    assert line["pruned"] == "old-model" and line["keep_days"] == 7.0
+    assert 7.9 < line["idle_days"] < 8.1 and line["log_level"] == "info"
+    buf = np.zeros(BLOCK, np.uint8)
+    assert all(s.get_into(_key(i), buf) and (buf == i).all() for i in range(3))
+    # its mark says it is in use from now on
+    assert time.time() - os.stat(root / "live" / namespaces.MARK).st_mtime < 60
+
+
+def test_keep_days_0_removes_nothing_and_a_short_one_removes_more(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    _fill(root, "a", 2, idle_days=2)
+    _fill(root, "b", 2, idle_days=0.5)
+    open_store(f"file://{root}?keep_days=0", "live").close()
+    assert sorted(os.listdir(root)) == ["a", "b", "live"]
+    open_store(f"file://{root}?keep_days=1", "live").close()
+    assert sorted(os.listdir(root)) == ["b", "live"]
+    with pytest.raises(ConfigError, match="keep_days must be >= 0"):
+        open_store(f"file://{root}?keep_days=-1", "live")
+
+
+def test_a_store_in_use_marks_its_namespace_again(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put or a hit, at most once every MARK_EVERY_S, touches the mark: an engine that runs
+    for weeks keeps its namespace, a writer's and a reader's alike."""
+    root = tmp_path / "l3"
+    writer = LocalDirStore(root, "live", max_bytes=1 << 20, rank=0)
+    reader = LocalDirStore(root, "live", max_bytes=1 << 20)
+    mark = root / "live" / namespaces.MARK
+    old = time.time() - 3 * DAY
+    os.utime(mark, (old, old))
+    writer.put(_key(1), np.ones(BLOCK, np.uint8))  # within the hour: not touched again
+    assert os.stat(mark).st_mtime == pytest.approx(old)
+    monkeypatch.setattr(namespaces, "MARK_EVERY_S", 0.0)
+    writer.put(_key(2), np.ones(BLOCK, np.uint8))
+    assert time.time() - os.stat(mark).st_mtime < 60
+    os.utime(mark, (old, old))
+    assert reader.get_into(_key(2), np.zeros(BLOCK, np.uint8))
+    assert time.time() - os.stat(mark).st_mtime < 60
+
+
+def test_a_removal_cut_short_is_finished_by_the_next_open(tmp_path: Path) -> None:
+    """A namespace renamed aside whose removal died midway (its mark still inside) goes at
+    the next open; a folder a store makes again under the old name is a new namespace."""
+    root = tmp_path / "l3"
+    _fill(root, "old", 4, idle_days=30)
+    os.rename(root / "old", root / ".old.123.pruned")
+    LocalDirStore(root, "live", rank=0).close()
+    assert sorted(os.listdir(root)) == ["live"]
