@@ -63,6 +63,8 @@ DEVICE_FAILED = "worker.device_failed"
 BACKEND_READY = "worker.backend_ready"
 IO_DONE = "worker.io_done"
 IO_DROPPED = "worker.io_dropped"
+IO_STUCK = "worker.io_stuck"
+IO_UNSTUCK = "worker.io_unstuck"
 COMPUTE_STREAM = "worker.compute_stream"
 SCHEDULER_LOST = "worker.scheduler_lost"
 # storage (L3)

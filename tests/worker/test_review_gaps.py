@@ -1,10 +1,13 @@
 """From a mutation review, what no test checked: a storage op of several chunks is reported
 once, after its last; a store directory with an '@'; a malformed batch past the expected
-seq is a gap; a quota-full disk (EDQUOT) makes room as a full one does."""
+seq is a gap; a quota-full disk (EDQUOT) makes room as a full one does. And a store read
+hung on the file system is said."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import time
 from pathlib import Path
 
 import orjson
@@ -45,6 +48,49 @@ def test_an_op_of_several_chunks_is_reported_once_after_its_last_chunk(tmp_path:
         assert results[0].ok and results[0].done == 5
         assert all(store.exists([pack_key(k, 0) for k in keys]))
     finally:
+        io.close()
+
+
+def test_a_read_hung_on_the_file_system_is_said_once_and_when_it_returns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real ``file://`` store whose block file is a FIFO: the read hangs in ``open`` as on
+    a hung file system (nothing times it out). Past ``IO_STUCK_S`` a check says it once,
+    with what is queued behind it; when it returns, that is said too, and the op fails."""
+    from structlog.testing import capture_logs
+
+    from zkv.worker import storage_io
+
+    monkeypatch.setattr(storage_io, "IO_STUCK_S", 0.2)
+    b = TorchCpuBackend()
+    pool = b.allocate_host_pool(LAYOUT)
+    store = LocalDirStore(tmp_path, "ns", rank=0)
+    keys = (b"\1" * 16, b"\2" * 16)
+    fifo = store.path(pack_key(keys[0], 0))
+    os.makedirs(os.path.dirname(fifo), exist_ok=True)
+    os.mkfifo(fifo)
+    io = StorageIO(store, 0, b, pool, io_threads=1, chunk_blocks=1)
+    try:
+        with capture_logs() as logs:
+            _, pending = io.start(3, [P.Op(7, P.S2H, dst=P.as_ids([0, 1]), keys=keys)])
+            assert pending == (7,)
+            wait_until(lambda: io.check_stuck(time.monotonic()) or any(
+                e["event"] == "worker.io_stuck" for e in logs), 10, "the hung read said")
+            io.check_stuck(time.monotonic() + 60)  # said once, however long it hangs
+            with open(fifo, "wb"):  # the read returns (an empty FIFO: refused, not a block)
+                pass
+            got: list = []
+            wait_until(lambda: got.extend(io.take_done()) or got, 10, "the op's result")
+        [(seq, [res], left)] = got
+        assert (seq, res.id, res.ok, res.done, left) == (3, 7, False, 0, ())
+        [stuck] = [e for e in logs if e["event"] == "worker.io_stuck"]
+        assert (stuck["seq"], stuck["op_id"], stuck["blocks"], stuck["num_stuck"],
+                stuck["num_queued"]) == (3, 7, [0, 1], 1, 1)  # the other chunk waits
+        assert stuck["store"] == store.url and stuck["running_s"] >= 0.2
+        [unstuck] = [e for e in logs if e["event"] == "worker.io_unstuck"]
+        assert (unstuck["seq"], unstuck["blocks"], unstuck["log_level"]) == (3, [0, 1], "info")
+    finally:
+        with contextlib.suppress(OSError):  # never leave the I/O thread in open() at close
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         io.close()
 
 

@@ -160,7 +160,14 @@ class GatedStore(Store):
 
 
 def test_a_hung_store_never_delays_the_next_batch(stack: ExitStack, folder: str,
-                                                  tmp_path: Any) -> None:
+                                                  tmp_path: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and each rank says so once it has hung ``IO_STUCK_S`` (``worker.io_stuck``, one
+    line), and again when the call returns (``worker.io_unstuck``)."""
+    from zkv.worker import storage_io
+
+    monkeypatch.setattr(storage_io, "IO_STUCK_S", 0.3)
+    logs = stack.enter_context(capture_logs())
     gate = threading.Event()
     gate.set()
     stores = [GatedStore(LocalDirStore(tmp_path, LAYOUT.fingerprint()), gate) for _ in range(2)]
@@ -181,9 +188,17 @@ def test_a_hung_store_never_delays_the_next_batch(stack: ExitStack, folder: str,
     rig.completed += [b.seq for b in poll_for(rig.d, 1.0)]  # twice the heartbeat timeout
     assert rig.d.lost_ranks == frozenset() and rig.completed[-2:] == copies
     assert loading not in rig.completed and rig.d.in_flight == 1
+    stuck = [e for e in logs if e["event"] == "worker.io_stuck"]
+    assert sorted(e["rank"] for e in stuck) == [0, 1], stuck  # once a rank, not each check
+    assert all((e["seq"], e["op_id"], e["kind"], e["blocks"], e["num_stuck"], e["num_queued"])
+               == (loading, 0, P.S2H, [0, 4], 1, 0) and e["running_s"] >= 0.3
+               and e["log_level"] == "warning" and "host blocks stay pinned" in e["error"]
+               for e in stuck), stuck
     gate.set()
     done = rig.poll({loading})[loading]
     assert done.results == {0: P.OpResult(0, True, 4)}
+    unstuck = [e for e in logs if e["event"] == "worker.io_unstuck"]
+    assert sorted(e["rank"] for e in unstuck) == [0, 1], unstuck
     assert rig.completed[-3:] == [*copies, loading]  # out of seq order, each exactly once
     done = rig.run([P.Op(0, P.H2D, ids(range(8, 12)), ids(range(12, 16))),
                     P.Op(1, P.CHECK, src=ids(range(12, 16)), keys=keys)])

@@ -403,6 +403,8 @@ class WorkerActor:
                 gone = self._scheduler_gone(now)
                 if gone is not None:
                     return gone
+                if self._io is not None:
+                    self._io.check_stuck(now)
             # A queued batch returns at once; else sleep until one comes (or the clock).
             ready = zmq_poll(items, int((next_monitor - now) * 1000) + 1)
             if not ready:
@@ -461,7 +463,7 @@ class WorkerActor:
     def _new_io(self) -> StorageIO:
         assert self.store is not None
         return StorageIO(self.store, self.rank, self.backend, self.host_pool,
-                         io_threads=self._io_threads)
+                         io_threads=self._io_threads, log=self._log)
 
     def _restart_io(self) -> None:
         """(Rejoining a restarted scheduler, before the hello.) The old scheduler's s2h /

@@ -14,27 +14,37 @@
                                                                                      pending=rest)
 
 An op's result is the prefix of its blocks that succeeded (``done``) and the first
-failure's reason. The actor never waits on a store: a slow or dead store delays only the
-ack of its own ops, never a later batch's copies or the heartbeats. The host blocks of an
-op in flight are not touched by later batches (the scheduler pins them until the op is
-acked), so the copies and the I/O never race on a block.
+failure's reason. A store call that has not returned after ``IO_STUCK_S`` (a hung file
+system under ``file://``: nothing times it out) is said once (``worker.io_stuck``: its
+batch, op, blocks, how long, how many calls are stuck and queued behind them; its op's host
+blocks stay pinned meanwhile), and when it returns (``worker.io_unstuck``). (Before: the
+host pool filled with pinned blocks and nothing was said.)
+
+The actor never waits on a store: a slow or dead store delays only the ack of its own ops,
+never a later batch's copies or the heartbeats. The host blocks of an op in flight are not
+touched by later batches (the scheduler pins them until the op is acked), so the copies
+and the I/O never race on a block.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import itertools
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from zkv import log as ev
 from zkv import protocol as P
 from zkv.errors import StorageError
 from zkv.storage import Store, pack_key
 
 IO_KINDS = (P.S2H, P.H2S)
+IO_STUCK_S = 30.0  # a store call running this long is said (once; and when it returns)
 
 
 @dataclass(slots=True)
@@ -65,8 +75,15 @@ class StorageIO:
     """
 
     def __init__(self, store: Store, rank: int, backend: Any, host_pool: Any, *,
-                 io_threads: int = 4, chunk_blocks: int = 32) -> None:
+                 io_threads: int = 4, chunk_blocks: int = 32, log: Any = None) -> None:
         self.store = store
+        self._log = log if log is not None else ev.get_logger("worker", rank=rank)
+        # store calls running: token -> (monotonic start, job, lo, hi); the ones said stuck
+        self._running: dict[int, tuple[float, _Job, int, int]] = {}
+        self._stuck: set[int] = set()
+        self._tokens = itertools.count()
+        self._queued = 0  # chunks submitted, not started
+        self._lock = threading.Lock()
         self.rank = rank
         self.backend = backend
         self.host_pool = host_pool
@@ -100,6 +117,8 @@ class StorageIO:
             step = self.chunk_blocks
             job = _Job(seq, op, [None] * n, -(-n // step))
             started.append(op.id)
+            with self._lock:
+                self._queued += job.left
             for lo in range(0, n, step):
                 self._pool.submit(self._run_chunk, job, lo, min(n, lo + step))
         if started:
@@ -138,11 +157,42 @@ class StorageIO:
 
     # ---------------------------------------------------------------- I/O threads
 
+    def check_stuck(self, now: float) -> None:
+        """(The actor, on its clock.) Say the store calls running for ``IO_STUCK_S`` that
+        were not said yet: one line, the oldest one's details."""
+        with self._lock:
+            new = [(t0, tok) for tok, (t0, *_) in self._running.items()
+                   if now - t0 >= IO_STUCK_S and tok not in self._stuck]
+            if not new:
+                return
+            self._stuck.update(tok for _, tok in new)
+            t0, tok = min(new)
+            _, job, lo, hi = self._running[tok]
+            num_stuck, queued = len(self._stuck), self._queued
+        self._log.warning(ev.IO_STUCK, seq=job.seq, op_id=job.op.id, kind=job.op.kind,
+                          blocks=[lo, hi], running_s=round(now - t0, 1), num_stuck=num_stuck,
+                          num_queued=queued, store=self.store.url,
+                          error=f"a store call has not returned for {now - t0:.0f} s (a hung "
+                                "file system or server?): its op's host blocks stay pinned, "
+                                "and other calls queue behind it")
+
     def _run_chunk(self, job: _Job, lo: int, hi: int) -> None:
+        tok = next(self._tokens)
+        with self._lock:
+            self._queued -= 1
+            self._running[tok] = (time.monotonic(), job, lo, hi)
         try:
             job.outcome[lo:hi] = self._move(job.op, lo, hi)
         except BaseException as e:  # never lose a chunk: its blocks fail with the reason
             job.outcome[lo:hi] = [f"{job.op.kind}: block {lo}: {e!r}"] * (hi - lo)
+        with self._lock:
+            t0, *_ = self._running.pop(tok)
+            said = tok in self._stuck
+            self._stuck.discard(tok)
+        if said:
+            self._log.info(ev.IO_UNSTUCK, seq=job.seq, op_id=job.op.id, kind=job.op.kind,
+                           blocks=[lo, hi], running_s=round(time.monotonic() - t0, 1),
+                           store=self.store.url)
         with job.lock:
             job.left -= 1
             last = job.left == 0
