@@ -726,7 +726,7 @@ def _without_storage(argv: Sequence[str]) -> list[str]:
 def _storage_url(args: argparse.Namespace, layout: CacheLayout, tmp: str) -> str | None:
     """The L3 URL the run uses: --storage, else --store-dir as file://, else ``tmp``."""
     from zkv.storage import HEADER_SIZE, file_url, open_store
-    from zkv.storage.local import check_root
+    from zkv.storage.localfs import check_root
     from zkv.storage.url import check_budget, parse_url
 
     if args.storage and args.store_dir:

@@ -116,11 +116,11 @@ with capture_logs() as logs:
             pass
         os.close(fd)
         import zkv.storage.local as local
-        real, seen = local._has_room, []
+        real, seen = local.has_room, []
         def has_room_once(path, size):
             seen.append(size)
             return len(seen) == 1 or real(path, size)
-        local._has_room = has_room_once
+        local.has_room = has_room_once
         s = LocalDirStore(os.path.join(root, "l3"), "ns", max_bytes=1 << 30, rank=0)
         try:
             s.put(key(1), data(1))
@@ -209,6 +209,38 @@ if __name__ == "__main__":
 """
 
 
+# Run in the child, on a 4 MiB file system at argv[1]: two engines' stores (two models'
+# namespaces) with no budget given open at once, each taking half the free space, then
+# write 4 MiB each, in turn. Prints one JSON line.
+_ENGINES = r"""
+import json, os, sys
+import numpy as np
+from structlog.testing import capture_logs
+from zkv.storage import LocalDirStore, pack_key
+
+root = sys.argv[1]
+BLOCK = 32 << 10
+key = lambda i: pack_key(i.to_bytes(16, "big"), 0)
+data = lambda n, i: np.full(BLOCK, (n * 7 + i) % 251, np.uint8)
+free = lambda: (lambda st: st.f_bavail * st.f_frsize)(os.statvfs(root))
+at_open = free()
+with capture_logs() as logs:
+    stores = [LocalDirStore(os.path.join(root, "l3"), f"model-{n}", rank=0) for n in range(2)]
+    least = at_open
+    for i in range(128):
+        for n, s in enumerate(stores):
+            s.put(key(i), data(n, i))
+            least = min(least, free())
+out = {"at_open": at_open, "least_free": least, "budgets": [s.max_bytes for s in stores],
+       "errors": [s.stats.errors for s in stores], "held": [s.num_blocks for s in stores]}
+buf = np.zeros(BLOCK, np.uint8)
+out["readable"] = [[i for i in range(128) if s.get_into(key(i), buf)
+                    and buf.tobytes() == data(n, i).tobytes()] for n, s in enumerate(stores)]
+out["disk_full"] = sum(e["event"] == "storage.disk_full" for e in logs)
+print(json.dumps(out))
+"""
+
+
 def _child(tmp_path: Path, case: str) -> dict:
     return _on_small_fs(tmp_path, "512k", _CHILD, case)
 
@@ -280,6 +312,23 @@ def test_room_taken_between_two_looks_still_removes_the_namespaces_oldest(
     (ev,) = [e for e in out["disk_full"] if e["max_bytes_was"] == 1 << 30
              and e["num_evicted"] == 0]  # the writer's one lowering: nothing of its own
     assert "No space left on device" in ev["error"]
+
+
+def test_engines_opening_stores_on_one_disk_at_once_leave_a_quarter_free(
+        tmp_path: Path) -> None:
+    """Two engines' stores without a given budget open on one disk at once: each takes half
+    of its free space, the whole disk between them. Each put keeps a quarter of what was
+    free at open free on the disk, from the store's own oldest blocks: the disk never fills
+    (other programs on it keep working), no put fails, the newest blocks read back exact.
+    (Before: the disk filled to its last block, and stayed full.)"""
+    out = _on_small_fs(tmp_path, "4m", _ENGINES)
+    at_open, block = out["at_open"], (32 << 10) + 64
+    assert all(abs(b - at_open // 2) <= 4096 for b in out["budgets"]), out  # half each
+    assert out["least_free"] >= at_open // 4 - 2 * 4096, out  # (rounding to pages)
+    assert out["errors"] == [0, 0] and out["disk_full"] == 0, out
+    for held, readable in zip(out["held"], out["readable"]):
+        assert 0 < held and readable == list(range(128 - held, 128)), out
+    assert sum(out["held"]) * block <= at_open * 3 // 4
 
 
 def test_writers_sharing_a_full_disk_each_get_room_and_lose_nothing(tmp_path: Path) -> None:

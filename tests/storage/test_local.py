@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from zkv.errors import ConfigError, StorageError
 from zkv.storage import HEADER_SIZE, LocalDirStore, file_url, namespaces, open_store, pack_key
-from zkv.storage.local import check_root
+from zkv.storage.localfs import check_root
 
 BLOCK = 4096
 FILE = HEADER_SIZE + BLOCK
@@ -170,7 +170,7 @@ def test_a_store_indexed_later_on_a_full_disk_keeps_its_open_budget(
     from zkv.storage import local
 
     s = open_store(file_url(tmp_path), "ns")
-    monkeypatch.setattr(local, "_free_bytes", lambda path: 0)  # full just then
+    monkeypatch.setattr(local, "free_bytes", lambda path: 0)  # full just then
     for i in range(5):
         s.put(key(i, 0), data(i))
     assert s.num_blocks == 5 and s.max_bytes > 0  # type: ignore[attr-defined]

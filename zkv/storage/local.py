@@ -47,7 +47,11 @@ index built later still finds them recent.) Without free space at open (the budg
 rest on the files held alone) it indexes at open, as a rank's store does.
 
 A put reserves its bytes in the index before it writes (the temp file counts): the files a
-writer holds, finished or in progress, stay within its budget. An evicted file leaves the
+writer holds, finished or in progress, stay within its budget. A store without a given
+budget also keeps a quarter of the free space it found at open free on the file system
+(one ``statvfs`` a put): engines that open stores on one disk at once each take half of
+its free space, and filled it to the last block between them (``ENOSPC`` for everyone
+else on the disk) before this. An evicted file leaves the
 index first and is unlinked after, unless a put of the same key has renamed its new file
 into place since (that rename with its indexing, and the eviction's last check with its
 unlink, hold one lock): the new block stays. (Within one process: another process's
@@ -85,7 +89,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import threading
 import time
@@ -109,15 +112,23 @@ from zkv.storage.base import (
     payload_ok,
     store_call,
 )
+from zkv.storage.localfs import (
+    check_root,
+    free_bytes,
+    fsync_dir,
+    has_room,
+    make_private_dirs,
+    remove_if_stale,
+    unlink_quietly,
+    write_all,
+)
 
-_STALE_TMP_S = 600.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # A put on a full disk: the first try and up to 9 after making room. (5 were too few once
 # in CI: 2 cores, 3 processes of 4 threads on a 1 MiB disk, a put lost the room it made to
 # the others 5 times in a row; each making asks for one block more.)
 _PUT_TRIES = 10
 _PUT_WRITES = _PUT_TRIES * 4  # with the retries after another thread made room
-_ROOM_SLACK_BLOCKS = 2  # room asked for beyond the block: rounding to fs blocks, a folder
 _REGROW_S = 60.0  # a lowered budget is looked at again at most this often (on a put)
 
 
@@ -174,14 +185,18 @@ class LocalDirStore(Store):
         try:
             free = check_root(self.root)
             if self._open_namespace():  # others removed: their room is free now
-                free = _free_bytes(self.root)
+                free = free_bytes(self.root)
         except ConfigError as e:  # as a server down at start: puts fail, reads miss
             self._log.error(ev.STORE_UNREACHABLE, store=self.url, error=str(e))
-            free = _free_bytes(self.root)
+            free = free_bytes(self.root)
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self._share = free // writers
         self._writers = writers
+        # (no budget given) the free space a put leaves on the file system, at least: a
+        # quarter of what was free at open (other engines' stores on the disk, each with
+        # its half of the free space, filled it to the last block)
+        self._keep_free = free // 4 if max_bytes is None else 0
         self._max_bytes = max_bytes or 0  # 0: taken when indexing, (share + held) // 2
         if rank is None and (max_bytes is not None or self._share >= 2):
             self._sweep_stale_tmp()  # the index waits for its first use (module docstring)
@@ -288,7 +303,7 @@ class LocalDirStore(Store):
                 break
             except BaseException as e:
                 self._release(size)
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
                 if not isinstance(e, OSError):
                     raise
                 if made + 1 < _PUT_TRIES and e.errno in _NO_SPACE:
@@ -303,7 +318,7 @@ class LocalDirStore(Store):
             raise StorageError(f"put {self.name(key)}: no room after {_PUT_WRITES} tries")
         if self.fsync:  # the rename itself: the folder's entry
             try:
-                _fsync_dir(os.path.dirname(path))
+                fsync_dir(os.path.dirname(path))
             except OSError as e:  # (the block is there and indexed; its durability is not)
                 self._count(errors=1)
                 raise StorageError(f"put {self.name(key)}: {e}") from e
@@ -317,7 +332,7 @@ class LocalDirStore(Store):
                 self._made.clear()
             fd = self._create(tmp)
         try:
-            _write_all(fd, bufs)
+            write_all(fd, bufs)
             if self.fsync:
                 os.fsync(fd)
         finally:
@@ -347,7 +362,7 @@ class LocalDirStore(Store):
             quota = error.errno == errno.EDQUOT  # statvfs does not see quotas
             removed: list[tuple[str, int]] = []
             need = size * (made + 1) + self._pending
-            while not removed or not (quota or _has_room(self.root, need)):
+            while not removed or not (quota or has_room(self.root, need)):
                 with self._lock:
                     if not self._lru:
                         break
@@ -356,10 +371,10 @@ class LocalDirStore(Store):
                 if self._unlink_evicted(victim[0]):
                     removed.append(victim)
             others = 0
-            if not quota and not _has_room(self.root, need):
+            if not quota and not has_room(self.root, need):
                 others = self._remove_oldest_on_disk(need)
             if not removed and not others:  # room came meanwhile, or came and went again
-                if _has_room(self.root, need):
+                if has_room(self.root, need):
                     return False
                 # (another writer took the room seen above: the namespace's oldest files
                 # are still the way; None here failed 1 run in 150 of the writers test)
@@ -387,7 +402,7 @@ class LocalDirStore(Store):
             if not self._ceiling or time.monotonic() - self._looked_at < _REGROW_S:
                 return  # (another thread did, or the disk filled again meanwhile)
             try:
-                free = _free_bytes(self.root)
+                free = free_bytes(self.root)
             except OSError:  # (the root went: the put says why)
                 free = 0
             with self._lock:
@@ -410,9 +425,9 @@ class LocalDirStore(Store):
         found = sorted(self._scan(None))
         n = 0
         for _, path, _ in found:
-            if n and _has_room(self.root, size):
+            if n and has_room(self.root, size):
                 break
-            _unlink_quietly(path)
+            unlink_quietly(path)
             self._forget(path)
             n += 1
         return n
@@ -423,7 +438,7 @@ class LocalDirStore(Store):
             made = make_private_dirs(folder)
             if self.fsync:  # each new folder's entry in its parent
                 for d in made:
-                    _fsync_dir(os.path.dirname(d))
+                    fsync_dir(os.path.dirname(d))
             with self._lock:
                 self._made.add(folder)
         return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -503,13 +518,13 @@ class LocalDirStore(Store):
             except OSError:  # cannot tell: back in place (a bad one is refused again)
                 ours = False
             if ours:
-                _unlink_quietly(aside)
+                unlink_quietly(aside)
                 self._forget(path)
                 return
             try:
                 os.rename(aside, path)
             except OSError as e:
-                _unlink_quietly(aside)
+                unlink_quietly(aside)
                 raise StorageError(f"remove {self.name(key)}: {e}") from e
 
     # ---------------------------------------------------------------- index
@@ -521,6 +536,22 @@ class LocalDirStore(Store):
             self._pending += size
             victims = self._pop_lru_over(self._max_bytes - self._pending, keep=0)
         self._remove_files(victims)
+        if self._keep_free:
+            self._keep_disk_free(size)
+
+    def _keep_disk_free(self, size: int) -> None:
+        """(A store without a given budget, before a put of ``size`` bytes.) Remove least
+        recently used files until the file system keeps ``_keep_free`` bytes free after
+        the put, or none of this store's is left. One ``statvfs``."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return
+        short = self._keep_free + size - st.f_bavail * st.f_frsize
+        if short > 0:
+            with self._lock:
+                victims = self._pop_lru_over(self._total - short, keep=0)
+            self._remove_files(victims)
 
     def _release(self, size: int) -> None:
         with self._lock:
@@ -574,7 +605,7 @@ class LocalDirStore(Store):
             with self._lock:
                 if path in self._lru:
                     return False
-            _unlink_quietly(path)
+            unlink_quietly(path)
         return True
 
     def _touch(self, path: str, size: int) -> None:
@@ -605,7 +636,7 @@ class LocalDirStore(Store):
         try:
             for d in make_private_dirs(self._base):
                 if self.fsync:  # (its entry in its parent, as a put's folders)
-                    _fsync_dir(os.path.dirname(d))
+                    fsync_dir(os.path.dirname(d))
         except OSError:
             return False  # (its puts say why)
         self._mark(time.monotonic())
@@ -651,7 +682,7 @@ class LocalDirStore(Store):
             if self._indexed:
                 return
             found = sorted(self._scan(self._suffix, remove_stale_tmp=at_open))
-            share = self._share if at_open else _free_bytes(self.root) // self._writers
+            share = self._share if at_open else free_bytes(self.root) // self._writers
             lru = OrderedDict((p, s) for _, p, s in found)
             del found
             with self._lock:
@@ -687,7 +718,7 @@ class LocalDirStore(Store):
                         name = e.name
                         if name.endswith(".tmp"):
                             if remove_stale_tmp:
-                                _remove_if_stale(e, now)
+                                remove_if_stale(e, now)
                             continue
                         if not blocks or (suffix is not None and not name.endswith(suffix)):
                             continue
@@ -701,94 +732,3 @@ class LocalDirStore(Store):
 
     def __repr__(self) -> str:
         return f"LocalDirStore({self.root!r}, {self.namespace!r})"
-
-
-def _write_all(fd: int, bufs: list[Any]) -> None:
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _remove_if_stale(entry: os.DirEntry[str], now: float) -> None:
-    """Remove a temp file left more than ``_STALE_TMP_S`` ago (a writer died mid-put)."""
-    try:
-        if now - entry.stat().st_mtime > _STALE_TMP_S:
-            _unlink_quietly(entry.path)
-    except OSError:  # gone meanwhile
-        pass
-
-
-def _free_bytes(path: str) -> int:
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    return shutil.disk_usage(probe).free
-
-
-def make_private_dirs(path: str) -> list[str]:
-    """``os.makedirs(path, exist_ok=True)``, where every directory it makes is 0700
-    (``makedirs``' mode reaches the last one only): blocks hold KV, which tells what the
-    prompts were. Directories that exist keep their mode. ``FileExistsError`` when
-    something that is not a directory is in the way. The directories it made, top first."""
-    if os.path.isdir(path):
-        return []
-    made: list[str] = []
-    parent = os.path.dirname(path)
-    if parent and parent != path and not os.path.lexists(parent):
-        made = make_private_dirs(parent)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        if not os.path.isdir(path):
-            raise
-        return made
-    return [*made, path]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_root(root: str) -> int:
-    """Free bytes under ``root``, made if missing; :class:`ConfigError` (one line) when it
-    cannot be a directory this process writes blocks into."""
-    try:
-        make_private_dirs(root)
-    except FileExistsError:  # something that is not a directory
-        raise ConfigError(f"store directory {root}: exists and is not a directory") from None
-    except OSError as e:
-        raise ConfigError(f"store directory {root}: cannot create it ({e.strerror})") from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise ConfigError(f"store directory {root}: not writable by this process")
-    return shutil.disk_usage(root).free
-
-
-def _has_room(path: str, size: int) -> bool:
-    """Whether the file system under ``path`` has room for a file of ``size`` bytes (True
-    when it cannot tell: one file is removed per try then)."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return True
-    if st.f_files and st.f_favail < 1:
-        return False
-    return st.f_bavail * st.f_frsize >= size + _ROOM_SLACK_BLOCKS * st.f_frsize
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
