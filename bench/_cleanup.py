@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from zkv import stopsignals
+
 
 def exit_on_sigterm() -> None:
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    """SIGTERM exits (143) and SIGINT raises ``KeyboardInterrupt``, through the cleanup;
+    a bench calls ``stopsignals.check()`` after it spawns (zkv/stopsignals.py: a signal
+    during a fork was lost, and the bench ran on)."""
+    stopsignals.exit_on_stop_signals()
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from _cleanup import exit_on_sigterm  # noqa: E402
 
 from launch.zkvrun import pdeathsig_preexec  # noqa: E402
 from zkv import log as zlog  # noqa: E402
+from zkv import stopsignals  # noqa: E402
 from zkv.config import CacheLayout  # noqa: E402
 from zkv.integrations.vllm.config import parse_extra_config  # noqa: E402
 from zkv.integrations.vllm.scheduler import SchedulerHalf  # noqa: E402
@@ -91,6 +92,7 @@ def main() -> int:
     worker = subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env, cwd=ROOT,
                               preexec_fn=pdeathsig_preexec())
     try:
+        stopsignals.check()  # (a signal during the fork: its exception was dropped)
         cfg = parse_extra_config({"host_blocks": layout.num_host_blocks, "storage": "none"})
         half = SchedulerHalf(cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
                              join_timeout_s=60)

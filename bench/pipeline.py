@@ -49,6 +49,7 @@ from _cleanup import exit_on_sigterm  # noqa: E402
 from launch.zkvrun import pdeathsig_preexec  # noqa: E402
 from zkv import log as zlog  # noqa: E402
 from zkv import protocol as P  # noqa: E402
+from zkv import stopsignals  # noqa: E402
 from zkv.config import CacheLayout  # noqa: E402
 from zkv.scheduler.dispatcher import Dispatcher  # noqa: E402
 
@@ -149,6 +150,7 @@ def start_group(folder: str, world_size: int,
         env.setdefault("OMP_NUM_THREADS", "1")  # as zkvrun / torchrun set it
         procs.append(subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env,
                                       stdin=subprocess.DEVNULL, preexec_fn=pdeathsig_preexec()))
+        stopsignals.check()  # (a signal during the fork: its exception was dropped)
     try:
         d.wait_for_ranks(120)
     except BaseException:
@@ -220,6 +222,7 @@ class EchoGroup:
                                        preexec_fn=pdeathsig_preexec())
                       for _ in range(world_size)]
         try:
+            stopsignals.check()
             self._sync()
         except BaseException:
             self.close()
@@ -297,6 +300,7 @@ def interleaved(echoes: list[EchoGroup], d: Dispatcher, worker_pids: list[int], 
     cpu = [0.0] * len(runs)
     for r in range(rounds):
         for i in range(len(runs)):
+            stopsignals.check()
             k = (i + r) % len(runs)
             c0 = cpu_s(pids[k])
             out[k].append(runs[k]())

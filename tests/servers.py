@@ -37,6 +37,7 @@ from typing import IO, Any, NamedTuple
 
 from launch.zkvrun import pdeathsig_preexec
 from tests.waiting import holds_within
+from zkv import stopsignals
 
 HOST = "127.0.0.1"
 _START_TIMEOUT_S = 20.0
@@ -144,9 +145,11 @@ class _Server:
         self._logs.append(log)
         # It dies with the process that started it, however that dies: a test run or a
         # bench killed by a timeout's SIGTERM runs no cleanup.
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 env=env, start_new_session=True,
                                 preexec_fn=pdeathsig_preexec(signal.SIGKILL))
+        stopsignals.check()  # (a bench's SIGTERM during the fork: its exception was dropped)
+        return proc
 
     def log_text(self, name: str) -> str:
         with open(os.path.join(self.folder, f"{name}.log"), "rb") as f:

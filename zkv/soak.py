@@ -43,6 +43,7 @@ from typing import Any
 import zmq
 
 from zkv import protocol as P
+from zkv import stopsignals
 from zkv.argtypes import nonneg_int, positive_float, positive_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
@@ -203,6 +204,7 @@ class Soak:
                                                stdin=subprocess.DEVNULL,
                                                stdout=subprocess.DEVNULL,
                                                preexec_fn=preexec))
+            stopsignals.check()  # (a signal during the fork: its exception was dropped)
 
     def _new_scheduler(self) -> None:
         from zkv.replay import Replayer
@@ -267,7 +269,9 @@ class Soak:
         if self.dp is not None:
             self.dp.close(shutdown=False)
             self.dp = self.rp = None
-        self.ctx.term()
+        # (every socket of the context, with no linger: a signal could come while a
+        # Dispatcher was being made, its sockets open and no one's, and term() waited on them)
+        self.ctx.destroy(linger=0)
 
     def _rank_stats(self) -> tuple[int, int]:
         stats = [process_stats(p.pid) for p in self.procs]
@@ -292,6 +296,7 @@ class Soak:
 
         try:
             while not over():
+                stopsignals.check()
                 workload = list(chat_workload(60, self.layout.block_size, seed))
                 seed += 1
                 for i in range(0, len(workload), 2):
@@ -527,10 +532,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # so main's cleanup runs: ranks reaped, run dir removed
-
-
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0 / 1 (see the module docstring), 2 a bad flag, 130 interrupted (SIGINT),
     143 terminated (SIGTERM); interrupted or terminated, the report so far is printed and
@@ -539,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     from zkv import security
 
     args = _parse(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    stopsignals.exit_on_stop_signals()  # so the cleanup runs: ranks reaped, run dir removed
     base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
     security.clean_stale_runs(base)
     run_dir = security.make_run_dir(base, prefix="soak-")
@@ -555,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         soak._end_epoch(shutdown=True)
     except KeyboardInterrupt:
         stopped = 128 + signal.SIGINT
-    except SystemExit as e:  # _exit_on_sigterm
+    except SystemExit as e:  # SIGTERM (zkv/stopsignals.py)
         stopped = e.code if isinstance(e.code, int) else 1
     finally:
         if soak is not None:

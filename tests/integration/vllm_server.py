@@ -60,6 +60,7 @@ class VllmServer:
                  args: tuple[str, ...] = ()) -> None:
         from launch.zkvrun import pdeathsig_preexec
         from tests.servers import free_port
+        from zkv import stopsignals
 
         self.port = free_port()
         self.model = model
@@ -83,6 +84,7 @@ class VllmServer:
                                      preexec_fn=pdeathsig_preexec(signal.SIGTERM),
                                      env=dict(os.environ, PYTHONPATH=str(ROOT),
                                               HF_HUB_OFFLINE="1"))
+        stopsignals.check()  # (a bench's SIGTERM during the fork: its exception was dropped)
 
     def tail(self) -> str:
         return self.out_path.read_text(errors="replace")[-4000:]
