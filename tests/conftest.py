@@ -7,6 +7,7 @@ failure in CI says what the ranks saw."""
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -49,6 +50,15 @@ _SESSION.enter_context(vllm_sockets_here())
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     _SESSION.close()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, vllm: ~600k objects) is moved out of the garbage
+    collector's reach: a full collection scanned it all, 0.4-0.6 s during which this
+    process's threads stood still, rank heartbeats among them, and the rigs that judge a
+    rank lost after 0.3 s lost one (5 of 10 runs with one collection forced mid-test)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)
