@@ -4,6 +4,9 @@ opens (``zkv/storage/namespaces.py``): their files took the live store's room fo
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,9 +15,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from zkv.errors import ConfigError
-from zkv.storage import LocalDirStore, namespaces, open_store, pack_key
+from zkv.storage import HEADER_SIZE, LocalDirStore, namespaces, open_store, pack_key
 
 DAY = 86400.0
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4096
 
 
@@ -43,9 +47,12 @@ def test_namespaces_unused_for_keep_days_are_removed_at_open(tmp_path: Path) -> 
     (root / "photos" / "cat.jpg").write_bytes(b"x" * 100)
     os.utime(root / "photos", (0, 0))
     _fill(root, "live", 3, idle_days=30)  # its own: however old, never
+    free = shutil.disk_usage(root).free
     with capture_logs() as logs:
         s = LocalDirStore(root, "live", rank=0)
     assert sorted(os.listdir(root)) == ["live", "photos", "recent-model"]
+    # its budget, half the free space (held files too), counts the room the removal made
+    assert s.max_bytes >= (free + 20 * BLOCK + 3 * (BLOCK + HEADER_SIZE)) // 2 - (1 << 20)
     [line] = [e for e in logs if e["event"] == "storage.namespace_pruned"]
     assert line["pruned"] == "old-model" and line["keep_days"] == 7.0
     assert 7.9 < line["idle_days"] < 8.1 and line["log_level"] == "info"
@@ -88,10 +95,47 @@ def test_a_store_in_use_marks_its_namespace_again(tmp_path: Path,
 
 
 def test_a_removal_cut_short_is_finished_by_the_next_open(tmp_path: Path) -> None:
-    """A namespace renamed aside whose removal died midway (its mark still inside) goes at
-    the next open; a folder a store makes again under the old name is a new namespace."""
+    """A namespace renamed aside whose removal died midway (its mark is removed last, so
+    it is still inside) goes at the next open."""
     root = tmp_path / "l3"
     _fill(root, "old", 4, idle_days=30)
     os.rename(root / "old", root / ".old.123.pruned")
     LocalDirStore(root, "live", rank=0).close()
     assert sorted(os.listdir(root)) == ["live"]
+
+
+def test_a_namespace_a_store_holds_open_is_never_removed(tmp_path: Path) -> None:
+    """An engine that has had no L3 put or hit for longer than ``keep_days`` (its mark as
+    old), or an opener with a tiny ``keep_days``: the namespace stays while a store has it
+    open (a shared flock on its mark; before, it went from under the engine, whose index
+    still counted the files), in another process too; once closed, it goes."""
+    root = tmp_path / "l3"
+    idle = LocalDirStore(root, "idle", rank=0)
+    idle.put(_key(1), np.full(BLOCK, 1, np.uint8))
+    t = time.time() - 30 * DAY
+    os.utime(root / "idle" / namespaces.MARK, (t, t))
+    held = subprocess.Popen([sys.executable, "-c", _HOLD, str(root)], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert held.stdout is not None and held.stdout.readline() == "held\n"
+        os.utime(root / "other" / namespaces.MARK, (t, t))
+        open_store(f"file://{root}?keep_days=0.0001", "live").close()
+        assert sorted(os.listdir(root)) == ["idle", "live", "other"]
+        buf = np.zeros(BLOCK, np.uint8)
+        assert idle.get_into(_key(1), buf) and (buf == 1).all()
+    finally:
+        held.communicate("", timeout=30)  # it closes its store and exits
+    idle.close()
+    os.utime(root / "idle" / namespaces.MARK, (t, t))
+    open_store(f"file://{root}?keep_days=0.0001", "live").close()
+    assert sorted(os.listdir(root)) == ["live"]
+
+
+_HOLD = r"""
+import sys
+from zkv.storage import LocalDirStore
+s = LocalDirStore(sys.argv[1], "other", rank=0)
+print("held", flush=True)
+sys.stdin.read()
+s.close()
+"""

@@ -134,3 +134,9 @@ def test_a_quota_full_disk_makes_room_from_the_stores_own_files(
     assert s.exists([key(9)]) == [True]
     assert s.exists([key(0)]) == [False]  # the least recently used one made room
     assert s.max_bytes < 1 << 20
+    # a quota's budget does not grow back (statvfs cannot see the quota: it grew back into
+    # it a minute on, a disk_full warning and a regrown line every minute for good)
+    lowered = s.max_bytes
+    monkeypatch.setattr(local, "_REGROW_S", 0.0)
+    s.put(key(10), bytes(1000))
+    assert s.max_bytes == lowered

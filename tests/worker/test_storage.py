@@ -188,6 +188,8 @@ def test_a_hung_store_never_delays_the_next_batch(stack: ExitStack, folder: str,
     rig.completed += [b.seq for b in poll_for(rig.d, 1.0)]  # twice the heartbeat timeout
     assert rig.d.lost_ranks == frozenset() and rig.completed[-2:] == copies
     assert loading not in rig.completed and rig.d.in_flight == 1
+    wait_for(lambda: sum(e["event"] == "worker.io_stuck" for e in logs) >= 2,
+             "both ranks say the hung call")  # (each on its actor's 0.1 s clock)
     stuck = [e for e in logs if e["event"] == "worker.io_stuck"]
     assert sorted(e["rank"] for e in stuck) == [0, 1], stuck  # once a rank, not each check
     assert all((e["seq"], e["op_id"], e["kind"], e["blocks"], e["num_stuck"], e["num_queued"])

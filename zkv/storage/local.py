@@ -19,9 +19,10 @@ reads miss (an engine serves on; ``zkv replay`` refuses the flag first, with
 ``ConfigError``. A root deleted later is made again by the next put (folders are
 re-created).
 
-The namespaces under the root that no store used for ``keep_days`` (a model revision,
-dtype or TP size no engine serves now) are removed when a store opens, before it measures
-the free space (zkv/storage/namespaces.py).
+The namespaces under the root that no store has open and none used for ``keep_days`` (a
+model revision, dtype or TP size no engine serves now) are removed when a store opens,
+before it measures the free space (zkv/storage/namespaces.py); a store holds its own
+namespace (a shared ``flock`` on its mark) until :meth:`close`.
 
 Byte budget. The store keeps an LRU index ``path -> size`` of the files it knows: all
 files of its namespace at open (one scan, oldest mtime first; stale temp files removed),
@@ -173,6 +174,7 @@ class LocalDirStore(Store):
         # (see _remove_files). Order: _room_lock, then _files_lock, then _lock.
         self._files_lock = threading.Lock()
         self._room_lock = threading.Lock()  # one thread makes room on a full disk at a time
+        self._free_lock = threading.Lock()  # one thread keeps the disk's free share at a time
         self._room_gen = 0  # times room was made: a put that failed before retries at once
         self._ceiling = 0  # the budget before a full disk lowered it (0: not lowered)
         self._looked_at = 0.0  # (monotonic) when it was lowered, or last looked at again
@@ -182,10 +184,11 @@ class LocalDirStore(Store):
         self._indexed = False  # set once, by _ensure_index
         self.keep_s = keep_days * 86400.0
         self._marked_at = 0.0  # (monotonic) when this store last marked its namespace used
+        self._held: int | None = None  # the mark, share-locked while open (namespaces.py)
         try:
-            free = check_root(self.root)
-            if self._open_namespace():  # others removed: their room is free now
-                free = free_bytes(self.root)
+            check_root(self.root)
+            self._open_namespace()
+            free = free_bytes(self.root)  # (after: what this or another opener removed)
         except ConfigError as e:  # as a server down at start: puts fail, reads miss
             self._log.error(ev.STORE_UNREACHABLE, store=self.url, error=str(e))
             free = free_bytes(self.root)
@@ -384,8 +387,9 @@ class LocalDirStore(Store):
                 old = self._max_bytes
                 new = self._max_bytes = max(size, min(old, self._total + self._pending + size))
                 held = self._total
-                self._ceiling = self._ceiling or old
-                self._looked_at = time.monotonic()
+                if not quota:  # (statvfs cannot see a quota: it would grow back into it)
+                    self._ceiling = self._ceiling or old
+                    self._looked_at = time.monotonic()
             self._room_gen += 1
         if removed:
             self._count(evicted=len(removed))
@@ -543,15 +547,20 @@ class LocalDirStore(Store):
         """(A store without a given budget, before a put of ``size`` bytes.) Remove least
         recently used files until the file system keeps ``_keep_free`` bytes free after
         the put, or none of this store's is left. One ``statvfs``."""
+        if not self._free_lock.acquire(blocking=False):
+            return  # another thread is at it: what it removes counts for this put too
         try:
-            st = os.statvfs(self.root)
-        except OSError:
-            return
-        short = self._keep_free + size - st.f_bavail * st.f_frsize
-        if short > 0:
-            with self._lock:
-                victims = self._pop_lru_over(self._total - short, keep=0)
-            self._remove_files(victims)
+            try:
+                st = os.statvfs(self.root)
+            except OSError:
+                return
+            short = self._keep_free + size - st.f_bavail * st.f_frsize
+            if short > 0:
+                with self._lock:
+                    victims = self._pop_lru_over(self._total - short, keep=0)
+                self._remove_files(victims)
+        finally:
+            self._free_lock.release()
 
     def _release(self, size: int) -> None:
         with self._lock:
@@ -630,21 +639,27 @@ class LocalDirStore(Store):
         if now - self._marked_at >= namespaces.MARK_EVERY_S:
             self._mark(now)
 
-    def _open_namespace(self) -> bool:
-        """(At open.) Make this namespace's folder and mark it used; remove the namespaces
-        unused for ``keep_s`` (``zkv/storage/namespaces.py``); whether any was."""
+    def _open_namespace(self) -> None:
+        """(At open.) Make this namespace's folder, mark it used and hold it; remove the
+        namespaces no store holds, unused for ``keep_s`` (``zkv/storage/namespaces.py``)."""
         try:
             for d in make_private_dirs(self._base):
                 if self.fsync:  # (its entry in its parent, as a put's folders)
                     fsync_dir(os.path.dirname(d))
         except OSError:
-            return False  # (its puts say why)
+            return  # (its puts say why)
         self._mark(time.monotonic())
+        self._held = namespaces.hold(self._base)
         pruned = namespaces.prune(self.root, self.namespace, self.keep_s) if self.keep_s else []
         for name, days in pruned:
             self._log.info(ev.STORE_NAMESPACE_PRUNED, store=self.url, pruned=name,
                            idle_days=round(days, 1), keep_days=self.keep_s / 86400.0)
-        return bool(pruned)
+
+    def close(self) -> None:
+        super().close()
+        held, self._held = self._held, None
+        if held is not None:
+            os.close(held)  # (its lock with it)
 
     def _mark(self, now: float) -> None:
         self._marked_at = now

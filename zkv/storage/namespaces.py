@@ -6,20 +6,24 @@ of the free space it finds, so the dead namespaces' files took the room of the l
 after eight restarts under new namespaces a 16 MiB disk held 15 MiB of dead blocks and the
 live store none.
 
-A store marks its namespace as used: ``{root}/{namespace}/.zkv-namespace``, touched at
-open and then at most once every ``MARK_EVERY_S`` by a put or a hit. When a store opens,
-it removes each other namespace whose mark is older than its ``keep_days`` (the folder is
-renamed aside first, then removed: a store that opens it meanwhile makes a new one, as
-after any removed root). A folder without a mark is never touched: it may not be zkv's
-(a ``file://`` root the user shares with other data), or be from before marks::
+A store marks its namespace: ``{root}/{namespace}/.zkv-namespace``, touched at open and
+then at most once every ``MARK_EVERY_S`` by a put or a hit (the last use), and held with a
+shared ``flock`` while the store is open (in use, however idle). When a store opens, it
+removes each other namespace whose mark it can lock exclusively (no store has it open)
+and, so locked, is older than ``keep_days``: renamed aside, then removed, the mark last. A
+folder without a mark is never touched: it may not be zkv's (a ``file://`` root the user
+shares with other data), or be from before marks::
 
-    {root}/{ns}/.zkv-namespace   mtime: last use ─► older than keep_days ─► renamed to
-                                                   {root}/.{ns}.{pid}.pruned ─► removed
-    (a removal cut short leaves the renamed folder, its mark inside: the next open takes it)
+    {root}/{ns}/.zkv-namespace ─ LOCK_EX|LOCK_NB ─ taken, mtime older than keep_days ─►
+        rename to {root}/.{ns}.{pid}.pruned ─► remove its folders, then the mark, then it
+    (a store has it open: its LOCK_SH refuses; a removal cut short leaves the renamed folder
+    with its mark: the next open, or another opener meanwhile, finishes it)
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import time
@@ -48,32 +52,88 @@ def mark(base: str) -> bool:
         return False
 
 
+def hold(base: str) -> int | None:
+    """A descriptor of the namespace's mark with a shared lock on it: no opener removes the
+    namespace while it is open (close it with the store); None when it cannot be had."""
+    try:
+        fd = os.open(os.path.join(base, MARK), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def prune(root: str, own: str, keep_s: float) -> list[tuple[str, float]]:
-    """Remove the namespaces under ``root`` but ``own`` whose mark is older than ``keep_s``
-    seconds (and what an earlier removal left renamed aside); each one's name and the days
-    since its last use."""
-    now = time.time()
+    """Remove the namespaces under ``root`` but ``own`` that no store holds and whose mark
+    is older than ``keep_s`` seconds, and what an earlier removal left renamed aside; each
+    one this call renamed: its name and the days since its last use."""
+    pruned = []
+    for name, path in _folders(root, own):
+        if not _is_aside(name):
+            days = _rename_if_unused(root, name, path, keep_s)
+            if days is not None:
+                pruned.append((name, days))
+    for name, path in _folders(root, own):  # this call's, another opener's, a dead one's
+        if _is_aside(name):
+            _remove(path)
+    return pruned
+
+
+def _folders(root: str, own: str) -> list[tuple[str, str]]:
+    """(name, path) of the folders under ``root`` with a mark, but ``own``."""
     try:
         with os.scandir(root) as it:
-            entries = [e for e in it if e.is_dir(follow_symlinks=False) and e.name != own]
+            found = [(e.name, e.path) for e in it
+                     if e.name != own and e.is_dir(follow_symlinks=False)]
     except OSError:
         return []
-    pruned = []
-    for e in entries:
+    return [(n, p) for n, p in found if os.path.isfile(os.path.join(p, MARK))]
+
+
+def _is_aside(name: str) -> bool:
+    return name.startswith(".") and name.endswith(_ASIDE)  # (a namespace never starts so)
+
+
+def _rename_if_unused(root: str, name: str, path: str, keep_s: float) -> float | None:
+    """Rename the namespace aside if no store holds it and it is older than ``keep_s``
+    (both judged under its exclusive lock); the days since its last use, or None."""
+    try:
+        fd = os.open(os.path.join(path, MARK), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
         try:
-            used = os.stat(os.path.join(e.path, MARK)).st_mtime
-        except OSError:  # no mark: not a namespace this store may remove
-            continue
-        aside = e.name.startswith(".") and e.name.endswith(_ASIDE)
-        if not aside and now - used < keep_s:
-            continue
-        target = e.path
-        if not aside:
-            target = os.path.join(root, f".{e.name}.{os.getpid()}{_ASIDE}")
-            try:
-                os.rename(e.path, target)
-            except OSError:  # another store took it, or it cannot be moved: left as it is
-                continue
-            pruned.append((e.name, (now - used) / 86400))
-        shutil.rmtree(target, ignore_errors=True)
-    return pruned
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a store has it open
+            return None
+        idle_s = time.time() - os.fstat(fd).st_mtime
+        if idle_s < keep_s:
+            return None
+        try:
+            os.rename(path, os.path.join(root, f".{name}.{os.getpid()}{_ASIDE}"))
+        except OSError:  # another opener took it, or it cannot be moved: left as it is
+            return None
+        return idle_s / 86400.0
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    """Remove a folder renamed aside: its folders, then its mark (so a removal cut short
+    is still found), then itself."""
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        for e in list(it):
+            if e.name != MARK:
+                if e.is_dir(follow_symlinks=False):
+                    shutil.rmtree(e.path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(e.path)
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(path, MARK))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)

@@ -14,8 +14,9 @@
 ``writers``: how many processes write the same local directory (the ranks of a group);
 each gets ``max_bytes / writers`` of the budget, and ``rank`` names the writer: its store
 indexes and evicts only its own rank's files (see zkv/storage/local.py). ``keep_days``
-(7; 0: never): the other namespaces under a ``file://`` root unused that long are removed
-when a store opens (zkv/storage/namespaces.py). A bad URL
+(7; 0: this store removes none): the other namespaces under a ``file://`` root that no
+store has open and none used that long are removed when a store opens
+(zkv/storage/namespaces.py). A bad URL
 raises :class:`~zkv.errors.ConfigError` with one line saying what is wrong.
 """
 
