@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.servers import sigstop
 from tests.waiting import holds_within, idle_for
 from tests.worker.helpers import endpoints, short_ipc_dir, worker_env
 from zkv.config import CacheLayout
@@ -138,8 +139,14 @@ class Group:
     def freeze_worker(self) -> None:
         """SIGSTOP the worker, read what it sent before, and let the timeout pass with
         nothing polled: the next call that polls finds the rank lost."""
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        self.half.update_connector_output(())  # a poll: what was queued is read now
+        sigstop(self.proc.pid)  # (every thread stopped: none sends after this)
+        # polls until what it sent before is read: a heartbeat read after the last poll
+        # would be seen as new at the next call (3 in 600 freezes without this)
+        seen = -1
+        while seen != self.half.dp.num_received:
+            seen = self.half.dp.num_received
+            self.half.update_connector_output(())
+            idle_for(0.05)
         idle_for(1.5 * TIMEOUT_S)  # the frozen rank's silence itself
 
     def close(self) -> None:
