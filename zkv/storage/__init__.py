@@ -5,6 +5,8 @@
     zkv/storage/base.py             Store interface, key naming, the 64-byte block header and
                                     its checks, StoreStats counters, the reconnect breaker
     zkv/storage/local.py            file:///path          LocalDirStore (embedded default)
+    zkv/storage/localfs.py          its file-system calls (private folders, free space, room)
+    zkv/storage/namespaces.py       its dead namespaces (unused for keep_days), removed at open
     zkv/storage/redis_store.py      redis://HOST:PORT/DB  RedisStore    (pip install 'zkv[redis]')
                                     (rediss://... over TLS)
     zkv/storage/mooncake_store.py   mooncake://HOST:PORT  MooncakeStore
