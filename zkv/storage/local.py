@@ -89,6 +89,7 @@ file of the namespace to remove, the put fails with the system's error
 from __future__ import annotations
 
 import errno
+import math
 import os
 import stat
 import threading
@@ -183,7 +184,7 @@ class LocalDirStore(Store):
         self._pending = 0
         self._indexed = False  # set once, by _ensure_index
         self.keep_s = keep_days * 86400.0
-        self._marked_at = 0.0  # (monotonic) when this store last marked its namespace used
+        self._marked_at = -math.inf  # (monotonic) when it last marked its namespace used
         self._held: int | None = None  # the mark, share-locked while open (namespaces.py)
         try:
             check_root(self.root)
@@ -295,8 +296,7 @@ class LocalDirStore(Store):
         now = time.monotonic()
         if self._ceiling and now - self._looked_at >= _REGROW_S:
             self._regrow()
-        if now - self._marked_at >= namespaces.MARK_EVERY_S:
-            self._mark(now)
+        self._mark(now)
         for _ in range(_PUT_WRITES):
             gen = self._room_gen
             self._reserve(size)
@@ -635,9 +635,7 @@ class LocalDirStore(Store):
             os.utime(path)
         except OSError:
             pass
-        now = time.monotonic()
-        if now - self._marked_at >= namespaces.MARK_EVERY_S:
-            self._mark(now)
+        self._mark(time.monotonic())
 
     def _open_namespace(self) -> None:
         """(At open.) Make this namespace's folder, mark it used and hold it; remove the
@@ -662,8 +660,11 @@ class LocalDirStore(Store):
             os.close(held)  # (its lock with it)
 
     def _mark(self, now: float) -> None:
-        self._marked_at = now
-        namespaces.mark(self._base)
+        """Mark the namespace used, at most once every ``MARK_EVERY_S`` (a put, a hit);
+        the first call (at open) always."""
+        if now - self._marked_at >= namespaces.MARK_EVERY_S:
+            self._marked_at = now
+            namespaces.mark(self._base)
 
     def _forget(self, path: str) -> None:
         with self._lock:
