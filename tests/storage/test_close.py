@@ -171,20 +171,33 @@ def test_mooncake_keeps_its_client_when_a_reconnect_attempt_outlives_the_wait(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reconnect thread's attempt uses the native client too (it is no store call):
     a close while one hangs on a paused master keeps the client rather than closing it
-    under the attempt, and the attempt sets up no client after the close."""
+    under the attempt, and the attempt sets up no client after the close. The attempt is
+    held by the test until the close returned (left to the paused master, it ended by
+    Mooncake's process-wide 1 s RPC timeout, at times before the close: a CI failure)."""
     with MooncakeServer(str(tmp_path)) as mc:
         store = open_store(mc.url + "?timeout_s=1", f"t{uuid.uuid4().hex[:12]}")
         link = store.link
         assert link is not None
         monkeypatch.setattr(MooncakeStore, "close_wait_s", property(lambda self: 0.05))
+        gate, entered = threading.Event(), threading.Event()
+        inner = link._connect  # type: ignore[attr-defined]
+
+        def held_attempt() -> None:  # an attempt that hangs past the close's wait
+            entered.set()
+            assert gate.wait(10)
+            inner()
+
+        monkeypatch.setattr(link, "_connect", held_attempt)
         mc.pause_master()
         try:
             with pytest.raises(StorageError):
                 store.exists(keys(1, "paused"))
-            wait_until(lambda: link.attempting, timeout=10, what="a reconnect attempt running")
+            assert entered.wait(10), "no reconnect attempt started"
+            assert link.attempting
             with capture_logs() as logs:
                 store.close()
         finally:
+            gate.set()
             mc.resume_master()
         (line,) = [e for e in logs if e["event"] == "storage.close_timeout"]
         assert "reconnect attempt" in line["detail"], line
