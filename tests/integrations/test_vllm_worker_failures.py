@@ -60,6 +60,32 @@ def test_a_failed_load_ack_is_a_load_error_without_the_layer_hooks() -> None:
 
 
 
+def test_a_load_failing_every_step_is_three_error_lines_and_a_count_at_close() -> None:
+    """A copy path that fails every load (a broken device) fails one each step: 3 error
+    lines, then only counts, written at close (before: a line a step, for as long as the
+    cause lasted). Every failed load is still reported to vLLM."""
+    n = 7
+    with short_ipc_dir() as folder:
+        w, d = _half(folder, _FaultyLoads(TorchCpuBackend(), tuple(range(n))), gated=True)
+        try:
+            with capture_logs() as logs:
+                for step in range(n):
+                    seq = d.publish([P.Op(step, P.H2D, P.as_ids([0, 1]), P.as_ids([4, 5]),
+                                          layerwise=True)], 0)
+                    w.bind(ZkvMetadata(step=step, release_upto=seq, load_seq=seq,
+                                       load_op=step, loads=[4, 5]))
+                    assert not poll_until_done(d, seq, 10)[seq].ok
+                    assert w.load_errors() == {4, 5}
+                failed = [e for e in logs if e["event"] == "connector.load_failed"]
+                assert len(failed) == 3 and all(e["log_level"] == "error" for e in failed)
+                w.close()
+        finally:
+            w.close()
+            d.close()
+    (summary,) = [e for e in logs if e["event"] == "connector.load_failed" and e.get("summary")]
+    assert (summary["num_suppressed"], summary["num_total"]) == (n - 3, n), summary
+
+
 def test_a_load_bound_after_close_is_recomputed_without_an_error_line() -> None:
     """vLLM's teardown may ask a closed worker half for its load errors: every block is
     one (nothing will arrive), said at info with the reason, not as a failed load."""

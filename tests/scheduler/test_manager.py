@@ -11,6 +11,7 @@ import types
 from collections.abc import Sequence
 
 import pytest
+from structlog.testing import capture_logs
 
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op, OpResult
 from zkv.scheduler import commit, requests
@@ -1241,6 +1242,30 @@ def test_blocks_being_loaded_are_no_storage_hit_for_another_request() -> None:
 
 
 # ================================================================ events
+
+
+def test_failed_copy_ops_are_rate_limited_and_counted_at_the_flush() -> None:
+    """A copy path that fails every step (a broken device, a rank that lost its pool) fails
+    a d2h each step: 3 warning lines, then only counts, written by ``flush_logs`` (before:
+    one line per op, for as long as the cause lasted)."""
+    cm = make(2, 4)
+    cached(cm, "a", H(100, 200))  # the device full: each request below evicts the last one
+    with capture_logs() as logs:
+        for i in range(8):
+            table = run(cm, f"r{i}", H(10 * i + 1, 10 * i + 2))
+            assert table is not None
+            (op,) = take(cm)
+            assert op.kind == D2H
+            fail(cm, op)
+            finish(cm, f"r{i}")
+            for later in take(cm):
+                ack(cm, later)
+        lines = [e for e in logs if e["event"] == "scheduler.op_failed"]
+        assert len(lines) == 3 and all(e["log_level"] == "warning" for e in lines), lines
+        cm.flush_logs()
+    (summary,) = [e for e in logs if e["event"] == "scheduler.op_failed" and e.get("summary")]
+    assert (summary["num_suppressed"], summary["num_total"]) == (5, 8), summary
+    assert cm.stats.failed_ops == 8
 
 
 def test_step_summary_and_failed_op_events_follow_the_log_level() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from zkv import log as ev
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, OpResult
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import outcomes
@@ -33,8 +32,7 @@ from zkv.scheduler.tiers import (
     store_succeeded,
 )
 
-_log = ev.get_logger("scheduler")
-_IO_KINDS = frozenset((S2H, H2S))  # a store that is down fails them every step: rate-limited
+_IO_KINDS = frozenset((S2H, H2S))  # storage ops: their own rate limit (core.io_failed_log)
 
 
 def on_ops_done(core: Core, results: Iterable[OpResult], seq: int | None = None) -> list[int]:
@@ -59,10 +57,7 @@ def on_ops_done(core: Core, results: Iterable[OpResult], seq: int | None = None)
                       "error": r.error, "req_ids": req_ids[:16]}
             if seq is not None:
                 fields["seq"] = seq
-            if p.kind in _IO_KINDS:
-                core.io_failed_log(**fields)
-            else:
-                _log.warning(ev.OP_FAILED, **fields)
+            (core.io_failed_log if p.kind in _IO_KINDS else core.copy_failed_log)(**fields)
         _COMMIT[p.kind](core, p, done)
     return unknown
 

@@ -91,7 +91,9 @@ class Core:
     write failed since the last one that fully succeeded); ``negative``
     hashes storage failed to deliver, until they expire; ``clock`` one tick per match;
     ``io_failed_log`` the warning for failed s2h / h2s ops, rate-limited (a store that is
-    down fails them every step)."""
+    down fails them every step); ``copy_failed_log`` the same for failed d2h / h2d ops, on
+    its own limit (a broken copy path fails them every step; a store outage's lines do not
+    hide them)."""
 
     config: CacheConfig
     device: BlockPool
@@ -111,6 +113,8 @@ class Core:
     negative: NegativeCache = field(default_factory=NegativeCache)
     clock: int = 0
     io_failed_log: ev.RateLimited = field(default_factory=lambda: ev.repeating(
+        ev.get_logger("scheduler"), ev.OP_FAILED, level="warning"))
+    copy_failed_log: ev.RateLimited = field(default_factory=lambda: ev.repeating(
         ev.get_logger("scheduler"), ev.OP_FAILED, level="warning"))
 
     @property

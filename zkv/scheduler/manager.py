@@ -399,6 +399,7 @@ class CacheManager:
         """Write what the rate-limited warnings still hold back (how many failed s2h / h2s,
         and storage queries, were only counted). Call it when the manager's work ends."""
         self.core.io_failed_log.flush()
+        self.core.copy_failed_log.flush()
         flush = getattr(self.core.storage_exists, "flush_logs", None)
         if flush is not None:
             flush()

@@ -121,11 +121,12 @@ class SchedulerHalf:
         self.log = zlog.get_logger("connector", role="scheduler", engine_id=self.engine_id)
         # Repeating lines, rate-limited: a P/D producer that keeps no promise makes every
         # consumer request give up; clients send the transfer params; a pump's failure
-        # repeats every 2 ms while its cause lasts
-        self._await_expired_log, self._bad_params_log, self._pump_failed_log = (
-            zlog.repeating(self.log, e, level) for e, level in (
-                (E.AWAIT_EXPIRED, "warning"), (E.BAD_TRANSFER_PARAMS, "warning"),
-                (E.PUMP_FAILED, "error")))
+        # repeats every 2 ms while its cause lasts; a store outage fails every request's loads
+        self._repeating = tuple(zlog.repeating(self.log, e, level) for e, level in (
+            (E.AWAIT_EXPIRED, "warning"), (E.BAD_TRANSFER_PARAMS, "warning"),
+            (E.PUMP_FAILED, "error"), (E.LOAD_FAILED, "warning")))
+        (self._await_expired_log, self._bad_params_log, self._pump_failed_log,
+         self._load_failed_log) = self._repeating
         self.cm = CacheManager(
             CacheConfig(0, layout.num_host_blocks, layout.block_size, cfg.policy,
                         cfg.write_through_threshold,
@@ -680,7 +681,7 @@ class SchedulerHalf:
         if not self.disabled and self.dp.num_lost:
             self._disable(f"ranks {sorted(self.dp.lost_ranks)} lost")
         for rid, failed in self.cm.take_load_failures().items():
-            self.log.warning(E.LOAD_FAILED, req_id=rid, num_blocks=len(failed))
+            self._load_failed_log(req_id=rid, num_blocks=len(failed))
 
     def _disable(self, reason: str) -> None:
         """A lost rank ends zkv for this engine: vLLM goes on without it (misses only).
@@ -788,7 +789,7 @@ class SchedulerHalf:
         report(E.CLOSED, invariants="ok" if broken is None else "broken",
                num_steps=self._step, disabled=self.disabled, **left)
         self.cm.flush_logs()
-        for repeated in (self._await_expired_log, self._bad_params_log, self._pump_failed_log):
+        for repeated in self._repeating:
             repeated.flush()
         self.disabled = self.disabled or "closed"  # a late call of vLLM's: misses, no batch
         self.dp.close()

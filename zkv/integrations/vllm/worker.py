@@ -84,6 +84,10 @@ class WorkerHalf:
         # for its batch (an ungated one would not: it waits for its fence alone)
         self._overrun: int = -1
         self.wait_s = {"bind": 0.0, "layers": 0.0, "acks": 0.0}  # the forward blocked on zkv
+        # a broken copy path or a stuck rank fails every step while it lasts: rate-limited,
+        # what they held back written at close
+        self._load_failed_log = zlog.repeating(self.log, E.LOAD_FAILED)
+        self._batch_late_log = zlog.repeating(self.log, E.BATCH_LATE)
         self.num_steps = 0
 
     def start(self, names: list[str], views: list[tuple[Any, Any]], layout: CacheLayout, *,
@@ -129,8 +133,8 @@ class WorkerHalf:
                 # The forward goes on and writes blocks vLLM freed: a save of them that ran
                 # later would store its KV under the finished request's hashes.
                 quiet = self.sidecar.abandon_saves(before, self.cfg.layer_timeout_s)
-                self.log.error(E.BATCH_LATE, seq=before, timeout_s=self.cfg.layer_timeout_s,
-                               saves_abandoned=True, copy_still_running=not quiet)
+                self._batch_late_log(seq=before, timeout_s=self.cfg.layer_timeout_s,
+                                     saves_abandoned=True, copy_still_running=not quiet)
             self.wait_s["bind"] += time.perf_counter() - t0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -146,7 +150,7 @@ class WorkerHalf:
             self.wait_s["layers"] += time.perf_counter() - t0
         except TransferError as e:
             if not self._errors:
-                self.log.error(E.LOAD_FAILED, seq=meta.load_seq, layer=i, error=str(e))
+                self._load_failed_log(seq=meta.load_seq, layer=i, error=str(e))
             self._errors.update(meta.loads)
         except TimeoutError as e:
             # vLLM recomputes these blocks: a copy that landed later would overwrite them
@@ -155,8 +159,8 @@ class WorkerHalf:
                                               self.cfg.layer_timeout_s)
             if not quiet:  # it lands later, over what vLLM recomputes: the next bind waits
                 self._overrun = max(self._overrun, meta.load_seq)
-            self.log.error(E.LOAD_FAILED, seq=meta.load_seq, layer=i, error=str(e),
-                           abandoned=True, copy_still_running=not quiet)
+            self._load_failed_log(seq=meta.load_seq, layer=i, error=str(e), abandoned=True,
+                                  copy_still_running=not quiet)
             self._errors.update(meta.loads)
             self.wait_s["layers"] += time.perf_counter() - t0
 
@@ -181,11 +185,13 @@ class WorkerHalf:
         if res is None or not res.ok:
             done = 0 if res is None else res.done
             self._errors.update(meta.loads[done:])
-            self.log.error(E.LOAD_FAILED, seq=meta.load_seq, num_blocks=len(meta.loads) - done,
-                           error=None if res is None else res.error)
+            self._load_failed_log(seq=meta.load_seq, num_blocks=len(meta.loads) - done,
+                                  error=None if res is None else res.error)
         return self._errors
 
     def close(self) -> None:
+        self._load_failed_log.flush()
+        self._batch_late_log.flush()
         self.log.info(E.WORKER_STATS, num_steps=self.num_steps,
                       **{f"wait_{k}_ms": round(v * 1e3, 3) for k, v in self.wait_s.items()})
         if self.sidecar is not None:
