@@ -82,7 +82,8 @@ def _refused() -> dict[str, float]:
 def test_refused_messages_are_read_from_the_dispatcher_and_kept_once_it_closed() -> None:
     """What a dispatcher refused reaches ``zkv:refused_messages_total`` at scrape time: a
     layout refused at the hello, junk, an ack of an unknown seq; the counts stay after
-    ``close()`` (a run writes its metrics then) and go with the dispatcher."""
+    ``close()`` (a run writes its metrics then) and after the dispatcher is gone: a counter
+    never goes down (it did once the dispatcher was garbage-collected)."""
     import gc
 
     import zmq
@@ -122,9 +123,13 @@ def test_refused_messages_are_read_from_the_dispatcher_and_kept_once_it_closed()
                     r.close()
         got = {k: v - base[k] for k, v in _refused().items()}
         assert {k: v for k, v in got.items() if v} == want  # kept once closed
+        metrics.watch_refusals(d)  # watched again once closed: still counted once
+        got = {k: v - base[k] for k, v in _refused().items()}
+        assert {k: v for k, v in got.items() if v} == want
         d = None  # type: ignore[assignment]  # the last reference
         gc.collect()
-        assert _refused() == base  # a dispatcher that is gone no longer counts
+        got = {k: v - base[k] for k, v in _refused().items()}
+        assert {k: v for k, v in got.items() if v} == want  # and once it is gone
     ctx.term()
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,24 +78,38 @@ for _p in POOLS:
 
 class _Refusals:
     """``zkv:refused_messages_total``, read from the watched dispatchers at scrape time
-    (nothing on the hot path). A dispatcher that is gone is dropped (weak references).
-    Scrapes (the server's thread) and engines that start take turns on ``lock``: a source
-    added during a scrape is kept (it was lost when the scrape put back its own list)."""
+    (nothing on the hot path). A dispatcher that closed is read one last time and its
+    counts kept in ``retired``, so the counter never goes down (it went down once a
+    closed engine's dispatcher was garbage-collected: Prometheus read a reset, and
+    ``rate()`` a spurious increase). A watched dispatcher is held until it closes (then
+    dropped at the next scrape or watch). Scrapes (the server's thread) and engines that
+    start take turns on ``lock``: a source added during a scrape is kept."""
 
     def __init__(self) -> None:
-        self.sources: list[weakref.WeakMethod[Callable[[], dict[str, int]]]] = []
+        self.sources: list[Any] = []  # dispatchers, open (or closed since the last look)
+        self.retired = dict.fromkeys(REFUSAL_REASONS, 0)
+        self.folded: weakref.WeakSet[Any] = weakref.WeakSet()  # (watched again: no more)
         self.lock = threading.Lock()
 
+    def retire_closed(self) -> list[Any]:
+        """Fold the closed sources' counts into ``retired``; the open ones (under lock)."""
+        open_ = []
+        for d in self.sources:
+            if d.closed:
+                for reason, n in d.refusals().items():
+                    self.retired[reason] = self.retired.get(reason, 0) + n
+                self.folded.add(d)
+            else:
+                open_.append(d)
+        self.sources = open_
+        return list(open_)
+
     def collect(self) -> Iterator[CounterMetricFamily]:
-        totals = dict.fromkeys(REFUSAL_REASONS, 0)
         with self.lock:
-            self.sources = [ref for ref in self.sources if ref() is not None]
-            sources = list(self.sources)
-        for ref in sources:
-            counts = ref()
-            if counts is None:
-                continue
-            for reason, n in counts().items():
+            sources = self.retire_closed()
+            totals = dict(self.retired)
+        for d in sources:  # (one that closes meanwhile still reads its final counts)
+            for reason, n in d.refusals().items():
                 totals[reason] = totals.get(reason, 0) + n
         fam = CounterMetricFamily("zkv:refused_messages", "Messages the scheduler refused, by "
                                   "reason: malformed, forged (another rank's identity), "
@@ -121,14 +135,14 @@ def register_replay() -> None:
 
 
 def watch_refusals(dispatcher: Any) -> None:
-    """Export ``dispatcher.refusals()`` (added up over every dispatcher watched and still
-    alive) as ``zkv:refused_messages_total{reason}``; watching one again changes nothing."""
-    ref = weakref.WeakMethod(dispatcher.refusals)
-    with _REFUSALS.lock:  # (those gone dropped here too: a process may never be scraped)
-        live = [r for r in _REFUSALS.sources if r() is not None]
-        if ref not in live:  # (a vLLM scheduler half may be registered again)
-            live.append(ref)
-        _REFUSALS.sources = live
+    """Export ``dispatcher.refusals()`` (added up over every dispatcher watched, those
+    closed included) as ``zkv:refused_messages_total{reason}``; watching one again changes
+    nothing. The dispatcher is held until it closes."""
+    with _REFUSALS.lock:  # (those closed folded here too: a process may never be scraped)
+        _REFUSALS.retire_closed()
+        if dispatcher not in _REFUSALS.folded and not any(
+                d is dispatcher for d in _REFUSALS.sources):  # (a half registered again)
+            _REFUSALS.sources.append(dispatcher)  # (one closed already: folded at next look)
 
 
 def record_move(direction: str, num_blocks: int, num_bytes: int) -> None:
