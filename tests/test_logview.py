@@ -92,6 +92,31 @@ def test_pretty_format() -> None:
     assert format_record(bare) == f"{format_ts(2)}  INFO   ?              x.y"
 
 
+def test_a_date_line_comes_before_the_first_line_of_each_day(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Lines show the time only: a run that lasts weeks has a 03:12 every day. A date line
+    comes before the first line and at each change of day (local time), in a view and in
+    a follow; none in --json."""
+    t0 = time.mktime((2026, 11, 26, 23, 59, 0, 0, 0, -1))  # local 23:59 on the 26th
+    write(tmp_path / "a.jsonl", ev(t0, "a.late"), ev(t0 + 30, "a.later"),
+          ev(t0 + 120, "a.next_day"), ev(t0 + 86400 * 3 + 3600, "a.days_later"))
+    assert logview.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [x if x.startswith("-- ") else x.split("  ")[-1] for x in lines] == [
+        "-- 2026-11-26 Thu --", "a.late", "a.later", "-- 2026-11-27 Fri --", "a.next_day",
+        "-- 2026-11-30 Mon --", "a.days_later"]
+    assert logview.main([str(tmp_path), "--json"]) == 0
+    assert not [x for x in capsys.readouterr().out.splitlines() if x.startswith("--")]
+    with following(tmp_path, poll_s=0.01, as_json=False) as (out, _):
+        wait_until(lambda: out.getvalue().count("a.") == 4, 10)
+        write(tmp_path / "a.jsonl", ev(t0 + 86400 * 3 + 3660, "a.same_day"),
+              ev(t0 + 86400 * 4 + 3600, "a.another_day"))
+        wait_until(lambda: "a.another_day" in out.getvalue(), 10)
+    days = [x for x in out.getvalue().splitlines() if x.startswith("-- ")]
+    assert days == ["-- 2026-11-26 Thu --", "-- 2026-11-27 Fri --", "-- 2026-11-30 Mon --",
+                    "-- 2026-12-01 Tue --"]
+
+
 def test_malformed_lines_are_shown_and_never_crash(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     write(tmp_path / "a.jsonl", ev(1.0, "a.one"), b"garbage {\n", b"[1, 2]\n",
@@ -100,6 +125,8 @@ def test_malformed_lines_are_shown_and_never_crash(tmp_path: Path,
     write(tmp_path / "c.jsonl", b'{"ts": 1e300, "event": "c.far", "level": "info"}\n')
     assert logview.main([str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == logview.format_day(1.0)  # (1970: the day line before the first)
+    lines = lines[1:]
     assert [x.split("  ")[-1] for x in lines] == [
         "a.one", "garbage {", "[1, 2]", '{"ts": "soon", "event": "x"}', "\ufffd\ufffd",
         "b.one", '{"ts": 2.5, "ev', "a.two", "c.far"]
@@ -197,11 +224,12 @@ class Lines(io.StringIO):
 
 
 @contextlib.contextmanager
-def following(path: Path, poll_s: float = 0.02) -> Iterator[tuple[Lines, Lines]]:
+def following(path: Path, poll_s: float = 0.02,
+              as_json: bool = True) -> Iterator[tuple[Lines, Lines]]:
     """``logview.follow(path)`` on a thread; yields its (stdout, stderr); stops and joins it."""
     out, err, stop = Lines(), Lines(), threading.Event()
-    t = threading.Thread(target=logview.follow, args=(str(path), None, out, True, poll_s, stop,
-                                                      err))
+    t = threading.Thread(target=logview.follow, args=(str(path), None, out, as_json, poll_s,
+                                                      stop, err))
     t.start()
     try:
         yield out, err
@@ -255,6 +283,8 @@ def test_follow_cli_stops_on_ctrl_c(tmp_path: Path) -> None:
             write(tmp_path / "w-0.jsonl", ev(time.time(), "worker.started", component="worker",
                                              rank=0))
             assert sel.select(timeout=15), "no output from zkv logs -f"
+            day = p.stdout.readline().decode()  # type: ignore[union-attr]
+            assert day.startswith("-- ") and day.rstrip().endswith(" --"), day
             line = p.stdout.readline().decode()  # type: ignore[union-attr]
             assert "worker[0]" in line and "worker.started" in line
             p.send_signal(signal.SIGINT)

@@ -258,8 +258,20 @@ def format_record(rec: Record) -> str:
     return line
 
 
+def format_day(ts: float) -> str | None:
+    """The local date line printed before the first line of each day (lines show only
+    the time: a run that lasts weeks has many 03:12); None for a stamp no clock shows."""
+    try:
+        return f"-- {time.strftime('%Y-%m-%d %a', time.localtime(ts))} --"
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
 def _emit(records: Iterable[Record], filters: Filters, out: TextIO, as_json: bool,
-          err: TextIO) -> int:
+          err: TextIO, shown: dict[str, str] | None = None) -> int:
+    """Print the records that match; ``shown["day"]``: the last date line printed (kept
+    by the caller across calls: a follow prints one when the day changes)."""
+    shown = {} if shown is None else shown
     n = 0
     for rec in records:
         if not filters.match(rec):
@@ -269,6 +281,11 @@ def _emit(records: Iterable[Record], filters: Filters, out: TextIO, as_json: boo
                   file=err)
             n += 1  # (shown, on stderr: it matched)
             continue
+        if not as_json and not rec.malformed:
+            day = format_day(rec.ts)
+            if day is not None and day != shown.get("day"):
+                print(day, file=out)
+                shown["day"] = day
         print(rec.raw if as_json else format_record(rec), file=out)
         n += 1
     return n
@@ -303,6 +320,7 @@ def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
     stop = stop or threading.Event()
     poll_s = min(max(poll_s, 0.01), 5.0)
     tails: dict[str, Tail] = {}
+    shown: dict[str, str] = {}
     n = 0
     told = False
     try:
@@ -320,7 +338,7 @@ def follow(path: str, filters: Filters | None = None, out: TextIO | None = None,
                       flush=True)
                 told = True
             n += _emit(merge([tails[p] for p in sorted(tails)], final=False), filters, out,
-                       as_json, sys.stderr)
+                       as_json, sys.stderr, shown)
             out.flush()
             if stop.wait(poll_s):
                 return n
