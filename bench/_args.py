@@ -57,6 +57,19 @@ def store_url(s: str) -> str:
     return s
 
 
+def store_url_of(*schemes: str) -> Callable[[str], str]:
+    """:func:`store_url` of one of ``schemes`` (a flag that names its kind of store)."""
+    def check(s: str) -> str:
+        scheme, _ = parse_url(store_url(s))
+        if scheme not in schemes:
+            raise argparse.ArgumentTypeError(
+                f"expected a {' or '.join(f'{x}://' for x in schemes)} URL, got a {scheme}:// "
+                "one")
+        return s
+
+    return check
+
+
 def existing_file(s: str) -> str:
     if not os.path.isfile(s):
         raise argparse.ArgumentTypeError(f"no such file: {s}")

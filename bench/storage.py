@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _args import directory, dtype, positive_int, store_url  # noqa: E402
+from _args import directory, dtype, positive_int, store_url_of  # noqa: E402
 from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
 
 from zkv.config import CacheLayout  # noqa: E402
@@ -61,8 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", type=directory,
                    default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None,
                    help="where the plain file and file:// live (default /dev/shm)")
-    p.add_argument("--redis", type=store_url, default=None, help="an existing redis:// URL")
-    p.add_argument("--mooncake", type=store_url, default=None, help="an existing mooncake:// URL")
+    p.add_argument("--redis", type=store_url_of("redis", "rediss"), default=None,
+                   help="an existing redis:// URL")
+    p.add_argument("--mooncake", type=store_url_of("mooncake"), default=None,
+                   help="an existing mooncake:// URL")
     return p.parse_args(argv)
 
 
@@ -164,10 +166,16 @@ def main(argv: list[str] | None = None) -> int:
             "file://": open_store(file_url(os.path.join(folder, "l3")), ns),
             "redis://": open_store(redis_url, ns),
             "mooncake://": open_store(mc_url, ns),
-            "mooncake, split header": open_store(mc_url + "?header=split", ns + "s"),
+            "mooncake, split header": open_store(
+                mc_url + ("&" if "?" in mc_url else "?") + "header=split", ns + "s"),
         }
         for s in stores.values():
             stack.callback(s.close)
+        down = [s.url for s in stores.values() if s.link is not None and not s.link.up]
+        if down:  # (a given server that is not there: every put failed, an AssertionError)
+            print(f"bench/storage.py: error: {', '.join(dict.fromkeys(down))} unreachable "
+                  "(see the storage.store_unreachable line above)", file=sys.stderr)
+            return 1
         mc = stores["mooncake://"]
         assert isinstance(mc, MooncakeStore)
         for arr in (src, dst):  # zero copy where the backend can (RDMA needs it; TCP not)

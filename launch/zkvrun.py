@@ -15,7 +15,8 @@ Every child runs in its own session (process group), so a signal to a child's gr
 reaches the whole tree under it; on Linux each also gets ``PR_SET_PDEATHSIG=SIGKILL``
 so a SIGKILLed zkvrun leaves no orphans. Exit codes: 0 (scheduler exited 0, or every
 rank exited 0 on a node without one), the scheduler's code, 1 (a rank failed with no
-restarts left), 2 (usage / refused configuration), 128+signum (SIGINT / SIGTERM / SIGHUP).
+restarts left), 2 (usage / refused configuration, a ``-m zkv.worker`` rank's included),
+128+signum (SIGINT / SIGTERM / SIGHUP).
 A child's exit is reported as ``code N``; for ranks that run ``-m zkv.worker`` with what N
 means there (``code 4 (refused by the scheduler)``, ``zkv.exit_codes``).
 
@@ -304,7 +305,8 @@ class _Group:
         self.teardown(signal.SIGTERM)
         if child.role == SCHEDULER:
             return code if code > 0 else 1
-        return 1
+        # a zkv.worker rank's bad configuration is the run's: 2, as zkvrun's own
+        return EXIT_CONFIG if self.final and code == EXIT_CONFIG else 1
 
     def _forward(self, signum: int) -> int:
         name = signal.Signals(signum).name

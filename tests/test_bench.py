@@ -27,6 +27,11 @@ BAD_FLAGS = [
     ("storage.py", ["--batch", "0"], "argument --batch: must be > 0, got 0"),
     ("storage.py", ["--dtype", "float13"], "argument --dtype: unsupported dtype 'float13'"),
     ("storage.py", ["--redis", "localhost:6379"], "argument --redis: bad store URL"),
+    # was: its own servers started, then a ConfigError traceback for the other scheme
+    ("storage.py", ["--mooncake", "redis://127.0.0.1:6390/0"],
+     "argument --mooncake: expected a mooncake:// URL, got a redis:// one"),
+    ("storage.py", ["--redis", "mooncake://127.0.0.1:50051"],
+     "argument --redis: expected a redis:// or rediss:// URL, got a mooncake:// one"),
     ("storage.py", ["--dir", "/nonexistent"], "argument --dir: no such directory"),
     ("store_query.py", ["--reps", "0"], "argument --reps: must be > 0, got 0"),
     ("store_eviction.py", ["--requests", "0"], "argument --requests: must be > 0, got 0"),
@@ -126,6 +131,21 @@ def test_small_bench_runs_pass_their_checks(script: str, args: list[str],
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for pattern in lines:
         assert re.search(pattern, r.stdout, re.MULTILINE), (pattern, r.stdout)
+
+
+def test_the_storage_bench_against_a_server_that_is_not_there_is_one_line() -> None:
+    """A given redis:// that nothing listens on: one ``error:`` line naming it, status 1
+    (was: an AssertionError traceback from the first put)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+        r = _bench("storage.py", "--redis", url, "--blocks", "8", "--reps", "1", timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"bench/storage.py: error: {url} unreachable (see the storage.store_unreachable line "
+        "above)"), r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])

@@ -135,7 +135,19 @@ class CacheLayout:
         return cls.from_json(text)
 
 
-#: Pools may take at most this share of the memory available when they are sized.
+#: The copy backends a rank takes (``ZKV_BACKEND``): ``auto`` is cupy when CUDA works.
+CPU_BACKENDS = ("cpu", "torch", "torch-cpu")
+BACKEND_NAMES = ("auto", "cupy", *CPU_BACKENDS)
+
+
+def check_backend_name(name: str) -> None:
+    """ConfigError unless ``name`` is a copy backend's (checked without torch: a launcher
+    refuses a typo before it starts any rank)."""
+    if name not in BACKEND_NAMES:
+        raise ConfigError(f"unknown copy backend {name!r}; one of "
+                          f"{', '.join(map(repr, BACKEND_NAMES))}")
+
+
 def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """The scheduler's endpoints as zkvrun sets them (``ZKV_PUB_ENDPOINT``,
     ``ZKV_PULL_ENDPOINT``): the scheduler binds them, every rank connects to them."""
@@ -147,6 +159,7 @@ def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str]:
                           "every rank)") from None
 
 
+#: Pools may take at most this share of the memory available when they are sized.
 POOL_MEMORY_SHARE = 0.8
 
 

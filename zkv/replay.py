@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from zkv import metrics as M
 from zkv.argtypes import nonneg_float, nonneg_int, port, positive_int
-from zkv.config import CacheLayout, pools_fit, pools_shortfall
+from zkv.config import CacheLayout, check_backend_name, pools_fit, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_level, check_log_dir
 from zkv.protocol import CHECK, FILL, H2S, MAX_OPS, S2H, Op, OpResult, as_ids
@@ -540,10 +540,13 @@ def _warn_store_failures(s: Summary, store: Any) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line (``zkv replay: error: ...``), exit status 2."""
+    """Usage errors as one line (``zkv replay: error: ...``), exit status 2; a URL's
+    password in it written ``***@`` (an abbreviated ``--stor URL`` is echoed back)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message}\n")
+        from zkv.security import redact_credentials
+
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {redact_credentials(message)}\n")
 
 
 #: Requests a step: a step's batch carries an s2h op per request (and one op per other kind),
@@ -575,9 +578,10 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workload", choices=("chat", "trace"), default="chat",
                    help="chat: multi-turn conversations sharing a system prompt; trace: the "
                         "Mooncake trace's block ids (default: %(default)s)")
-    g.add_argument("--trace", default=os.path.normpath(DEFAULT_TRACE),
-                   help="Mooncake trace JSONL (default: %(default)s)")
-    g.add_argument("--requests", type=nonneg_int, default=300,
+    g.add_argument("--trace", default=None,
+                   help="Mooncake trace JSONL, with --workload trace (default: "
+                        f"{os.path.normpath(DEFAULT_TRACE)})")
+    g.add_argument("--requests", type=positive_int, default=300,
                    help="requests to replay (default: %(default)s)")
     g.add_argument("--batch", type=_batch, default=2,
                    help="requests per scheduling step (default: %(default)s)")
@@ -658,6 +662,13 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
     if args.log_dir:
         check_log_dir(args.log_dir)
     check_level()  # ZKV_LOG_LEVEL, which every process of the run reads
+    try:  # the ranks' (a typo was each rank's exit 2 after the group started)
+        check_backend_name(os.environ.get("ZKV_BACKEND", "cpu"))
+    except ConfigError as e:
+        raise ConfigError(f"ZKV_BACKEND: {e}") from None
+    if args.trace_given and args.workload != "trace":  # (it replayed chat, status 0)
+        raise ConfigError(f"--trace is read by --workload trace only (the workload is "
+                          f"{args.workload}): add --workload trace")
     if args.workload == "trace":
         if not os.path.exists(args.trace):
             raise ConfigError(f"trace not found: {args.trace}")
@@ -665,7 +676,7 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
             raise ConfigError(f"--trace {args.trace} is not a regular file (a directory, a "
                               "pipe or a device): give a JSONL file")
         n = sum(1 for _ in trace_workload(args.trace, args.requests))  # a bad line: one line
-        if n == 0 and args.requests > 0:
+        if n == 0:
             raise ConfigError(f"--trace {args.trace} holds no request")
     layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype,
                          args.device_blocks, args.host_blocks, world_size=args.ranks)
@@ -746,6 +757,9 @@ def _storage_url(args: argparse.Namespace, layout: CacheLayout, tmp: str) -> str
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.trace_given = args.trace is not None
+    if args.trace is None:
+        args.trace = os.path.normpath(DEFAULT_TRACE)
     if args.node:
         return node_main(args)
     from launch.zkvrun import LaunchConfig, run

@@ -37,6 +37,10 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--requests", "100000000"], "--requests 100000000 needs about 762.9 GiB for the chat "
                                   "workload"),
     (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "trace not found"),
+    # was: an empty replay, status 0; and chat replayed, the trace ignored, status 0
+    (["--requests", "0"], "argument --requests: must be > 0, got 0"),
+    (["--trace", "{tmp}/not-json.jsonl"], "--trace is read by --workload trace only (the "
+                                          "workload is chat): add --workload trace"),
     (["--metrics-port", "70000"], "argument --metrics-port: must be in [0, 65535], got 70000"),
     # the chat workload's seed (numpy's generator): was a traceback from the scheduler
     (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
@@ -135,13 +139,21 @@ def test_dropped_requests_are_a_result_not_restarted(tmp_path: Path) -> None:
     assert "restarting the group" not in r.stderr
 
 
-def test_a_log_level_typo_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("var,value,message", [
+    ("ZKV_LOG_LEVEL", "verbose", "ZKV_LOG_LEVEL must be one of debug, info, warning, error, "
+                                 "critical, got 'verbose'"),
+    # the ranks' backend: a typo was each rank's exit 2 after the group started, then
+    # zkvrun's teardown (and the scheduler's "stopped (SIGTERM)"), status 1
+    ("ZKV_BACKEND", "bogus", "ZKV_BACKEND: unknown copy backend 'bogus'; one of 'auto', "
+                             "'cupy', 'cpu', 'torch', 'torch-cpu'"),
+])
+def test_an_environment_typo_is_one_line_and_starts_nothing(tmp_path: Path, var: str,
+                                                             value: str, message: str) -> None:
     r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--log-dir",
                         str(tmp_path / "logs")], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "ZKV_LOG_LEVEL": "verbose"})
+                       env={**os.environ, var: value})
     assert r.returncode == 2 and r.stdout == "" and not (tmp_path / "logs").exists()
-    assert r.stderr == ("zkv replay: error: ZKV_LOG_LEVEL must be one of debug, info, "
-                        "warning, error, critical, got 'verbose'\n")
+    assert r.stderr == f"zkv replay: error: {message}\n"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
@@ -250,11 +262,12 @@ def test_progress_is_a_bar_on_a_terminal_and_nothing_when_piped(tmp_path: Path) 
 
 def test_an_abbreviated_flag_is_refused_and_starts_nothing(tmp_path: Path) -> None:
     """Was: ``--stora URL`` was taken for --storage and, unlike --storage, passed on to the
-    scheduler node's command line, its password with it (``ps``)."""
+    scheduler node's command line, its password with it (``ps``). The refusal echoes the
+    arguments: the password is written ``***@`` (it was shown)."""
     r = _run(tmp_path, "--stora", "redis://:sekrit@127.0.0.1:6399/0", timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [
-        "zkv replay: error: unrecognized arguments: --stora redis://:sekrit@127.0.0.1:6399/0"]
+        "zkv replay: error: unrecognized arguments: --stora redis://***@127.0.0.1:6399/0"]
     assert r.stdout == "" and not (tmp_path / "logs").exists()  # nothing was launched
 
 

@@ -590,12 +590,13 @@ sys.exit({code})
 def test_a_zkv_worker_rank_with_a_bad_configuration_is_not_restarted(tmp_path: Path) -> None:
     """A ``-m zkv.worker`` rank's 2 (bad configuration) comes back on every rerun: was,
     ``ZKV_BACKEND=bogus`` with --max-restarts 3 ran four times. (Another program's 2 or 4
-    is its own: test_restarts_run_out restarts it.)"""
+    is its own: test_restarts_run_out restarts it.) zkvrun exits 2, a bad configuration's
+    status (it was 1, as for a rank that failed)."""
     layout = CacheLayout(2, 2, 16, 32, "float16", 8, 8)
     logs = tmp_path / "logs"
     r = run_zkvrun(tmp_path, "--max-restarts", "3", "--log-dir", str(logs),
                    "--config", layout.to_json(), "-m", "zkv.worker", ZKV_BACKEND="bogus")
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr
     (started,) = [e for e in events(logs) if e["event"] == zlog.RANK_STARTED]
     assert r.stderr.splitlines()[-1] == (
         f"zkvrun: rank 0 (pid {started['child_pid']}) exited with code 2 (bad configuration): "

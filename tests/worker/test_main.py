@@ -6,17 +6,31 @@ was exit 1 with the error's repr)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.waiting import wait_exited
+from tests.waiting import wait_exited, wait_until
 from zkv.config import CacheLayout
 
 ROOT = str(Path(__file__).resolve().parents[2])
 LAYOUT = CacheLayout(2, 2, 16, 32, "float16", 16, 16, world_size=2)
+
+
+def rank_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """Rank 1's environment as zkvrun sets it (insecure ipc endpoints in a private folder,
+    the CPU backend), ``extra`` over it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKV_", "RANK"))}
+    env.update(ZKV_CONFIG=LAYOUT.to_json(), RANK="1", ZKV_INSECURE="1", ZKV_BACKEND="cpu",
+               ZKV_PUB_ENDPOINT=f"ipc://{run_dir}/pub", ZKV_PULL_ENDPOINT=f"ipc://{run_dir}/pull",
+               ZKV_LOG_DIR=str(tmp_path / "logs"), PYTHONPATH=ROOT)
+    env.update(extra)
+    return env
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -43,13 +57,7 @@ LAYOUT = CacheLayout(2, 2, 16, 32, "float16", 16, 16, world_size=2)
 ])
 def test_a_configuration_it_cannot_serve_is_one_line(tmp_path: Path, extra: dict[str, str],
                                                      message: str) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir(mode=0o700)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKV_", "RANK"))}
-    env.update(ZKV_CONFIG=LAYOUT.to_json(), RANK="1", ZKV_INSECURE="1", ZKV_BACKEND="cpu",
-               ZKV_PUB_ENDPOINT=f"ipc://{run_dir}/pub", ZKV_PULL_ENDPOINT=f"ipc://{run_dir}/pull",
-               ZKV_LOG_DIR=str(tmp_path / "logs"), PYTHONPATH=ROOT)
-    env.update(extra)
+    env = rank_env(tmp_path, **extra)
     r = subprocess.run([sys.executable, "-m", "zkv.worker"], env=env, capture_output=True,
                        text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == 2, r.stderr
@@ -127,14 +135,8 @@ def test_scheduler_timeout_from_env(value: str | None, want: float | None) -> No
 def test_a_rank_that_reaches_no_scheduler_stops_after_the_timeout(tmp_path: Path) -> None:
     """Nothing binds the endpoints (a node 0 that never came up): exit 5 and one line,
     after ZKV_SCHEDULER_TIMEOUT_S, not a wait forever."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir(mode=0o700)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKV_", "RANK"))}
-    pub = f"ipc://{run_dir}/pub"
-    env.update(ZKV_CONFIG=LAYOUT.to_json(), RANK="1", ZKV_INSECURE="1", ZKV_BACKEND="cpu",
-               ZKV_PUB_ENDPOINT=pub, ZKV_PULL_ENDPOINT=f"ipc://{run_dir}/pull",
-               ZKV_LOG_DIR=str(tmp_path / "logs"), ZKV_SCHEDULER_TIMEOUT_S="0.5",
-               PYTHONPATH=ROOT)
+    env = rank_env(tmp_path, ZKV_SCHEDULER_TIMEOUT_S="0.5")
+    pub = env["ZKV_PUB_ENDPOINT"]
     r = subprocess.run([sys.executable, "-m", "zkv.worker"], env=env, capture_output=True,
                        text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == 5, r.stderr
@@ -142,3 +144,31 @@ def test_a_rank_that_reaches_no_scheduler_stops_after_the_timeout(tmp_path: Path
     assert len(lines) == 1 and lines[0].startswith(
         "zkv.worker: rank 1: no scheduler reached for "), r.stderr
     assert lines[0].endswith(f"s (scheduler timeout 0.5 s) at {pub}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_while_torch_imports_is_a_quiet_exit(tmp_path: Path, sig: int) -> None:
+    """A Ctrl-C in a run's first seconds reaches every rank of the terminal's process group
+    while torch still imports: exit 0 and nothing on stderr (before: a KeyboardInterrupt
+    traceback from deep in torch's import per rank, status 1). Sent once torch's library
+    is mapped (its import is under way, and takes a second more here)."""
+    env = rank_env(tmp_path)
+    with subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env, text=True,
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as p:
+        try:
+            def torch_mapped() -> bool:
+                try:
+                    with open(f"/proc/{p.pid}/maps") as f:
+                        return "libtorch" in f.read()
+                except OSError:
+                    return False
+
+            wait_until(torch_mapped, timeout=60, what="torch's library mapped")
+            p.send_signal(sig)
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert (p.returncode, out, err) == (0, "", ""), (p.returncode, err[-2000:])

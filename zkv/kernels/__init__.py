@@ -21,6 +21,7 @@ Importing this package never imports cupy or touches a GPU.
 
 from __future__ import annotations
 
+from zkv.config import CPU_BACKENDS, check_backend_name
 from zkv.errors import ConfigError
 from zkv.kernels.base import DONE, CopyBackend, EventHandle
 from zkv.kernels.cpu import TorchCpuBackend
@@ -30,8 +31,6 @@ __all__ = [
     "DONE", "CopyBackend", "EventHandle", "KVSpec", "TorchCpuBackend", "cuda_available",
     "describe_kv_caches", "get_backend",
 ]
-
-_CPU_NAMES = ("cpu", "torch", "torch-cpu")
 
 
 def cuda_available() -> bool:
@@ -52,7 +51,8 @@ def get_backend(name: str = "auto", *, device: int | None = None) -> CopyBackend
     """``"auto"`` (cupy if :func:`cuda_available`, else cpu), ``"cupy"`` or ``"cpu"``."""
     if name == "auto":
         name = "cupy" if cuda_available() else "cpu"
-    if name in _CPU_NAMES:
+    check_backend_name(name)
+    if name in CPU_BACKENDS:
         return TorchCpuBackend()
     if name == "cupy":
         if not cuda_available():
@@ -62,6 +62,4 @@ def get_backend(name: str = "auto", *, device: int | None = None) -> CopyBackend
         from zkv.kernels.cupy_backend import CupyBackend
 
         return CupyBackend(device=device)
-    raise ConfigError(
-        f"unknown copy backend {name!r}; one of 'auto', 'cupy', {', '.join(map(repr, _CPU_NAMES))}"
-    )
+    raise AssertionError(name)  # (every name is checked above)

@@ -33,9 +33,22 @@ import os
 #: pid would be init's or a subreaper's already, and the worker would wait forever.)
 _PARENT_PID = os.getppid()
 
+import signal  # noqa: E402
+
+
+def _stop_while_starting(_signum: int, _frame: object) -> None:
+    """SIGINT / SIGTERM before the actor runs (a Ctrl-C in the first seconds reaches every
+    rank of the terminal's process group while torch imports): exit 0 through the
+    ``finally`` blocks, quietly (a ``KeyboardInterrupt`` traceback from deep in torch's
+    import per rank, 25-79 lines, buried zkv's one line)."""
+    raise SystemExit(0)
+
+
+for _sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_sig, _stop_while_starting)
+
 import faulthandler  # noqa: E402
 import math  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
