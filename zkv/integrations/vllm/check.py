@@ -1,0 +1,93 @@
+"""``zkv check-vllm-config JSON``: the connector's configuration checked in a second, before
+a ``vllm serve`` that takes a minute or more to load its model.
+
+vLLM builds the connector only after it loaded the model and sized its KV cache, so a typo
+in ``kv_connector_extra_config`` stopped the engine 100 s after its start, in ~380 lines of
+tracebacks from every process, the ``zkv: ...`` line four times among them. This takes the
+same JSON as ``--kv-transfer-config`` (or the extra config alone) and runs the connector's
+own checks (:func:`~zkv.integrations.vllm.config.parse_extra_config`): one line and status
+2 for a bad value, else one line of what the engine will use, status 0. It imports neither
+vLLM nor torch, and opens no store (a ``file://`` store would make its folder).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from zkv.config import pools_fit
+from zkv.errors import ConfigError
+from zkv.integrations.vllm.config import ZkvVllmConfig, parse_extra_config
+from zkv.security import redact_credentials
+
+PROG = "zkv check-vllm-config"
+CONNECTOR = "ZkvConnector"
+MODULE_PATH = "zkv.integrations.vllm_connector"
+DEFAULT_HOST_BYTES = 2 << 30  # ZkvVllmConfig's when neither host_blocks nor host_bytes
+
+
+def extra_config_of(text: str) -> Mapping[str, Any]:
+    """The ``kv_connector_extra_config`` in ``text``: vLLM's ``--kv-transfer-config`` JSON
+    naming zkv's connector, or the extra config itself; ConfigError otherwise."""
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise ConfigError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"expected a JSON object, got {type(obj).__name__}")
+    if "kv_connector" not in obj:
+        return obj  # the extra config alone
+    if obj["kv_connector"] != CONNECTOR:
+        raise ConfigError(f"kv_connector is {obj['kv_connector']!r}, not {CONNECTOR!r}")
+    if obj.get("kv_connector_module_path") != MODULE_PATH:
+        raise ConfigError(f"kv_connector_module_path must be {MODULE_PATH!r} (vLLM finds "
+                          f"{CONNECTOR} there), got {obj.get('kv_connector_module_path')!r}")
+    extra = obj.get("kv_connector_extra_config", {})
+    if not isinstance(extra, dict):
+        raise ConfigError("zkv: kv_connector_extra_config must be a JSON object of zkv keys, "
+                          f"got {type(extra).__name__}")
+    return extra
+
+
+def describe(cfg: ZkvVllmConfig) -> str:
+    """What the engine will use, in one line (a store's password written ``***@``)."""
+    if cfg.host_blocks is not None:
+        pool = f"{cfg.host_blocks} host blocks per rank"
+    else:
+        pool = f"{(cfg.host_bytes or DEFAULT_HOST_BYTES) / 2**30:g} GiB host pool per rank"
+    store = "none" if cfg.storage is None else redact_credentials(cfg.storage)
+    return (f"{pool}, storage {store} (writes {'on' if cfg.storage_write else 'off'}), "
+            f"policy {cfg.policy}, prefetch {cfg.prefetch}, log_level {cfg.log_level}"
+            + ("" if cfg.metrics_port is None else f", metrics on port {cfg.metrics_port}"))
+
+
+def check(text: str) -> str:
+    """The line :func:`main` prints for ``text``, or ConfigError naming what is wrong."""
+    cfg = parse_extra_config(extra_config_of(text))
+    if cfg.host_blocks is None:  # (blocks need the model's geometry: checked at start)
+        need = cfg.host_bytes or DEFAULT_HOST_BYTES
+        fits, free = pools_fit(need)
+        if not fits and free is not None:
+            raise ConfigError(f"zkv: a host pool of {need / 2**30:g} GiB per rank is more "
+                              f"than 80% of the {free / 2**30:.1f} GiB available; lower "
+                              "host_bytes")
+    return describe(cfg)
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        out = sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr
+        print(f"usage: {PROG} JSON   (vLLM's --kv-transfer-config, or its "
+              "kv_connector_extra_config alone)\n\n" + (__doc__ or "").split("\n\n")[1],
+              file=out)
+        return 0 if out is sys.stdout else 2
+    try:
+        line = check(argv[0])
+    except ConfigError as e:
+        print(f"{PROG}: error: {redact_credentials(str(e))}", file=sys.stderr)
+        return 2
+    print(f"{PROG}: ok: {line}")
+    return 0
