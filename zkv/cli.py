@@ -6,7 +6,6 @@
     zkv replay ARGS ...      # everything after "replay" goes to zkv.replay.main unparsed
     zkv keys DIR --world-size N   # CURVE keys: the scheduler's and one pair per rank
     zkv soak ARGS ...        # replay with faults injected at random (zkv soak -h)
-    zkv check-vllm-config JSON   # the vLLM connector's config checked before a slow start
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
     logview.add_arguments(logs)
     sub.add_parser("replay", add_help=False, help="replay a trace through zkvrun (zkv replay -h)")
     sub.add_parser("soak", add_help=False, help="replay with faults injected (zkv soak -h)")
-    sub.add_parser("check-vllm-config", add_help=False,
-                   help="check vLLM's --kv-transfer-config for zkv before starting vLLM")
     keys = sub.add_parser("keys", help="create CURVE keys for a group (zkvrun --keys DIR)",
                           description="Write the scheduler's key pair and one key pair per "
                                       "rank into a new 0700 directory DIR. The scheduler node "
@@ -77,10 +74,6 @@ def main(argv: list[str] | None = None) -> int:
         from zkv.soak import main as soak_main
 
         return int(soak_main(argv[1:]) or 0)
-    if argv[:1] == ["check-vllm-config"]:  # (its JSON may start with "-": not argparse)
-        from zkv.integrations.vllm.check import main as check_main
-
-        return check_main(argv[1:])
     ns = build_parser().parse_args(argv)
     if ns.command == "logs":
         return logview.run_args(ns)

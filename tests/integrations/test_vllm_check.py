@@ -1,4 +1,5 @@
-"""``zkv check-vllm-config``: vLLM's ``--kv-transfer-config`` checked in a second with the
+"""``zkv-check-vllm-config`` (the console script; here ``python -m`` its module): vLLM's
+``--kv-transfer-config`` checked in a second with the
 connector's own rules, before an engine start that fails only after the model loaded
 (~100 s here, in ~380 lines of tracebacks)."""
 
@@ -14,11 +15,11 @@ import orjson
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROG = "zkv check-vllm-config"
+PROG = "zkv-check-vllm-config"
 
 
 def _check(arg: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "zkv.cli", "check-vllm-config", arg],
+    return subprocess.run([sys.executable, "-m", "zkv.integrations.vllm.check", arg],
                           capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env={**os.environ, **env})
 
@@ -37,6 +38,13 @@ def test_the_readmes_config_is_ok_and_says_what_the_engine_will_use() -> None:
     assert r.stdout == (f"{PROG}: ok: 8 GiB host pool per rank, storage file:///var/cache/zkv "
                         "(writes on), policy write_through, prefetch timeout, log_level "
                         "warning\n")
+
+
+def test_the_class_s_own_module_path_is_taken_too() -> None:
+    r = _check('{"kv_connector": "ZkvConnector", "kv_connector_module_path": '
+               '"zkv.integrations.vllm.connector", "kv_connector_extra_config": '
+               '{"storage": "none"}}')
+    assert r.returncode == 0 and r.stdout.startswith(f"{PROG}: ok: "), r.stderr
 
 
 def test_the_extra_config_alone_and_the_environment_default() -> None:
@@ -73,7 +81,15 @@ def test_a_bad_config_is_one_line_and_status_2(config: object, message: str) -> 
     assert message in lines[0] and "hunter2" not in lines[0], lines[0]
 
 
+def test_the_console_script_is_installed() -> None:
+    """``pip install -e .`` (install.sh) puts it beside the interpreter, as ``zkv``."""
+    script = Path(sys.executable).parent / "zkv-check-vllm-config"
+    r = subprocess.run([str(script), '{"storage": "none"}'], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith(f"{PROG}: ok: "), r.stderr
+
+
 def test_usage() -> None:
-    r = subprocess.run([sys.executable, "-m", "zkv.cli", "check-vllm-config"],
+    r = subprocess.run([sys.executable, "-m", "zkv.integrations.vllm.check"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.startswith(f"usage: {PROG} JSON"), r.stderr

@@ -12,5 +12,5 @@
     metrics.py     prometheus_client counters in the zkv: namespace
     events.py      the connector's event names (connector.*)
     connector.py   ZkvConnector, the KVConnectorBase_V1 that vLLM loads
-    check.py       ``zkv check-vllm-config``: the config checked before vLLM starts
+    check.py       ``zkv-check-vllm-config``: the config checked before vLLM starts
 """

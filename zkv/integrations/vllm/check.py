@@ -1,5 +1,7 @@
-"""``zkv check-vllm-config JSON``: the connector's configuration checked in a second, before
-a ``vllm serve`` that takes a minute or more to load its model.
+"""``zkv-check-vllm-config JSON`` (or ``python -m zkv.integrations.vllm.check JSON``): the
+connector's configuration checked in a second, before a ``vllm serve`` that takes a minute
+or more to load its model. (A console script of its own, not a ``zkv`` subcommand: nothing
+in zkv outside ``integrations/`` imports an engine's integration.)
 
 vLLM builds the connector only after it loaded the model and sized its KV cache, so a typo
 in ``kv_connector_extra_config`` stopped the engine 100 s after its start, in ~380 lines of
@@ -23,9 +25,10 @@ from zkv.errors import ConfigError
 from zkv.integrations.vllm.config import ZkvVllmConfig, parse_extra_config
 from zkv.security import redact_credentials
 
-PROG = "zkv check-vllm-config"
+PROG = "zkv-check-vllm-config"
 CONNECTOR = "ZkvConnector"
-MODULE_PATH = "zkv.integrations.vllm_connector"
+MODULE_PATH = "zkv.integrations.vllm_connector"  # the documented one (a re-export of ...)
+MODULE_PATHS = (MODULE_PATH, "zkv.integrations.vllm.connector")  # (... the class's own)
 DEFAULT_HOST_BYTES = 2 << 30  # ZkvVllmConfig's when neither host_blocks nor host_bytes
 
 
@@ -42,7 +45,7 @@ def extra_config_of(text: str) -> Mapping[str, Any]:
         return obj  # the extra config alone
     if obj["kv_connector"] != CONNECTOR:
         raise ConfigError(f"kv_connector is {obj['kv_connector']!r}, not {CONNECTOR!r}")
-    if obj.get("kv_connector_module_path") != MODULE_PATH:
+    if obj.get("kv_connector_module_path") not in MODULE_PATHS:
         raise ConfigError(f"kv_connector_module_path must be {MODULE_PATH!r} (vLLM finds "
                           f"{CONNECTOR} there), got {obj.get('kv_connector_module_path')!r}")
     extra = obj.get("kv_connector_extra_config", {})
@@ -91,3 +94,12 @@ def main(argv: Sequence[str]) -> int:
         return 2
     print(f"{PROG}: ok: {line}")
     return 0
+
+
+def cli() -> int:
+    """The console script's entry point."""
+    return main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
