@@ -159,13 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         print(f"zkv.worker: rank {rank}: cannot allocate the cache: {e!r}", file=sys.stderr)
         return EXIT_FATAL
+    store = None
     try:
         store = store_from_env(layout, rank)
         actor = WorkerActor(rank, layout, kv_caches, host_pool, backend, pub_endpoint=pub,
                             pull_endpoint=pull, store=store, heartbeat_interval_s=heartbeat_s,
                             keys=keys, insecure=insecure,
                             scheduler_timeout_s=scheduler_timeout_s)
-    except ConfigError as e:
+    except BaseException as e:  # (a stop signal's SystemExit too: the store is closed)
+        if store is not None:
+            store.close()
+        if not isinstance(e, ConfigError):
+            raise
         print(f"zkv.worker: rank {rank}: {e}", file=sys.stderr)
         return EXIT_CONFIG
     for sig in (signal.SIGTERM, signal.SIGINT):
