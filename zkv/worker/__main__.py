@@ -35,6 +35,8 @@ _PARENT_PID = os.getppid()
 
 import signal  # noqa: E402
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 def _stop_while_starting(_signum: int, _frame: object) -> None:
     """SIGINT / SIGTERM before the actor runs (a Ctrl-C in the first seconds reaches every
@@ -44,8 +46,9 @@ def _stop_while_starting(_signum: int, _frame: object) -> None:
     raise SystemExit(0)
 
 
-for _sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(_sig, _stop_while_starting)
+if __name__ == "__main__":  # (run as the rank, not imported: the importer's signals stay)
+    for _sig in STOP_SIGNALS:
+        signal.signal(_sig, _stop_while_starting)
 
 import faulthandler  # noqa: E402
 import math  # noqa: E402
@@ -159,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         print(f"zkv.worker: rank {rank}: cannot allocate the cache: {e!r}", file=sys.stderr)
         return EXIT_FATAL
+    # Stop signals are held from the store's open until the actor's handlers are in, then
+    # stop the actor, which closes the store (a SystemExit inside the open left a half-open
+    # store unclosed). Recorded by the handler, not blocked: a thread that does not block
+    # them takes the signal, and Python runs the handler in the main thread all the same.
+    held: list[int] = []
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: held.append(signum))
     store = None
     try:
         store = store_from_env(layout, rank)
@@ -166,15 +176,17 @@ def main(argv: list[str] | None = None) -> int:
                             pull_endpoint=pull, store=store, heartbeat_interval_s=heartbeat_s,
                             keys=keys, insecure=insecure,
                             scheduler_timeout_s=scheduler_timeout_s)
-    except BaseException as e:  # (a stop signal's SystemExit too: the store is closed)
+    except BaseException as e:
         if store is not None:
             store.close()
         if not isinstance(e, ConfigError):
             raise
         print(f"zkv.worker: rank {rank}: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, _frame: actor.stop(signal.Signals(signum).name.lower()))
+    if held:  # (one that came after the line above went to the actor itself)
+        actor.stop(signal.Signals(held[0]).name.lower())
     stopped = threading.Event()
     watcher = threading.Thread(target=_watch_parent, args=(actor, stopped), daemon=True)
     watcher.start()
