@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -66,6 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mooncake", type=store_url_of("mooncake"), default=None,
                    help="an existing mooncake:// URL")
     return p.parse_args(argv)
+
+
+def with_param(url: str, name: str, value: str) -> str:
+    """``url`` with its query parameter ``name`` set to ``value`` (replaced if given)."""
+    parts = urllib.parse.urlsplit(url)
+    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+             if k != name] + [(name, value)]
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
 
 
 def plain_file(folder: str, src: np.ndarray, dst: np.ndarray) -> tuple[float, float]:
@@ -166,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             "file://": open_store(file_url(os.path.join(folder, "l3")), ns),
             "redis://": open_store(redis_url, ns),
             "mooncake://": open_store(mc_url, ns),
-            "mooncake, split header": open_store(
-                mc_url + ("&" if "?" in mc_url else "?") + "header=split", ns + "s"),
+            "mooncake, split header": open_store(with_param(mc_url, "header", "split"),
+                                                 ns + "s"),
         }
         for s in stores.values():
             stack.callback(s.close)

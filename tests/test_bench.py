@@ -148,6 +148,27 @@ def test_the_storage_bench_against_a_server_that_is_not_there_is_one_line() -> N
         "above)"), r.stderr[-3000:]
 
 
+def test_the_storage_bench_sets_the_split_header_over_a_given_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--mooncake URL?header=inline``: its split-header row replaces the parameter (it
+    appended a second one: ``header is given twice``, a traceback after the servers)."""
+    import importlib.util
+
+    from zkv.storage.url import parse_url
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # (its helpers, as when run)
+    spec = importlib.util.spec_from_file_location("bench_storage", ROOT / "bench" / "storage.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    url = bench.with_param("mooncake://127.0.0.1:50051?header=inline&timeout_s=3", "header",
+                           "split")
+    assert parse_url(url)[1] == {"host": "127.0.0.1", "port": 50051, "timeout_s": 3.0,
+                                 "header": "split"}
+    assert bench.with_param("mooncake://127.0.0.1:50051", "header", "split") == (
+        "mooncake://127.0.0.1:50051?header=split")
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_a_killed_pipeline_bench_leaves_no_process(tmp_path: Path, sig: str) -> None:
     """A bench stopped by a timeout's SIGTERM exits through its cleanup (echo groups and

@@ -232,6 +232,7 @@ class Soak:
                     pass
             undone = [o for ops, _ in rp.outstanding.values() for o in ops] + rp.carry
             cm.on_ops_done([P.OpResult(o.id, False, 0, "scheduler stopped") for o in undone])
+            cm.flush_logs()  # what the rate-limited op_failed lines held back, counted
             rp.outstanding.clear()
             rp.carry = []
             self.report.leaked += leaked_blocks(cm)

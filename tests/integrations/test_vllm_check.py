@@ -1,7 +1,7 @@
 """``zkv-check-vllm-config`` (the console script; here ``python -m`` its module): vLLM's
-``--kv-transfer-config`` checked in a second with the
-connector's own rules, before an engine start that fails only after the model loaded
-(~100 s here, in ~380 lines of tracebacks)."""
+``--kv-transfer-config`` checked with the connector's own rules and vLLM's own
+``KVTransferConfig`` (seconds), before an engine start that fails only after the model
+loaded (~100 s here, in ~380 lines of tracebacks)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def test_the_readmes_config_is_ok_and_says_what_the_engine_will_use() -> None:
 
 def test_the_class_s_own_module_path_is_taken_too() -> None:
     r = _check('{"kv_connector": "ZkvConnector", "kv_connector_module_path": '
-               '"zkv.integrations.vllm.connector", "kv_connector_extra_config": '
-               '{"storage": "none"}}')
+               '"zkv.integrations.vllm.connector", "kv_role": "kv_both", '
+               '"kv_connector_extra_config": {"storage": "none"}}')
     assert r.returncode == 0 and r.stdout.startswith(f"{PROG}: ok: "), r.stderr
 
 
@@ -68,8 +68,20 @@ def test_the_extra_config_alone_and_the_environment_default() -> None:
     ({"kv_connector": "ZkvConnector"}, "kv_connector_module_path must be "
                                        "'zkv.integrations.vllm_connector'"),
     ({"kv_connector": "ZkvConnector", "kv_connector_module_path":
-      "zkv.integrations.vllm_connector", "kv_connector_extra_config": [1]},
-     "kv_connector_extra_config must be a JSON object"),
+      "zkv.integrations.vllm_connector", "kv_role": "kv_both",
+      "kv_connector_extra_config": [1]},
+     "kv_connector_extra_config: Input should be a valid dictionary"),
+    # vLLM's own KVTransferConfig: a misspelled key made the defaults "what the engine
+    # will use", and a config without kv_role was ok
+    ({"kv_connector": "ZkvConnector", "kv_connector_module_path":
+      "zkv.integrations.vllm_connector", "kv_role": "kv_both",
+      "kv_connector_extra_cofig": {"host_bytes": "8GiB"}},
+     "vLLM refuses the --kv-transfer-config: kv_connector_extra_cofig: Unexpected keyword"),
+    ({"kv_connector": "ZkvConnector", "kv_connector_module_path":
+      "zkv.integrations.vllm_connector"},
+     "vLLM refuses the --kv-transfer-config: Value error, Please specify kv_role"),
+    ({"storage": "mooncake://127.0.0.1:50051?header=junk"}, "header must be one of auto, "
+                                                           "inline, split, got 'junk'"),
     ([1, 2], "expected a JSON object, got list"),
     ("{'host_bytes': 1}", "not JSON: "),
 ])

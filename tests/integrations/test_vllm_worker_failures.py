@@ -63,10 +63,12 @@ def test_a_failed_load_ack_is_a_load_error_without_the_layer_hooks() -> None:
 def test_a_load_failing_every_step_is_three_error_lines_and_a_count_at_close() -> None:
     """A copy path that fails every load (a broken device) fails one each step: 3 error
     lines, then only counts, written at close (before: a line a step, for as long as the
-    cause lasted). Every failed load is still reported to vLLM."""
+    cause lasted). Every failed load is still reported to vLLM, and another cause's first
+    line (a layer that timed out) is not held back by the first cause's limit."""
     n = 7
     with short_ipc_dir() as folder:
-        w, d = _half(folder, _FaultyLoads(TorchCpuBackend(), tuple(range(n))), gated=True)
+        w, d = _half(folder, _FaultyLoads(TorchCpuBackend(), tuple(range(n))), gated=True,
+                     layer_timeout_s=0.3)
         try:
             with capture_logs() as logs:
                 for step in range(n):
@@ -78,6 +80,18 @@ def test_a_load_failing_every_step_is_three_error_lines_and_a_count_at_close() -
                     assert w.load_errors() == {4, 5}
                 failed = [e for e in logs if e["event"] == "connector.load_failed"]
                 assert len(failed) == 3 and all(e["log_level"] == "error" for e in failed)
+                # then a load released too late: its layer times out, a cause of its own
+                seq = d.publish([P.Op(n, P.H2D, P.as_ids([0]), P.as_ids([6]),
+                                      layerwise=True)], 0)
+                w.bind(ZkvMetadata(step=n, release_upto=-1, load_seq=seq, load_op=n,
+                                   loads=[6]))
+                w.wait_for_layer_load("l0")
+                w.sidecar.release(seq)
+                poll_until_done(d, seq, 10)
+                assert w.load_errors() == {6}
+                late = [e for e in logs if e["event"] == "connector.load_failed"
+                        and e.get("abandoned")]
+                assert len(late) == 1, late
                 w.close()
         finally:
             w.close()

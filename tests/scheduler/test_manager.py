@@ -1247,7 +1247,8 @@ def test_blocks_being_loaded_are_no_storage_hit_for_another_request() -> None:
 def test_failed_copy_ops_are_rate_limited_and_counted_at_the_flush() -> None:
     """A copy path that fails every step (a broken device, a rank that lost its pool) fails
     a d2h each step: 3 warning lines, then only counts, written by ``flush_logs`` (before:
-    one line per op, for as long as the cause lasted)."""
+    one line per op, for as long as the cause lasted). Each op kind has its own limit: an
+    h2d's first failure is said."""
     cm = make(2, 4)
     cached(cm, "a", H(100, 200))  # the device full: each request below evicts the last one
     with capture_logs() as logs:
@@ -1262,10 +1263,21 @@ def test_failed_copy_ops_are_rate_limited_and_counted_at_the_flush() -> None:
                 ack(cm, later)
         lines = [e for e in logs if e["event"] == "scheduler.op_failed"]
         assert len(lines) == 3 and all(e["log_level"] == "warning" for e in lines), lines
+        # another kind's first failure is not held back by the d2h limit
+        cached(cm, "b", H(300, 301))  # r7's blocks go to host (acked ok)
+        run(cm, "c", H(71, 72))  # r7's prompt again: loaded from host
+        ops = take(cm)
+        (load,) = [op for op in ops if op.kind == H2D]
+        fail(cm, load)
+        for op in ops:
+            if op is not load:
+                ack(cm, op)
+        h2d = [e for e in logs if e["event"] == "scheduler.op_failed" and e["kind"] == H2D]
+        assert len(h2d) == 1, h2d
         cm.flush_logs()
     (summary,) = [e for e in logs if e["event"] == "scheduler.op_failed" and e.get("summary")]
     assert (summary["num_suppressed"], summary["num_total"]) == (5, 8), summary
-    assert cm.stats.failed_ops == 8
+    assert cm.stats.failed_ops == 9 and cm.stats.failed_by_kind == {D2H: 16, H2D: 2}
 
 
 def test_step_summary_and_failed_op_events_follow_the_log_level() -> None:

@@ -71,6 +71,10 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("redis://127.0.0.1:0/0", "port 0 is no server's port"),
     ("redis://127.0.0.1:6379/0?timeout_s=1e-9", "timeout_s must be >= 0.001"),
     ("mooncake://127.0.0.1:50051?timeout_s=0.0001", "timeout_s must be >= 0.001"),
+    # was: past this check, refused by the store's constructor (under vLLM: after the model
+    # loaded; zkv-check-vllm-config said ok)
+    ("mooncake://127.0.0.1:50051?header=junk", "header must be one of auto, inline, split, "
+                                               "got 'junk'"),
 ])
 def test_bad_url_is_one_clear_line(url: str, why: str) -> None:
     with pytest.raises(ConfigError) as info:

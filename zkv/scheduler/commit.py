@@ -32,8 +32,6 @@ from zkv.scheduler.tiers import (
     store_succeeded,
 )
 
-_IO_KINDS = frozenset((S2H, H2S))  # storage ops: their own rate limit (core.io_failed_log)
-
 
 def on_ops_done(core: Core, results: Iterable[OpResult], seq: int | None = None) -> list[int]:
     """Commit (or roll back) acked ops (``checks.results`` passed: ``done`` within each
@@ -57,7 +55,7 @@ def on_ops_done(core: Core, results: Iterable[OpResult], seq: int | None = None)
                       "error": r.error, "req_ids": req_ids[:16]}
             if seq is not None:
                 fields["seq"] = seq
-            (core.io_failed_log if p.kind in _IO_KINDS else core.copy_failed_log)(**fields)
+            core.op_failed_log(p.kind)(**fields)
         _COMMIT[p.kind](core, p, done)
     return unknown
 

@@ -90,10 +90,9 @@ class Core:
     doubles once per round with a failure: ``store_round_failed``; ``store_failing``: a
     write failed since the last one that fully succeeded); ``negative``
     hashes storage failed to deliver, until they expire; ``clock`` one tick per match;
-    ``io_failed_log`` the warning for failed s2h / h2s ops, rate-limited (a store that is
-    down fails them every step); ``copy_failed_log`` the same for failed d2h / h2d ops, on
-    its own limit (a broken copy path fails them every step; a store outage's lines do not
-    hide them)."""
+    ``op_failed_logs`` the warning for failed ops, one rate limit per op kind (a store that
+    is down fails s2h / h2s every step, a broken copy path d2h / h2d: one cause's lines do
+    not hide another's); see :meth:`op_failed_log`."""
 
     config: CacheConfig
     device: BlockPool
@@ -112,10 +111,15 @@ class Core:
     store_failing: bool = False
     negative: NegativeCache = field(default_factory=NegativeCache)
     clock: int = 0
-    io_failed_log: ev.RateLimited = field(default_factory=lambda: ev.repeating(
-        ev.get_logger("scheduler"), ev.OP_FAILED, level="warning"))
-    copy_failed_log: ev.RateLimited = field(default_factory=lambda: ev.repeating(
-        ev.get_logger("scheduler"), ev.OP_FAILED, level="warning"))
+    op_failed_logs: dict[str, ev.RateLimited] = field(default_factory=dict)
+
+    def op_failed_log(self, kind: str) -> ev.RateLimited:
+        """The rate-limited ``scheduler.op_failed`` warning of ops of ``kind``."""
+        log = self.op_failed_logs.get(kind)
+        if log is None:
+            log = self.op_failed_logs[kind] = ev.repeating(
+                ev.get_logger("scheduler"), ev.OP_FAILED, level="warning")
+        return log
 
     @property
     def block_size(self) -> int:

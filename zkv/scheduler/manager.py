@@ -396,10 +396,11 @@ class CacheManager:
         }
 
     def flush_logs(self) -> None:
-        """Write what the rate-limited warnings still hold back (how many failed s2h / h2s,
-        and storage queries, were only counted). Call it when the manager's work ends."""
-        self.core.io_failed_log.flush()
-        self.core.copy_failed_log.flush()
+        """Write what the rate-limited warnings still hold back (how many failed ops of each
+        kind, and storage queries, were only counted). Call it when the manager's work
+        ends."""
+        for log in self.core.op_failed_logs.values():
+            log.flush()
         flush = getattr(self.core.storage_exists, "flush_logs", None)
         if flush is not None:
             flush()

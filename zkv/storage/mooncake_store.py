@@ -87,12 +87,13 @@ from zkv.storage.base import (
     store_call,
     value_ok,
 )
+from zkv.storage.url import MOONCAKE_HEADER_MODES
 
 MAX_BATCH = 256
 #: On TCP, blocks up to this size travel as one staged object (see the module docstring).
 INLINE_MAX = 256 << 10
 STAGE_BYTES = 8 << 20  # per I/O thread
-HEADER_MODES = ("auto", "inline", "split")
+HEADER_MODES = MOONCAKE_HEADER_MODES  # (the URL's check names them too)
 NOT_FOUND = -704
 RPC_FAIL = -900
 #: Pooled connections a call or a reconnect uses up at most (see the module docstring).

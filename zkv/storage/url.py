@@ -41,6 +41,10 @@ _PARAMS = {
     "mooncake": {"segment_mb": int, "buffer_mb": int, "timeout_s": float, "protocol": str,
                  "header": str},
 }
+#: Parameters with a fixed set of values (checked here: before, a bad one passed the URL's
+#: check and failed only in the store's constructor, under vLLM after the model loaded).
+MOONCAKE_HEADER_MODES = ("auto", "inline", "split")
+_CHOICES = {("mooncake", "header"): MOONCAKE_HEADER_MODES}
 
 
 # Upper bounds where the server would refuse every call: redis refuses an EX whose expiry in
@@ -72,6 +76,9 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
                 out[name] = kind(raw)
         except ValueError:
             raise _bad(url, f"{name}={raw!r} is not a {kind.__name__}") from None
+        choices = _CHOICES.get((scheme, name))
+        if choices is not None and out[name] not in choices:
+            raise _bad(url, f"{name} must be one of {', '.join(choices)}, got {raw!r}")
         if kind is float and not math.isfinite(out[name]):
             raise _bad(url, f"{name}={raw!r} is not a finite number")
         if name in ("segment_mb", "keep_days"):  # 0: a client that mounts no segment

@@ -85,8 +85,10 @@ class WorkerHalf:
         self._overrun: int = -1
         self.wait_s = {"bind": 0.0, "layers": 0.0, "acks": 0.0}  # the forward blocked on zkv
         # a broken copy path or a stuck rank fails every step while it lasts: rate-limited,
-        # what they held back written at close
-        self._load_failed_log = zlog.repeating(self.log, E.LOAD_FAILED)
+        # one limit per cause (a copy error's lines do not hide a first timeout), what they
+        # held back written at close
+        self._copy_failed_log, self._layer_late_log, self._ack_failed_log = (
+            zlog.repeating(self.log, E.LOAD_FAILED) for _ in range(3))
         self._batch_late_log = zlog.repeating(self.log, E.BATCH_LATE)
         self.num_steps = 0
 
@@ -150,7 +152,7 @@ class WorkerHalf:
             self.wait_s["layers"] += time.perf_counter() - t0
         except TransferError as e:
             if not self._errors:
-                self._load_failed_log(seq=meta.load_seq, layer=i, error=str(e))
+                self._copy_failed_log(seq=meta.load_seq, layer=i, error=str(e))
             self._errors.update(meta.loads)
         except TimeoutError as e:
             # vLLM recomputes these blocks: a copy that landed later would overwrite them
@@ -159,8 +161,8 @@ class WorkerHalf:
                                               self.cfg.layer_timeout_s)
             if not quiet:  # it lands later, over what vLLM recomputes: the next bind waits
                 self._overrun = max(self._overrun, meta.load_seq)
-            self._load_failed_log(seq=meta.load_seq, layer=i, error=str(e), abandoned=True,
-                                  copy_still_running=not quiet)
+            self._layer_late_log(seq=meta.load_seq, layer=i, error=str(e), abandoned=True,
+                                 copy_still_running=not quiet)
             self._errors.update(meta.loads)
             self.wait_s["layers"] += time.perf_counter() - t0
 
@@ -185,13 +187,14 @@ class WorkerHalf:
         if res is None or not res.ok:
             done = 0 if res is None else res.done
             self._errors.update(meta.loads[done:])
-            self._load_failed_log(seq=meta.load_seq, num_blocks=len(meta.loads) - done,
-                                  error=None if res is None else res.error)
+            self._ack_failed_log(seq=meta.load_seq, num_blocks=len(meta.loads) - done,
+                                 error=None if res is None else res.error)
         return self._errors
 
     def close(self) -> None:
-        self._load_failed_log.flush()
-        self._batch_late_log.flush()
+        for repeated in (self._copy_failed_log, self._layer_late_log, self._ack_failed_log,
+                         self._batch_late_log):
+            repeated.flush()
         self.log.info(E.WORKER_STATS, num_steps=self.num_steps,
                       **{f"wait_{k}_ms": round(v * 1e3, 3) for k, v in self.wait_s.items()})
         if self.sidecar is not None:
