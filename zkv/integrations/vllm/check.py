@@ -1,5 +1,5 @@
 """``zkv-check-vllm-config JSON`` (or ``python -m zkv.integrations.vllm.check JSON``): the
-connector's configuration checked in a second, before a ``vllm serve`` that takes a minute
+connector's configuration checked in seconds, before a ``vllm serve`` that takes a minute
 or more to load its model. (A console script of its own, not a ``zkv`` subcommand: nothing
 in zkv outside ``integrations/`` imports an engine's integration.)
 
