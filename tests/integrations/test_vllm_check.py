@@ -60,8 +60,7 @@ def test_the_extra_config_alone_and_the_environment_default() -> None:
     ({"storage": "/var/cache/zkv"}, "zkv: storage: bad store URL '/var/cache/zkv': expected "
                                     "SCHEME://..."),
     ({"policy": "write-through"}, "zkv: policy must be one of"),
-    ({"host_bytes": "64TiB"}, "zkv: a host pool of 65536 GiB per rank is more than 80% of "
-                              "the "),
+    ({"host_bytes": "64TiB"}, "zkv: 1 host pool(s) of 65536 GiB are more than 80% of the "),
     ({"storage": "redis://:hunter2@127.0.0.1:1/0?ttl_s=0"}, "redis://***@127.0.0.1:1/0"),
     ({"kv_connector": "LMCacheConnectorV1"}, "kv_connector is 'LMCacheConnectorV1', not "
                                              "'ZkvConnector'"),
@@ -101,7 +100,17 @@ def test_the_console_script_is_installed() -> None:
     assert r.returncode == 0 and r.stdout.startswith(f"{PROG}: ok: "), r.stderr
 
 
-def test_usage() -> None:
+def test_usage_and_the_pools_of_every_rank() -> None:
     r = subprocess.run([sys.executable, "-m", "zkv.integrations.vllm.check"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 2 and r.stderr.startswith(f"usage: {PROG} JSON"), r.stderr
+    assert r.returncode == 2 and r.stderr.startswith(f"usage: {PROG} [-h] [--ranks N] JSON")
+    assert r.stderr.splitlines()[-1] == (f"{PROG}: error: the following arguments are "
+                                         "required: JSON")
+    # a pool that fits once, not 1,000 times (tensor parallelism: a pool a model worker)
+    one = _check('{"host_bytes": "1GiB", "storage": "none"}')
+    assert one.returncode == 0, one.stderr
+    many = subprocess.run([sys.executable, "-m", "zkv.integrations.vllm.check", "--ranks",
+                           "1000", '{"host_bytes": "1GiB", "storage": "none"}'],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert many.returncode == 2 and many.stderr.startswith(
+        f"{PROG}: error: zkv: 1000 host pool(s) of 1 GiB are more than 80% of the "), many.stderr

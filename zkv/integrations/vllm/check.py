@@ -12,12 +12,14 @@ values included) and, given the whole JSON, vLLM's own ``KVTransferConfig`` (a m
 bad ``kv_role``, a misspelled ``kv_connector_extra_config``: importing it takes ~8 s here;
 the extra config alone, 0.3 s): one line and status 2 for a bad value, else one line of
 what the engine will use, status 0. It opens no store (a ``file://`` store would make its
-folder). What needs the model is left to the engine's start: how many blocks a pool or a
-``file://`` budget holds, and every rank's pool together in memory (this checks one's).
+folder). The pools are checked against memory per ``--ranks`` (vLLM's tensor-parallel
+size: one pool a model worker); what needs the model is left to the engine's start: how
+many blocks a pool or a ``file://`` budget holds.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import sys
@@ -26,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from zkv.argtypes import positive_int
 from zkv.config import pools_fit
 from zkv.errors import ConfigError
 from zkv.integrations.vllm.config import ZkvVllmConfig, parse_extra_config
@@ -92,28 +95,37 @@ def describe(cfg: ZkvVllmConfig) -> str:
             + ("" if cfg.metrics_port is None else f", metrics on port {cfg.metrics_port}"))
 
 
-def check(text: str) -> str:
-    """The line :func:`main` prints for ``text``, or ConfigError naming what is wrong."""
+def check(text: str, ranks: int = 1) -> str:
+    """The line :func:`main` prints for ``text``, or ConfigError naming what is wrong.
+    ``ranks``: the engine's model workers on this machine (its tensor-parallel size), each
+    with a pool."""
     cfg = parse_extra_config(extra_config_of(text))
     if cfg.host_blocks is None:  # (blocks need the model's geometry: checked at start)
         need = cfg.host_bytes or DEFAULT_HOST_BYTES
-        fits, free = pools_fit(need)
+        fits, free = pools_fit(need * ranks)
         if not fits and free is not None:
-            raise ConfigError(f"zkv: a host pool of {need / 2**30:g} GiB per rank is more "
+            raise ConfigError(f"zkv: {ranks} host pool(s) of {need / 2**30:g} GiB are more "
                               f"than 80% of the {free / 2**30:.1f} GiB available; lower "
                               "host_bytes")
     return describe(cfg)
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description=(__doc__ or "").split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", metavar="JSON", help="vLLM's --kv-transfer-config, or its "
+                                                "kv_connector_extra_config alone")
+    p.add_argument("--ranks", type=positive_int, default=1, metavar="N",
+                   help="model workers on this machine, each with a pool (vLLM's "
+                        "--tensor-parallel-size; default 1)")
+    return p
+
+
 def main(argv: Sequence[str]) -> int:
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        out = sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr
-        print(f"usage: {PROG} JSON   (vLLM's --kv-transfer-config, or its "
-              "kv_connector_extra_config alone)\n\n" + (__doc__ or "").split("\n\n")[1],
-              file=out)
-        return 0 if out is sys.stdout else 2
+    ns = _parser().parse_args(argv)
     try:
-        line = check(argv[0])
+        line = check(ns.json, ns.ranks)
     except ConfigError as e:
         print(f"{PROG}: error: {redact_credentials(str(e))}", file=sys.stderr)
         return 2
