@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROG = "zkv-check-vllm-config"
 
 
-def _check(arg: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "zkv.integrations.vllm.check", arg],
+def _check(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "zkv.integrations.vllm.check", *args],
                           capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env={**os.environ, **env})
 
@@ -101,16 +101,13 @@ def test_the_console_script_is_installed() -> None:
 
 
 def test_usage_and_the_pools_of_every_rank() -> None:
-    r = subprocess.run([sys.executable, "-m", "zkv.integrations.vllm.check"],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    r = _check()
     assert r.returncode == 2 and r.stderr.startswith(f"usage: {PROG} [-h] [--ranks N] JSON")
     assert r.stderr.splitlines()[-1] == (f"{PROG}: error: the following arguments are "
                                          "required: JSON")
     # a pool that fits once, not 1,000 times (tensor parallelism: a pool a model worker)
     one = _check('{"host_bytes": "1GiB", "storage": "none"}')
     assert one.returncode == 0, one.stderr
-    many = subprocess.run([sys.executable, "-m", "zkv.integrations.vllm.check", "--ranks",
-                           "1000", '{"host_bytes": "1GiB", "storage": "none"}'],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    many = _check("--ranks", "1000", '{"host_bytes": "1GiB", "storage": "none"}')
     assert many.returncode == 2 and many.stderr.startswith(
         f"{PROG}: error: zkv: 1000 host pool(s) of 1 GiB are more than 80% of the "), many.stderr

@@ -93,7 +93,6 @@ MAX_BATCH = 256
 #: On TCP, blocks up to this size travel as one staged object (see the module docstring).
 INLINE_MAX = 256 << 10
 STAGE_BYTES = 8 << 20  # per I/O thread
-HEADER_MODES = MOONCAKE_HEADER_MODES  # (the URL's check names them too)
 NOT_FOUND = -704
 RPC_FAIL = -900
 #: Pooled connections a call or a reconnect uses up at most (see the module docstring).
@@ -137,8 +136,9 @@ class MooncakeStore(Store):
                  local_hostname: str | None = None, protocol: str = "tcp",
                  header: str = "auto") -> None:
         super().__init__(namespace, f"mooncake://{host}:{port}")
-        if header not in HEADER_MODES:
-            raise ConfigError(f"mooncake header mode must be one of {HEADER_MODES}, got {header!r}")
+        if header not in MOONCAKE_HEADER_MODES:
+            raise ConfigError(f"mooncake header mode must be one of {MOONCAKE_HEADER_MODES}, "
+                              f"got {header!r}")
         self.header = header
         self.host, self.port = host, port
         loopback = host in ("127.0.0.1", "localhost", "::1")

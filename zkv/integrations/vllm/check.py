@@ -31,14 +31,17 @@ import orjson
 from zkv.argtypes import positive_int
 from zkv.config import pools_fit
 from zkv.errors import ConfigError
-from zkv.integrations.vllm.config import ZkvVllmConfig, parse_extra_config
+from zkv.integrations.vllm.config import (
+    DEFAULT_HOST_BYTES,
+    ZkvVllmConfig,
+    parse_extra_config,
+)
 from zkv.security import redact_credentials
 
 PROG = "zkv-check-vllm-config"
 CONNECTOR = "ZkvConnector"
 MODULE_PATH = "zkv.integrations.vllm_connector"  # the documented one (a re-export of ...)
 MODULE_PATHS = (MODULE_PATH, "zkv.integrations.vllm.connector")  # (... the class's own)
-DEFAULT_HOST_BYTES = 2 << 30  # ZkvVllmConfig's when neither host_blocks nor host_bytes
 
 
 def extra_config_of(text: str) -> Mapping[str, Any]:
