@@ -153,6 +153,25 @@ def test_stale_temp_files_are_removed_at_open(tmp_path: Path) -> None:
     assert again.num_blocks == 1 and again.exists([key(2), key(3)]) == [False, False]
 
 
+def test_a_block_larger_than_the_budget_is_refused_and_evicts_nothing(tmp_path: Path) -> None:
+    """Before, its reservation evicted every file of the store, and the block was then
+    stored over the budget. (A caller that gives ``open_store`` its ``block_bytes`` is
+    refused at open already; one that does not was not.)"""
+    s = LocalDirStore(tmp_path, "ns", max_bytes=3 * FILE)
+    for i in range(3):
+        s.put(key(i), data(i))
+    big = np.zeros(4 * BLOCK, np.uint8)
+    with pytest.raises(StorageError, match=rf"its file of {HEADER_SIZE + 4 * BLOCK:,} bytes "
+                                           rf"is larger than the store's budget of "
+                                           rf"{3 * FILE:,} bytes"):
+        s.put(key(9), big)
+    assert (s.num_blocks, s.num_bytes, s.stats.evicted) == (3, 3 * FILE, 0)
+    assert all(get(s, i) for i in range(3)) and s.exists([key(9)]) == [False]
+    assert s.stats.errors == 1
+    s.put(key(3), data(3))  # the budget still works as before
+    assert s.exists([key(i) for i in range(4)]) == [False, True, True, True]
+
+
 def test_budget_is_shared_by_the_writers(tmp_path: Path) -> None:
     s = open_store(file_url(tmp_path) + "?max_bytes=1000", "ns", writers=4)
     assert isinstance(s, LocalDirStore) and s.max_bytes == 250

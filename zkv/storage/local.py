@@ -29,7 +29,9 @@ files of its namespace at open (one scan, oldest mtime first; stale temp files r
 then every block it writes or serves. The scan reads names first: only the files the
 store indexes (and temp files) cost a ``stat``. A put that takes the indexed total past
 ``max_bytes`` removes the least recently used files until it fits: O(1) per file, no
-directory scan. A hit refreshes the file's mtime, so the order survives a restart.
+directory scan. A block whose file alone is larger than the budget is refused
+(``StorageError``) and evicts nothing (before, it evicted every file and was stored over
+the budget). A hit refreshes the file's mtime, so the order survives a restart.
 Several processes writing one directory each keep their own index: the bound holds per
 writer, so give each of ``W`` writers ``max_bytes / W`` (:func:`~zkv.storage.open_store`'s
 ``writers``), and each its ``rank`` (the rank its keys carry): a rank's store indexes, and
@@ -292,6 +294,11 @@ class LocalDirStore(Store):
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         bufs = [pack_header(self.ns_id, key, view), view]
         size = HEADER_SIZE + view.nbytes
+        if size > self._max_bytes:  # it would evict every file and still not fit
+            self._count(errors=1)
+            raise StorageError(f"put {self.name(key)}: its file of {size:,} bytes is larger "
+                               f"than the store's budget of {self._max_bytes:,} bytes; give "
+                               "a larger max_gb")
         made = 0  # times this put made room; retries after another thread's do not count
         now = time.monotonic()
         if self._ceiling and now - self._looked_at >= _REGROW_S:
