@@ -115,8 +115,8 @@ def main() -> int:
             half.update_state_after_alloc(req, blocks, ext)
             half.build_connector_meta(step_output(req.request_id, blocks, ext,
                                                   req.num_tokens - ext))
+            req.num_computed_tokens = req.num_tokens  # at schedule time, as vLLM sets it
             half.update_connector_output(())
-            req.num_computed_tokens = req.num_tokens
             req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
             half.request_finished(req)
             cpu += time.process_time() - t0

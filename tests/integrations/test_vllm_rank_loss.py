@@ -79,6 +79,8 @@ class Group:
         the others; ``resumed``: those of them back from preemption (their block ids are
         all new); ``preempted``: vLLM's ``preempted_req_ids``."""
         scheduled = {r.request_id: n for r, _, _, n in [*new, *cached]}
+        for r, _, c, n in [*new, *cached]:  # as vLLM's _update_after_schedule does
+            r.num_computed_tokens = c + n
         return SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(ids,),
                                                 num_computed_tokens=c)

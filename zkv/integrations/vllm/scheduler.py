@@ -462,8 +462,13 @@ class SchedulerHalf:
                 continue  # vLLM recomputes from the failed block; its KV is not trusted yet
             # Speculative decoding: the step computed KV for its draft tokens too, and vLLM
             # rolled the rejected ones back; the last token (sampled, at the first rejected
-            # draft's position) has no KV of its own yet.
-            r.confirmed = max(r.confirmed, min(upto, r.request.num_tokens - 1))
+            # draft's position) has no KV of its own yet. Async scheduling: not past vLLM's
+            # own safe frontier (what its prefix cache takes): a turn of a streaming-input
+            # session that stopped had its stop token replaced by the next chunk, and a step
+            # scheduled before the stop was seen computed KV for the stop token there.
+            req = r.request
+            safe = req.num_computed_tokens - getattr(req, "num_output_placeholders", 0)
+            r.confirmed = max(r.confirmed, min(upto, req.num_tokens - 1, safe))
             self._plan_save(r, final=False)
 
     def _take_step(self, step: int | None) -> dict[str, tuple[int, int]] | None:
