@@ -189,6 +189,36 @@ def test_failed_save_after_the_request_finished() -> None:
     assert cm.host.num_used == 0 and len(cm.tree.index) == 0
 
 
+@pytest.mark.parametrize("done", [0, 1])
+def test_a_finished_requests_save_and_its_ids_next_request_get_an_op_each(done: int) -> None:
+    """A request finishes with its save planned (not yet taken) and a new request under
+    its id saves in the same step: both saves went into one op (keyed by the id), and a
+    failed ack of it asserted inside ``on_ops_done`` (the commit takes an op for one
+    request's chain), with the op already popped. ``cancel_saves`` of the id cancels the
+    running request's save alone. A fuzzer of the API found it."""
+    cm = make(4)
+    a, b = H(1), H(2)
+    save(cm, "r", a, [10])
+    cm.finish("r")
+    save(cm, "r", b, [11])
+    old, new = cm.take_ops()
+    assert (old.src.tolist(), new.src.tolist()) == ([10], [11])
+    ack(cm, [old, new], done={0: done, 1: done})
+    assert [cm.match_prefix("x", h).num_host for h in (a, b)] == [done, done]
+    cm.finish("x")
+    cm.finish("r")
+    assert cm.host.num_used == 2 * done
+    cm.check_invariants()
+    # cancel_saves: the running request's alone
+    save(cm, "q", H(3), [12])
+    cm.finish("q")
+    save(cm, "q", H(4), [13])
+    assert cm.cancel_saves("q") == 1
+    (kept,) = cm.take_ops()
+    assert kept.src.tolist() == [12]
+    ack(cm, [kept])
+
+
 def test_a_second_save_waits_for_the_first() -> None:
     cm = make(8)
     a = H(1, 2, 3, 4)

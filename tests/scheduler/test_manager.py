@@ -1228,6 +1228,39 @@ def test_each_prefetching_request_gets_its_own_s2h_op() -> None:
     assert h2d.kind == H2D and list(h2d.src) == [2, 3]
 
 
+@pytest.mark.parametrize("outcome", ["ok", "failed"])
+def test_a_request_matched_again_before_its_load_is_taken_gets_an_op_of_its_own(
+        outcome: str) -> None:
+    """Matching a request again (a re-match from scratch, as the API allows before
+    ``allocate``) and prefetching again in the same step: both loads went into one s2h op
+    (keyed by the id), and the commit, which takes an op for one request's, left the new
+    load stranded: LOADING for good after an ok ack (``prefetch_done`` never true, the
+    block not held), or LOADING with no op after a failed one (its host block kept after
+    ``finish``, its hash unloadable until ``reset``). A fuzzer of the API found it."""
+    a, b = H(1), H(2)
+    store = Store(*a, *b)
+    cm = make(4, 4, store=store)
+    assert match(cm, "r", a).num_storage == 1 and cm.prefetch("r") == 1
+    assert match(cm, "r", b).num_storage == 1 and cm.prefetch("r") == 1
+    old, new = take(cm)
+    assert shape(old) == (S2H, [], [0], tuple(a)) and shape(new) == (S2H, [], [1], tuple(b))
+    if outcome == "ok":
+        ack(cm, old)
+        ack(cm, new)
+        cm.check_invariants()
+        assert cm.prefetch_done("r") and cm.num_held_blocks("r") == 1
+        assert status(cm, a[0]) == HOST and status(cm, b[0]) == HOST  # a: a host hit now
+    else:
+        fail(cm, old, done=0)
+        fail(cm, new, done=0)
+        cm.check_invariants()
+        assert status(cm, a[0]) is None and status(cm, b[0]) is None
+    cm.finish("r")
+    cm.check_invariants()
+    assert cm.host.num_free == (2 if outcome == "ok" else 4)
+    assert cm.status_counts()["LOADING_FROM_STORAGE"] == 0
+
+
 def test_blocks_being_loaded_are_no_storage_hit_for_another_request() -> None:
     a = H(1, 2, 3)
     store = Store(*a)

@@ -30,10 +30,15 @@ class CacheMachine(RuleBasedStateMachine):
         storage=st.booleans(),
         eviction=st.sampled_from(POLICIES),
         retry_s=st.sampled_from((1.0, 1e-9)),  # 1e-9: failed storage writes retried each step
+        seeded=st.booleans(),  # L3 holds every path already (another engine wrote it)
     )
     def setup(self, policy: str, ndev: int, nhost: int, threshold: int, storage: bool,
-              eviction: str, retry_s: float) -> None:
+              eviction: str, retry_s: float, seeded: bool) -> None:
         self.store: set[bytes] = set()
+        if seeded:
+            for n in range(1, 7):
+                for i in range(1 << n):
+                    self.store.update(hash_ids_chain([(i >> b) & 1 for b in range(n)]))
         self.cm = CacheManager(
             CacheConfig(ndev, nhost, BS, policy, threshold, storage_write=storage,
                         eviction_policy=eviction, store_retry_s=retry_s,
@@ -55,9 +60,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ requests
 
-    def _match(self, path, prefetch):
-        rid = f"r{self.n}"
-        self.n += 1
+    def _match(self, path, prefetch, rid=None):
+        if rid is None:
+            rid = f"r{self.n}"
+            self.n += 1
         hashes = hash_ids_chain(path)
         m = self.cm.match_prefix(rid, hashes)
         self.cm.check_invariants()
@@ -86,11 +92,31 @@ class CacheMachine(RuleBasedStateMachine):
         """New requests arrive: match (maybe prefetch from storage, maybe wait for it), then
         one scheduling step allocates them."""
         rids = [self._match(p, prefetch) for p in paths]
+        if data.draw(st.booleans()):  # the engine asks again (from scratch) before the step
+            again = st.lists(st.integers(0, 1), min_size=1, max_size=6)
+            for rid in rids:
+                self._match(data.draw(again), prefetch, rid)
         if prefetch:
             self._run_ops(data)
             if data.draw(st.booleans()):  # wait_complete: the loads are acked before allocate
                 self._ack_all()
         self._step(data, rids)
+
+    @precondition(lambda self: self.reqs)
+    @rule(
+        paths=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=6), min_size=1, max_size=2),
+        prefetch=st.booleans(),
+        data=st.data(),
+    )
+    def rematch(self, paths, prefetch, data):
+        """A waiting request is matched again under its id, from scratch (the API allows
+        it before ``allocate``), once or twice in a step, prefetching each time, before the
+        step's ops are taken: each incarnation's load must settle on its own."""
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        for p in paths:
+            self._match(p, prefetch, rid)
+        if prefetch:
+            self._run_ops(data)
 
     @precondition(lambda self: self.reqs or self.stepped)
     @rule(data=st.data())

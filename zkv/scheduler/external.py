@@ -82,7 +82,7 @@ def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence
             n.ref = n.hits = 1
             n.last_access = now
             n.reused = tree.hpol.note_inserted(n) > 0  # (a node in flight is not split)
-            Ledger.add(core.ledger.op(SAVE, f"{SAVE}:{st.req_id}"), n, st,
+            Ledger.add(core.ledger.op(SAVE, Ledger.request_key(SAVE, st)), n, st,
                        list(map(int, device_ids[i : i + len(hb)])), hb)
             parent = n
             i += len(hb)

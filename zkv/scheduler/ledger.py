@@ -45,6 +45,16 @@ class Ledger:
         return op
 
     @staticmethod
+    def request_key(kind: str, st: RequestState) -> str:
+        """The open op of ``kind`` that is this request's own (s2h, save): one per request
+        object, not per id, so a request re-matched (or finished and matched again) under
+        its id before ``take_ops`` gets an op of its own (two incarnations in one op: the
+        commit, which takes an op for one request's entries, left a load stranded or
+        asserted on a failed save). The op holds ``st``, so its ``id`` is not reused while
+        the op is open."""
+        return f"{kind}:{st.req_id}:{id(st)}"
+
+    @staticmethod
     def add(op: PendingOp, n: Node, st: RequestState | None = None, src: Sequence[int] = (),
             dst: Sequence[int] = (), keys: Sequence[bytes] = ()) -> None:
         """Put node ``n`` (all its blocks) in ``op`` for request ``st`` (None: for none);

@@ -205,8 +205,12 @@ class CacheManager:
 
     def cancel_saves(self, req_id: str) -> int:
         """Drop the request's save planned this step and not yet taken (the engine freed
-        the blocks it would read, e.g. on preemption). Returns the blocks dropped."""
-        p = self.core.ledger.open.pop(f"{SAVE}:{req_id}", None)
+        the blocks it would read, e.g. on preemption). Returns the blocks dropped. (Only
+        the running request's: an earlier one under its id that finished this step keeps
+        its save.)"""
+        st = self.core.requests.get(req_id)
+        p = None if st is None else self.core.ledger.open.pop(Ledger.request_key(SAVE, st),
+                                                              None)
         if p is None:
             return 0
         commit.commit(self.core, p, 0)  # the same roll back as a save that failed everywhere

@@ -190,7 +190,7 @@ def prefetch(core: Core, st: RequestState) -> int:
     n.in_store = True
     n.last_access = core.clock
     n.reused = tree.hpol.note_inserted(n) > 0  # (a node in flight is not split)
-    Ledger.add(core.ledger.op(S2H, f"{S2H}:{st.req_id}"), n, st, (), hb, n.hashes)
+    Ledger.add(core.ledger.op(S2H, Ledger.request_key(S2H, st)), n, st, (), hb, n.hashes)
     st.loading = n
     return len(hb)
 
