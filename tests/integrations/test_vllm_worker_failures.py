@@ -356,3 +356,49 @@ def test_the_next_forward_waits_for_a_load_copy_that_outran_its_abandon() -> Non
         letter.join(10)
         assert not poll_until_done(d, load, 10)[load].ok  # abandoned: never committed
         assert _recomputed(kv, 4, 3.0), "the load's copy landed after the next forward"
+
+
+class _FailsOneHoldsTheRest(_Held):
+    """Layer 0 of the load into block 4 fails; every later layer's copy waits for ``go``."""
+
+    def copy_h2d(self, host: Any, kv: Any, src: Any, dst: Any, layer: int) -> None:
+        if layer == 0 and 4 in [int(b) for b in dst]:
+            raise RuntimeError("injected: the load into block 4 fails")
+        if layer > 0:
+            self._hold("h2d")
+        TorchCpuBackend.copy_h2d(self, host, kv, src, dst, layer)
+
+
+def test_a_load_that_failed_midway_calls_off_the_batchs_other_copies() -> None:
+    """One op of the step's load batch fails at layer 0: vLLM recomputes every block of
+    the step's loads (the wait raised), so the batch's other ops must not write later
+    layers after it: ungated, nothing else held the next forward back (before, the other
+    op's later layers were copied and acked ok after the engine had given up, over what the
+    next forward recomputed; the timeout path called the load off already)."""
+    with short_ipc_dir() as folder:
+        kv = TorchCpuBackend().allocate_device_cache(LAYOUT)
+        backend = _FailsOneHoldsTheRest("h2d")
+        w, d = _half(folder, backend, gated=False, kv=kv, layer_timeout_s=0.2)
+        try:
+            assert w.sidecar is not None
+            w.sidecar.host_pool[0].fill_(7.0)
+            w.sidecar.host_pool[1].fill_(7.0)
+            load = d.publish([P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True),
+                              P.Op(1, P.H2D, P.as_ids([1]), P.as_ids([5]), layerwise=True)], 0)
+            w.bind(ZkvMetadata(step=0, release_upto=load, load_seq=load, load_op=0,
+                               loads=[4, 5]))
+            w.wait_for_layer_load("l0")  # the load failed
+            w.wait_for_layer_load("l1")
+            assert w.load_errors() == {4, 5}
+            letter = threading.Timer(0.05, backend.go.set)  # a copy held lands only then
+            letter.start()
+            w.bind(ZkvMetadata(step=1, release_upto=load, fence=-1))  # the next step
+            _write(kv, (4, 5), 3.0)  # its forward: vLLM recomputes both blocks
+            letter.join(10)
+            done = poll_until_done(d, load, 10)[load]
+            assert not done.ok and not done.results[0].ok, done
+            assert _recomputed(kv, 5, 3.0), "the other op's copy landed after the next forward"
+        finally:
+            backend.go.set()
+            w.close()
+            d.close()

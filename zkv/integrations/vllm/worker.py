@@ -151,6 +151,13 @@ class WorkerHalf:
             self.sidecar.wait_layer(meta.load_seq, i, timeout=self.cfg.layer_timeout_s)
             self.wait_s["layers"] += time.perf_counter() - t0
         except TransferError as e:
+            # vLLM recomputes every block of the step's loads (or fails their requests and
+            # frees the blocks): the batch's other copies are called off too, as on a
+            # timeout; one that landed later would write a recomputed (or reused) block.
+            quiet = self.sidecar.abandon_load(meta.load_seq, i, str(e),
+                                              self.cfg.layer_timeout_s)
+            if not quiet:  # it lands later: the next bind waits for it
+                self._overrun = max(self._overrun, meta.load_seq)
             if not self._errors:
                 self._copy_failed_log(seq=meta.load_seq, layer=i, error=str(e))
             self._errors.update(meta.loads)
