@@ -14,7 +14,8 @@ from structlog.testing import capture_logs
 
 from tests.servers import RedisServer
 from tests.storage.test_backends import BLOCK, blocks, digest
-from zkv.errors import ConfigError
+from tests.waiting import wait_until
+from zkv.errors import ConfigError, StorageError
 from zkv.storage import HEADER_SIZE, open_store, pack_key
 from zkv.storage.redis_store import RedisStore
 
@@ -151,6 +152,38 @@ def test_a_redis_that_refuses_writes_when_full_is_said_at_open(tmp_path: Path) -
                 open_store(srv.url + "?ttl_s=600", "ns").close()
             assert not _events(logs, "storage.store_misconfigured")
         finally:
+            admin.close()
+
+
+def test_a_user_that_may_not_ping_is_reconnected_after_an_outage(tmp_path: Path) -> None:
+    """A least-privilege ACL user (no ``@connection``: no PING) runs everything the store
+    does; after an outage the link's reconnect attempt, a PING, is answered NOPERM, which
+    proves the server is up. Before, it failed every attempt: the store stayed down for
+    the life of the engine, every put refused at once."""
+    with RedisServer(str(tmp_path), user=("zkv", "pw")) as srv:
+        admin = srv.client()
+        admin.execute_command("ACL", "SETUSER", "zkv", "-@connection")
+        store = open_store(srv.url + "?timeout_s=0.2", "ns")
+        try:
+            keys = [pack_key(digest("noping", i), 0) for i in range(4)]
+            assert store.put_many(keys, list(blocks(4, 3))) == [True] * 4
+            srv.pause()
+            try:
+                with pytest.raises(StorageError):
+                    store.put_many(keys, list(blocks(4, 5)))
+            finally:
+                srv.resume()
+
+            def put() -> bool:
+                try:
+                    return store.put_many(keys[:1], list(blocks(1, 7))) == [True]
+                except StorageError:
+                    return False
+
+            wait_until(put, timeout=15.0, what="a put after the outage")
+            assert store.count_leading([digest("noping", i) for i in range(4)], 1) == 4
+        finally:
+            store.close()
             admin.close()
 
 

@@ -14,7 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.replay_run import summary
-from tests.servers import HOST, RedisServer
+from tests.servers import HOST, RedisServer, binary
 from zkv.errors import ConfigError, StorageError
 from zkv.storage import open_store, pack_key
 from zkv.storage.redis_store import RedisStore
@@ -87,6 +87,29 @@ def test_bad_tls_parameters_are_one_line(rediss_server: RedisServer, query: str,
     assert why in str(info.value) and "pw" not in str(info.value)
     with pytest.raises(ConfigError, match="unknown parameter 'ca'"):
         open_store(f"redis://{HOST}:1/0?ca={rediss_server.tls.ca}", "ns")  # TLS is rediss
+
+
+def test_an_encrypted_or_unloadable_client_key_is_one_line(rediss_server: RedisServer,
+                                                             tmp_path: Path) -> None:
+    """An encrypted client key made OpenSSL ask for its passphrase on the terminal at every
+    connect: an engine started from a shell hung at open (without a terminal the server
+    was taken for down and retried for ever). A certificate with another's key, or a CA
+    file that is no certificate, was an outage too. Each is one line at open now."""
+    tls = rediss_server.tls
+    assert tls is not None
+    enc = str(tmp_path / "enc.key")
+    subprocess.run([binary("openssl"), "ec", "-in", tls.key, "-aes256", "-passout", "pass:x",
+                    "-out", enc], check=True, capture_output=True, timeout=30)
+    not_pem = tmp_path / "ca.txt"
+    not_pem.write_text("not a certificate\n")
+    base = f"rediss://:pw@{HOST}:1/0?ca={tls.ca}"
+    for url, why in [(f"{base}&cert={tls.cert}&key={enc}", f"key={enc!r} is encrypted"),
+                     (f"{base}&cert={tls.other_ca}&key={tls.key}", "do not load as a "
+                                                                   "certificate and its key"),
+                     (f"rediss://:pw@{HOST}:1/0?ca={not_pem}", "holds no PEM certificate")]:
+        with pytest.raises(ConfigError) as info:
+            open_store(url, "ns")
+        assert why in str(info.value) and "pw" not in str(info.value), info.value
 
 
 def test_replay_through_tls_loads_what_it_stored(rediss_server: RedisServer,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port
+from tests.servers import free_port, make_tls
 from zkv.errors import ConfigError
 from zkv.storage import LocalDirStore, file_url, open_store
 
@@ -58,6 +59,7 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("redis://127.0.0.1:99999/0", "Port out of range"),
     ("redis://[::1", "Invalid IPv6 URL"),
     ("redis://127.0.0.1:6379/zero", "database must be a number"),
+    ("redis://127.0.0.1:6379/\u00b2", "database must be a number"),  # was: ValueError from int()
     ("redis://127.0.0.1:6379/0?timeout_s=0", "timeout_s must be > 0"),
     ("redis://127.0.0.1:6379/0?timeout_s=NaN", "timeout_s='NaN' is not a finite number"),
     ("mooncake://:50051", "needs HOST:PORT"),
@@ -138,6 +140,31 @@ def test_a_password_with_url_delimiters_is_never_shown(password: str) -> None:
     from zkv.storage.url import parse_url
 
     assert parse_url("redis://:se%2Fc%3Fr%23et@h:1/0")[1]["password"] == "se/c?r#et"
+
+
+def test_tls_file_paths_with_an_at_or_a_plus_are_the_files_named(tmp_path: Path) -> None:
+    """A ``@`` in a file parameter's path (``certs@prod``) is no password's end: the URL
+    was refused as a password holding '/'. A ``+`` in one is a ``+``: form decoding made
+    it a space, so the store refused a file that exists, or took another file."""
+    from zkv.storage.url import parse_url
+
+    folder = tmp_path / "certs@prod+1"
+    tls = make_tls(str(folder))
+    shutil.copy(tls.ca, folder / "ca+prod.pem")
+    (folder / "ca prod.pem").write_text("another file\n")
+    url = (f"rediss://127.0.0.1:6380/0?ca={folder}/ca+prod.pem&cert={tls.cert}"
+           f"&key={tls.key}")
+    kw = parse_url(url)[1]
+    assert (kw["tls_ca"], kw["tls_cert"], kw["tls_key"]) == (
+        f"{folder}/ca+prod.pem", tls.cert, tls.key)
+    assert kw["host"] == "127.0.0.1" and kw["username"] is None and kw["password"] is None
+    assert parse_url(f"rediss://u:pw@127.0.0.1:6380/0?ca={folder}/ca%2Bprod.pem")[1][
+        "tls_ca"] == f"{folder}/ca+prod.pem"
+    # an @ elsewhere is still taken for a password's end, and refused without showing it
+    for bad in ("redis://u:1?x@h:6379/0", f"rediss://u:p/w@h:6380/0?ca={tls.ca}"):
+        with pytest.raises(ConfigError, match="its user or password holds") as info:
+            parse_url(bad)
+        assert "p/w" not in str(info.value) and "1?x" not in str(info.value)
 
 
 def test_redact_credentials_leaves_everything_else() -> None:

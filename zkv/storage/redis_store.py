@@ -142,8 +142,9 @@ class RedisStore(Store):
         self._memory_checked = False
         self.link = Link(self.url, self._ping, log=self._log)
         self._no_db_said = False
+        self._noperm = redis.exceptions.NoPermissionError
         try:  # a server down at start is no error: the store degrades to misses
-            self._call("ping", self._client.ping)
+            self._call("ping", self._probe)
         except StorageError as e:
             if _no_database(e.__cause__):  # the URL's /DB: a bad URL
                 self.close()
@@ -156,11 +157,21 @@ class RedisStore(Store):
         return (f"{self.url}: the server has no database {self.url.rsplit('/', 1)[1]} "
                 "(CONFIG GET databases: it numbers them from 0)")
 
+    def _probe(self) -> None:
+        """PING. A user the server's ACL denies it (``@connection``: a least-privilege user
+        allowed reads, writes and scripts, what the store runs) got an answer all the same:
+        the server is up. (Before, that refusal failed every reconnect attempt: after its
+        first outage the store stayed down for the life of the engine.)"""
+        try:
+            self._client.ping()
+        except self._noperm:
+            pass
+
     def _ping(self) -> None:
         """The link's reconnect attempt. A server that was down at open and answers without
         the URL's database stays down, said once (else only the first outage's line)."""
         try:
-            self._client.ping()
+            self._probe()
         except self._errors as e:
             if _no_database(e) and not self._no_db_said:
                 self._no_db_said = True

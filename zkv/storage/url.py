@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import ssl
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, unquote_to_bytes, urlsplit
 
@@ -61,7 +62,7 @@ def _bad(url: str, why: str) -> ConfigError:
 
 def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+    for name, raw in _query_pairs(query):
         kind = _PARAMS[scheme].get(name)
         if kind is None:
             raise _bad(url, f"unknown parameter {name!r} (known: {', '.join(_PARAMS[scheme])})")
@@ -97,11 +98,32 @@ def _check_credentials(url: str) -> None:
     """A user or password with an unescaped ``/``, ``?`` or ``#`` ends the URL's host part
     early: what follows parses as a host, port, path or query, and the error would quote a
     piece of the password. One line that says so, naming no piece of it."""
+    if _ats_in_file_paths_only(url):
+        return
     rest = url.split("://", 1)[1]
     end = userinfo_end(rest)
     if end is not None and any(c in rest[:end] for c in "/?#"):
         raise _bad(url, "its user or password holds '/', '?' or '#': percent-encode them "
                         "(%2F, %3F, %23)")
+
+
+def _ats_in_file_paths_only(url: str) -> bool:
+    """Every ``@`` of the URL is in the value of a file parameter (``ca=/certs@prod/ca.pem``):
+    no user or password there. (Such a URL was refused as a password holding '/'.)"""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    if "@" in parts.netloc or "@" in parts.path or "@" in parts.fragment:
+        return False
+    return all("@" not in name and ("@" not in value or name in _TLS_FILES)
+               for name, value in _query_pairs(parts.query))
+
+
+def _query_pairs(query: str) -> list[tuple[str, str]]:
+    """The query's ``name=value`` pairs, percent-decoded; a ``+`` stays a ``+`` (a file
+    name's: form decoding made it a space, naming another file)."""
+    return parse_qsl(query.replace("+", "%2B"), keep_blank_values=True, strict_parsing=False)
 
 
 def _host_port(url: str, parts: Any) -> tuple[str, int]:
@@ -140,7 +162,7 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
     host, port = _host_port(url, parts)
     if scheme in ("redis", "rediss"):
         path = parts.path.strip("/") or "0"
-        if not path.isdigit():
+        if not (path.isascii() and path.isdigit()):  # ('²' is a digit to str.isdigit)
             raise _bad(url, f"database must be a number, got {path!r}")
         password = unquote(parts.password) if parts.password else None
         username = unquote(parts.username) if parts.username else None
@@ -168,8 +190,38 @@ def _tls_kw(url: str, params: dict[str, Any]) -> dict[str, Any]:
             raise _bad(url, f"{name}={path!r} is not a readable file")
     if ("cert" in params) != ("key" in params):
         raise _bad(url, "give cert and key together (a client certificate and its key)")
+    _check_tls_files(url, params.get("ca"), params.get("cert"), params.get("key"))
     return {"tls": True, "tls_ca": params.pop("ca", None), "tls_cert": params.pop("cert", None),
             "tls_key": params.pop("key", None), **params}
+
+
+def _check_tls_files(url: str, ca: str | None, cert: str | None, key: str | None) -> None:
+    """Load the files as the client will. An encrypted key made OpenSSL ask for its
+    passphrase on the terminal at every connect (an engine started from a shell hung at
+    open; without a terminal the server was taken for down, retried for ever); a file
+    that is not PEM, or a key not the certificate's, was an outage too."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca is not None:
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except ssl.SSLError as e:
+            raise _bad(url, f"ca={ca!r} holds no PEM certificate ({e.reason or e})") from None
+    if cert is None or key is None:
+        return
+    asked: list[bool] = []
+
+    def passphrase() -> str:
+        asked.append(True)
+        raise ValueError("encrypted")
+
+    try:
+        ctx.load_cert_chain(cert, key, password=passphrase)
+    except (ssl.SSLError, ValueError) as e:
+        if asked:
+            raise _bad(url, f"key={key!r} is encrypted (a passphrase): give an unencrypted "
+                            "key file, readable by the engine's user alone") from None
+        raise _bad(url, f"cert={cert!r} and key={key!r} do not load as a certificate and "
+                        f"its key ({getattr(e, 'reason', None) or e})") from None
 
 
 def open_store(url: str, namespace: str, *, writers: int = 1, rank: int | None = None,
