@@ -280,6 +280,42 @@ def test_duplicate_destination_refused() -> None:
     P.decode(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.H2D, P.as_ids([0, 0]), P.as_ids([5, 6])),))))
 
 
+@pytest.mark.parametrize("ops, why", [
+    # two h2d write device block 5: either's bytes (on a GPU, a torn block)
+    ((P.Op(0, P.H2D, P.as_ids([0]), P.as_ids([5])), P.Op(1, P.H2D, P.as_ids([1]), P.as_ids([5]))),
+     "two ops write one device block"),
+    # a d2h and an s2h write host block 2
+    ((P.Op(0, P.D2H, P.as_ids([1]), P.as_ids([2])), P.Op(1, P.S2H, dst=P.as_ids([2]), keys=(D1,))),
+     "two ops write one host block"),
+    # an h2d reads host block 3 while the batch's s2h writes it (the I/O runs after copies)
+    ((P.Op(0, P.S2H, dst=P.as_ids([3]), keys=(D1,)), P.Op(1, P.H2D, P.as_ids([3]), P.as_ids([7]))),
+     r"op 1 \(h2d\) uses a host block an s2h of the batch writes"),
+    # an h2s writes out host block 1 as an s2h of the batch fills it
+    ((P.Op(0, P.S2H, dst=P.as_ids([1]), keys=(D1,)), P.Op(1, P.H2S, P.as_ids([1]), keys=(D2,))),
+     r"op 1 \(h2s\) uses a host block"),
+])
+def test_ops_of_one_batch_that_overlap_are_refused(ops: tuple[P.Op, ...], why: str) -> None:
+    """A batch runs by kind (copies, then storage I/O on threads), not in the listed order:
+    such a batch (a broken or forged scheduler's) was run and every op acked ok, with
+    bytes from either writer (from a review of the worker side)."""
+    _refused(P.encode(P.CopyBlocks(0, 0, ops)), match=why)
+
+
+def test_what_the_scheduler_sends_in_one_batch_still_decodes() -> None:
+    """Reads and writes of one block by different kinds, ordered by kind: a d2h saves a
+    device block an h2d then fills (an evicted block reused in the step); two loads read
+    one host block; a d2h fills a host block an h2s of the batch does not touch."""
+    ops = (P.Op(0, P.D2H, P.as_ids([5, 6]), P.as_ids([0, 1])),
+           P.Op(1, P.H2D, P.as_ids([2, 2]), P.as_ids([5, 7])),
+           P.Op(2, P.H2D, P.as_ids([2]), P.as_ids([6])),
+           P.Op(3, P.S2H, dst=P.as_ids([3]), keys=(D1,)),
+           P.Op(4, P.H2S, P.as_ids([2]), keys=(D2,)))
+    got = P.decode(P.encode(P.CopyBlocks(0, 0, ops)))
+    assert isinstance(got, P.CopyBlocks)
+    assert [(o.id, o.kind, o.src.tolist(), o.dst.tolist(), o.keys) for o in got.ops] == \
+        [(o.id, o.kind, o.src.tolist(), o.dst.tolist(), o.keys) for o in ops]
+
+
 def test_unknown_type_and_kind_refused() -> None:
     _refused([b"Nonsense", orjson.dumps({"v": 1})], match="unknown message type")
     frames = P.encode(_batch())

@@ -27,7 +27,10 @@ Op kinds and which id space each side uses::
 
 ``decode`` refuses anything malformed with :class:`~zkv.errors.ProtocolError`: unknown
 type or version, wrong field types, frame lengths that disagree with the header,
-ids out of the receiver's range, duplicate op ids or duplicate destinations.
+ids out of the receiver's range, duplicate op ids or duplicate destinations (within an op
+or across the batch's ops), or a host block an s2h fills that another op of the batch uses.
+A worker runs a batch by kind (d2h / backup, h2d layer by layer, fill / check, then s2h /
+h2s on I/O threads), not in the listed order, so a block written in a batch is that op's.
 
 Bounds (every socket sets them; see the README's "Security" section)::
 
@@ -468,6 +471,7 @@ def _decode_batch(hdr: dict[str, Any], payload: Sequence[Any], limits: Limits) -
     bounds = {"device": limits.num_device_blocks, "host": limits.num_host_blocks}
     ops: list[Op] = []
     seen: set[int] = set()
+    writes: dict[str, list[np.ndarray]] = {}  # blocks written, per id space
     for i, oh in enumerate(ops_hdr):
         if not isinstance(oh, dict):
             raise ProtocolError(f"batch {seq}: op {i} is not an object")
@@ -493,8 +497,35 @@ def _decode_batch(hdr: dict[str, Any], payload: Sequence[Any], limits: Limits) -
             )
         if dst_space and len(np.unique(dst)) != n_dst:
             raise ProtocolError(f"batch {seq}: op {op_id} writes one {dst_space} block twice")
+        if dst_space and n_dst:
+            writes.setdefault(dst_space, []).append(dst)
         ops.append(Op(op_id, kind, src, dst, keys, layerwise))
+    _check_overlap(seq, ops, writes)
     return CopyBlocks(seq=seq, step=step, ops=tuple(ops))
+
+
+def _check_overlap(seq: int, ops: list[Op], writes: dict[str, list[np.ndarray]]) -> None:
+    """A batch runs by kind (copies first, storage I/O after, on threads of its own), not
+    in the listed order: two ops writing one block leave either's bytes (on a GPU, a torn
+    block), and an s2h's host block used by any other op of the batch races the I/O. The
+    scheduler never sends either (one op per kind; a block in flight is pinned); a broken
+    or forged one did, and each was acked ok."""
+    for space, arrays in writes.items():
+        if len(arrays) > 1:
+            every = np.concatenate(arrays)
+            if len(np.unique(every)) != len(every):
+                raise ProtocolError(f"batch {seq}: two ops write one {space} block")
+    loads = [op for op in ops if op.kind == S2H and len(op.dst)]
+    if not loads:
+        return
+    loaded = np.concatenate([op.dst for op in loads])
+    for op in ops:
+        if op.kind == S2H:
+            continue
+        for side, side_space in zip((op.src, op.dst), _SIDES[op.kind][:2], strict=True):
+            if side_space == "host" and len(side) and np.isin(side, loaded).any():
+                raise ProtocolError(f"batch {seq}: op {op.id} ({op.kind}) uses a host block "
+                                    "an s2h of the batch writes")
 
 
 def _ids(frame: Any, n: int, seq: int, op_id: int, side: str, bound: int | None) -> np.ndarray:

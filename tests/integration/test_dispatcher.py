@@ -52,7 +52,10 @@ def group(ctx: zmq.Context[Any],
 
 
 def _op(i: int, n: int = 2) -> P.Op:
-    return P.Op(i, P.D2H, P.as_ids(range(n)), P.as_ids(range(10, 10 + n)))
+    """A d2h of ``n`` blocks; ops of other ids use other blocks (one batch's ops never
+    write one block: the receiver refuses such a batch)."""
+    return P.Op(i, P.D2H, P.as_ids(range(8 * i, 8 * i + n)),
+                P.as_ids(range(8 * i + 100, 8 * i + 100 + n)))
 
 
 def test_scheduler_side_imports_no_tensor_libraries() -> None:
