@@ -94,11 +94,11 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
     return out
 
 
-def _check_credentials(url: str) -> None:
+def _check_credentials(url: str, parts: Any) -> None:
     """A user or password with an unescaped ``/``, ``?`` or ``#`` ends the URL's host part
     early: what follows parses as a host, port, path or query, and the error would quote a
     piece of the password. One line that says so, naming no piece of it."""
-    if _ats_in_file_paths_only(url):
+    if _ats_in_file_paths_only(parts):
         return
     rest = url.split("://", 1)[1]
     end = userinfo_end(rest)
@@ -107,13 +107,10 @@ def _check_credentials(url: str) -> None:
                         "(%2F, %3F, %23)")
 
 
-def _ats_in_file_paths_only(url: str) -> bool:
-    """Every ``@`` of the URL is in the value of a file parameter (``ca=/certs@prod/ca.pem``):
-    no user or password there. (Such a URL was refused as a password holding '/'.)"""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return False
+def _ats_in_file_paths_only(parts: Any) -> bool:
+    """Every ``@`` of the URL (``urlsplit``'s ``parts``) is in the value of a file parameter
+    (``ca=/certs@prod/ca.pem``): no user or password there. (Such a URL was refused as a
+    password holding '/'.)"""
     if "@" in parts.netloc or "@" in parts.path or "@" in parts.fragment:
         return False
     return all("@" not in name and ("@" not in value or name in _TLS_FILES)
@@ -150,7 +147,7 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
         raise _bad(url, f"unknown scheme {scheme!r} (one of {', '.join(SCHEMES)})")
-    _check_credentials(url)
+    _check_credentials(url, parts)
     if parts.fragment or url.endswith("#"):  # dropped by urlsplit: a path cut short
         raise _bad(url, "'#' starts a fragment, which a store URL has none of "
                         "(percent-encode a '#' in a path as %23)")

@@ -150,28 +150,28 @@ class WorkerHalf:
         try:
             self.sidecar.wait_layer(meta.load_seq, i, timeout=self.cfg.layer_timeout_s)
             self.wait_s["layers"] += time.perf_counter() - t0
-        except TransferError as e:
-            # vLLM recomputes every block of the step's loads (or fails their requests and
-            # frees the blocks): the batch's other copies are called off too, as on a
-            # timeout; one that landed later would write a recomputed (or reused) block.
-            quiet = self.sidecar.abandon_load(meta.load_seq, i, str(e),
-                                              self.cfg.layer_timeout_s)
-            if not quiet:  # it lands later: the next bind waits for it
-                self._overrun = max(self._overrun, meta.load_seq)
+        except TransferError as e:  # (another op of the batch failed: its copies too)
+            self._call_off(meta.load_seq, i, str(e))
             if not self._errors:
                 self._copy_failed_log(seq=meta.load_seq, layer=i, error=str(e))
             self._errors.update(meta.loads)
         except TimeoutError as e:
-            # vLLM recomputes these blocks: a copy that landed later would overwrite them
-            # (or another request's, once vLLM reused them), so the load is called off.
-            quiet = self.sidecar.abandon_load(meta.load_seq, i, str(e),
-                                              self.cfg.layer_timeout_s)
-            if not quiet:  # it lands later, over what vLLM recomputes: the next bind waits
-                self._overrun = max(self._overrun, meta.load_seq)
+            quiet = self._call_off(meta.load_seq, i, str(e))
             self._layer_late_log(seq=meta.load_seq, layer=i, error=str(e), abandoned=True,
                                  copy_still_running=not quiet)
             self._errors.update(meta.loads)
             self.wait_s["layers"] += time.perf_counter() - t0
+
+    def _call_off(self, seq: int, layer: int, reason: str) -> bool:
+        """The load failed or was given up on: vLLM recomputes every block of the step's
+        loads (or fails their requests and frees the blocks), so no copy of the batch may
+        land later, over a recomputed block or another request's. Whether none still ran
+        (one that did lands later: the next bind waits for it)."""
+        assert self.sidecar is not None
+        quiet = self.sidecar.abandon_load(seq, layer, reason, self.cfg.layer_timeout_s)
+        if not quiet:
+            self._overrun = max(self._overrun, seq)
+        return quiet
 
     def load_errors(self) -> set[int]:
         """Blocks of this step's loads that did not arrive on this rank."""
