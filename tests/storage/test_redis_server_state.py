@@ -64,6 +64,29 @@ def test_a_key_that_holds_no_block_is_not_present(redis_server: RedisServer) -> 
         store.close()
 
 
+@pytest.mark.parametrize("reply", [[7], [b"x", b"y"], "OK"])
+def test_a_get_answered_with_what_mget_never_sends_is_one_counted_error(
+        redis_server: RedisServer, reply: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy or module in front of redis that answers MGET with another shape (an
+    integer, more values than keys, a status) fails the get with one StorageError,
+    counted, and the store stays usable. The real server cannot answer so: the client's
+    reply is replaced. (Before: a TypeError or a ValueError out of ``zip``, uncounted.)"""
+    store = open_store(redis_server.url, "ns-mget-shape")
+    try:
+        (h,) = _chain(store, "mget", 1)
+        out = np.zeros(BLOCK, np.uint8)
+        client = store._client  # type: ignore[attr-defined]
+        monkeypatch.setattr(client, "mget", lambda names: reply)
+        with pytest.raises(StorageError, match="MGET of 1 keys answered a "):
+            store.get_into(pack_key(h, 0), out)
+        assert store.stats.errors == 1
+        monkeypatch.undo()
+        assert store.get_into(pack_key(h, 0), out)
+        assert out.tobytes() == blocks(1, 13)[0].tobytes()
+    finally:
+        store.close()
+
+
 def test_without_scripts_the_query_and_the_delete_still_work(tmp_path: Path) -> None:
     """An ACL without ``@scripting``: the query's pipelines skip what holds no block as the
     script does, and a refused block is deleted with a plain DEL (said once)."""

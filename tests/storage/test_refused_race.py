@@ -79,3 +79,41 @@ def test_a_refused_block_nobody_replaced_is_deleted(backend: Backend) -> None:
     assert backend.raw_get(store, k) is None and store.exists([k]) == [False]
     if backend.kind == "file":
         assert os.listdir(os.path.dirname(store.path(k))) == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("damage", ["payload", "truncated"])
+def test_a_good_file_under_the_refused_files_inode_survives_the_refusal(
+        tmp_path: Any, damage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system reuses a removed file's inode number: a good copy written since under
+    the refused file's (device, inode) is not the file read. The reuse is made
+    deterministic by writing the good copy into the refused file itself (one inode).
+    (Before, the inode alone named the file: the good copy was removed.)"""
+    store = LocalDirStore(str(tmp_path), "ns")
+    (k,) = keys(1, f"reuse-{damage}")
+    src = blocks(1, 13)[0]
+    store.put(k, src)
+    path = store.path(k)
+    with open(path, "rb") as f:
+        good = f.read()
+    bad = (good[:-1] + bytes([good[-1] ^ 0x01]) if damage == "payload"
+           else good[: HEADER_SIZE + BLOCK // 2])
+    with open(path, "wb") as f:
+        f.write(bad)
+    ino = os.stat(path).st_ino
+    real = store._delete_refused
+
+    def racing(*args: Any) -> None:
+        with open(path, "r+b") as f:  # the good copy, same inode
+            f.write(good)
+        assert os.stat(path).st_ino == ino
+        real(*args)
+
+    monkeypatch.setattr(store, "_delete_refused", racing)
+    out = np.zeros(BLOCK, np.uint8)
+    assert store.get_many_into([k], [out]) == [False]  # what was read is refused
+    monkeypatch.undo()
+    with open(path, "rb") as f:
+        assert f.read() == good  # the good copy stays
+    assert store.get_into(k, out) and out.tobytes() == src.tobytes()
+    assert sorted(os.listdir(os.path.dirname(path))) == [os.path.basename(path)]
+    store.close()

@@ -498,7 +498,7 @@ class LocalDirStore(Store):
             kind = CORRUPT
         if kind is not None:
             self._refuse(key, kind, f"file size {size}, block {want} bytes",
-                         seen=(st.st_dev, st.st_ino))
+                         seen=(st.st_dev, st.st_ino, want))
             return False
         return True
 
@@ -506,13 +506,16 @@ class LocalDirStore(Store):
         """Remove the refused file, not a good one another writer put in its place since
         (a put renames a new file over the path; the path's inode tells which file is
         there). The file at the path is renamed aside (atomic: no put lands between the
-        look and the removal), compared with the one read (``seen``: device, inode) and
-        removed if it is that one, else renamed back: a reader meanwhile sees a miss, no
-        good copy is lost. (Before, the path was unlinked: a good copy that landed between
-        the read and the unlink went with it.)"""
+        look and the removal), compared with the one read (``seen``: device, inode, block
+        bytes) and removed if it is that one, else renamed back: a reader meanwhile sees a
+        miss, no good copy is lost. (Before, the path was unlinked: a good copy that landed
+        between the read and the unlink went with it.) A file system reuses the inode
+        number of a file removed: a file with the refused one's inode that checks out
+        whole is a good copy written since, and goes back too (before, it was removed)."""
         if seen is None:
             self.remove(key)
             return
+        dev, ino, want = seen
         path = self.path(key)
         aside = f"{path}.{os.getpid()}.{threading.get_ident()}.refused.tmp"  # scans skip .tmp
         with self._files_lock:  # this process's puts and evictions wait: they hold it too
@@ -525,7 +528,8 @@ class LocalDirStore(Store):
                 raise StorageError(f"remove {self.name(key)}: {e}") from e
             try:
                 st = os.stat(aside)
-                ours = (st.st_dev, st.st_ino) == seen
+                ours = ((st.st_dev, st.st_ino) == (dev, ino)
+                        and not self._whole(aside, key, want))
             except OSError:  # cannot tell: back in place (a bad one is refused again)
                 ours = False
             if ours:
@@ -537,6 +541,15 @@ class LocalDirStore(Store):
             except OSError as e:
                 unlink_quietly(aside)
                 raise StorageError(f"remove {self.name(key)}: {e}") from e
+
+    def _whole(self, path: str, key: bytes, want: int) -> bool:
+        """Whether the file at ``path`` is a good ``want``-byte block of ``key`` (read
+        again, only for a refused file's inode)."""
+        with open(path, "rb", buffering=0) as f:
+            data = f.read(HEADER_SIZE + want + 1)
+        kind, checksum = check_header(data[:HEADER_SIZE], self.ns_id, key, want)
+        return (kind is None and len(data) == HEADER_SIZE + want
+                and payload_ok(memoryview(data)[HEADER_SIZE:], checksum))
 
     # ---------------------------------------------------------------- index
 

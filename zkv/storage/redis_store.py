@@ -288,6 +288,11 @@ class RedisStore(Store):
             return []
         names = [self.name(k) for k in keys]
         values = self._call("get", lambda: self._client.mget(names))
+        if (not isinstance(values, list) or len(values) != len(keys)
+                or not all(v is None or isinstance(v, bytes) for v in values)):
+            self._count(errors=1)  # a proxy's or a module's reply, not MGET's
+            raise StorageError(f"{self.url} get: MGET of {len(keys)} keys answered "
+                               f"{_shape(values)}, not {len(keys)} strings or nils")
         return [self._take(k, v, as_bytes_view(o))
                 for k, v, o in zip(keys, values, outs, strict=True)]
 
@@ -416,3 +421,11 @@ def _scripts_refused(e: StorageError) -> bool:
     text = str(cause).lower()
     return isinstance(cause, ResponseError) and ("unknown command" in text
                                                  or "scripting" in text and "disabled" in text)
+
+
+def _shape(reply: Any) -> str:
+    """What a reply is, for an error line (never its bytes: they are KV)."""
+    if isinstance(reply, list):
+        kinds = sorted({type(v).__name__ for v in reply})
+        return f"a list of {len(reply)} ({', '.join(kinds)})"
+    return f"a {type(reply).__name__}"
