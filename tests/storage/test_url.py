@@ -45,6 +45,23 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     m.close()
 
 
+@pytest.mark.parametrize("query, connect", [
+    ("", 0.5), ("?timeout_s=0.1", 0.1), ("?timeout_s=5", 0.5),
+    ("?timeout_s=5&connect_timeout_s=3", 3.0), ("?connect_timeout_s=0.05", 0.05)])
+def test_a_redis_connect_waits_its_own_timeout_never_past_a_calls(query: str,
+                                                                  connect: float) -> None:
+    """A TCP connect waits ``connect_timeout_s`` (the URL's), by default 0.5 s or the call's
+    ``timeout_s`` when that is shorter. (Before, 0.5 s fixed: a ``timeout_s=0.1`` call that
+    connected waited up to 0.5 s, and a server slower than 0.5 s to connect to was never
+    reached.)"""
+    r = open_store(f"redis://127.0.0.1:{free_port()}/0{query}", "ns")  # nothing listens
+    try:
+        kw = r._client.connection_pool.connection_kwargs  # type: ignore[attr-defined]
+        assert kw["socket_connect_timeout"] == connect
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("url, why", [
     ("/tmp/x", "expected SCHEME://"),
     ("s3://bucket", "unknown scheme 's3'"),
@@ -72,6 +89,8 @@ def test_redis_and_mooncake_urls_open_even_with_no_server() -> None:
     ("file:///tmp/l3%00x", "the path holds a NUL byte"),
     ("redis://127.0.0.1:0/0", "port 0 is no server's port"),
     ("redis://127.0.0.1:6379/0?timeout_s=1e-9", "timeout_s must be >= 0.001"),
+    ("redis://127.0.0.1:6379/0?connect_timeout_s=0", "connect_timeout_s must be > 0"),
+    ("rediss://127.0.0.1:6379/0?connect_timeout_s=soon", "connect_timeout_s='soon' is not a float"),
     ("mooncake://127.0.0.1:50051?timeout_s=0.0001", "timeout_s must be >= 0.001"),
     # was: past this check, refused by the store's constructor (under vLLM: after the model
     # loaded; zkv-check-vllm-config said ok)

@@ -3,7 +3,7 @@
 ::
 
     file:///abs/path[?max_gb=G|max_bytes=N][&fsync=1][&keep_days=D]   LocalDirStore (default)
-    redis://[[user]:password@]HOST:PORT[/DB][?timeout_s=T][&ttl_s=S]
+    redis://[[user]:password@]HOST:PORT[/DB][?timeout_s=T][&connect_timeout_s=C][&ttl_s=S]
                                                                 RedisStore (Redis / Valkey)
     rediss://...[?ca=CA.pem][&cert=C.pem&key=K.pem]             the same over TLS: the server's
                         certificate checked against ``ca`` (else the system's CAs) and its
@@ -33,7 +33,7 @@ from zkv.security import redact_credentials, userinfo_end
 from zkv.storage.base import Store
 
 SCHEMES = ("file", "redis", "rediss", "mooncake")
-_REDIS_PARAMS: dict[str, type] = {"timeout_s": float, "ttl_s": int}
+_REDIS_PARAMS: dict[str, type] = {"timeout_s": float, "connect_timeout_s": float, "ttl_s": int}
 _TLS_FILES = ("ca", "cert", "key")
 _PARAMS = {
     "file": {"max_gb": float, "max_bytes": int, "fsync": bool, "keep_days": float},
@@ -53,7 +53,7 @@ _CHOICES = {("mooncake", "header"): MOONCAKE_HEADER_MODES}
 # taken, 1e16 refused).
 _MAX = {"ttl_s": 10**15}
 # Lower bounds where every call would time out on a healthy server (and say it is down).
-_MIN = {"timeout_s": 0.001}
+_MIN = {"timeout_s": 0.001, "connect_timeout_s": 0.001}
 
 
 def _bad(url: str, why: str) -> ConfigError:
