@@ -72,8 +72,12 @@ MAX_ERROR_CHARS = 512
 MAX_ACK_ERROR_CHARS = 256 << 10
 #: Hello's layout description (JSON) is at most this long.
 MAX_GEOMETRY_CHARS = 4096
-#: A refusal's reason (it may name every layout field that differs) is cut to this.
+#: A refusal's reason (it may name every layout field that differs) is cut to this; so
+#: are a bye's and a shutdown's (decoded: refused when longer).
 MAX_REASON_CHARS = 2048
+#: Hello's layout fingerprint (16 hex digits; a longer one is no fingerprint: refused at
+#: decode, before it is quoted in a refusal's reason and its log line).
+MAX_FINGERPRINT_CHARS = 64
 #: Messages queued per connection: batches for a rank on the scheduler's XPUB (a full
 #: queue means that rank stopped reading), anything else on the other sockets.
 SEND_HWM = 1000
@@ -283,10 +287,12 @@ def encode(msg: Message) -> list[bytes]:
         hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid, "last_seq": msg.last_seq}
         return [T_HEARTBEAT, orjson.dumps(hdr)]
     if isinstance(msg, Bye):
-        hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid, "reason": msg.reason}
+        hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid,
+               "reason": msg.reason[:MAX_REASON_CHARS]}
         return [T_BYE, orjson.dumps(hdr)]
     if isinstance(msg, Shutdown):
-        return [T_SHUTDOWN, orjson.dumps({"v": PROTOCOL_VERSION, "reason": msg.reason})]
+        return [T_SHUTDOWN, orjson.dumps({"v": PROTOCOL_VERSION,
+                                          "reason": msg.reason[:MAX_REASON_CHARS]})]
     if isinstance(msg, Refused):
         hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid,
                "reason": msg.reason[:MAX_REASON_CHARS]}
@@ -374,7 +380,8 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
         raise ProtocolError("header is not a JSON object")
     v = hdr.get("v")
     if v != PROTOCOL_VERSION or type(v) is not int:
-        raise ProtocolError(f"unknown protocol version {v!r} (this side speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(f"unknown protocol version {_quote(v)} (this side speaks "
+                            f"{PROTOCOL_VERSION})")
     if len(frames) == 2:  # the messages of every step, checked in one function
         idle = _idle(tag, hdr)
         if idle is not None:
@@ -404,19 +411,19 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
         geometry = _get(hdr, "geometry", str) if "geometry" in hdr else ""
         if len(geometry) > MAX_GEOMETRY_CHARS:
             raise ProtocolError(f"hello: geometry longer than {MAX_GEOMETRY_CHARS} characters")
-        return Hello(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _get(hdr, "layout", str),
-                     geometry)
+        layout = _get(hdr, "layout", str)
+        if len(layout) > MAX_FINGERPRINT_CHARS:
+            raise ProtocolError(f"hello: layout fingerprint longer than {MAX_FINGERPRINT_CHARS} "
+                                "characters")
+        return Hello(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), layout, geometry)
     if tag == T_HEARTBEAT:
         return Heartbeat(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _int(hdr, "last_seq"))
     if tag == T_BYE:
-        return Bye(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _get(hdr, "reason", str))
+        return Bye(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _reason(hdr, "bye"))
     if tag == T_SHUTDOWN:
-        return Shutdown(_get(hdr, "reason", str))
+        return Shutdown(_reason(hdr, "shutdown"))
     if tag == T_REFUSED:
-        reason = _get(hdr, "reason", str)
-        if len(reason) > MAX_REASON_CHARS:
-            raise ProtocolError(f"refused: reason longer than {MAX_REASON_CHARS} characters")
-        return Refused(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), reason)
+        return Refused(_nonneg(hdr, "rank"), _nonneg(hdr, "pid"), _reason(hdr, "refused"))
     raise ProtocolError(f"unknown message type {tag[:32]!r}")
 
 
@@ -575,6 +582,21 @@ def _buf(frame: Any) -> memoryview:
         return memoryview(buf).cast("B")
     except TypeError as e:
         raise ProtocolError(f"frame is not a byte buffer: {type(frame).__name__}") from e
+
+
+def _reason(hdr: dict[str, Any], what: str) -> str:
+    """A bye's, shutdown's or refusal's ``reason``: at most ``MAX_REASON_CHARS`` (it is
+    logged; before, a bye's was any length, up to the frame limit, in one log line)."""
+    reason = _get(hdr, "reason", str)
+    if len(reason) > MAX_REASON_CHARS:
+        raise ProtocolError(f"{what}: reason longer than {MAX_REASON_CHARS} characters")
+    return reason  # type: ignore[no-any-return]
+
+
+def _quote(value: Any) -> str:
+    """A peer's bad value for an error line, cut (it may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 64 else f"{text[:64]}... ({len(text)} characters)"
 
 
 def _get(d: dict[str, Any], name: str, typ: type) -> Any:

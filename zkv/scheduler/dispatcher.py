@@ -553,7 +553,10 @@ class Dispatcher:
         """Receive and handle one queued message from a rank (there is one: a poll or an
         EVENTS check said so, and only this thread reads)."""
         copy = not self._authenticated
-        frames = recv_frames(self._pull, DONTWAIT, copy=copy)
+        try:
+            frames = recv_frames(self._pull, DONTWAIT, copy=copy)
+        except zmq.Again:  # with keys: a connection's credential frame, shown as a message
+            return  # of its own while the first message still arrives (it raised from poll)
         try:
             self._on_message(frames, None if copy else self._sender(frames[0]))
         except Exception as e:  # a message must never take the scheduler down

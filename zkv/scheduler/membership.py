@@ -27,8 +27,12 @@ for batches that never come::
     hello ─┬─ layout differs ─────────► Refused("... refused: <fields>"), and
            │                            wait_for_ranks raises ConfigError naming them
            ├─ rank >= world size ─────► Refused("rank R is not below world size W")
-           └─ a new pid after start ──► Refused("... cannot rejoin"); the running rank
+           ├─ a new pid after start ──► Refused("... cannot rejoin"); the running rank
                                         (another pid) reads past it
+           └─ a new pid before start ─► taken; the pid it replaces (said hello or joined)
+                                        is told Refused("replaced by pid P") and stops:
+                                        acks carry no pid, so a stale process left
+                                        running would ack the rank's batches
     its ready marker comes later ─────► Refused again (the SUB may not have been connected
                                         at the hello; ``MAX_UNTOLD`` are kept), and
                                         wait_for_ranks waits up to ``TELL_S`` for it
@@ -52,13 +56,17 @@ from zkv.config import CacheLayout
 MAX_UNTOLD = 64
 #: How long ``wait_for_ranks`` waits for a refused process's subscriber before it raises.
 TELL_S = 1.0
+#: Ready markers remembered per rank (pids whose subscription came; bounded: a rank could
+#: subscribe to markers of many made-up pids). The hello's and the joined pid's stay.
+MAX_SUB_PIDS = 64
 
 
 @dataclass(slots=True)
 class RankState:
     rank: int
     hello_pid: int | None = None
-    sub_pids: set[int] = field(default_factory=set)
+    sub_pids: dict[int, None] = field(default_factory=dict)  # (insertion order: the oldest
+    #                                                             is dropped past MAX_SUB_PIDS)
     joined_pid: int | None = None
     last_seen: float = 0.0
     last_seq: int = -1
@@ -69,10 +77,10 @@ class RankState:
 class Membership:
     """The ranks of one group (``ranks[r]``, r < ``world_size``) and who may join.
 
-    ``counts``: the dispatcher's refusal counts (``hello`` and ``forged`` are counted
-    here); ``refuse(reason, **fields)`` counts and logs a refused message (rate-limited);
-    ``forged(**fields)`` logs a forged one; ``tell(rank, pid, reason)`` publishes
-    ``Refused``. Every call is O(1) but ``missing`` (O(world_size)).
+    ``counts``: the dispatcher's refusal counts (``hello``, ``forged`` and ``malformed``
+    subscriptions are counted here); ``refuse(reason, **fields)`` counts and logs a refused
+    message (rate-limited); ``forged(**fields)`` logs a forged one; ``tell(rank, pid,
+    reason)`` publishes ``Refused``. Every call is O(1) but ``missing`` (O(world_size)).
     """
 
     def __init__(self, world_size: int, layout: CacheLayout | None, fingerprint: str, *,
@@ -88,6 +96,8 @@ class Membership:
         self._refuse = refuse
         self._forged = forged
         self._tell = tell
+        # a refused hello's line: a peer may send many (before, one error line each)
+        self._refused_log = ev.RateLimited(log, ev.RANK_REFUSED, burst=10)
         # (rank, pid) -> reason: refused, its subscriber not seen yet (see tell_refused)
         self._untold: dict[tuple[int, int], str] = {}
 
@@ -118,6 +128,9 @@ class Membership:
             if msg.pid != r.joined_pid:
                 self._refuse_hello(msg, "hello after the group started (ranks cannot rejoin)")
             return
+        old = r.joined_pid if r.joined_pid is not None else r.hello_pid
+        if old is not None and old != msg.pid:
+            self._replaced(r, old, msg.pid)
         r.hello_pid = msg.pid
         r.refused = None
         if self._untold:  # refused before, fits now: never tell it otherwise
@@ -130,6 +143,11 @@ class Membership:
         rank's subscriber went away after the start (``disconnected_at`` set now)."""
         if not sub:
             return False
+        if sub[0] > 1:  # no subscription: a message an XSUB sent upstream (XPUB passes
+            self._counts["malformed"] += 1  # those up as they are); before, taken for an
+            self._refuse("malformed", error="an upstream message that is no (un)subscription",
+                         sender=sender)  # unsubscription of the marker it named
+            return False
         marker = P.parse_ready_topic(sub[1:])
         if marker is None:
             return False
@@ -138,21 +156,22 @@ class Membership:
             if sub[0] == 1:
                 self._retell(rank, pid)
             return False
-        # An unsubscription needs no identity: only the connection that holds a marker can
-        # drop it (libzmq counts subscriptions per connection), and a closed connection's
-        # come from libzmq itself.
-        if authenticated and sub[0] == 1 and rank != sender:
+        # A subscription, or an unsubscription a connection sent, names its own rank. (An
+        # unsubscription libzmq made for a closed connection has no sender.)
+        if authenticated and rank != sender and (sub[0] == 1 or sender is not None):
             self._counts["forged"] += 1
-            self._forged(rank=rank, sender=sender, type="subscription",
+            self._forged(rank=rank, sender=sender,
+                         type="subscription" if sub[0] == 1 else "unsubscription",
                          num_forged=self._counts["forged"])
             return False
         r = self.ranks[rank]
         if sub[0] == 1:
             self._retell(rank, pid)
-            r.sub_pids.add(pid)
-            self._maybe_join(r)
+            if not self.started or pid == r.joined_pid:  # (after the start: only its own)
+                self._remember_sub(r, pid)
+                self._maybe_join(r)
             return False
-        r.sub_pids.discard(pid)
+        r.sub_pids.pop(pid, None)
         if pid != r.joined_pid:
             return False
         if self.started:
@@ -162,6 +181,25 @@ class Membership:
             return False
         self.forget(r, pid, "subscriber disconnected")
         return False
+
+    def _remember_sub(self, r: RankState, pid: int) -> None:
+        subs = r.sub_pids
+        subs[pid] = None
+        if len(subs) > MAX_SUB_PIDS:  # the oldest but the hello's and the joined pid's
+            for old in subs:
+                if old != r.hello_pid and old != r.joined_pid and old != pid:
+                    del subs[old]
+                    break
+
+    def _replaced(self, r: RankState, old: int, new: int) -> None:
+        """(Before the start.) A new process of rank ``r`` said hello: the one it replaces
+        is told to stop, once its subscriber is there if it is not yet."""
+        self._log.warning(ev.RANK_LEFT, rank=r.rank, worker_pid=old,
+                          reason=f"replaced by pid {new}")
+        if r.joined_pid == old:
+            r.joined_pid = None
+        self._refuse_pid(r.rank, old, f"replaced by pid {new} (a newer process of rank "
+                                      f"{r.rank} said hello)")
 
     def forget(self, r: RankState, pid: int, reason: str) -> None:
         """Before the start: ``r`` left (a Bye, its subscriber gone); it may come back."""
@@ -215,14 +253,16 @@ class Membership:
         """Count (``hello``), log and tell a refused hello; returns the reason."""
         self._counts["hello"] += 1
         reason = self._tell_refused(msg, problem)
-        self._log.error(ev.RANK_REFUSED, rank=msg.rank, worker_pid=msg.pid, error=reason)
+        self._refused_log(rank=msg.rank, worker_pid=msg.pid, error=reason)
         return reason
 
     def _tell_refused(self, msg: P.Hello, problem: str) -> str:
         """Tell the process that sent ``msg`` that it is refused (it stops); returns the
         reason it is told. Published now; unless its ready marker came already (then its
         SUB gets this), again when it comes."""
-        rank, pid = msg.rank, msg.pid
+        return self._refuse_pid(msg.rank, msg.pid, problem)
+
+    def _refuse_pid(self, rank: int, pid: int, problem: str) -> str:
         reason = f"rank {rank} (pid {pid}) refused: {problem}"
         self._tell(rank, pid, reason)
         if rank < self.world_size and pid in self.ranks[rank].sub_pids:

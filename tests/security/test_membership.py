@@ -1,0 +1,164 @@
+"""What a key holder (or a rank's own stale process) can do to the group's membership
+through messages that pass CURVE: none of it costs another rank its place, grows the
+scheduler without bound or raises out of its poll."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+import pytest
+import zmq
+from structlog.testing import capture_logs
+
+from tests.security.test_curve import FP, _endpoints, _poll_until, group, keyring, transport
+from tests.worker.helpers import FakeRank, events_named, poll_for, poll_until_done
+from zkv import log as ev
+from zkv import protocol as P
+from zkv import security
+from zkv.scheduler.dispatcher import Dispatcher
+from zkv.scheduler.membership import MAX_SUB_PIDS
+from zkv.security import Keyring
+
+__all__ = ["group", "keyring", "transport"]  # (fixtures)
+
+
+def test_a_first_message_that_arrives_in_pieces_never_raises_out_of_poll(
+        group: tuple[Dispatcher, list[FakeRank]], ctx: zmq.Context[Any],
+        keyring: Keyring) -> None:
+    """With keys, libzmq queues a credential frame at the head of a new connection: while
+    its first message (a 4 MB frame: several reads) still arrives, the socket reads as
+    readable and a receive finds nothing. (Before, ``zmq.Again`` escaped ``poll``: one
+    message from any key holder, or a rank's reconnect with a large ack queued, raised
+    out of the engine's scheduling step.)"""
+    d, _ = group
+    for _ in range(5):
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        security.setup_client(push, keyring.for_rank(1), d.pull_endpoint)
+        push.connect(d.pull_endpoint)
+        before = d.refusals()["malformed"]
+        push.send_multipart([P.T_ACK, b'{"v":1,"pad":"' + b"x" * (4 << 20) + b'"}'])
+        try:
+            _poll_until(d, lambda: d.refusals()["malformed"] == before + 1, "the refusal")
+        finally:
+            push.close(0)
+    assert d.lost_ranks == frozenset()
+
+
+def test_an_upstream_message_naming_another_ranks_marker_is_refused(
+        group: tuple[Dispatcher, list[FakeRank]], ctx: zmq.Context[Any],
+        keyring: Keyring) -> None:
+    """Rank 1's key on an XSUB sends upstream a message that is no subscription (first
+    byte 2) naming rank 0's ready marker: counted malformed, rank 0 stays. (Before, any
+    first byte but 1 was an unsubscription, checked for no sender: rank 0 was lost.)"""
+    d, (r0, r1) = group
+    x = ctx.socket(zmq.XSUB)
+    x.setsockopt(zmq.LINGER, 0)
+    security.setup_client(x, keyring.for_rank(1), d.pub_endpoint)
+    x.connect(d.pub_endpoint)
+    try:
+        before = d.refusals()["malformed"]
+        deadline = time.monotonic() + 10
+        while d.refusals()["malformed"] == before:  # (sent again until the pipe is up)
+            assert time.monotonic() < deadline, d.refusals()
+            x.send(b"\x02" + P.ready_topic(0, r0.pid))
+            poll_for(d, 0.05)
+        poll_for(d, 0.3)  # past the grace a lost subscriber gets
+        assert d.lost_ranks == frozenset()
+        seq = d.publish([P.Op(0, P.D2H, P.as_ids([1]), P.as_ids([1]))], step=0)
+        r0.ack(r0.recv_batch())
+        r1.ack(r1.recv_batch())
+        assert poll_until_done(d, seq)[seq].ok
+    finally:
+        x.close(0)
+
+
+def test_a_process_replaced_before_the_start_is_told_to_stop(
+        ctx: zmq.Context[Any], keyring: Keyring, transport: str, folder: str) -> None:
+    """Two processes of one rank (a restart before the group started): the newer one's
+    hello takes the place, the older one is told ``Refused`` and its acks never count for
+    the rank. (Before, it was never told: it read every batch and its ok ack, which
+    carries no pid, completed a batch the joined process failed.)"""
+    kr = Keyring.generate(1)
+    d = Dispatcher(*_endpoints(transport, folder), 1, FP, context=ctx, keys=kr,
+                   heartbeat_timeout_s=60)
+    a = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 0, FP, pid=111, keys=kr.for_rank(0))
+    b = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 0, FP, pid=222, keys=kr.for_rank(0))
+    try:
+        a.join()
+        _poll_until(d, lambda: d._ranks[0].joined_pid == 111, "A to join")
+        b.join()
+        _poll_until(d, lambda: d._ranks[0].joined_pid == 222, "B to join in A's place")
+        d.wait_for_ranks(10)
+        told = a.recv()
+        assert isinstance(told, P.Refused) and (told.rank, told.pid) == (0, 111), told
+        assert "replaced by pid 222" in told.reason
+        seq = d.publish([P.Op(0, P.D2H, P.as_ids([1]), P.as_ids([1]))], step=0)
+        failed = P.OpResult(0, False, 0, "the joined process failed the copy")
+        b.ack(b.recv_batch(), {0: failed})
+        done = poll_until_done(d, seq)[seq]
+        assert not done.ok and done.results[0].error == f"rank 0: {failed.error}"
+    finally:
+        d.close(shutdown=False)
+        a.close()
+        b.close()
+
+
+def test_ready_markers_of_made_up_pids_are_bounded(
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    """A rank subscribing to its own marker under many pids: the scheduler remembers at
+    most ``MAX_SUB_PIDS`` (before: every one, for good), and after the start none but the
+    joined process's."""
+    d, (_, r1) = group
+    for pid in range(1000, 1000 + 3 * MAX_SUB_PIDS):
+        r1.sub.setsockopt(zmq.SUBSCRIBE, P.ready_topic(1, pid))
+    deadline = time.monotonic() + 10
+    while d._ranks[1].sub_pids.keys() != {r1.pid}:
+        assert time.monotonic() < deadline, len(d._ranks[1].sub_pids)
+        poll_for(d, 0.05)
+    assert d._ranks[1].joined_pid == r1.pid
+
+
+def test_a_hello_flood_logs_a_bounded_few_lines(ctx: zmq.Context[Any], transport: str,
+                                                folder: str) -> None:
+    """Hellos that are refused (another layout), and hellos whose fingerprint is a
+    megabyte: a few lines, each short; the megabyte one is refused at decode. (Before:
+    an error line per hello, each quoting what the peer sent: 200 hellos wrote 210 MB.)"""
+    kr = Keyring.generate(1)
+    d = Dispatcher(*_endpoints(transport, folder), 1, FP, context=ctx, keys=kr,
+                   heartbeat_timeout_s=60)
+    r = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 0, FP, keys=kr.for_rank(0))
+    try:
+        with capture_logs() as logs:
+            for i in range(60):
+                r.send(P.Hello(0, 5000 + i, "another-layout"))
+            hdr = {"v": P.PROTOCOL_VERSION, "rank": 0, "pid": 1, "layout": "f" * (1 << 20)}
+            r.send_raw([P.T_HELLO, orjson.dumps(hdr)])
+            hdr = {"v": "x" * (1 << 20)}
+            r.send_raw([P.T_HELLO, orjson.dumps(hdr)])
+            r.send_raw([P.T_BYE, orjson.dumps({"v": P.PROTOCOL_VERSION, "rank": 0, "pid": 1,
+                                                "reason": "r" * (1 << 20)})])
+            _poll_until(d, lambda: d.refusals()["hello"] == 60
+                        and d.refusals()["malformed"] == 3, "the refusals")
+        refused = events_named(logs, ev.RANK_REFUSED)
+        assert 1 <= len(refused) <= 12, len(refused)
+        assert max(len(repr(e)) for e in logs) < 8192
+        assert d._ranks[0].refused is not None  # still reported to wait_for_ranks
+    finally:
+        d.close(shutdown=False)
+        r.close()
+
+
+@pytest.mark.parametrize("reason", ["bye", "shutdown", "refused"])
+def test_reasons_are_cut_when_encoded_and_refused_when_longer(reason: str) -> None:
+    long = "r" * (P.MAX_REASON_CHARS + 10)
+    msg = {"bye": P.Bye(0, 1, long), "shutdown": P.Shutdown(long),
+           "refused": P.Refused(0, 1, long)}[reason]
+    assert len(P.decode(P.encode(msg)).reason) == P.MAX_REASON_CHARS  # type: ignore[union-attr]
+    frames = P.encode(msg)
+    hdr = orjson.loads(frames[1])
+    hdr["reason"] = long
+    with pytest.raises(P.ProtocolError, match="reason longer than"):
+        P.decode([frames[0], orjson.dumps(hdr)])
