@@ -10,6 +10,7 @@ import pytest
 
 from tests.servers import MooncakeServer
 from tests.storage.conftest import master_replica_queries
+from zkv.errors import ConfigError
 from zkv.storage import StoreStats, open_store, pack_key
 from zkv.storage.mooncake_store import INLINE_MAX, TOO_SMALL, MooncakeStore
 
@@ -188,3 +189,12 @@ def test_a_lease_that_runs_out_during_a_read_is_a_miss_not_an_outage(tmp_path: A
             assert failed and "get returned -707" in failed[0]["error"], logs
         finally:
             store.close()
+
+
+def test_sizes_the_client_refuses_are_one_line_at_open(mooncake_server: MooncakeServer) -> None:
+    """A segment larger than any machine's memory: the client's setup refuses it
+    (INVALID_PARAMS), a ConfigError at open. (Before, an outage: the link retried for the
+    engine's life and every call missed, the line blaming the master.)"""
+    with pytest.raises(ConfigError, match=r"refused its parameters \(setup returned -600\): "
+                                          r"segment_mb=100000000"):
+        open_store(mooncake_server.url + "?segment_mb=100000000", "ns-bad-size")

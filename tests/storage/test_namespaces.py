@@ -94,6 +94,57 @@ def test_a_store_in_use_marks_its_namespace_again(tmp_path: Path,
     assert time.time() - os.stat(mark).st_mtime < 60
 
 
+def test_a_store_marks_its_namespace_used_at_close(tmp_path: Path) -> None:
+    """Closing is the last use: the mark says so. (Before, a store marked at most once an
+    hour: a namespace used a moment ago looked idle up to an hour, another opener with a
+    short ``keep_days`` removed it as idle, ``idle_days`` 0.0.)"""
+    root = tmp_path / "l3"
+    s = LocalDirStore(root, "model-a", max_bytes=1 << 20, rank=0)
+    mark = root / "model-a" / namespaces.MARK
+    s.put(_key(1), np.ones(BLOCK, np.uint8))
+    old = time.time() - 3000  # marked 50 minutes ago: within the hour, not touched again
+    os.utime(mark, (old, old))
+    s.put(_key(2), np.ones(BLOCK, np.uint8))
+    assert os.stat(mark).st_mtime == pytest.approx(old)
+    s.close()
+    assert time.time() - os.stat(mark).st_mtime < 60
+    LocalDirStore(root, "model-b", rank=0, keep_days=0.03).close()  # 43 minutes
+    assert sorted(os.listdir(root)) == ["model-a", "model-b"]
+
+
+def test_a_namespace_renamed_aside_while_its_store_opens_is_made_again_and_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another opener renames the namespace aside (unused past its ``keep_days``) between
+    this store's open of the mark and its lock: the store makes the namespace again and
+    holds the new mark. (Before, it held the renamed one's: its namespace was removed
+    under it, made again by its next put without a mark, and never pruned.) The race is
+    made deterministic: the rename runs inside the store's lock call."""
+    root = tmp_path / "l3"
+    _fill(root, "old", 3, idle_days=30)
+    real = namespaces.fcntl.flock
+    raced: list[bool] = []
+
+    def flock(fd: int, op: int) -> None:
+        if op == namespaces.fcntl.LOCK_SH and not raced:
+            raced.append(True)  # the other opener: the namespace aside, as prune does
+            os.rename(root / "old", root / f".old.999{namespaces._ASIDE}")
+        real(fd, op)
+
+    monkeypatch.setattr(namespaces.fcntl, "flock", flock)
+    s = LocalDirStore(root, "old", max_bytes=1 << 20, rank=0)
+    monkeypatch.undo()
+    try:
+        assert raced == [True]
+        mark = root / "old" / namespaces.MARK
+        assert s._held is not None and mark.is_file()  # type: ignore[attr-defined]
+        held = os.fstat(s._held)  # type: ignore[attr-defined]
+        assert (held.st_dev, held.st_ino) == (os.stat(mark).st_dev, os.stat(mark).st_ino)
+        LocalDirStore(root, "other", rank=0, keep_days=1e-9).close()  # its open prunes
+        assert sorted(os.listdir(root)) == ["old", "other"]  # held: stays; aside: gone
+    finally:
+        s.close()
+
+
 def test_a_removal_cut_short_is_finished_by_the_next_open(tmp_path: Path) -> None:
     """A namespace renamed aside whose removal died midway (its mark is removed last, so
     it is still inside) goes at the next open."""
@@ -126,7 +177,8 @@ def test_a_namespace_a_store_holds_open_is_never_removed(tmp_path: Path) -> None
     finally:
         held.communicate("", timeout=30)  # it closes its store and exits
     idle.close()
-    os.utime(root / "idle" / namespaces.MARK, (t, t))
+    for ns in ("idle", "other"):  # (closing marked them used)
+        os.utime(root / ns / namespaces.MARK, (t, t))
     open_store(f"file://{root}?keep_days=0.0001", "live").close()
     assert sorted(os.listdir(root)) == ["live"]
 

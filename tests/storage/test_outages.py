@@ -4,6 +4,8 @@ and the client picks the server up again by itself."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +16,14 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from tests.servers import KillableStore, MooncakeServer, RedisServer, free_port, wait_for
+from tests.servers import (
+    KillableStore,
+    MooncakeServer,
+    RedisServer,
+    free_port,
+    sigstop,
+    wait_for,
+)
 from tests.waiting import holds_within, idle_for
 from zkv.errors import StorageError
 from zkv.storage import Store, leading_present, open_store, pack_key
@@ -150,6 +159,34 @@ def test_reads_from_a_dead_mooncake_holder_fail_in_a_few_lines(tmp_path: Path) -
             assert lines[-1]["summary"] is True and lines[-1]["num_total"] == 40
             assert lines[-1]["num_suppressed"] + len(lines) - 1 == 40, lines
             assert {(e["store"], e["call"]) for e in lines} == {(store.url, "get")}
+        finally:
+            store.close()
+
+
+def test_a_hung_mooncake_holder_costs_a_call_its_timeout_not_30_s(tmp_path: Path) -> None:
+    """The process whose segment holds the blocks stops answering (SIGSTOP): a get and a
+    put of its blocks fail after the store's timeout (whole seconds: Mooncake's transfer
+    waits count in seconds; the process's first store set them), a miss and a failed put.
+    (Before: 30 s each, Mooncake's own transfer timeout, a core busy all along.)"""
+    with MooncakeServer(str(tmp_path)) as mc:
+        store = open_store(mc.url + "?segment_mb=0&timeout_s=1", "ns")  # the holder's segment
+        keys = [pack_key(i.to_bytes(16, "big"), 0) for i in range(4)]
+        try:
+            assert store.put_many(keys[:2], [np.full(BLOCK, 7, np.uint8)] * 2) == [True] * 2
+            assert mc.holder is not None
+            sigstop(mc.holder.pid)
+            try:
+                t0 = time.monotonic()
+                assert store.get_many_into(keys[:1], [np.zeros(BLOCK, np.uint8)]) == [False]
+                t1 = time.monotonic()
+                assert store.put_many(keys[2:], [np.full(BLOCK, 8, np.uint8)] * 2) \
+                    == [False] * 2
+                t2 = time.monotonic()
+            finally:
+                os.kill(mc.holder.pid, signal.SIGCONT)
+            # 30 s before; a few seconds now (the first store of the test process set the
+            # waits from its timeout_s: these tests' are 1-2 s)
+            assert t1 - t0 < 12 and t2 - t1 < 12, (t1 - t0, t2 - t1)
         finally:
             store.close()
 

@@ -94,6 +94,8 @@ def test_a_redis_connect_waits_its_own_timeout_never_past_a_calls(query: str,
     ("mooncake://127.0.0.1:50051?timeout_s=0.0001", "timeout_s must be >= 0.001"),
     # was: past this check, refused by the store's constructor (under vLLM: after the model
     # loaded; zkv-check-vllm-config said ok)
+    ("mooncake://127.0.0.1:50051?protocol=bogus", "protocol must be one of tcp, rdma, got "
+                                                  "'bogus'"),  # was: an outage, retried
     ("mooncake://127.0.0.1:50051?header=junk", "header must be one of auto, inline, split, "
                                                "got 'junk'"),
 ])

@@ -660,14 +660,19 @@ class LocalDirStore(Store):
     def _open_namespace(self) -> None:
         """(At open.) Make this namespace's folder, mark it used and hold it; remove the
         namespaces no store holds, unused for ``keep_s`` (``zkv/storage/namespaces.py``)."""
-        try:
-            for d in make_private_dirs(self._base):
-                if self.fsync:  # (its entry in its parent, as a put's folders)
-                    fsync_dir(os.path.dirname(d))
-        except OSError:
-            return  # (its puts say why)
-        self._mark(time.monotonic())
-        self._held = namespaces.hold(self._base)
+        for _ in range(3):  # again while another opener renames it aside under us
+            try:
+                for d in make_private_dirs(self._base):
+                    if self.fsync:  # (its entry in its parent, as a put's folders)
+                        fsync_dir(os.path.dirname(d))
+            except OSError:
+                return  # (its puts say why)
+            self._marked_at = -math.inf
+            self._mark(time.monotonic())
+            held = namespaces.hold(self._base)
+            if held != namespaces.STALE:
+                self._held = held
+                break
         pruned = namespaces.prune(self.root, self.namespace, self.keep_s) if self.keep_s else []
         for name, days in pruned:
             self._log.info(ev.STORE_NAMESPACE_PRUNED, store=self.url, pruned=name,
@@ -677,12 +682,15 @@ class LocalDirStore(Store):
         super().close()
         held, self._held = self._held, None
         if held is not None:
+            namespaces.mark(self._base)  # the last use (before the lock goes)
             os.close(held)  # (its lock with it)
 
     def _mark(self, now: float) -> None:
-        """Mark the namespace used, at most once every ``MARK_EVERY_S`` (a put, a hit);
-        the first call (at open) always."""
-        if now - self._marked_at >= namespaces.MARK_EVERY_S:
+        """Mark the namespace used, at most once every ``MARK_EVERY_S`` or a tenth of
+        ``keep_s`` (a put, a hit); the first call (at open) always."""
+        every = min(namespaces.MARK_EVERY_S, self.keep_s / 10) if self.keep_s else \
+            namespaces.MARK_EVERY_S
+        if now - self._marked_at >= every:
             self._marked_at = now
             namespaces.mark(self._base)
 

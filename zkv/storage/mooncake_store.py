@@ -59,12 +59,16 @@ taking the link down again.
 
 Process-wide settings (environment, first client wins): ``MC_RPC_TIMEOUT_MS`` (from
 ``timeout_s``: a stopped master costs one call this long, not 30 s),
+``MC_TCP_STATUS_TIMEOUT_SEC`` and ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (``timeout_s`` rounded up
+to whole seconds: a holder that stopped answering costs a get or a put that long; before,
+30 s each, a core busy all along),
 ``MC_STORE_CLIENT_SETUP_RETRIES=1`` (the master port is probed before ``setup``, so a
 dead master costs ~0 s instead of ~90 s), ``MC_LOG_LEVEL=ERROR``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -101,6 +105,7 @@ MAX_STALE = 64
 STALE_S = 0.1
 _PROBE = ["zkv-probe"]
 TOO_SMALL = -600
+INVALID_PARAMS = -600  # (the same code from setup: the client's sizes or protocol)
 TRANSFER_FAIL = -800
 LEASE_EXPIRED = -707  # the object's lease ran out while it was read: that block misses
 #: Codes about one object; anything else negative means the store is not answering.
@@ -147,6 +152,11 @@ class MooncakeStore(Store):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, int(timeout_s * 1000))))
+        # the transfer engine's own waits on a peer (a holder) that stopped answering: 30 s
+        # each by default, a core spinning all along (whole seconds only)
+        transfer_s = str(max(1, math.ceil(timeout_s)))
+        os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", transfer_s)
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", transfer_s)
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -170,6 +180,9 @@ class MooncakeStore(Store):
         try:  # a master down at start is no error: the store degrades to misses
             self.link.before()
             self._connect()
+        except ConfigError:  # (before, an outage: the engine served without L3, retrying)
+            self.close()
+            raise
         except Exception as e:
             self.link.down(e)
         else:
@@ -192,6 +205,11 @@ class MooncakeStore(Store):
                 client = self._factory()
                 rc = client.setup(self.local_hostname, "P2PHANDSHAKE", self.segment_bytes,
                                   self.buffer_bytes, self.protocol, "", f"{self.host}:{self.port}")
+                if rc == INVALID_PARAMS:  # the URL's sizes, not the master: no outage
+                    raise ConfigError(
+                        f"{self.url}: the Mooncake client refused its parameters (setup "
+                        f"returned {rc}): segment_mb={self.segment_bytes >> 20}, buffer_mb="
+                        f"{self.buffer_bytes >> 20}, protocol={self.protocol}")
                 if rc != 0:
                     raise StorageError(f"setup returned {rc}")
                 for ptr, n in self._regions:

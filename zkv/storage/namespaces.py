@@ -6,9 +6,11 @@ of the free space it finds, so the dead namespaces' files took the room of the l
 after eight restarts under new namespaces a 16 MiB disk held 15 MiB of dead blocks and the
 live store none.
 
-A store marks its namespace: ``{root}/{namespace}/.zkv-namespace``, touched at open and
-then at most once every ``MARK_EVERY_S`` by a put or a hit (the last use), and held with a
-shared ``flock`` while the store is open (in use, however idle). When a store opens, it
+A store marks its namespace: ``{root}/{namespace}/.zkv-namespace``, touched at open, then
+at most once every ``MARK_EVERY_S`` (or a tenth of ``keep_days`` when that is shorter) by a
+put or a hit, and at close (the last use), and held with a shared ``flock`` while the store
+is open (in use, however idle). (Before, not at close: a namespace used a moment ago could
+look idle up to an hour, and be removed that much early.) When a store opens, it
 removes each other namespace whose mark it can lock exclusively (no store has it open)
 and, so locked, is older than ``keep_days``: renamed aside, then removed, the mark last. A
 folder without a mark is never touched: it may not be zkv's (a ``file://`` root the user
@@ -52,18 +54,32 @@ def mark(base: str) -> bool:
         return False
 
 
+STALE = -1  # hold(): the mark locked was renamed aside meanwhile (make it again, retry)
+
+
 def hold(base: str) -> int | None:
     """A descriptor of the namespace's mark with a shared lock on it: no opener removes the
-    namespace while it is open (close it with the store); None when it cannot be had."""
+    namespace while it is open (close it with the store); None when it cannot be had,
+    ``STALE`` when the mark locked is no longer the one at ``base``: another opener renamed
+    the namespace aside between this open and the lock (before, the store held that mark:
+    its namespace was removed under it, and made again unmarked, never pruned)."""
+    path = os.path.join(base, MARK)
     try:
-        fd = os.open(os.path.join(base, MARK), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
+        held, now = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        os.close(fd)
+        return STALE
     except OSError:
         os.close(fd)
         return None
+    if (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino):
+        os.close(fd)
+        return STALE
     return fd
 
 

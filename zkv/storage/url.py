@@ -45,7 +45,9 @@ _PARAMS = {
 #: Parameters with a fixed set of values (checked here: before, a bad one passed the URL's
 #: check and failed only in the store's constructor, under vLLM after the model loaded).
 MOONCAKE_HEADER_MODES = ("auto", "inline", "split")
-_CHOICES = {("mooncake", "header"): MOONCAKE_HEADER_MODES}
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")  # (another was an outage, retried for good)
+_CHOICES = {("mooncake", "header"): MOONCAKE_HEADER_MODES,
+            ("mooncake", "protocol"): MOONCAKE_PROTOCOLS}
 
 
 # Upper bounds where the server would refuse every call: redis refuses an EX whose expiry in
