@@ -4,6 +4,13 @@ The CuPy backend runs against it unchanged; "device memory" is host memory, so e
 launch moves real bytes at the addresses the CUDA kernel would use. What it models::
 
     device d        legacy stream L_d (handle 0 while d is current) + streams made on d
+    contexts        CUDA 12: ``cudaSetDevice(d)`` creates d's primary context at once (and
+                    makes it the thread's current context); a runtime call in a thread
+                    with no context creates one on its current device (0 in a fresh
+                    thread). ``contexts`` lists each device's first, with the thread
+    pinned staging  ``cupyx.empty_pinned`` arrays; an async upload holds its source only
+                    weakly (as CUDA does: cupy's pinned pool reuses a freed block at once),
+                    and reading one freed before the upload ran fails the sync that ran it
     stream          FIFO of items: kernel | upload | record(ev, g) | wait(ev, g) | hold | host
     event           its g-th record is a marker item; the event is done when the marker of
                     its latest record has run (never recorded: done); a stream wait
@@ -36,6 +43,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -123,6 +131,10 @@ class FakeCuda:
         self.fail_launches: deque[int] = deque()
         self.fault_kernels: deque[int] = deque()
         self.fail_calls: dict[str, list[int]] = {}  # call -> [status, calls to let pass]
+        self.contexts: list[tuple[int, str]] = []  # (device, thread) as first created
+        self.pinned: list[weakref.ref[Any]] = []  # every cupyx.empty_pinned array
+        #: called once, with no lock held, after the next host sync of a cupy Stream
+        self.after_stream_sync: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ thread state
 
@@ -131,9 +143,32 @@ class FakeCuda:
         return getattr(self._tls, "device", 0)
 
     def set_device(self, device: int) -> None:
+        """cudaSetDevice (CUDA 12): the device's primary context exists afterwards."""
         if not 0 <= device < self.num_devices:
             raise CUDARuntimeError(INVALID_DEVICE)
         self._tls.device = device
+        self._make_current(device)
+
+    def touch(self) -> None:
+        """A runtime call that needs a context: the current device's, made on first use."""
+        if getattr(self._tls, "ctx", None) is None:
+            self._make_current(self.device)
+
+    def ctx_current(self) -> int:
+        """cuCtxGetCurrent: 0 while the thread has no context."""
+        ctx = getattr(self._tls, "ctx", None)
+        return 0 if ctx is None else 0xC0 + ctx
+
+    def _make_current(self, device: int) -> None:
+        with self.cond:
+            if all(d != device for d, _ in self.contexts):
+                name = threading.current_thread().name
+                self.contexts.append((device, name))
+                self.log.append(("context", device, name))
+        self._tls.ctx = device
+
+    def context_devices(self) -> set[int]:
+        return {d for d, _ in self.contexts}
 
     def _current(self) -> dict[int, int]:
         if not hasattr(self._tls, "current"):
@@ -161,9 +196,10 @@ class FakeCuda:
 
     # ------------------------------------------------------------ objects
 
-    def resolve(self, ptr: int) -> FStream:
+    def resolve(self, ptr: int, device: int | None = None) -> FStream:
+        """The stream of a handle; 0 is the legacy stream of ``device`` (None: current)."""
         if ptr == LEGACY:
-            return self.legacy[self.device]
+            return self.legacy[self.device if device is None else device]
         s = self.streams.get(ptr)
         if s is None:
             raise CUDARuntimeError(INVALID_HANDLE)
@@ -327,9 +363,9 @@ class FakeCuda:
                 self.cond.wait(min(left, 0.05))
         self.check_alive(device)
 
-    def sync_stream(self, ptr: int) -> None:
+    def sync_stream(self, ptr: int, device: int | None = None) -> None:
         with self.cond:
-            s = self.resolve(ptr)
+            s = self.resolve(ptr, device)
             self.check_alive(s.device, call="streamSynchronize")
             self.log.append(("sync_stream", s.ptr))
             if s.queue:

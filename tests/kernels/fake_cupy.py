@@ -3,19 +3,26 @@
 
 Every object is bound to one fake: ``make_cupy`` subclasses these with ``fake`` set::
 
-    cupy.cuda.Device(i)        context / .use(): the thread's current device
+    cupy.cuda.Device(i)        as cupy's: enter sets i if not current, exit always sets the
+                               previous device back; .use(): the thread's current device
     cupy.cuda.Stream()         a stream of the current device; ``with s:`` makes it current
     cupy.cuda.Event()          .done (query, runs nothing), .synchronize() (runs what it needs)
     cupy.RawModule(code)       .compile() logs ("compile", device); get_function compiles
                                lazily as cupy does; its kernels are FakeKernel
     cupy.empty(shape, dtype)   FakeArray: device memory, uploads with .set(arr, stream)
-    cupy.cuda.runtime          eventRecord, streamWaitEvent, hostRegister, ... -> FakeCuda
+    cupy.cuda.runtime          eventRecord, streamWaitEvent, hostRegister, getDevice,
+                               setDevice, ... -> FakeCuda (driver: ctxGetCurrent)
+    cupyx.empty_pinned         PinnedArray, tracked weakly in ``fake.pinned``
+
+Every call that needs a context in CUDA goes through ``fake.touch()`` first.
 """
 
 from __future__ import annotations
 
 import ctypes
 import types
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,17 +38,26 @@ from tests.kernels.fake_cuda import (
 )
 
 
+class PinnedArray(np.ndarray):
+    """Host memory from ``cupyx.empty_pinned``: a block of cupy's pinned pool."""
+
+
 class FakeArray:
     """Device memory from ``cupy.empty``: a numpy array tagged with its device."""
 
     def __init__(self, fake: FakeCuda, shape: tuple[int, ...], dtype: Any) -> None:
+        fake.touch()
         self.fake, self.device = fake, fake.device
         self.data = np.zeros(shape, dtype=dtype)
         fake.log.append(("alloc", self.device, self.data.nbytes))
 
     def set(self, arr: np.ndarray, stream: Any = None) -> None:
-        """Async upload: the bytes are read when the item runs (pinned source held)."""
+        """Async upload: the bytes are read when the item runs. A pinned source is held
+        weakly: the caller must keep it until then (reading a freed one fails)."""
         fake = self.fake
+        fake.touch()
+        src: Callable[[], Any] = weakref.ref(arr) if isinstance(arr, PinnedArray) else lambda: arr
+        label = f"upload {self.data.nbytes} B"
         with fake.cond:
             fake.check_alive()
             ptr = stream.ptr if stream is not None else fake.current_stream_ptr()
@@ -50,9 +66,13 @@ class FakeArray:
                 raise CUDARuntimeError(INVALID_HANDLE)
 
             def run() -> None:
-                self.data[...] = arr
+                source = src()
+                if source is None:
+                    raise AssertionError(f"fake CUDA: {label} read pinned staging freed "
+                                         "before the upload ran (cupy may have reused it)")
+                self.data[...] = source
 
-            fake._push(s, "upload", f"upload {self.data.nbytes} B", fn=run)
+            fake._push(s, "upload", label, fn=run)
 
 
 class _Bound:
@@ -65,12 +85,14 @@ class Device(_Bound):
         self._old: list[int] = []
 
     def __enter__(self) -> Device:
-        self._old.append(self.fake.device)
-        self.fake.set_device(self.id)
+        prev = self.fake.device
+        self._old.append(prev)
+        if self.id != prev:
+            self.fake.set_device(self.id)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.fake.set_device(self._old.pop())
+        self.fake.set_device(self._old.pop())  # as cupy: always, even if unchanged
 
     def use(self) -> None:
         self.fake.set_device(self.id)
@@ -79,6 +101,7 @@ class Device(_Bound):
 
 class Stream(_Bound):
     def __init__(self, null: bool = False, non_blocking: bool = False) -> None:
+        self.fake.touch()
         self.ptr = LEGACY if null else self.fake.new_stream(non_blocking)
         self.device = self.fake.device
         self._ctx: list[Any] = []
@@ -93,24 +116,27 @@ class Stream(_Bound):
         self._ctx.pop().__exit__(None, None, None)
 
     def synchronize(self) -> None:
-        old = self.fake.device
-        self.fake.set_device(self.device)  # handle 0 means this device's legacy stream
-        try:
-            self.fake.sync_stream(self.ptr)
-        finally:
-            self.fake.set_device(old)
+        fake = self.fake
+        fake.touch()
+        fake.sync_stream(self.ptr, self.device)  # handle 0: this device's legacy stream
+        hook, fake.after_stream_sync = fake.after_stream_sync, None
+        if hook is not None:
+            hook()
 
 
 class Event(_Bound):
     def __init__(self, block: bool = False, disable_timing: bool = False) -> None:
+        self.fake.touch()
         self._ev = self.fake.new_event()
         self.ptr = self._ev.ptr
 
     @property
     def done(self) -> bool:
+        self.fake.touch()
         return self.fake.query(self._ev)
 
     def synchronize(self) -> None:
+        self.fake.touch()
         self.fake.sync_event(self._ev)
 
 
@@ -121,6 +147,7 @@ class RawModule(_Bound):
         self.compiled = False
 
     def compile(self, log_stream: Any = None) -> None:
+        self.fake.touch()
         self.fake.log.append(("compile", self.fake.device))
         self.compiled = True
 
@@ -136,13 +163,29 @@ def make_cupy(fake: FakeCuda) -> tuple[types.ModuleType, types.ModuleType]:
     def bind(cls: type) -> type:
         return type(cls.__name__, (cls,), {"fake": fake})
 
+    def ctx(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A runtime call that needs a context."""
+
+        def call(*args: Any) -> Any:
+            fake.touch()
+            return fn(*args)
+
+        return call
+
+    def empty_pinned(shape: Any, dtype: Any) -> PinnedArray:
+        arr = np.zeros(shape, dtype=dtype).view(PinnedArray)
+        fake.pinned.append(weakref.ref(arr))
+        return arr
+
     runtime = types.SimpleNamespace(
         CUDARuntimeError=CUDARuntimeError,
-        eventRecord=fake.record,
-        streamWaitEvent=lambda stream, ev, flags=0: fake.stream_wait(stream, ev),
-        pointerGetAttributes=fake.pointer_attributes,
-        hostRegister=fake.host_register,
-        hostUnregister=fake.host_unregister,
+        eventRecord=ctx(fake.record),
+        streamWaitEvent=ctx(lambda stream, ev, flags=0: fake.stream_wait(stream, ev)),
+        pointerGetAttributes=ctx(fake.pointer_attributes),
+        hostRegister=ctx(fake.host_register),
+        hostUnregister=ctx(fake.host_unregister),
+        getDevice=lambda: fake.device,
+        setDevice=fake.set_device,
         getDeviceCount=lambda: fake.num_devices,
         deviceGetAttribute=lambda attr, dev: {16: fake.sm_count,
                                               91: int(fake.can_use_host_pointer)}[attr],
@@ -150,14 +193,15 @@ def make_cupy(fake: FakeCuda) -> tuple[types.ModuleType, types.ModuleType]:
     cuda = types.SimpleNamespace(
         is_available=lambda: True, Device=bind(Device), Stream=bind(Stream),
         Event=bind(Event), runtime=runtime,
-        driver=types.SimpleNamespace(CUDADriverError=CUDADriverError),
+        driver=types.SimpleNamespace(CUDADriverError=CUDADriverError,
+                                     ctxGetCurrent=fake.ctx_current),
     )
     cupy = types.ModuleType("cupy")
     cupy.cuda = cuda  # type: ignore[attr-defined]
     cupy.RawModule = bind(RawModule)  # type: ignore[attr-defined]
     cupy.empty = lambda shape, dtype: FakeArray(fake, shape, dtype)  # type: ignore[attr-defined]
     cupyx = types.ModuleType("cupyx")
-    cupyx.empty_pinned = lambda shape, dtype: np.zeros(shape, dtype=dtype)  # type: ignore
+    cupyx.empty_pinned = empty_pinned  # type: ignore[attr-defined]
     return cupy, cupyx
 
 
@@ -169,6 +213,7 @@ class FakeKernel:
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int], args: tuple[Any, ...]
                  ) -> None:
+        self.fake.touch()
         ids, n, params, layer, parts, host, host_block, chunk_bytes, to_host, piece, pieces = args
         n, layer, parts = int(n), int(layer), int(parts)
         piece, pieces = int(piece), int(pieces)

@@ -10,6 +10,7 @@ The real kernel is covered by ``test_cupy_backend.py`` (``gpu`` marker) wherever
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -223,7 +224,9 @@ def test_unpinned_host_and_bad_ids_rejected(fake: Any, backend: Any) -> None:
 
 
 def test_every_call_runs_on_the_backend_device(fake: Any) -> None:
-    """Device 1's backend, driven from a thread whose current device is 0."""
+    """Device 1's backend, driven from a thread that works on device 0 itself (it has a
+    context there): each call runs on device 1 and gives the thread its device 0 back."""
+    fake.set_device(0)
     backend = fake_cuda.cupy_backend(device=1)
     assert fake.device == 0
     lay = layout()
@@ -234,6 +237,47 @@ def test_every_call_runs_on_the_backend_device(fake: Any) -> None:
     backend.copy_d2h(spec, host, ids([1]), ids([2]))
     backend.wait_event_on_compute(backend.record_event(), cs)
     backend.synchronize()
+    assert fake.device == 0
     made = [e for e in fake.log if e[0] in ("stream", "event", "alloc", "compile", "launch")]
     assert made and {e[1] for e in made} == {1}
     assert np.all([e[3] == 1 for e in fake.log if e[0] in ("record", "wait")])
+
+
+def test_a_rank_on_device_1_opens_no_context_on_device_0(fake: Any) -> None:
+    """CUDA 12's cudaSetDevice(0) creates GPU 0's context (~0.4 GiB; error 46 where GPU 0 is
+    exclusive), so no thread of a rank on GPU 1 may ever set device 0, not even to restore
+    a fresh thread's default. The threads as ``zkv.worker`` runs them: the main thread
+    builds the backend and pins the pool (4 pinning threads), the worker thread binds and
+    copies, and a third thread drops the pool (the finalizer unpins there)."""
+    backend = fake_cuda.cupy_backend(device=1, pin_threads=4, pin_chunk_bytes=4096)
+    lay = layout("float32")
+    pool = [backend.allocate_host_pool(lay)]
+    regs = [e for e in fake.log if e[0] == "hostRegister"]
+    assert len(regs) >= 4 and {e[1] for e in regs} == {1}
+    assert fake.context_devices() == {1}, fake.contexts  # construction and pinning
+    kv, _ = random_caches(TorchCpuBackend(), lay, seed=9)
+    seen: dict[str, Any] = {}
+
+    def worker() -> None:
+        try:
+            backend.bind_thread()
+            seen["bound"] = (fake.device, torch.cuda.current_device())
+            spec = backend.register(kv, pool[0])
+            backend.begin_batch()
+            backend.copy_d2h(spec, pool[0], ids([1, 2]), ids([3, 4]))
+            backend.copy_h2d(pool[0], spec, ids([3]), ids([5]), 0)
+            backend.wait_event_on_compute(backend.record_event())
+            backend.synchronize()
+            seen["after"] = fake.device
+        except BaseException as e:  # surfaced below
+            seen["error"] = e
+
+    for target, name in ((worker, "zkv-worker-1"), (lambda: (pool.clear(), gc.collect()),
+                                                     "drops-the-pool")):
+        t = threading.Thread(target=target, name=name)
+        t.start()
+        t.join(10)
+    assert seen == {"bound": (1, 1), "after": 1}
+    assert sorted(e[2] for e in fake.log if e[0] == "hostUnregister") == sorted(e[2] for e in regs)
+    assert {e[1] for e in fake.log if e[0] == "hostUnregister"} == {1}
+    assert fake.context_devices() == {1}, fake.contexts

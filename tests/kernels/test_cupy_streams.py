@@ -7,6 +7,9 @@ stream or a missing wait shows up as stale bytes.
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,10 +17,10 @@ import pytest
 import torch
 
 from tests.kernels import fake_cuda
-from tests.kernels.helpers import as_bytes, ids, layout, random_caches
+from tests.kernels.helpers import as_bytes, clone, ids, layout, random_caches, same_caches
 from zkv.errors import DeviceFault
 from zkv.kernels import TorchCpuBackend
-from zkv.kernels.reference import ref_copy_d2h
+from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
 
 
 @pytest.fixture
@@ -144,3 +147,42 @@ def test_non_sticky_launch_error_fails_one_copy_only(fake: Any, rig: dict) -> No
     b.synchronize()
     ref_copy_d2h(kv, want, ids([2]), ids([2]))
     assert as_bytes(host) == as_bytes(want)
+
+
+def test_synchronize_keeps_the_staging_of_a_copy_issued_during_its_wait(
+        fake: Any, rig: dict) -> None:
+    """Copies may come from any thread. One issued while another thread's synchronize()
+    waits is not covered by that wait: its id upload is still queued, so its pinned
+    staging must stay referenced until its own event completes (cupy's pinned pool
+    reuses a freed block at once; the fake fails an upload whose source was freed)."""
+    b, kv, host, spec = rig["backend"], rig["kv"], rig["host"], rig["spec"]
+    b.copy_d2h(spec, host, ids([0]), ids([1]))  # in flight when synchronize() starts
+    staged: list[weakref.ref[Any]] = []
+    errors: list[BaseException] = []
+
+    def copy_h2d() -> None:
+        try:
+            b.copy_h2d(host, spec, ids([2, 3]), ids([4, 5]), 0)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    def copy_from_another_thread() -> None:  # after the stream sync, before synchronize returns
+        first = len(fake.pinned)
+        t = threading.Thread(target=copy_h2d, name="other-copier")
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the copy blocked behind synchronize()"
+        staged.extend(fake.pinned[first:])
+
+    fake.after_stream_sync = copy_from_another_thread
+    b.synchronize()
+    assert not errors and len(staged) == 1  # the ids of the h2d, staged once
+    gc.collect()
+    assert staged[0]() is not None, "synchronize() dropped the staging of a queued upload"
+    assert [i.kind for i in fake.resolve(rig["transfer"]).queue][0] == "upload"
+    want = clone(kv)
+    ref_copy_h2d(host, want, ids([2, 3]), ids([4, 5]), 0)
+    b.synchronize()  # runs the h2d: its upload reads the staging
+    gc.collect()
+    assert staged[0]() is None  # released once its own event completed
+    assert same_caches(kv, want)

@@ -111,6 +111,9 @@ def test_each_rank_copies_on_its_own_device(stack: ExitStack, fake: Any,
                                             "hostRegister")]
     assert made and {e[1] for e in made} == {1}, "a CUDA object or launch on another device"
     assert ("torch.set_device", 1) in fake.log  # the actor thread bound to the rank's device
+    # and stays bound: no thread (main, pinning, actor) ever set device 0, which creates a
+    # context on GPU 0 with CUDA 12 (restoring a fresh thread's default included)
+    assert fake.context_devices() == {1}, fake.contexts
 
 
 # ------------------------------------------------------------------ streams

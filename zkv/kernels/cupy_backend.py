@@ -31,7 +31,7 @@ constructor, timed (``startup_info()["kernel_compile_ms"]``), never inside a bat
 Streams and events (every call names its stream; nothing goes to the legacy stream):
 
 - copies and id/param uploads go to ``self._stream`` (non-blocking: no implicit sync with
-  the legacy stream); every call runs under ``cupy.cuda.Device(device)``;
+  the legacy stream); every call runs with ``device`` current (see Devices below);
 - ``begin_batch`` records a start event on the compute stream it is given and makes the
   transfer stream wait on it; ``wait_event_on_compute`` is the reverse, a stream wait, so
   the host never blocks;
@@ -44,6 +44,12 @@ Errors: a sticky CUDA error (illegal address, launch failure, ECC, ...) leaves t
 unusable. The first one seen becomes :class:`~zkv.errors.DeviceFault` and every later call
 raises it at once (no call reaches the dead context again). Other CUDA errors propagate
 unchanged (one op fails).
+
+Devices: ``bind_thread`` makes ``device`` the calling thread's device for good (the worker
+thread calls it first); after that no call in that thread switches devices. Every call goes
+through :func:`~zkv.kernels.pinned.on_device`, never ``with cupy.cuda.Device``, whose exit
+always calls ``cudaSetDevice(previous)``: with the CUDA 12 runtime that creates a context
+on the previous device (GPU 0 in a fresh thread), ~0.3-0.5 GiB of another rank's GPU.
 
 Compute streams are raw ``cudaStream_t`` handles (torch's ``cuda_stream``); we call the
 runtime directly instead of wrapping them. cupy is imported lazily: importing this module
@@ -67,7 +73,7 @@ from zkv.config import CacheLayout
 from zkv.errors import ConfigError, DeviceFault
 from zkv.kernels.base import CopyBackend, EventHandle, Ids, KVCaches, layer_list
 from zkv.kernels.layout import KVSpec, host_pool_shape, torch_dtype
-from zkv.kernels.pinned import DEFAULT_CHUNK_BYTES, PinnedInfo, pinned_empty
+from zkv.kernels.pinned import DEFAULT_CHUNK_BYTES, PinnedInfo, on_device, pinned_empty
 
 _SOURCE = r"""
 __device__ __forceinline__ long long zkv_run_offset(unsigned int r, const long long* q) {
@@ -213,10 +219,12 @@ class CupyBackend(CopyBackend):
 
     Invariants: every launch, upload and ring event record goes to ``self._stream`` (only
     ``begin_batch``'s start event is recorded on the compute stream); every CUDA call runs
-    with ``device`` current; pinned staging buffers of an upload stay referenced until a
-    ring event recorded after the upload has completed. Device buffers come from cupy's
-    pool, which hands memory back only to later work on the same stream, so stream order
-    covers their reuse. After a sticky error every method raises ``DeviceFault``.
+    with ``device`` current, and none creates a context on another device (a thread is
+    given back only a device it had a context on); pinned staging buffers of an upload
+    stay referenced until a ring event recorded after the upload has completed, whichever
+    thread synchronizes meanwhile. Device buffers come from cupy's pool, which hands memory
+    back only to later work on the same stream, so stream order covers their reuse. After
+    a sticky error every method raises ``DeviceFault``.
 
     Thread safety: copies may come from any thread (serialized by a lock); event
     methods may be called from the model thread while the worker copies.
@@ -243,7 +251,7 @@ class CupyBackend(CopyBackend):
         self._fault: DeviceFault | None = None
         self.device = torch.device("cuda", self._device_id)
         self.pin_threads, self.pin_chunk_bytes = pin_threads, pin_chunk_bytes
-        with cp.cuda.Device(self._device_id):
+        with on_device(cp, self._device_id):
             self._stream = cp.cuda.Stream(non_blocking=True)
             # block=True: synchronize_event sleeps instead of spinning a core.
             self._ring = [cp.cuda.Event(block=True, disable_timing=True) for _ in range(num_events)]
@@ -291,12 +299,18 @@ class CupyBackend(CopyBackend):
 
     @contextlib.contextmanager
     def _guard(self, what: str) -> Iterator[None]:
-        """Device current; a sticky CUDA error becomes (and stays) a DeviceFault."""
+        """Device current (:func:`~zkv.kernels.pinned.on_device`: no call in a bound
+        thread); a sticky CUDA error becomes (and stays) a DeviceFault."""
+        with self._faults(what), on_device(self._cp, self._device_id):
+            yield
+
+    @contextlib.contextmanager
+    def _faults(self, what: str) -> Iterator[None]:
+        """A sticky CUDA error becomes (and stays) a DeviceFault; the device is left as is."""
         if self._fault is not None:
             raise DeviceFault(str(self._fault), self._fault.status)
         try:
-            with self._cp.cuda.Device(self._device_id):
-                yield
+            yield
         except self._errors as e:
             status = getattr(e, "status", None)
             if status not in STICKY_ERRORS:
@@ -308,8 +322,11 @@ class CupyBackend(CopyBackend):
     # ---------------------------------------------------------------- set-up
 
     def bind_thread(self) -> None:
-        with self._guard("bind thread"):
-            self._cp.cuda.Device(self._device_id).use()
+        """The backend's device becomes the calling thread's current device, and stays:
+        no ``with`` around it (leaving one would set the old device back, and with it a
+        context on GPU 0). torch shares the runtime's current device; it is set too."""
+        with self._faults("bind thread"):
+            self._cp.cuda.runtime.setDevice(self._device_id)
             torch.cuda.set_device(self._device_id)
 
     def current_stream(self) -> int | None:
@@ -436,6 +453,11 @@ class CupyBackend(CopyBackend):
         if self._pending:
             self._inflight.append((self._record(self._stream.ptr), tuple(self._pending)))
             self._pending = []
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        """Drop the buffers of calls whose ring event has completed, oldest first. Call
+        with the copy lock held and the device current."""
         while self._inflight and self._event(self._inflight[0][0]).done:
             self._inflight.popleft()
 
@@ -502,10 +524,14 @@ class CupyBackend(CopyBackend):
             event.synchronize()
 
     def synchronize(self) -> None:
+        """Wait for the transfer stream, then drop the buffers of the calls it finished.
+        A copy issued by another thread during the wait is not finished: its buffers stay
+        (its upload may still be queued, and cupy's pinned pool reuses a freed block at
+        once). The wait holds no lock, so such copies are not held up by it."""
         with self._guard("stream synchronize"):
             self._stream.synchronize()
-        with self._copy_lock:
-            self._inflight.clear()
+            with self._copy_lock:
+                self._drop_finished()
 
     def _event(self, handle: EventHandle) -> Any:
         if not 0 <= handle.slot < len(self._ring) or handle.generation > self._gen[handle.slot]:

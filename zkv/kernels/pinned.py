@@ -7,24 +7,33 @@ request up to a power of two (a 40 GiB pool pins 64 GiB) and pins page by page t
     mmap(size, MAP_PRIVATE | MAP_ANONYMOUS)      zeroed, lazily faulted, exact size
     madvise(MADV_HUGEPAGE)                       2 MiB pages: fewer pages to fault and pin
     cudaHostRegister(chunk_k, PORTABLE | MAPPED) chunks of ``chunk_bytes`` registered by
-        chunk 0 | chunk 1 | ... | chunk k-1      ``threads`` threads at once, each on the
-                                                 backend's device (a bare thread would
-                                                 open a context on GPU 0)
+        chunk 0 | chunk 1 | ... | chunk k-1      ``threads`` threads at once, each made to
+                                                 use the backend's device for good (a bare
+                                                 thread would open a context on GPU 0)
 
 Chunks are registered separately only where the device reads registered memory at its
 host address (``cudaDevAttrCanUseHostPointerForRegisteredMem``): then one device pointer
 covers every chunk. Elsewhere the range is registered in one call.
 
 The registration lives as long as the returned array: a finalizer waits for the given
-stream (no copy may still read or write the range), then unregisters every chunk.
+stream (no copy may still read or write the range), then unregisters every chunk, on the
+device too (it runs in whichever thread drops the array).
+
+Devices: :func:`on_device`, not ``with cupy.cuda.Device(d)``. Leaving the latter always
+calls ``cudaSetDevice(previous)``, and with the CUDA 12 runtime that creates the previous
+device's primary context: in a fresh thread (current device 0, no context) a rank on GPU
+``d != 0`` would put a context (~0.3-0.5 GiB) on GPU 0, or fail with error 46 where GPU 0
+is in exclusive-process mode.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import mmap
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +44,30 @@ HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: a device address for zero-co
 DEV_ATTR_CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 DEFAULT_CHUNK_BYTES = 1 << 30
+
+
+@contextlib.contextmanager
+def on_device(cp: Any, device_id: int) -> Iterator[None]:
+    """``device_id`` is the calling thread's current device inside the block.
+
+    Holds on leaving: a thread that had ``device_id`` current keeps it (no CUDA call but
+    ``cudaGetDevice``); a thread that had a context current gets its previous device
+    back; a thread that had none (fresh: device 0 by default, no context) stays on
+    ``device_id`` -- setting 0 back would create a context on GPU 0 only to restore a
+    default nobody chose. So no call here ever creates a context on another device.
+    """
+    rt = cp.cuda.runtime
+    prev = rt.getDevice()
+    if prev == device_id:
+        yield
+        return
+    restore = cp.cuda.driver.ctxGetCurrent() != 0
+    rt.setDevice(device_id)
+    try:
+        yield
+    finally:
+        if restore:
+            rt.setDevice(prev)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +98,7 @@ def pinned_empty(cp: Any, device_id: int, num_bytes: int, stream: Any, *, thread
     if num_bytes == 0:
         return arr, PinnedInfo(0, 0, 0, 0.0)
     rt = cp.cuda.runtime
-    with cp.cuda.Device(device_id):
-        split = rt.deviceGetAttribute(DEV_ATTR_CAN_USE_HOST_POINTER, device_id) == 1
+    split = rt.deviceGetAttribute(DEV_ATTR_CAN_USE_HOST_POINTER, device_id) == 1
     base = arr.ctypes.data
     step = max(mmap.PAGESIZE, chunk_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
     ranges = ([(a, min(step, num_bytes - (a - base))) for a in range(base, base + num_bytes, step)]
@@ -81,11 +113,12 @@ def pinned_empty(cp: Any, device_id: int, num_bytes: int, stream: Any, *, thread
 
 def _register_all(cp: Any, device_id: int, ranges: list[tuple[int, int]],
                   workers: int) -> list[tuple[int, int]]:
-    """Register every range (in parallel); on any failure unregister the rest and raise."""
+    """Register every range (in parallel); on any failure unregister the rest and raise.
+    A pool thread is fresh: its first range makes ``device_id`` its device for good."""
     flags = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
 
     def one(rng: tuple[int, int]) -> tuple[int, int]:
-        with cp.cuda.Device(device_id):
+        with on_device(cp, device_id):
             cp.cuda.runtime.hostRegister(rng[0], rng[1], flags)
         return rng
 
@@ -111,16 +144,14 @@ def _register_all(cp: Any, device_id: int, ranges: list[tuple[int, int]],
 
 def _unregister(cp: Any, device_id: int, ranges: list[tuple[int, int]], stream: Any) -> None:
     """Finalizer: wait for the stream's copies, unregister. Never raises (a device that
-    faulted cannot be waited for; its work will not run again anyway)."""
+    faulted cannot be waited for; its work will not run again anyway). Runs in the thread
+    that dropped the array, on ``device_id`` (see :func:`on_device`)."""
     try:
-        with cp.cuda.Device(device_id):
+        with on_device(cp, device_id):
             if stream is not None:
                 stream.synchronize()
+            for addr, _ in ranges:
+                with contextlib.suppress(Exception):
+                    cp.cuda.runtime.hostUnregister(addr)
     except Exception:
-        return  # the device faulted: leave the range registered rather than race nothing
-    for addr, _ in ranges:
-        try:
-            with cp.cuda.Device(device_id):
-                cp.cuda.runtime.hostUnregister(addr)
-        except Exception:
-            pass
+        pass  # the device faulted: leave the range registered rather than race nothing
