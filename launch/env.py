@@ -98,8 +98,9 @@ class LaunchConfig:
             return (f"--nnodes {self.nnodes} needs tcp:// between machines: give CURVE keys "
                     f"with --keys DIR (zkv keys DIR --world-size {self.world_size}), or pass "
                     "--insecure-tcp for plain tcp on a trusted network")
-        if self.nnodes > 1 and not self.allow_remote and not security.is_loopback(
-                self.master_addr):
+        # node rank 0 only: its scheduler binds there; the others only connect to it
+        if self.nnodes > 1 and self.node_rank == 0 and not self.allow_remote and not \
+                security.is_loopback(self.master_addr):
             return (f"--master-addr {self.master_addr} is not a loopback address: the "
                     "scheduler would listen on the network; pass --allow-remote")
         return None
@@ -214,13 +215,16 @@ def scheduler_env(config: LaunchConfig, endpoints: Endpoints,
 def load_layout(config: LaunchConfig) -> CacheLayout:
     """Parse ``--config`` (JSON text or a file path); its world_size must match."""
     assert config.config is not None
-    text = config.config
+    text = path = config.config
     if not text.lstrip().startswith("{"):
         try:
-            with open(text, encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
             raise ConfigError(f"--config is neither layout JSON nor a readable file: {e}") from e
+        except UnicodeDecodeError as e:  # (was a traceback, status 1)
+            raise ConfigError(f"--config {path}: not layout JSON (not UTF-8 text: {e.reason} "
+                              f"at byte {e.start})") from None
     layout = CacheLayout.from_json(text)
     if layout.world_size != config.world_size:
         raise ConfigError(f"--config has world_size={layout.world_size} but this job has "

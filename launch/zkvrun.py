@@ -2,7 +2,7 @@
 
 ::
 
-    zkvrun --nproc-per-node 4 --scheduler "-m zkv.scheduler.main" -m zkv.worker.main
+    zkvrun --nproc-per-node 4 --config layout.json --scheduler my_scheduler.py -m zkv.worker
     zkvrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --insecure-tcp worker.py
 
 Process tree (node rank 0; other nodes run no scheduler)::
@@ -12,8 +12,11 @@ Process tree (node rank 0; other nodes run no scheduler)::
             └─ rank P-1   ...
 
 Every child runs in its own session (process group), so a signal to a child's group
-reaches the whole tree under it; on Linux each also gets ``PR_SET_PDEATHSIG=SIGKILL``
-so a SIGKILLed zkvrun leaves no orphans. Exit codes: 0 (scheduler exited 0, or every
+reaches the whole tree under it: at teardown, and when a child exits (what it left in its
+group is SIGKILLed). On Linux each child also gets ``PR_SET_PDEATHSIG=SIGKILL``, so a
+SIGKILLed zkvrun takes its children with it; not what they started (PDEATHSIG is not
+inherited across fork, and the group kill is zkvrun's own, which a SIGKILL does not let
+run): a child's own children outlive a SIGKILLed zkvrun. Exit codes: 0 (scheduler exited 0, or every
 rank exited 0 on a node without one), the scheduler's code, 1 (a rank failed with no
 restarts left), 2 (usage / refused configuration, a ``-m zkv.worker`` rank's included),
 128+signum (SIGINT / SIGTERM / SIGHUP).
@@ -37,7 +40,8 @@ sockets and, unless ``--keys`` names a keyring, a fresh per-run CURVE keyring (e
 rank authenticates with its own key). It is removed at exit; one left by a zkvrun that
 was SIGKILLed is removed by the next start (see :func:`zkv.security.clean_stale_runs`).
 Across nodes: ``tcp://`` with ``--keys DIR`` (``zkv keys``), or ``--insecure-tcp``;
-a ``--master-addr`` other than loopback also needs ``--allow-remote``.
+a ``--master-addr`` other than loopback also needs ``--allow-remote`` on node rank 0 (its
+scheduler listens there; the other nodes only connect).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from launch.env import (
 )
 from zkv import __version__, security
 from zkv import log as zlog
+from zkv.argtypes import nonempty
 from zkv.errors import ConfigError
 from zkv.exit_codes import EXIT_CONFIG, EXIT_REFUSED, EXIT_SCHEDULER_GONE, WORKER_EXITS
 
@@ -109,9 +114,10 @@ def exit_meanings(cmd: list[str]) -> Mapping[int, str] | None:
 
 def pdeathsig_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A ``preexec_fn`` asking Linux to send ``sig`` to the child when this process dies
-    (no orphans; zkvrun's children get SIGKILL). None where there is no ``prctl``, and off
-    the main thread: Linux sends it when the *thread* that started the child exits, which
-    for another thread can be long before the process does."""
+    (zkvrun's children get SIGKILL; the child's own children do not inherit it). None
+    where there is no ``prctl``, and off the main thread: Linux sends it when the *thread*
+    that started the child exits, which for another thread can be long before the process
+    does."""
     if not sys.platform.startswith("linux"):
         return None
     if threading.current_thread() is not threading.main_thread():
@@ -172,16 +178,20 @@ class _Child:
 
 
 class _Signals:
-    """SIGINT / SIGTERM / SIGHUP received by zkvrun, in order; ``wake`` interrupts waits.
-    Installed before anything starts, so a signal during start-up is never lost."""
+    """SIGINT / SIGTERM / SIGHUP received by zkvrun, in order (seen within a monitor
+    interval). Installed before anything starts, so a signal during start-up is never lost.
+
+    The handler only appends (takes no lock): it runs between two bytecodes of the main
+    thread, and a ``threading.Event.set()`` here, which it once did to wake the waits,
+    deadlocked zkvrun for good when the signal came while that thread held the Event's
+    lock inside its own ``wait`` (a Ctrl-C hung it, its children left as zombies).
+    """
 
     def __init__(self) -> None:
         self.received: list[int] = []
-        self.wake = threading.Event()
 
     def on_signal(self, signum: int, _frame: object = None) -> None:
         self.received.append(signum)
-        self.wake.set()
 
 
 def _killpg(pid: int, sig: int) -> None:
@@ -206,7 +216,6 @@ class _Group:
         self.children = children
         self.sig = signals or _Signals()
         self.signals = self.sig.received
-        self.wake = self.sig.wake
         self.attempt = attempt
         self.failed = False  # a child failed (rather than: done, or a signal to zkvrun)
         self.final = False  # ... with an exit no restart can change
@@ -233,8 +242,7 @@ class _Group:
         return None
 
     def _pause(self) -> None:
-        self.wake.wait(self.config.monitor_interval_s)
-        self.wake.clear()
+        time.sleep(self.config.monitor_interval_s)  # (a signal's handler runs meanwhile)
 
     def start(self, child: _Child) -> None:
         child.proc = subprocess.Popen(  # noqa: S603 (the user's own command)
@@ -549,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks (worker processes) on this machine (default 1)")
     p.add_argument("--node-rank", "--node_rank", type=int, default=0,
                    help="this machine's index; node 0 runs the scheduler (default 0)")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+    p.add_argument("--master-addr", "--master_addr", type=nonempty, default="127.0.0.1",
                    help="node 0's address, where the scheduler listens (default 127.0.0.1)")
     p.add_argument("--master-port", "--master_port", type=int, default=29511,
                    help="PUB port with --nnodes > 1; PULL is port+1; exported as "
@@ -564,14 +572,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "configuration error; '' for none). A -m zkv.worker rank's 2 (bad "
                         "configuration), 4 (refused) and 5 (no scheduler reachable) are "
                         "always final")
-    p.add_argument("--log-dir", "--log_dir", default=None,
+    p.add_argument("--log-dir", "--log_dir", type=nonempty, default=None,
                    help="default $ZKV_LOG_DIR, else {tmp}/zkv-logs-{uid}/{run_id} (made "
                         "0700)")
-    p.add_argument("--run-id", "--run_id", default=None,
+    p.add_argument("--run-id", "--run_id", type=nonempty, default=None,
                    help="names the log directory (default: a fresh one per run)")
     p.add_argument("--insecure-tcp", "--insecure", action="store_true",
                    help="allow plain tcp:// between nodes (no CURVE keys)")
-    p.add_argument("--keys", default=None, metavar="DIR",
+    p.add_argument("--keys", type=nonempty, default=None, metavar="DIR",
                    help="CURVE keyring (zkv keys DIR --world-size N); default on one node: "
                         "a fresh keyring per run")
     p.add_argument("--allow-remote", action="store_true",
@@ -583,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", default=None, metavar="CMD",
                    help="scheduler command (one string, shell-split), started on node rank 0; "
                         "'-m mod', '-c code' or 'x.py' run with this Python")
-    p.add_argument("--config", default=None, metavar="LAYOUT_JSON",
+    p.add_argument("--config", type=nonempty, default=None, metavar="LAYOUT_JSON",
                    help="CacheLayout JSON (or a file) exported as $ZKV_CONFIG")
     p.add_argument("-m", "--module", action="store_true",
                    help="CMD is a Python module, run as 'python -m CMD ...'")

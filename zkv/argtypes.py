@@ -8,6 +8,15 @@ import argparse
 import math
 
 
+def nonempty(s: str) -> str:
+    """A value that is not empty (nor only blanks): ``--storage "$URL"`` with URL unset was
+    taken as the option not given (a fresh temp-dir L3, the default log root, no metrics)."""
+    if not s.strip():
+        raise argparse.ArgumentTypeError(f"empty value {s!r} (leave the option out for its "
+                                         "default)")
+    return s
+
+
 def positive_int(s: str) -> int:
     n = _int(s)
     if n <= 0:

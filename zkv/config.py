@@ -8,6 +8,7 @@ the L3 namespace, so incompatible caches never mix in a shared store.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass
@@ -18,6 +19,7 @@ import xxhash
 from zkv.errors import ConfigError
 
 KV_LAYOUTS = ("HND", "NHD", "HNC", "NHC")
+_STR_FIELDS = frozenset({"dtype", "model", "kv_layout"})  # CacheLayout's; the others: int
 _DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1,
                 "int8": 1}
 
@@ -55,6 +57,11 @@ class CacheLayout:
     num_kv_parts: int = 2
 
     def __post_init__(self) -> None:
+        for name, value in ((f, getattr(self, f)) for f in self.__dataclass_fields__):
+            want = str if name in _STR_FIELDS else int  # bool is an int: refused (JSON true)
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be {'a str' if want is str else 'an int'}, "
+                                  f"got {value!r}")
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "world_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -122,7 +129,7 @@ class CacheLayout:
                 + ([f"missing field(s) {', '.join(missing)}"] if missing else [])))
         try:
             return cls(**raw)
-        except TypeError as e:
+        except (TypeError, ConfigError) as e:  # a field's type or value
             raise ConfigError(f"bad cache layout JSON: {e}") from None
 
     @classmethod
@@ -146,6 +153,64 @@ def check_backend_name(name: str) -> None:
     if name not in BACKEND_NAMES:
         raise ConfigError(f"unknown copy backend {name!r}; one of "
                           f"{', '.join(map(repr, BACKEND_NAMES))}")
+
+
+#: ``ZKV_HEARTBEAT_S`` (a rank's heartbeat interval): its default, and the least taken (1e-9
+#: was a heartbeat every turn of the actor loop: a flood of the scheduler's PULL socket).
+DEFAULT_HEARTBEAT_S = 0.25
+MIN_HEARTBEAT_S = 0.01
+#: ``ZKV_SCHEDULER_TIMEOUT_S``'s default: a scheduler restarted by zkvrun is back in seconds.
+DEFAULT_SCHEDULER_TIMEOUT_S = 300.0
+_FOREVER = ("inf", "none", "off")
+
+
+def heartbeat_from_env(env: Mapping[str, str] | None = None) -> float:
+    """``ZKV_HEARTBEAT_S``: seconds, finite and >= MIN_HEARTBEAT_S (default 0.25); else
+    ConfigError naming the value."""
+    env = os.environ if env is None else env
+    raw = env.get("ZKV_HEARTBEAT_S", str(DEFAULT_HEARTBEAT_S))
+    value = _finite_positive(raw)
+    if value is None or value < MIN_HEARTBEAT_S:
+        raise ConfigError(f"ZKV_HEARTBEAT_S must be a finite number of seconds >= "
+                          f"{MIN_HEARTBEAT_S}, got {raw!r}")
+    return value
+
+
+def scheduler_timeout_from_env(env: Mapping[str, str] | None = None) -> float | None:
+    """``ZKV_SCHEDULER_TIMEOUT_S``: seconds (default 300), or None for ``inf`` / ``none`` /
+    ``off`` (wait forever). ConfigError naming the value otherwise (as zkv.worker's)."""
+    env = os.environ if env is None else env
+    raw = env.get("ZKV_SCHEDULER_TIMEOUT_S", "").strip()
+    if not raw:
+        return DEFAULT_SCHEDULER_TIMEOUT_S
+    if raw.lower() in _FOREVER:
+        return None
+    value = _finite_positive(raw)
+    if value is None:
+        raise ConfigError(f"ZKV_SCHEDULER_TIMEOUT_S must be a finite number of seconds > 0, "
+                          f"or inf to wait forever, got {raw!r}")
+    return value
+
+
+def check_rank_env(env: Mapping[str, str] | None = None) -> None:
+    """ConfigError naming the first variable every zkv.worker rank reads that a rank would
+    refuse (checked without torch: a launcher refuses it before it starts any rank)."""
+    env = os.environ if env is None else env
+    try:
+        check_backend_name(env.get("ZKV_BACKEND", "cpu"))
+    except ConfigError as e:
+        raise ConfigError(f"ZKV_BACKEND: {e}") from None
+    heartbeat_from_env(env)
+    scheduler_timeout_from_env(env)
+
+
+def _finite_positive(raw: str) -> float | None:
+    """``raw`` as a finite number > 0; None for junk, NaN, inf or <= 0."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if 0 < value < math.inf else None
 
 
 def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str]:

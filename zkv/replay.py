@@ -3,7 +3,7 @@
 ::
 
     zkv replay (this process) ── launch.zkvrun.run ──┬─ scheduler node:
-                                                     │    python -m zkv.replay --node:
+                                                     │    python -m zkv.cli replay --node:
                                                      │    CacheManager + Dispatcher, the steps
                                                      └─ rank r: python -m zkv.worker (CPU)
 
@@ -38,8 +38,8 @@ import orjson
 from tqdm import tqdm
 
 from zkv import metrics as M
-from zkv.argtypes import nonneg_float, nonneg_int, port, positive_int
-from zkv.config import CacheLayout, check_backend_name, pools_fit, pools_shortfall
+from zkv.argtypes import nonempty, nonneg_float, nonneg_int, port, positive_int
+from zkv.config import CacheLayout, check_rank_env, pools_fit, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_level, check_log_dir
 from zkv.protocol import CHECK, FILL, H2S, MAX_OPS, S2H, Op, OpResult, as_ids
@@ -120,7 +120,7 @@ class Summary:
     hit_storage: int = 0
     checked: int = 0
     mismatched: int = 0
-    failed_ops: int = 0          # copies and checks (storage I/O is counted below)
+    failed_ops: int = 0          # copies, fills and checks (storage I/O: below)
     loaded: int = 0              # s2h blocks that arrived on every rank
     load_failed: int = 0         # s2h blocks that did not (recomputed)
     stored: int = 0              # h2s blocks stored on every rank
@@ -343,14 +343,14 @@ class Replayer:
                 self.s.failed_ops += 1
         self.cm.on_ops_done(mgr, done.seq)
         self._record(ops, results)
-        for o in sim:
-            r = results.get(o.id)
+        self.s.checked += sum(len(o.keys) for o in sim if o.kind == CHECK)
+        for o in sim:  # a failed fill is a failed op (it was counted nowhere), and so is a
+            r = results.get(o.id)  # failed check whose every block matched
             if r is None or not r.ok:
                 self.failed_sim.add(o.id)
-            if o.kind == CHECK:
-                self.s.checked += len(o.keys)
-                if r is None or not r.ok or r.done != len(o.keys):
-                    self.s.mismatched += len(o.keys) - (r.done if r else 0)
+                missed = len(o.keys) - (r.done if r else 0) if o.kind == CHECK else 0
+                self.s.mismatched += missed
+                self.s.failed_ops += 0 if missed else 1
         if not done.ok and done.lost_ranks:
             M.LOST_RANKS.inc(len(done.lost_ranks))
             rank = min(done.lost_ranks)
@@ -364,10 +364,8 @@ def node_main(args: argparse.Namespace) -> int:
     from zkv import log as zlog
 
     zlog.configure("scheduler")
-    # zkvrun tears the group down with SIGTERM (a rank died): end as for Ctrl-C, so that
-    # the metrics file, the pools' check and the dispatcher's close still happen. (Its
-    # default action ended the process at once: the failed run, the one whose numbers
-    # matter, left no metrics.)
+    # zkvrun's teardown (a rank died) is SIGTERM: end as for Ctrl-C, so the metrics file, the
+    # pools' check and the dispatcher's close still happen (it ended at once: no metrics).
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return _serve(args)
@@ -578,7 +576,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workload", choices=("chat", "trace"), default="chat",
                    help="chat: multi-turn conversations sharing a system prompt; trace: the "
                         "Mooncake trace's block ids (default: %(default)s)")
-    g.add_argument("--trace", default=None,
+    g.add_argument("--trace", type=nonempty, default=None,
                    help="Mooncake trace JSONL, with --workload trace (default: "
                         f"{os.path.normpath(DEFAULT_TRACE)})")
     g.add_argument("--requests", type=positive_int, default=300,
@@ -617,11 +615,11 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
 
 def _storage_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("storage", "L3, and how long a request waits for it")
-    g.add_argument("--storage", default=None, metavar="URL",
+    g.add_argument("--storage", type=nonempty, default=None, metavar="URL",
                    help="L3 store: file:///path, redis://HOST:PORT/DB (rediss:// over TLS), "
                         "mooncake://HOST:PORT, "
                         "or 'none' (default: a fresh local directory, in /dev/shm if present)")
-    g.add_argument("--store-dir", default=None,
+    g.add_argument("--store-dir", type=nonempty, default=None,
                    help="local-directory L3 (= --storage file://DIR; 'none' disables L3)")
     g.add_argument("--prefetch", choices=PREFETCH_POLICIES, default="wait_complete",
                    help="how long a request waits for its L3 loads (default: %(default)s)")
@@ -635,12 +633,13 @@ def _storage_args(p: argparse.ArgumentParser) -> None:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run", "logs, metrics, supervision")
-    g.add_argument("--log-dir", default=None,
+    g.add_argument("--log-dir", type=nonempty, default=None,
                    help="where the JSON logs go (default: $ZKV_LOG_DIR, else "
                         "{tmp}/zkv-logs-{uid}/{run_id})")
     g.add_argument("--metrics-port", type=port, default=None,
                    help="serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any)")
-    g.add_argument("--metrics-file", default=None, help="write the final metrics here")
+    g.add_argument("--metrics-file", type=nonempty, default=None,
+                   help="write the final metrics here")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is one only when stderr is a terminal)")
     g.add_argument("--max-restarts", type=nonneg_int, default=0,
@@ -662,10 +661,7 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
     if args.log_dir:
         check_log_dir(args.log_dir)
     check_level()  # ZKV_LOG_LEVEL, which every process of the run reads
-    try:  # the ranks' (a typo was each rank's exit 2 after the group started)
-        check_backend_name(os.environ.get("ZKV_BACKEND", "cpu"))
-    except ConfigError as e:
-        raise ConfigError(f"ZKV_BACKEND: {e}") from None
+    check_rank_env()  # ZKV_BACKEND, ZKV_HEARTBEAT_S, ...: a typo was every rank's exit 2
     if args.trace_given and args.workload != "trace":  # (it replayed chat, status 0)
         raise ConfigError(f"--trace is read by --workload trace only (the workload is "
                           f"{args.workload}): add --workload trace")
@@ -771,19 +767,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     base = shm or tempfile.gettempdir()
     tmp = None
-    try:
-        layout = check_args(args)
-        security.clean_stale_runs(base)
-        if not args.storage and not args.store_dir:
-            tmp = security.make_run_dir(base, prefix="l3-")
-        url = _storage_url(args, layout, tmp or "")
-    except ConfigError as e:
-        print(f"zkv replay: error: {e}", file=sys.stderr)
-        if tmp is not None:
-            security.remove_run_dir(tmp)
-        return EXIT_CONFIG
-    try:
-        sched = ["-m", "zkv.replay", "--node",
+    try:  # (a Ctrl-C anywhere in here removes the directory too: zkv.cli says it in one line)
+        try:
+            layout = check_args(args)
+            security.clean_stale_runs(base)
+            if not args.storage and not args.store_dir:
+                tmp = security.make_run_dir(base, prefix="l3-")
+            url = _storage_url(args, layout, tmp or "")
+        except ConfigError as e:
+            print(f"zkv replay: error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        sched = ["-m", "zkv.cli", "replay", "--node",  # (zkv.cli: a Ctrl-C as it starts)
                  *_without_storage(argv if argv is not None else sys.argv[1:])]
         if url:  # to the node and the ranks by environment: argv is public (ps)
             os.environ["ZKV_STORE_URL"] = url

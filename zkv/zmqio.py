@@ -51,3 +51,12 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy: bool = True) -> lis
 def readable(sock: zmq.Socket[Any]) -> bool:
     """A message is queued (cheaper than a ``DONTWAIT`` receive that raises ``Again``)."""
     return bool(sock.get(_EVENTS) & POLLIN)  # type: ignore[operator]  # (EVENTS is an int)
+
+
+def allow_ipv6(sock: zmq.Socket[Any], endpoint: str) -> None:
+    """``ZMQ_IPV6`` on for an IPv6 literal (``tcp://[::1]:PORT``), before bind / connect:
+    libzmq's sockets are IPv4-only by default, and such an endpoint failed ("No such
+    device"). Names and IPv4 addresses stay IPv4, as before (a name with both records is
+    not sent to IPv6 on one side only)."""
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)

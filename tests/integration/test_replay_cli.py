@@ -76,6 +76,14 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--workload", "trace", "--trace", "{tmp}/bool-ids.jsonl"],
      "trace {tmp}/bool-ids.jsonl, line 1: block ids must be a 1-D sequence of integers, got a "
      "bool"),
+    # an empty value ("$URL" with URL unset) was the option not given: a fresh temp-dir L3,
+    # no metrics file, the default log root; status 0
+    (["--storage", ""], "argument --storage: empty value '' (leave the option out for its "
+                        "default)"),
+    (["--store-dir", ""], "argument --store-dir: empty value ''"),
+    (["--metrics-file", ""], "argument --metrics-file: empty value ''"),
+    (["--log-dir", " "], "argument --log-dir: empty value ' '"),
+    (["--workload", "trace", "--trace", ""], "argument --trace: empty value ''"),
 ])
 def test_config_errors_are_one_line_and_start_nothing(tmp_path: Path, args: list[str],
                                                       message: str) -> None:
@@ -146,6 +154,14 @@ def test_dropped_requests_are_a_result_not_restarted(tmp_path: Path) -> None:
     # zkvrun's teardown (and the scheduler's "stopped (SIGTERM)"), status 1
     ("ZKV_BACKEND", "bogus", "ZKV_BACKEND: unknown copy backend 'bogus'; one of 'auto', "
                              "'cupy', 'cpu', 'torch', 'torch-cpu'"),
+    # the ranks' too: each said so after the group started (5 lines, the scheduler's
+    # "stopped (SIGTERM)" among them); a heartbeat of 1e-9 s flooded the scheduler
+    ("ZKV_SCHEDULER_TIMEOUT_S", "abc", "ZKV_SCHEDULER_TIMEOUT_S must be a finite number of "
+                                       "seconds > 0, or inf to wait forever, got 'abc'"),
+    ("ZKV_HEARTBEAT_S", "soon", "ZKV_HEARTBEAT_S must be a finite number of seconds >= 0.01, "
+                                "got 'soon'"),
+    ("ZKV_HEARTBEAT_S", "1e-9", "ZKV_HEARTBEAT_S must be a finite number of seconds >= 0.01, "
+                                "got '1e-9'"),
 ])
 def test_an_environment_typo_is_one_line_and_starts_nothing(tmp_path: Path, var: str,
                                                              value: str, message: str) -> None:
@@ -303,3 +319,42 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path: Path) -> None:
     assert proc.returncode == 130, out + err
     assert "Traceback" not in err, err
     assert "zkv replay: interrupted" in err.splitlines(), err
+
+
+# Installed in every process of the run (PYTHONPATH): the one named by T_SIGINT_IN ("front
+# end", or a child's ZKV_ROLE) sends itself SIGINT as it starts importing T_SIGINT_AT, so the
+# signal lands at that point of its start, every time.
+SIGINT_AT_IMPORT = '''
+import os, signal, sys
+if os.environ.get("ZKV_ROLE", "front end") == os.environ.get("T_SIGINT_IN"):
+    def _hook(event, args, fired=[]):
+        if event == "import" and args[0] == os.environ["T_SIGINT_AT"] and not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+    sys.addaudithook(_hook)
+'''
+
+
+@pytest.mark.parametrize("who,module", [
+    ("front end", "numpy"),  # while it imports zkv.replay (was: a traceback, or numpy's
+    # ImportError "you should not try to import numpy from its source directory")
+    ("front end", "launch.zkvrun"),  # after its arguments were read, before zkvrun runs
+    ("scheduler", "numpy"),  # the node, while it imports zkv.replay (was: a traceback)
+])
+def test_ctrl_c_early_is_one_line_and_status_130(tmp_path: Path, who: str, module: str) -> None:
+    """The first second of a replay, before any handler of zkv's own was installed."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGINT_AT_IMPORT)
+    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "T_SIGINT_IN": who, "T_SIGINT_AT": module}
+    r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--ranks",
+                        "1", "--requests", "20", "--log-dir", str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 130, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr
+    assert "zkv replay: interrupted" in r.stderr.splitlines(), r.stderr
+    if who == "front end":  # nothing started
+        assert r.stderr == "zkv replay: interrupted\n" and not (tmp_path / "logs").exists()
+    else:
+        assert "zkvrun: scheduler (pid" in r.stderr and "exited with code 130" in r.stderr

@@ -65,6 +65,59 @@ def test_version_and_mistyped_options(capsys: pytest.CaptureFixture[str]) -> Non
     assert cmd == ["--version"]
 
 
+@pytest.mark.parametrize("flag", ["--log-dir", "--config", "--keys", "--master-addr",
+                                  "--run-id"])
+def test_an_empty_value_is_a_usage_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was: ``--log-dir ""`` (a variable unset) taken as not given: the default log root."""
+    assert main([flag, "", "-c", "pass"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"zkvrun: error: argument {flag}")
+    assert main([f"{flag}=", "-c", "pass"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        ": empty value '' (leave the option out for its default)")
+
+
+def test_the_docstring_examples_run_modules_that_exist() -> None:
+    """Was: ``-m zkv.scheduler.main`` and ``-m zkv.worker.main``, neither of which exists."""
+    import importlib.util
+    import shlex
+
+    import launch.zkvrun
+
+    doc = launch.zkvrun.__doc__ or ""
+    examples = [shlex.split(ln)[1:] for ln in doc.splitlines()
+                if ln.strip().startswith("zkvrun --")]
+    assert len(examples) == 2
+    for argv in examples:
+        config, cmd, sched = parse_args(argv)
+        assert config.check() is None, argv  # node rank 1 binds nothing: no --allow-remote
+        for part in (cmd, sched or []):
+            if part[:1] == ["-m"]:
+                assert importlib.util.find_spec(part[1]) is not None, part
+
+
+def test_the_signal_handler_takes_no_lock() -> None:
+    """It runs between two bytecodes of the main thread, which may hold that very lock: it
+    set a threading.Event, and a Ctrl-C that came while the main thread was inside that
+    Event's wait (every monitor interval) deadlocked zkvrun for good."""
+    from launch.zkvrun import _Signals
+
+    sig = _Signals()
+    calls: list[str] = []
+
+    def profile(_frame: object, event: str, arg: object) -> None:
+        if event == "c_call":
+            calls.append(getattr(arg, "__qualname__", repr(arg)))
+
+    sys.setprofile(profile)
+    try:
+        sig.on_signal(signal.SIGINT)
+    finally:
+        sys.setprofile(None)
+    assert sig.received == [signal.SIGINT]
+    assert not [c for c in calls if c.startswith(("lock.", "RLock."))], calls
+
+
 def test_rank_env_multi_node() -> None:
     cfg = LaunchConfig(nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1",
                        master_port=4000, insecure_tcp=True, log_dir="/l", run_id="r",
@@ -111,6 +164,8 @@ def test_config_checks() -> None:
     assert "--allow-remote" in (remote.check() or "")
     assert LaunchConfig(nnodes=2, master_addr="10.0.0.1", keys="/k", allow_remote=True).check() \
         is None
+    # another node binds nothing: no --allow-remote (zkvrun's own example was refused)
+    assert LaunchConfig(nnodes=2, node_rank=1, master_addr="10.0.0.1", keys="/k").check() is None
 
 
 def test_ranks_are_bounded_by_the_cores_unless_forced() -> None:

@@ -10,9 +10,11 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
+import pytest
 
 from tests.servers import free_port
 from zkv.config import CacheLayout
@@ -50,28 +52,10 @@ def test_two_nodes_over_tcp_with_curve_keys(tmp_path: Path) -> None:
     env = dict(os.environ, ZKV_BACKEND="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("ZKV_STORE_URL", None)
 
-    def node(rank: int, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "launch.zkvrun", "--nnodes", "2", "--node-rank", str(rank),
-                "--nproc-per-node", "1", "--keys", str(node1_keys if rank else keys),
-                "--master-port", port,
-                "--config", LAYOUT.to_json(), "--log-dir", str(tmp_path / f"logs{rank}"),
-                *extra, "-m", "zkv.worker"]
-
-    # node 1 first: its rank waits for the scheduler (zmq reconnects until it listens)
-    one = subprocess.Popen(node(1), env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    try:
-        zero = subprocess.run(
-            node(0, "--scheduler", "-m zkv.replay --node --ranks 2 --requests 60 "
-                                   "--no-progress --storage none"),
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
-        out_one, _ = one.communicate(timeout=60)
-    finally:
-        if one.poll() is None:
-            one.kill()
-            one.communicate()
-    assert zero.returncode == 0, zero.stdout + zero.stderr
-    assert one.returncode == 0, out_one
+    zero, out_one = _two_nodes(
+        tmp_path, env, lambda rank: ["--nproc-per-node", "1", "--keys",
+                                     str(node1_keys if rank else keys), "--master-port", port],
+        "-m zkv.replay --node --ranks 2 --requests 60 --no-progress --storage none")
     m = re.search(r"verified\s+(\d+) reused blocks checked byte-for-byte on every rank, "
                   r"0 mismatched; 0 failed ops", zero.stdout)
     assert m and int(m.group(1)) > 0, zero.stdout
@@ -103,3 +87,55 @@ def test_a_node_whose_scheduler_node_never_comes_stops(tmp_path: Path) -> None:
                      r"timeout 1 s\) at tcp://127\.0\.0\.1:\d+\n", r.stderr), r.stderr
     assert r.stderr.splitlines()[-1].endswith(
         "exited with code 5 (scheduler unreachable): not restarting; tearing down 0 processes")
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_two_nodes_over_ipv6_loopback(tmp_path: Path) -> None:
+    """``--master-addr ::1`` (bracketed into ``tcp://[::1]:PORT``). Was: "the scheduler
+    cannot listen on tcp://[::1]:PORT: No such device" (libzmq's sockets are IPv4-only
+    unless ZMQ_IPV6 is set), status 2, and node 1's rank waited for nothing."""
+    port = str(_port_pair())
+    env = dict(os.environ, ZKV_BACKEND="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               ZKV_SCHEDULER_TIMEOUT_S="30")
+    env.pop("ZKV_STORE_URL", None)
+
+    zero, _ = _two_nodes(
+        tmp_path, env, lambda rank: ["--master-addr", "::1", "--master-port", port,
+                                     "--insecure-tcp"],
+        "-m zkv.cli replay --node --ranks 2 --requests 20 --no-progress --storage none")
+    assert re.search(r"requests\s+20 ", zero.stdout), zero.stdout
+    assert "0 mismatched; 0 failed ops" in zero.stdout, zero.stdout
+
+
+def _two_nodes(tmp_path: Path, env: dict[str, str], args: Callable[[int], list[str]],
+               scheduler: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Node 1 started first (its rank waits for the scheduler: zmq reconnects until it
+    listens), then node 0 with ``scheduler``; both must exit 0. Node 0's run, node 1's
+    output."""
+    def node(rank: int, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "launch.zkvrun", "--nnodes", "2", "--node-rank", str(rank),
+                *args(rank), "--config", LAYOUT.to_json(),
+                "--log-dir", str(tmp_path / f"logs{rank}"), *extra, "-m", "zkv.worker"]
+
+    one = subprocess.Popen(node(1), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        zero = subprocess.run(node(0, "--scheduler", scheduler), env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=180)
+        out_one, _ = one.communicate(timeout=60)
+    finally:
+        if one.poll() is None:
+            one.kill()
+            one.communicate()
+    assert zero.returncode == 0, zero.stdout + zero.stderr
+    assert one.returncode == 0, out_one
+    return zero, out_one

@@ -390,6 +390,31 @@ def test_bad_layout_is_refused(tmp_path: Path) -> None:
                                   "field(s) kv_heads, block_size, head_dim") in r.stderr, r.stderr
 
 
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    """Was: a UnicodeDecodeError traceback, status 1."""
+    (tmp_path / "layout.bin").write_bytes(b"\x7fELF\x02\x01\x01\x00\xd0\xff\xfe")
+    r = run_zkvrun(tmp_path, "--config", str(tmp_path / "layout.bin"), "-c",
+                   "open('started', 'w')")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f"zkvrun: error: --config {tmp_path}/layout.bin: not layout JSON (not "
+                        "UTF-8 text: invalid continuation byte at byte 8)\n")
+    assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.parametrize("value", ["64.5", "true"])
+def test_a_layout_field_of_the_wrong_type_is_refused_at_start(tmp_path: Path,
+                                                              value: str) -> None:
+    """Was: accepted; every rank then died as "fatal error" (and was restarted)."""
+    layout = CacheLayout(2, 2, 16, 64, num_device_blocks=64, num_host_blocks=64).to_json()
+    layout = layout.replace('"num_device_blocks":64', f'"num_device_blocks":{value}')
+    r = run_zkvrun(tmp_path, "--config", layout, "--max-restarts", "2", "-c",
+                   "open('started', 'w')")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == ("zkvrun: error: bad cache layout JSON: num_device_blocks must be an "
+                        f"int, got {value.capitalize()}\n")
+    assert not (tmp_path / "started").exists()
+
+
 def test_missing_command_is_a_usage_error(tmp_path: Path) -> None:
     r = run_zkvrun(tmp_path, "--nproc-per-node", "2")
     assert r.returncode == 2 and "missing the per-rank command" in r.stderr

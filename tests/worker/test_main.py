@@ -38,12 +38,14 @@ def rank_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     ({"ZKV_CONFIG": ""}, "zkv.worker: ZKV_CONFIG is not set: run the ranks with zkvrun --config "
                          "FILE (the cache layout as JSON), which sets it for every rank"),
     ({"RANK": "2"}, "zkv.worker: RANK 2 is not below the layout's world_size 2"),
-    ({"ZKV_HEARTBEAT_S": "nan"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number > 0, "
-                                 "got 'nan'"),
-    ({"ZKV_HEARTBEAT_S": "-1"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number > 0, "
-                                "got '-1'"),
-    ({"ZKV_HEARTBEAT_S": "soon"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number > 0, "
-                                  "got 'soon'"),
+    ({"ZKV_HEARTBEAT_S": "nan"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number of "
+                                 "seconds >= 0.01, got 'nan'"),
+    ({"ZKV_HEARTBEAT_S": "-1"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number of "
+                                "seconds >= 0.01, got '-1'"),
+    ({"ZKV_HEARTBEAT_S": "soon"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number of "
+                                  "seconds >= 0.01, got 'soon'"),
+    ({"ZKV_HEARTBEAT_S": "1e-9"}, "zkv.worker: ZKV_HEARTBEAT_S must be a finite number of "
+                                  "seconds >= 0.01, got '1e-9'"),  # (was taken: a flood)
     ({"ZKV_SCHEDULER_TIMEOUT_S": "0"}, "zkv.worker: ZKV_SCHEDULER_TIMEOUT_S must be a finite "
                                        "number of seconds > 0, or inf to wait forever, got '0'"),
     ({"ZKV_SCHEDULER_TIMEOUT_S": "5m"}, "zkv.worker: ZKV_SCHEDULER_TIMEOUT_S must be a finite "
@@ -127,7 +129,7 @@ def test_a_rank_whose_parent_dies_while_it_starts_stops(tmp_path: Path) -> None:
     (None, 300.0), ("", 300.0), ("2.5", 2.5), ("inf", None), ("OFF", None), ("none", None),
 ])
 def test_scheduler_timeout_from_env(value: str | None, want: float | None) -> None:
-    from zkv.worker.__main__ import scheduler_timeout_from_env
+    from zkv.config import scheduler_timeout_from_env
 
     assert scheduler_timeout_from_env({} if value is None else
                                       {"ZKV_SCHEDULER_TIMEOUT_S": value}) == want

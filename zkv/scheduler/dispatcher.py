@@ -58,7 +58,7 @@ from zkv.config import CacheLayout, endpoints_from_env
 from zkv.errors import ConfigError, ProtocolError, RankLost
 from zkv.scheduler import acks
 from zkv.scheduler.membership import TELL_S, Membership
-from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
+from zkv.zmqio import DONTWAIT, POLLIN, allow_ipv6, readable, recv_frames, send_frames, zmq_poll
 
 #: How often ``poll`` checks deadlines (heartbeats, acks, disconnects); it wakes at least
 #: every ``_SUBS_EVERY_S`` while it waits, and checks once more when its timeout ends.
@@ -264,6 +264,7 @@ class Dispatcher:
         pub, pull = self._pub, self._pull
         for sock, endpoint in ((pub, pub_endpoint), (pull, pull_endpoint)):
             sock.setsockopt(zmq.LINGER, 0)
+            allow_ipv6(sock, endpoint)
             security.setup_server(sock, self._domain, keys, endpoint)
         # A PUB drops at its high-water mark, and a drop is a seq gap: with NODROP a full
         # queue (a rank that stopped reading) makes send fail for every rank instead, and

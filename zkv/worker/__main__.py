@@ -51,13 +51,17 @@ if __name__ == "__main__":  # (run as the rank, not imported: the importer's sig
         signal.signal(_sig, _stop_while_starting)
 
 import faulthandler  # noqa: E402
-import math  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
 
 from zkv import log as zlog
-from zkv.config import CacheLayout, endpoints_from_env
+from zkv.config import (
+    CacheLayout,
+    endpoints_from_env,
+    heartbeat_from_env,
+    scheduler_timeout_from_env,
+)
 from zkv.errors import ConfigError
 from zkv.exit_codes import EXIT_CONFIG, EXIT_FATAL, EXIT_REFUSED, EXIT_SCHEDULER_GONE
 from zkv.storage import HEADER_SIZE, Store, file_url, open_store
@@ -69,9 +73,6 @@ from zkv.worker.sidecar import (
 )
 
 _PARENT_CHECK_S = 0.5
-#: ZKV_SCHEDULER_TIMEOUT_S's default: a scheduler restarted by zkvrun is back in seconds.
-DEFAULT_SCHEDULER_TIMEOUT_S = 300.0
-_FOREVER = ("inf", "none", "off")
 
 
 def _watch_parent(actor: WorkerActor, stopped: threading.Event) -> None:
@@ -97,31 +98,6 @@ def store_from_env(layout: CacheLayout, rank: int, env: Mapping[str, str] | None
                       block_bytes=HEADER_SIZE + layout.block_bytes)
 
 
-def scheduler_timeout_from_env(env: Mapping[str, str] | None = None) -> float | None:
-    """``ZKV_SCHEDULER_TIMEOUT_S``: seconds (default 300), or None for ``inf`` / ``none`` /
-    ``off`` (wait forever). ConfigError naming the value otherwise."""
-    env = os.environ if env is None else env
-    raw = env.get("ZKV_SCHEDULER_TIMEOUT_S", "").strip()
-    if not raw:
-        return DEFAULT_SCHEDULER_TIMEOUT_S
-    if raw.lower() in _FOREVER:
-        return None
-    value = _finite_positive(raw)
-    if value is None:
-        raise ConfigError(f"ZKV_SCHEDULER_TIMEOUT_S must be a finite number of seconds > 0, "
-                          f"or inf to wait forever, got {raw!r}")
-    return value
-
-
-def _finite_positive(raw: str) -> float | None:
-    """``raw`` as a finite number > 0; None for junk, NaN, inf or <= 0."""
-    try:
-        value = float(raw)
-    except ValueError:
-        return None
-    return value if 0 < value < math.inf else None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args:  # configured by its environment alone (zkvrun sets it)
@@ -141,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"RANK {rank} is not below the layout's world_size "
                               f"{layout.world_size}")
         pub, pull = endpoints_from_env()
-        raw = os.environ.get("ZKV_HEARTBEAT_S", "0.25")
-        heartbeat_s = _finite_positive(raw)
-        if heartbeat_s is None:  # NaN fails too (-1: a heartbeat flood)
-            raise ConfigError(f"ZKV_HEARTBEAT_S must be a finite number > 0, got {raw!r}")
+        heartbeat_s = heartbeat_from_env()  # (NaN, -1, 1e-9: a heartbeat flood, refused)
         keys, insecure = security_from_env(rank)
         scheduler_timeout_s = scheduler_timeout_from_env()
     except (ConfigError, ValueError) as e:

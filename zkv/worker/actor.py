@@ -73,7 +73,7 @@ from zkv.storage import Store
 from zkv.worker.copies import merged_copy, run_sim
 from zkv.worker.layers import LayerDoneCounter
 from zkv.worker.storage_io import IO_KINDS, StorageIO
-from zkv.zmqio import DONTWAIT, POLLIN, readable, recv_frames, send_frames, zmq_poll
+from zkv.zmqio import DONTWAIT, POLLIN, allow_ipv6, readable, recv_frames, send_frames, zmq_poll
 
 #: How often the actor looks at its connection monitor (a scheduler restart) between batches.
 _MONITOR_EVERY_S = 0.1
@@ -371,8 +371,9 @@ class WorkerActor:
             t = self.scheduler_timeout_s
             sub.setsockopt(zmq.HEARTBEAT_IVL, int(min(max(t / 4, 0.1), 5.0) * 1000))
             sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(min(max(t / 2, 0.2), 30.0) * 1000))
-        security.setup_client(sub, self._keys, self.pub_endpoint)
-        security.setup_client(push, self._keys, self.pull_endpoint)
+        for sock, endpoint in ((sub, self.pub_endpoint), (push, self.pull_endpoint)):
+            allow_ipv6(sock, endpoint)
+            security.setup_client(sock, self._keys, endpoint)
 
     def _hello(self) -> None:
         self._send(P.Hello(self.rank, self._pid, self.layout.fingerprint(),
