@@ -150,3 +150,48 @@ def test_a_log_dir_removed_under_the_writer_costs_no_line(tmp_path: Path,
     f.write('{"b":2}\n')
     f.close()
     assert (moved / "w.jsonl").read_text() == '{"a":1}\n{"b":2}\n' and f.num_dropped == 0
+
+
+def test_a_field_orjson_refuses_is_written_escaped_not_raised(tmp_path: Path) -> None:
+    # A path decoded with surrogateescape (a non-UTF-8 directory name), another lone
+    # surrogate, an int past 64 bits and a key that is no str: orjson refuses each; the
+    # log call raised TypeError out of whatever store or actor call made it.
+    zlog.configure("worker", rank=0, log_dir=str(tmp_path))
+    path = os.fsdecode(b"/tmp/l3-\xff")
+    structlog.get_logger().error(zlog.WRITE_FAILED, store=path, other="a\ud800b",
+                                 big=1 << 70, counts={3: "x"}, fine=[1, "é"])
+    [rec] = lines(tmp_path / "worker-0.jsonl")
+    assert rec["store"] == "/tmp/l3-\\xff" and rec["other"] == "a\\ud800b"
+    assert rec["big"] == str(1 << 70) and rec["counts"] == {"3": "x"}
+    assert rec["fine"] == [1, "é"] and rec["event"] == zlog.WRITE_FAILED
+
+
+@pytest.mark.parametrize("log_dir", [False, True])
+def test_a_closed_stderr_drops_lines_without_raising(tmp_path: Path, log_dir: bool) -> None:
+    # With stderr closed at start (``2>&-``) sys.stderr is None: a line meant for it, and
+    # the warning about a log file that cannot be opened, raised AttributeError.
+    import subprocess
+    import sys
+    where = str(tmp_path / "file-in-the-way" / "sub") if log_dir else None
+    (tmp_path / "file-in-the-way").write_text("")
+    code = ("import structlog\nfrom zkv import log\n"
+            f"log.configure('scheduler', log_dir={where!r})\n"
+            "structlog.get_logger().info(log.STEP_DONE, i=1)\n"
+            "log.get_logger('storage').error(log.WRITE_FAILED)\n"
+            "with log.FileLogger(None, 'launcher') as fl:\n"
+            "    fl.info(log.RANK_STARTED, rank=0)\n"
+            "print('done')\n")
+    out = subprocess.run(["sh", "-c", 'exec "$0" -c "$1" 2>&-', sys.executable, code],
+                         capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "done\n")
+
+
+def test_a_data_parallel_engines_files_are_its_own(tmp_path: Path) -> None:
+    # (a vLLM worker half of DP engine 1, TP rank 0; DP engine 0's keeps connector-0)
+    path = zlog.configure("connector", rank=0, log_dir=str(tmp_path), dp_rank=1)
+    assert path == str(tmp_path / "connector-dp1-0.jsonl")
+    structlog.get_logger().info(zlog.BATCH_DONE)
+    [rec] = lines(tmp_path / "connector-dp1-0.jsonl")
+    assert (rec["dp_rank"], rec["rank"], rec["component"]) == (1, 0, "connector")
+    assert zlog.configure("scheduler", log_dir=str(tmp_path), dp_rank=2) == \
+        str(tmp_path / "scheduler-dp2.jsonl")

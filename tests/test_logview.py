@@ -394,3 +394,25 @@ def test_control_characters_are_escaped_not_sent_to_the_terminal(tmp_path: Path)
     assert 'req="a\\u001b[31mred\\u0007"' in text, text
     raw = logview.parse_line(b"\x1b]0;owned\x07 not json", "f", 2, 0.0)
     assert "\x1b" not in logview.format_record(raw) and "\x07" not in logview.format_record(raw)
+
+
+def test_json_mode_escapes_a_malformed_line_too(tmp_path: Path) -> None:
+    """``--json`` wrote a malformed line to stderr as it was, escape sequences included."""
+    write(tmp_path / "w-0.jsonl", ev(1.0, "x.y"), b"\x1b]0;owned\x07\x1b[2J not json\n")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert logview.main([str(tmp_path), "--json"]) == 0
+    assert "\x1b" not in err.getvalue() and "\x07" not in err.getvalue()
+    assert "w-0.jsonl:2" in err.getvalue() and "not json" in err.getvalue()
+    assert orjson.loads(out.getvalue())["event"] == "x.y"
+
+
+def test_a_terminal_without_utf8_gets_escapes_not_a_traceback(tmp_path: Path) -> None:
+    """Under a Latin-1 locale a garbled line's U+FFFD could not be encoded: a
+    UnicodeEncodeError traceback, rc 1, and nothing after it shown."""
+    write(tmp_path / "a.jsonl", ev(1.0, "x.y"), b"\xff\xfe garbled\n", ev(2.0, "x.z"))
+    env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
+    p = subprocess.run([sys.executable, "-m", "zkv.cli", "logs", str(tmp_path)], env=env,
+                       capture_output=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert b"\\ufffd\\ufffd garbled" in p.stdout and b"x.z" in p.stdout

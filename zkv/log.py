@@ -110,7 +110,42 @@ def _add_ts(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def _dumps(obj: Any, **_: Any) -> str:
-    return orjson.dumps(obj, default=str).decode()
+    try:
+        return orjson.dumps(obj, default=str).decode()
+    except TypeError:  # a str orjson refuses, an int past 64 bits, a key that is no str
+        return orjson.dumps(_plain(obj), default=str).decode()
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with what orjson refuses made printable: a str holding surrogates (a path
+    decoded with surrogateescape) gets ``\\xNN`` escapes, an int past 64 bits and a dict
+    key that is no str become their str."""
+    if isinstance(obj, str):
+        return _printable_str(obj) if _has_surrogate(obj) else obj
+    if isinstance(obj, bool) or obj is None or isinstance(obj, float):
+        return obj
+    if isinstance(obj, int):
+        return obj if -(1 << 63) <= obj < (1 << 64) else str(obj)
+    if isinstance(obj, dict):
+        return {_plain(k if isinstance(k, str) else str(k)): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return _plain(str(obj))
+
+
+def _printable_str(text: str) -> str:
+    try:  # the bytes a surrogateescape decode stood in for, as \\xNN
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # another lone surrogate: \\udNNN
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 #: The configured process's fields (component, pid, rank), for lines of threads that did not
@@ -255,7 +290,7 @@ def _warn(text: str) -> None:
     try:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: stderr closed (None)
         pass
 
 
@@ -329,14 +364,14 @@ class _Sink:
             out = self._target or sys.stderr
             try:
                 return out.write(text)
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):  # stderr closed: sys.stderr is None
                 return len(text)
 
     def flush(self) -> None:
         with self._lock:
             try:
                 (self._target or sys.stderr).flush()
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):
                 pass
 
 
@@ -349,18 +384,22 @@ def configure(
     log_dir: str | None = None,
     level: str | None = None,
     stream: TextIO | None = None,
+    dp_rank: int | None = None,
 ) -> str | None:
     """Route structlog to one JSON-lines file per process; return its path (or None).
 
     ``log_dir`` defaults to ``$ZKV_LOG_DIR``; without one, lines go to ``stream``/stderr.
-    Calling it again closes the file the previous call opened.
+    Calling it again closes the file the previous call opened. ``dp_rank``: the
+    data-parallel engine this process serves, where one log directory holds several
+    (``scheduler-dp1.jsonl``, ``connector-dp1-0.jsonl``; a ``dp_rank`` field on each line).
     """
     log_dir = log_dir or os.environ.get("ZKV_LOG_DIR") or None
     ignore_file_size_signal()
     path = None
     target = None
     if log_dir:
-        name = component if rank is None else f"{component}-{rank}"
+        name = component if dp_rank is None else f"{component}-dp{dp_rank}"
+        name = name if rank is None else f"{name}-{rank}"
         path = os.path.join(log_dir, f"{name}.jsonl")
         target = open_line_file(path)
         if target is None:
@@ -380,6 +419,8 @@ def configure(
     binds: dict[str, Any] = {"component": component, "pid": os.getpid()}
     if rank is not None:
         binds["rank"] = rank
+    if dp_rank is not None:
+        binds["dp_rank"] = dp_rank
     structlog.contextvars.bind_contextvars(**binds)
     _PROCESS.clear()
     _PROCESS.update(binds)

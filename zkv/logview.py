@@ -277,8 +277,8 @@ def _emit(records: Iterable[Record], filters: Filters, out: TextIO, as_json: boo
         if not filters.match(rec):
             continue
         if as_json and rec.malformed:
-            print(f"zkv logs: malformed line {rec.source}:{rec.lineno}: {rec.raw[:_MAX_RAW]}",
-                  file=err)
+            print(f"zkv logs: malformed line {rec.source}:{rec.lineno}: "
+                  f"{_printable(rec.raw[:_MAX_RAW])}", file=err)
             n += 1  # (shown, on stderr: it matched)
             continue
         if not as_json and not rec.malformed:
@@ -383,7 +383,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll-s", type=positive_float, default=DEFAULT_POLL_S, help=argparse.SUPPRESS)
 
 
+def _tolerant_streams() -> None:
+    """A character the terminal's encoding lacks (a U+FFFD standing for a garbled byte,
+    under a Latin-1 locale) is written as an escape, not a UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (OSError, ValueError):
+                pass
+
+
 def run_args(ns: argparse.Namespace) -> int:
+    _tolerant_streams()
     filters = Filters(ranks=frozenset(ns.rank) if ns.rank else None, seq=ns.seq,
                       min_level=ns.level, event=ns.event)
     try:

@@ -390,7 +390,7 @@ def decode(frames: Sequence[Any], limits: Limits | None = None) -> Message:
     if tag == T_BATCH:
         return _decode_batch(hdr, rest, limits or Limits())
     if rest:
-        raise ProtocolError(f"{tag.decode(errors='replace')}: unexpected {len(rest)} payload "
+        raise ProtocolError(f"{tag[:32].decode(errors='replace')}: unexpected {len(rest)} payload "
                             "frames")
     if tag == T_ACK:
         results = tuple(_decode_result(r) for r in _get(hdr, "ops", list))

@@ -125,7 +125,10 @@ def test_a_hello_flood_logs_a_bounded_few_lines(ctx: zmq.Context[Any], transport
                                                 folder: str) -> None:
     """Hellos that are refused (another layout), and hellos whose fingerprint is a
     megabyte: a few lines, each short; the megabyte one is refused at decode. (Before:
-    an error line per hello, each quoting what the peer sent: 200 hellos wrote 210 MB.)"""
+    an error line per hello, each quoting what the peer sent: 200 hellos wrote 210 MB.)
+    At close, one summary line counts the refusals the rate limit held back (before, it
+    was never written for hellos), and a message whose type tag is a megabyte is quoted
+    cut (before, whole: a megabyte line each)."""
     kr = Keyring.generate(1)
     d = Dispatcher(*_endpoints(transport, folder), 1, FP, context=ctx, keys=kr,
                    heartbeat_timeout_s=60)
@@ -140,12 +143,16 @@ def test_a_hello_flood_logs_a_bounded_few_lines(ctx: zmq.Context[Any], transport
             r.send_raw([P.T_HELLO, orjson.dumps(hdr)])
             r.send_raw([P.T_BYE, orjson.dumps({"v": P.PROTOCOL_VERSION, "rank": 0, "pid": 1,
                                                 "reason": "r" * (1 << 20)})])
+            r.send_raw([b"X" * (1 << 20), orjson.dumps({"v": P.PROTOCOL_VERSION}), b"extra"])
             _poll_until(d, lambda: d.refusals()["hello"] == 60
-                        and d.refusals()["malformed"] == 3, "the refusals")
+                        and d.refusals()["malformed"] == 4, "the refusals")
+            assert d._ranks[0].refused is not None  # still reported to wait_for_ranks
+            d.close(shutdown=False)
         refused = events_named(logs, ev.RANK_REFUSED)
-        assert 1 <= len(refused) <= 12, len(refused)
+        assert 1 <= len(refused) <= 13, len(refused)
+        [summary] = [e for e in refused if e.get("summary")]
+        assert summary["num_total"] == 60
         assert max(len(repr(e)) for e in logs) < 8192
-        assert d._ranks[0].refused is not None  # still reported to wait_for_ranks
     finally:
         d.close(shutdown=False)
         r.close()

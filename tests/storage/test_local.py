@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
+from zkv import log as zlog
 from zkv.errors import ConfigError, StorageError
 from zkv.storage import HEADER_SIZE, LocalDirStore, file_url, namespaces, open_store, pack_key
 from zkv.storage.localfs import check_root
@@ -574,3 +577,28 @@ def test_a_store_without_a_rank_indexes_only_when_asked(tmp_path: Path,
     s.put(key(5), data(5))  # over budget by one: the oldest, rank 1's key 0 (rank 0's was hit)
     assert s.exists([key(0), key(0, 1), key(1), key(1, 1)]) == [True, False, True, True]
     assert s.stats.evicted == 1 and s.num_blocks == 6
+
+
+def test_a_corrupt_block_under_a_non_utf8_root_is_a_logged_miss(tmp_path: Path) -> None:
+    # The store's url held the raw path (a surrogate where the byte is not UTF-8): logging
+    # the refusal raised TypeError out of get_many_into and the bad file stayed.
+    root = os.path.join(os.fsencode(tmp_path), b"l3-\xff")
+    os.mkdir(root)
+    zlog.configure("worker", rank=0, log_dir=str(tmp_path / "logs"))
+    try:
+        store = LocalDirStore(os.fsdecode(root), "ns", rank=0)
+        store.put(key(1), data(1))
+        [path] = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
+                  if f.endswith(b".0")]
+        os.truncate(path, 10)
+        assert store.get_many_into([key(1)], [np.zeros(BLOCK, np.uint8)]) == [False]
+        assert not os.path.exists(path)
+        store.close()
+    finally:
+        zlog.close()
+        structlog.reset_defaults()
+    records = [orjson.loads(x) for x in (tmp_path / "logs" / "worker-0.jsonl").read_bytes()
+               .splitlines()]
+    [refused] = [r for r in records if r["event"] == "storage.block_refused"]
+    assert refused["store"] == store.url == file_url(os.fsdecode(root))
+    assert refused["store"].endswith("/l3-%FF")

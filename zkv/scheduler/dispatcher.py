@@ -513,6 +513,7 @@ class Dispatcher:
                 self._ctx.term()
             self._refused_log.flush()
             self._forged_log.flush()
+            self._members.flush_logs()
             self._log.info(ev.DISPATCHER_STOPPED, next_seq=self._next_seq,
                            num_in_flight=len(self._in_flight), **counts)
             self._in_flight.clear()

@@ -101,6 +101,10 @@ class Membership:
         # (rank, pid) -> reason: refused, its subscriber not seen yet (see tell_refused)
         self._untold: dict[tuple[int, int], str] = {}
 
+    def flush_logs(self) -> None:
+        """Write the summary of refusal lines the rate limit held back (at close)."""
+        self._refused_log.flush()
+
     def rank_of(self, rank: int, what: str) -> RankState | None:
         """The record of ``rank``; None (refused as ``unknown_rank``) past the world."""
         if rank >= self.world_size:

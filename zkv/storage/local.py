@@ -126,6 +126,7 @@ from zkv.storage.localfs import (
     unlink_quietly,
     write_all,
 )
+from zkv.storage.url import file_url
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # A put on a full disk: the first try and up to 9 after making room. (5 were too few once
@@ -158,7 +159,7 @@ class LocalDirStore(Store):
                  max_bytes: int | None = None, fsync: bool = False,
                  rank: int | None = None, writers: int = 1,
                  keep_days: float = namespaces.DEFAULT_KEEP_DAYS) -> None:
-        super().__init__(namespace, f"file://{os.path.abspath(os.fspath(root))}")
+        super().__init__(namespace, file_url(root))
         if not keep_days >= 0:
             raise ValueError(f"keep_days must be >= 0, got {keep_days}")
         if rank is not None and rank < 0:

@@ -39,7 +39,9 @@ Keys (all optional)::
                                           case, warn, fatal; default $ZKV_LOG_LEVEL, else
                                           warning)
     metrics_port             int >= 0     serve zkv's Prometheus metrics on 127.0.0.1:PORT
-                                          from the scheduler process (0: any port)
+                                          from the scheduler process (0: any port); data-
+                                          parallel engine d serves on PORT + d, as vLLM's
+                                          own per-replica ports do
     namespace_salt           str          mixed into the L3 namespace
     inject_load_failures     list[int]    test hook: the n-th load batch (0-based, per rank)
                                           fails after scribbling over its destination blocks
@@ -291,6 +293,30 @@ def parse_extra_config(extra: Mapping[str, Any] | None,
                               "write to")
         kw.setdefault("storage_write", False)
     return ZkvVllmConfig(**kw)
+
+
+def dp_index(vllm_config: Any) -> int:
+    """This engine's data-parallel index (0 without data parallelism): vLLM runs each
+    DP engine in its own process with the one ``kv_connector_extra_config``, so what a
+    process binds (a metrics port) or names (a log file) takes it in. vLLM sets
+    ``data_parallel_rank`` back to 0 for an independent (dense) DP engine;
+    ``data_parallel_index`` keeps the engine's number."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    index = getattr(parallel, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
+def engine_metrics_port(port: int, dp: int) -> int:
+    """The metrics port of data-parallel engine ``dp`` (0 stays 0: a free port each);
+    ConfigError when it runs past 65535."""
+    if port == 0:
+        return 0
+    if port + dp > 65535:
+        raise ConfigError(f"zkv: metrics_port {port} + data-parallel index {dp} is past "
+                          "65535; give a lower port")
+    return port + dp
 
 
 def failure_policy_advice(policy: str, async_scheduling: bool) -> str | None:

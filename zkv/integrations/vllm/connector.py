@@ -39,6 +39,8 @@ from zkv.integrations.vllm import events as E
 from zkv.integrations.vllm.config import (
     ZkvVllmConfig,
     check_host_memory,
+    dp_index,
+    engine_metrics_port,
     failure_policy_advice,
     parse_extra_config,
     storage_secret_advice,
@@ -202,7 +204,9 @@ class ZkvConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self.rank = int(get_tensor_model_parallel_rank())
-            zlog.configure("connector", self.rank, self.cfg.log_dir, self.cfg.log_level)
+            dp = dp_index(vllm_config)
+            zlog.configure("connector", self.rank, self.cfg.log_dir, self.cfg.log_level,
+                           dp_rank=dp or None)
             self.worker = WorkerHalf(self.cfg, self.rank, self.engine_id)
 
     def _resolved_layout(self) -> str | None:
@@ -232,7 +236,9 @@ class ZkvConnector(KVConnectorBase_V1):
     def _start_scheduler_parts(self, vllm_config: VllmConfig) -> None:
         from vllm.platforms import current_platform
 
-        zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level)
+        dp = dp_index(vllm_config)  # (each data-parallel engine: its own file and port)
+        zlog.configure("scheduler", None, self.cfg.log_dir, self.cfg.log_level,
+                       dp_rank=dp or None)
         tc = vllm_config.kv_transfer_config
         assert tc is not None
         secret = storage_secret_advice(tc.kv_connector_extra_config)
@@ -274,8 +280,9 @@ class ZkvConnector(KVConnectorBase_V1):
         if self.cfg.metrics_port is not None:
             from zkv.integrations.vllm import metrics
 
+            port = engine_metrics_port(self.cfg.metrics_port, dp)
             try:
-                self._metrics_server = metrics.serve(self.cfg.metrics_port)
+                self._metrics_server = metrics.serve(port)
             except ConfigError as e:  # the engine stops at start, with one line
                 raise ConfigError(f"zkv: {e}") from None
             # (metrics_port 0 picks a free port: this line says which)
