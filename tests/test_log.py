@@ -195,3 +195,22 @@ def test_a_data_parallel_engines_files_are_its_own(tmp_path: Path) -> None:
     assert (rec["dp_rank"], rec["rank"], rec["component"]) == (1, 0, "connector")
     assert zlog.configure("scheduler", log_dir=str(tmp_path), dp_rank=2) == \
         str(tmp_path / "scheduler-dp2.jsonl")
+
+
+def test_a_logger_made_before_a_fork_writes_the_childs_pid(tmp_path: Path) -> None:
+    # (vLLM forks its engine core and workers after zkv's modules made their loggers)
+    made_before = zlog.get_logger("scheduler")
+    pid = os.fork()
+    if pid == 0:  # the child: writes its lines, then leaves without pytest's cleanup
+        code = 1
+        try:
+            zlog.configure("scheduler", log_dir=str(tmp_path))
+            made_before.info(zlog.STEP_DONE)
+            zlog.close()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    [rec] = lines(tmp_path / "scheduler.jsonl")
+    assert (rec["pid"], rec["component"]) == (pid, "scheduler")

@@ -159,10 +159,16 @@ def _add_process(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict
     return event_dict
 
 
+def _add_pid(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    event_dict.setdefault("pid", os.getpid())  # this process's, also after a fork
+    return event_dict
+
+
 def _processors(contextvars: bool) -> list[Any]:
     procs: list[Any] = [structlog.contextvars.merge_contextvars, _add_process] \
         if contextvars else []
     return procs + [
+        _add_pid,
         structlog.processors.add_log_level,
         _add_ts,
         structlog.processors.format_exc_info,
@@ -474,14 +480,15 @@ def debug_enabled() -> bool:
 
 
 def get_logger(component: str, **binds: Any) -> Any:
-    """A logger bound to ``component`` (and ``pid`` and ``binds``), safe from any thread.
+    """A logger bound to ``component`` (and ``binds``), safe from any thread.
 
     Values are bound on the logger itself, not in contextvars (which a new thread does
     not inherit). It is a lazy proxy: it follows the configuration in force at each
     call, so a module-level ``log = get_logger(...)`` made before :func:`configure`
-    still writes to the configured file.
+    still writes to the configured file. The ``pid`` is each line's process's (bound
+    here, a module-level logger made before a fork wrote its parent's).
     """
-    return structlog.get_logger(component=component, pid=os.getpid(), **binds)
+    return structlog.get_logger(component=component, **binds)
 
 
 class FileLogger:
