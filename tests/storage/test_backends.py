@@ -152,6 +152,20 @@ def test_wrong_sized_buffer_is_refused_not_overrun(backend: Backend) -> None:
     assert store.stats.corrupt + store.stats.truncated == 1
 
 
+def test_keys_and_buffers_of_different_counts_are_refused(backend: Backend) -> None:
+    """(Mooncake's get read the keys that had a buffer and answered for those alone: a
+    caller zipping the answer with its keys took the last keys' answers as missing.)"""
+    store = backend.open()
+    ks = keys(3, "counts")
+    store.put_many(ks, list(blocks(3, 9)))
+    outs = [np.zeros(BLOCK, np.uint8) for _ in range(2)]
+    with pytest.raises(ValueError, match="3 keys but 2 blocks"):
+        store.get_many_into(ks, outs)
+    with pytest.raises(ValueError, match="3 keys but 2 blocks"):
+        store.put_many(ks, list(blocks(2, 9)))
+    assert store.get_many_into(ks[:2], outs) == [True, True]
+
+
 def test_empty_batches_and_bad_keys(backend: Backend) -> None:
     store = backend.open()
     assert store.put_many([], []) == [] and store.get_many_into([], []) == []

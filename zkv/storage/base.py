@@ -326,6 +326,13 @@ class Link:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def check_counts(keys: Sequence[bytes], blocks: Sequence[Any]) -> None:
+    """ValueError unless a batched call got one buffer per key (before any I/O: a call
+    that answered for the pairs alone would leave the caller's last keys unanswered)."""
+    if len(keys) != len(blocks):
+        raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+
+
 def store_call(fn: _F) -> _F:
     """A store's public call: refused once the store is closing (``StorageError``), and
     counted while it runs, so that ``close`` waits for it."""

@@ -111,6 +111,7 @@ from zkv.storage.base import (
     TRUNCATED,
     Store,
     as_bytes_view,
+    check_counts,
     check_header,
     pack_header,
     payload_ok,
@@ -267,6 +268,7 @@ class LocalDirStore(Store):
 
     @store_call
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        check_counts(keys, datas)
         self._ensure_index()
         for key, data in zip(keys, datas, strict=True):
             self._put_one(key, as_bytes_view(data))
@@ -274,6 +276,7 @@ class LocalDirStore(Store):
 
     @store_call
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        check_counts(keys, outs)
         return [self._get_one(k, as_bytes_view(o)) for k, o in zip(keys, outs, strict=True)]
 
     @store_call

@@ -87,6 +87,7 @@ from zkv.storage.base import (
     Link,
     Store,
     as_bytes_view,
+    check_counts,
     pack_header,
     store_call,
     value_ok,
@@ -323,6 +324,7 @@ class MooncakeStore(Store):
 
     @store_call
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        check_counts(keys, outs)
         views = [as_bytes_view(o) for o in outs]
         found: list[bool] = []
         self._tls.refused = []  # this call's refused blocks (_delete_refused)
@@ -336,9 +338,8 @@ class MooncakeStore(Store):
 
     @store_call
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        check_counts(keys, datas)
         views = [as_bytes_view(d) for d in datas]
-        if len(views) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(views)} blocks")
         stored: list[bool] = []
         for lo, hi, inline in self._chunks(views):
             put = self._put_inline if inline else self._put_split

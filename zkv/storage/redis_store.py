@@ -64,6 +64,7 @@ from zkv.storage.base import (
     Link,
     Store,
     as_bytes_view,
+    check_counts,
     check_header,
     pack_header,
     pack_key,
@@ -286,6 +287,7 @@ class RedisStore(Store):
 
     @store_call
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        check_counts(keys, outs)
         if not keys:
             return []
         names = [self.name(k) for k in keys]
@@ -320,6 +322,7 @@ class RedisStore(Store):
 
     @store_call
     def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        check_counts(keys, datas)
         if not keys:
             return []
         views = [as_bytes_view(d) for d in datas]
