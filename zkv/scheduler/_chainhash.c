@@ -32,6 +32,7 @@
 
 #define DIGEST 16
 #define STACK_BUF 4096
+#define PREFETCH_AHEAD 16
 
 /* An exact int as a C long: the compact-int fast path of the running CPython (one digit
  * or fewer, which every token id is), else PyLong_AsLongAndOverflow. */
@@ -70,9 +71,10 @@ put_le64(unsigned char *p, uint64_t v)
 }
 
 /* Hash buf[0 : len], write the canonical digest over buf[0 : 16] (the next block's
- * parent) and append it to ``out`` as bytes. -1 with an exception set on failure. */
+ * parent) and set it as bytes at ``out[i]`` (a list made with its length: a slot not set
+ * yet is NULL, which freeing the list skips). -1 with an exception set on failure. */
 static int
-chain_step(unsigned char *buf, size_t len, PyObject *out)
+chain_step(unsigned char *buf, size_t len, PyObject *out, Py_ssize_t i)
 {
     XXH128_canonical_t c;
     XXH128_canonicalFromHash(&c, XXH3_128bits(buf, len));
@@ -81,9 +83,8 @@ chain_step(unsigned char *buf, size_t len, PyObject *out)
     if (h == NULL) {
         return -1;
     }
-    int rc = PyList_Append(out, h);
-    Py_DECREF(h);
-    return rc;
+    PyList_SET_ITEM(out, i, h);
+    return 0;
 }
 
 /* Hash one block whose payload is already in buf[16 : 16 + payload]; with an extra for
@@ -92,7 +93,7 @@ static int
 chain_block(unsigned char *buf, size_t payload, PyObject *extras, Py_ssize_t b, PyObject *out)
 {
     if (extras == Py_None) {
-        return chain_step(buf, DIGEST + payload, out);
+        return chain_step(buf, DIGEST + payload, out, b);
     }
     PyObject *key = PyLong_FromSsize_t(b);
     if (key == NULL) {
@@ -101,7 +102,7 @@ chain_block(unsigned char *buf, size_t payload, PyObject *extras, Py_ssize_t b, 
     PyObject *extra = PyDict_GetItemWithError(extras, key); /* borrowed */
     Py_DECREF(key);
     if (extra == NULL) {
-        return PyErr_Occurred() ? -1 : chain_step(buf, DIGEST + payload, out);
+        return PyErr_Occurred() ? -1 : chain_step(buf, DIGEST + payload, out, b);
     }
     if (!PyBytes_Check(extra)) {
         PyErr_SetString(PyExc_TypeError, "extras values must be bytes");
@@ -115,21 +116,27 @@ chain_block(unsigned char *buf, size_t payload, PyObject *extras, Py_ssize_t b, 
     }
     memcpy(tmp, buf, DIGEST + payload);
     memcpy(tmp + DIGEST + payload, PyBytes_AS_STRING(extra), (size_t)elen);
-    int rc = chain_step(tmp, DIGEST + payload + (size_t)elen, out);
+    int rc = chain_step(tmp, DIGEST + payload + (size_t)elen, out, b);
     memcpy(buf, tmp, DIGEST); /* the digest is the next parent */
     PyMem_Free(tmp);
     return rc;
 }
 
 /* Convert ``count`` exact ints to int32 LE at ``p`` (``p`` NULL: check only). 1 when one
- * is not an exact int or does not fit: the caller leaves the input to the Python path. */
+ * is not an exact int or does not fit: the caller leaves the input to the Python path.
+ * ``end``: the list's end (items up to it may be prefetched). */
 static int
-put_tokens(unsigned char *p, PyObject **items, Py_ssize_t count)
+put_tokens(unsigned char *p, PyObject **items, Py_ssize_t count, PyObject **end)
 {
     for (Py_ssize_t j = 0; j < count; j++) {
         PyObject *o = items[j];
         int overflow;
         long v;
+        /* Each int is its own object, anywhere in memory: fetch the one PREFETCH_AHEAD
+         * on while this one is read (its cache miss costs more than the work). */
+        if (items + j + PREFETCH_AHEAD < end) {
+            __builtin_prefetch(items[j + PREFETCH_AHEAD]);
+        }
         if (!PyLong_CheckExact(o)) {
             return 1;
         }
@@ -158,18 +165,18 @@ chain_tokens(PyObject *src, Py_ssize_t bs, Py_buffer *parent, PyObject *extras)
     unsigned char stack[STACK_BUF];
     size_t payload = 4 * (size_t)bs;
     unsigned char *buf = DIGEST + payload <= STACK_BUF ? stack : PyMem_Malloc(DIGEST + payload);
-    PyObject *out = buf == NULL ? PyErr_NoMemory() : PyList_New(0);
-    if (out == NULL) {
-        goto done;
-    }
-    memcpy(buf, parent->buf, DIGEST);
     /* Nothing below runs Python code: the list cannot change while it is read. */
     PyObject **items = is_seq ? PySequence_Fast_ITEMS(src) : NULL;
     Py_ssize_t n = is_seq ? PySequence_Fast_GET_SIZE(src) : data.len / 4;
     Py_ssize_t num_full = n / bs;
+    PyObject *out = buf == NULL ? PyErr_NoMemory() : PyList_New(num_full);
+    if (out == NULL) {
+        goto done;
+    }
+    memcpy(buf, parent->buf, DIGEST);
     for (Py_ssize_t b = 0; b < num_full; b++) {
         if (is_seq) {
-            if (put_tokens(buf + DIGEST, items + b * bs, bs)) {
+            if (put_tokens(buf + DIGEST, items + b * bs, bs, items + n)) {
                 goto fallback;
             }
         } else {
@@ -182,7 +189,7 @@ chain_tokens(PyObject *src, Py_ssize_t bs, Py_buffer *parent, PyObject *extras)
     }
     /* The partial tail is not hashed, but the Python path validates every token: leave a
      * bad one there to that path too. */
-    if (is_seq && put_tokens(NULL, items + num_full * bs, n - num_full * bs)) {
+    if (is_seq && put_tokens(NULL, items + num_full * bs, n - num_full * bs, items + n)) {
         goto fallback;
     }
     goto done;
@@ -268,7 +275,7 @@ hash_id_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_RETURN_NONE;
         }
     }
-    PyObject *out = PyList_New(0);
+    PyObject *out = PyList_New(n);
     if (out == NULL) {
         return NULL;
     }
@@ -276,7 +283,7 @@ hash_id_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int overflow;
         long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
         put_le64(buf + DIGEST, (uint64_t)v);
-        if (chain_step(buf, sizeof buf, out) < 0) {
+        if (chain_step(buf, sizeof buf, out, i) < 0) {
             Py_DECREF(out);
             return NULL;
         }
