@@ -624,8 +624,8 @@ def _storage_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch", choices=PREFETCH_POLICIES, default="wait_complete",
                    help="how long a request waits for its L3 loads (default: %(default)s)")
     g.add_argument("--prefetch-base-ms", type=nonneg_float, default=50.0,
-                   help="timeout policy: budget = base + per-ki-token x prompt tokens / 1024 "
-                        "(default: %(default)s)")
+                   help="timeout policy: budget = base + per-ki-token x prompt tokens / 1024, "
+                        "at most 2,000 ms (vLLM's prefetch_max_ms; default: %(default)s)")
     g.add_argument("--prefetch-per-ki-token-ms", type=nonneg_float, default=50.0,
                    help="the timeout budget's part per 1,024 prompt tokens (default: "
                         "%(default)s)")

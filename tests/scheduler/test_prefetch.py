@@ -66,3 +66,8 @@ def test_forget_and_bad_policies() -> None:
         PrefetchPolicy("eager")
     with pytest.raises(ValueError, match=">= 0"):
         PrefetchPolicy(TIMEOUT, base_s=-1.0)
+    # a NaN budget was taken: the request was never ready, its deadline NaN
+    for field in ("base_s", "per_ki_token_s", "max_s"):
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="finite"):
+                PrefetchPolicy(TIMEOUT, **{field: bad})

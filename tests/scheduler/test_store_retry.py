@@ -196,6 +196,12 @@ def test_retry_intervals_are_checked() -> None:
         CacheConfig(1, 1, store_retry_s=0)
     with pytest.raises(ValueError, match="store_retry_s"):
         CacheConfig(1, 1, store_retry_s=5, store_retry_max_s=1)
+    # (an infinite interval never retries; a NaN or negative negative cache)
+    with pytest.raises(ValueError, match="both finite"):
+        CacheConfig(1, 1, store_retry_s=float("inf"), store_retry_max_s=float("inf"))
+    for bad in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(ValueError, match="negative_cache_s"):
+            CacheConfig(1, 1, negative_cache_s=bad)
 
 
 class Query:
@@ -262,3 +268,112 @@ def test_a_device_nodes_backup_is_written_once_the_device_lets_it_go(clock: Cloc
     clock.now += 2.0
     ops = take(cm)
     assert [op.keys for op in ops if op.kind == H2S] == [tuple(a)]
+
+
+def _stored(cm: CacheManager, hashes: list[bytes]) -> list[bool | None]:
+    """Per block: in L3 (True), waiting (False), let go of (None)."""
+    return [None if (n := cm.tree.index.get(h)) is None else n.in_store for h in hashes]
+
+
+def _rounds(cm: CacheManager, clock: Clock, n: int = 3) -> None:
+    for _ in range(n):
+        clock.now += 20
+        ops = take(cm)
+        if ops:
+            ack(cm, *ops)
+        cm.check_invariants()
+
+
+def test_the_tail_a_partial_eviction_cuts_off_a_waiting_node_is_written(clock: Clock) -> None:
+    """A device node whose backup's write failed loses its last blocks to the device's
+    eviction: they went to a new node the retry list did not hold, never written."""
+    cm = CacheManager(CacheConfig(4, 16, BS, "write_through", storage_write=True))
+    a = H(1, 2, 3, 4)
+    assert run(cm, "r1", a) is not None and take(cm) == []
+    finish(cm, "r1")
+    (backup,) = take(cm)
+    ack(cm, backup)
+    (h2s,) = take(cm)
+    fail(cm, h2s)
+    assert run(cm, "r2", H(5, 6)) is not None  # evicts a's last two blocks (backed up)
+    ack(cm, *take(cm))
+    finish(cm, "r2")
+    ops = take(cm)
+    if ops:
+        ack(cm, *ops)
+    _rounds(cm, clock)
+    assert _stored(cm, a)[2:] == [True, True]
+    assert run(cm, "r3", H(7, 8, 9, 10)) is not None  # the rest leaves the device
+    ack(cm, *take(cm))
+    finish(cm, "r3")
+    _rounds(cm, clock)
+    assert _stored(cm, a) == [True] * 4 and cm.num_unstored_blocks == 0
+
+
+def test_the_piece_above_a_dropped_waiting_node_is_written(clock: Clock) -> None:
+    """A match splits a waiting node (the new piece above is not on the list); host
+    pressure then drops the listed piece: the retry stopped there, never reaching the
+    piece above, which stayed unwritten for good."""
+    cm = make(4, 4)
+    a = H(1, 2, 3, 4)
+    assert push(cm, "r1", a) == []
+    (h2s,) = push(cm, "r2", H(5, 6, 7, 8))
+    fail(cm, h2s)
+    assert cm.match_prefix("r3", H(1, 2)).num_host == 2  # splits a's node at 2
+    cm.abort("r3")
+    assert run(cm, "r4", H(9, 10)) is not None  # its d2h takes a's last host blocks
+    ops = take(cm)
+    ack(cm, *ops)
+    finish(cm, "r4")
+    assert _stored(cm, a)[2:] == [None, None]
+    _rounds(cm, clock)
+    assert _stored(cm, a)[:2] == [True, True] and cm.num_unstored_blocks == 0
+
+
+def test_a_waiting_node_swapped_in_when_its_retry_comes_stays_waiting(clock: Clock) -> None:
+    """The retry came while the node was being copied back to the device (busy, not
+    HOST): it was taken off the list and never written."""
+    cm = make(4, 8)
+    a = H(1, 2, 3, 4)
+    assert push(cm, "r1", a) == []
+    (h2s,) = push(cm, "r2", H(5, 6, 7, 8))
+    fail(cm, h2s)
+    assert run(cm, "r3", a) is not None  # h2d of a (and r2's blocks out: d2h)
+    clock.now += 1.0  # the retry is due while the h2d runs
+    ops = take(cm)
+    assert cm.num_unstored_blocks == 4
+    ack(cm, *ops)
+    finish(cm, "r3")
+    ops = take(cm)
+    if ops:
+        ack(cm, *ops)
+    assert run(cm, "r4", H(9, 10, 11, 12)) is not None  # a leaves the device again
+    ack(cm, *take(cm))
+    finish(cm, "r4")
+    _rounds(cm, clock, 4)
+    assert _stored(cm, a) == [True] * 4 and cm.num_unstored_blocks == 0
+
+
+def test_a_failed_write_of_blocks_dropped_meanwhile_is_no_success(clock: Clock) -> None:
+    """The store refused a retry whose blocks were dropped while it ran: committed as a
+    success, it cleared ``store_writes_failing`` and reset the backoff."""
+    cm = CacheManager(CacheConfig(4, 2, BS, "write_back", storage_write=True))
+    a = H(1, 2, 3, 4)
+    assert run(cm, "r1", a) is not None and take(cm) == []
+    finish(cm, "r1")
+    assert run(cm, "r2", H(5, 6)) is not None  # a's tail to host (d2h), then its h2s
+    (d2h,) = take(cm)
+    ack(cm, d2h)
+    (h2s,) = take(cm)
+    fail(cm, h2s)
+    assert cm.store_writes_failing and cm.core.store_backoff_s == 2.0
+    clock.now += 1.0
+    (retry,) = take(cm)
+    finish(cm, "r2")
+    take(cm)
+    assert run(cm, "r3", H(7, 8, 9, 10)) is not None  # drops a (its tail's write in flight)
+    assert _stored(cm, a) == [None] * 4
+    fail(cm, retry)
+    assert cm.store_writes_failing and cm.core.store_backoff_s == 2.0
+    assert cm.core.store_retry_at > 0
+    cm.check_invariants()

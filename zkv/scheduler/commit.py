@@ -206,8 +206,10 @@ def _commit_h2s(core: Core, p: PendingOp, done: int) -> None:
     failed = live(core, [n for n, _e, _pos in failed_at])
     if failed:
         store_failed(core, failed)
-    else:  # (also with nothing waiting: the retry that emptied the list may be this one)
-        store_succeeded(core)
+    elif not failed_at:  # (also with nothing waiting: the retry that emptied the list
+        store_succeeded(core)  # may be this one)
+    else:  # the store refused blocks that were dropped meanwhile: still failing, nothing
+        core.store_failing = True  # of them to write again, the backoff left as it was
     relist_all(core, ok + failed)
 
 

@@ -44,8 +44,11 @@ class PrefetchPolicy:
         if self.kind not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch policy must be one of {PREFETCH_POLICIES}, "
                              f"got {self.kind!r}")
-        if self.base_s < 0 or self.per_ki_token_s < 0 or self.max_s < 0:
-            raise ValueError("prefetch budget terms must be >= 0")
+        if not all(math.isfinite(x) and x >= 0
+                   for x in (self.base_s, self.per_ki_token_s, self.max_s)):
+            raise ValueError("prefetch budget terms must be finite and >= 0, got "
+                             f"base_s={self.base_s}, per_ki_token_s={self.per_ki_token_s}, "
+                             f"max_s={self.max_s}")
 
     def budget_s(self, num_tokens: int) -> float:
         """How long a request of ``num_tokens`` prompt tokens may wait for its loads."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,8 +54,13 @@ class CacheConfig:
                              f"{self.write_policy!r}")
         if self.block_size <= 0 or self.num_device_blocks < 0 or self.num_host_blocks < 0:
             raise ValueError("block_size must be > 0 and block counts >= 0")
-        if not 0 < self.store_retry_s <= self.store_retry_max_s:
-            raise ValueError("store_retry_s must be > 0 and <= store_retry_max_s")
+        if not (0 < self.store_retry_s <= self.store_retry_max_s
+                and math.isfinite(self.store_retry_max_s)):
+            raise ValueError("store_retry_s must be > 0 and <= store_retry_max_s, both "
+                             "finite")
+        if not (math.isfinite(self.negative_cache_s) and self.negative_cache_s >= 0):
+            raise ValueError(f"negative_cache_s must be finite and >= 0, got "
+                             f"{self.negative_cache_s}")
         if self.write_through_threshold < 1:
             raise ValueError("write_through_threshold must be >= 1")
         if self.eviction_policy not in POLICIES:

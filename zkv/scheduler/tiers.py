@@ -31,7 +31,7 @@ import time
 from zkv.protocol import BACKUP, D2H, H2S
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import Ledger
-from zkv.scheduler.radix import DELETING, DEVICE, HOST, SWAP_TO_HOST, Node
+from zkv.scheduler.radix import DELETING, HOST, SWAP_TO_HOST, Node
 
 
 def evict_device(core: Core, n_blocks: int) -> list[int] | None:
@@ -63,6 +63,8 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
             stats.dropped += len(ids)
             continue
         t: Node = tree.pop_device(need, v)  # type: ignore[assignment]  # v, or its tail
+        if t is not v and v in core.unstored:  # the tail waits for its L3 write too
+            core.unstored[t] = None
         if note_evicted is not None:
             note_evicted(t.hashes)
         ids = t.dev  # type: ignore[assignment]
@@ -268,20 +270,22 @@ def retry_stores(core: Core) -> int:
             break
         while n.parent is not None and n not in seen:  # up to the root or a stored piece
             seen.add(n)
-            if (n.in_store or not n.host_ok or n.status not in _RESTORABLE
-                    or index.get(n.hashes[0]) is not n):
+            if n.in_store:
                 break
-            if n.busy or n.status is DEVICE:  # next round (its parents are DEVICE too)
-                unstored[n] = None
+            if not n.host_ok or index.get(n.hashes[0]) is not n:
+                # gone from the host tier (dropped, its backup taken): forgotten, but a
+                # piece a split put above it may still wait for its write
+                n = n.parent  # type: ignore[assignment]  # (not None: the loop's test)
+                continue
+            if n.busy or n.status is not HOST:  # moving, or on device: next round (a
+                unstored[n] = None  # DEVICE node's parents are DEVICE too)
                 break
             core.tree.unlist_host_chain(n)  # busy until acked (the commit relists it)
             maybe_store(core, n)
             queued += len(n.hashes)
-            n = n.parent
+            n = n.parent  # type: ignore[assignment]  # (not None: the loop's test)
     core.stats.store_retried += queued
     # not before the backoff again, unless an ack brings it forward (busy nodes wait)
     core.store_retry_at = time.monotonic() + core.store_backoff_s
     return queued
 
-
-_RESTORABLE = (HOST, DEVICE)  # a committed host copy, no op moving the node
