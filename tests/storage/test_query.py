@@ -107,6 +107,27 @@ def test_a_store_error_is_a_miss_and_an_event_never_an_exception() -> None:
         store.close()
 
 
+def test_an_exists_answer_of_the_wrong_length_is_a_miss(request: pytest.FixtureRequest,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake's query (one ``batch_is_exist`` a chunk): a reply with fewer results than
+    keys read as every block there (``all([])``), loads planned of blocks nobody had."""
+    server = request.getfixturevalue("mooncake_server")
+    b = Backend("mooncake", server.url, server, request.getfixturevalue("mooncake_stores"))
+    store = b.open()
+    monkeypatch.setattr(store, "exists", lambda keys: [True] * (len(keys) // 2))
+    try:
+        cm = CacheManager(CacheConfig(8, 8, 4, storage_write=True),
+                          storage_exists=StorageQuery(store, 2))
+        with capture_logs() as logs:
+            m = cm.match_prefix("r", hash_ids_chain([1, 2, 3]))
+        assert m.num_storage == 0 and store.stats.query_failures == 1
+        (event,) = [e for e in logs if e["event"] == "storage.query_failed"]
+        assert "6 keys answered with 3 results" in event["error"]
+        cm.check_invariants()
+    finally:
+        b.close()
+
+
 def test_an_outage_is_a_few_lines_not_one_per_query() -> None:
     """vLLM asks again every step for a request waiting on L3: during an outage every query
     fails. They are all counted; a few lines a window are logged, and the rest is said in

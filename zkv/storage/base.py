@@ -433,7 +433,11 @@ class Store(abc.ABC):
         """Leading blocks of one chunk present for every rank: one ``exists`` over all its
         keys (a backend that can stop at the first miss itself overrides this)."""
         w = world_size
-        found = self.exists([pack_key(d, r) for d in digests for r in range(w)])
+        keys = [pack_key(d, r) for d in digests for r in range(w)]
+        found = self.exists(keys)
+        if len(found) != len(keys):  # (a short answer would read as "all there")
+            raise StorageError(f"{self.url} exists: {len(keys)} keys answered with "
+                               f"{len(found)} results")
         for i in range(len(digests)):
             if not all(found[i * w : (i + 1) * w]):
                 return i
