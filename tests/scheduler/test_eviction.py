@@ -100,6 +100,33 @@ def test_slru_ghost_brings_a_recomputed_block_back_protected() -> None:
     assert list(pol._ghost) == [n.hashes[0] for n in olds[1:]]  # a, c, olds[0] trimmed
 
 
+def test_slru_ghost_moves_a_block_evicted_again_to_its_young_end() -> None:
+    """A block evicted a second time is among the latest evictions: a bulk trim keeps it
+    and forgets the blocks evicted before it (the ghost is a FIFO of evictions)."""
+    pol = SLRU(2, ghost_factor=2.0)  # keeps the last 4, trimmed when past 8
+    seq = [bytes([i]) * 8 for i in range(8)]
+    for h in [*seq, seq[0], b"\xff" * 8]:
+        pol.note_evicted([h])
+    assert list(pol._ghost) == [seq[6], seq[7], seq[0], b"\xff" * 8]
+    pol.note_evicted([seq[6], seq[1]])  # one batch: both at the young end, in order
+    assert list(pol._ghost)[-2:] == [seq[6], seq[1]] and len(set(pol._ghost)) == 5
+
+
+def test_slru_shrink_demotes_protected_entries_past_the_new_share() -> None:
+    pol = SLRU(8, protected_fraction=0.5)  # up to 4 protected blocks
+    hot = chain(4, tag=8)
+    for n in hot:
+        n.hits = 3
+    for n in reversed(hot):
+        pol.push(n)
+    assert pol.queues() == ([], [hot[3], hot[2], hot[1], hot[0]])
+    pol.resize(4)  # up to 2: the oldest two go to probation, oldest first
+    assert pol.queues() == ([hot[3], hot[2]], [hot[1], hot[0]])
+    assert pol._prot_blocks == 2 and pol.num_blocks == 4
+    pol.resize(16)  # growing moves nothing back
+    assert pol.queues() == ([hot[3], hot[2]], [hot[1], hot[0]])
+
+
 def test_a_victim_run_gives_its_last_blocks_and_keeps_its_place() -> None:
     """Evicting fewer blocks than a victim node holds takes its tail and leaves the rest
     first in line: one block at a time would go in the same order."""

@@ -188,15 +188,20 @@ class SLRU(EvictionPolicy):
         k = len(n.hashes)
         self.num_blocks += k
         if n.hits >= 2 or n.reused:
-            prot = self._prot
-            prot[n] = None
+            self._prot[n] = None
             self._prot_blocks += k
-            while self._prot_blocks > self._max_prot:  # demote the oldest
-                d = prot.popitem(last=False)[0]
-                self._prot_blocks -= len(d.hashes)
-                self._prob[d] = None
+            self._demote()
         else:
             self._prob[n] = None
+
+    def _demote(self) -> None:
+        """Move the oldest protected entries to the young end of probation until the
+        protected queue holds no more than its share."""
+        prot = self._prot
+        while self._prot_blocks > self._max_prot:
+            d = prot.popitem(last=False)[0]
+            self._prot_blocks -= len(d.hashes)
+            self._prob[d] = None
 
     def remove(self, n: Node) -> None:
         k = len(n.hashes)
@@ -243,6 +248,9 @@ class SLRU(EvictionPolicy):
 
     def note_evicted(self, hashes: list[bytes]) -> None:
         ghost = self._ghost
+        if ghost:  # a block evicted again goes to the young end, or a trim forgets it early
+            for h in ghost.keys() & hashes:
+                del ghost[h]
         ghost.update(dict.fromkeys(hashes))
         if len(ghost) > 2 * self._max_ghost:  # amortized O(1) per block, in C
             keep = list(ghost)[len(ghost) - self._max_ghost:]
@@ -264,6 +272,7 @@ class SLRU(EvictionPolicy):
         super().resize(capacity)
         self._max_prot = int(capacity * self.protected_fraction)
         self._max_ghost = int(capacity * self.ghost_factor)
+        self._demote()
 
 
 _ABSENT = object()
