@@ -726,6 +726,30 @@ def test_negative_cache_moves_a_hash_that_failed_again_to_the_end() -> None:
     assert neg.prefix([c, a], 7.0) == [c, a] and len(neg) == 0
 
 
+def test_a_block_written_to_the_store_after_a_failed_load_is_found_there_again() -> None:
+    """A failed load refuses its hashes for negative_cache_s; the request recomputes the
+    blocks and writes them to the store, which has them now: no false miss after that."""
+    h = H(1, 2)
+    store = Store(*h)
+    cm = make(2, 2, WRITE_THROUGH, store=store, storage_write=True)
+    assert match(cm, "r1", h) == Match(0, 0, 2, BS)
+    assert cm.prefetch("r1") == 2
+    (op,) = take(cm)
+    fail(cm, op)
+    assert len(cm.core.negative) == 2
+    assert alloc(cm, "r1", 8) == [0, 1]
+    finish(cm, "r1")
+    kinds = []
+    while ops := take(cm):  # the backup to host, then the write to the store
+        kinds += [o.kind for o in ops]
+        ack(cm, *ops)
+    assert kinds == [BACKUP, H2S] and all(node(cm, x).in_store for x in h)
+    assert len(cm.core.negative) == 0
+    cached(cm, "r2", H(5, 6))  # takes both tiers: h leaves the tree (it is in the store)
+    assert [status(cm, x) for x in h] == [None, None]
+    assert match(cm, "r3", h) == Match(0, 0, 2, BS)
+
+
 def test_prefetch_is_bounded_by_host_space() -> None:
     h = H(1, 2, 3)
     cm = make(4, 2, store=Store(*h))

@@ -7,7 +7,7 @@ roll back. ``ledger.outcomes`` hands out the op's nodes split at that boundary::
     backup  DEVICE ──ok──► DEVICE + host copy                        fail ──► host blocks freed
     h2d     SWAP_TO_DEVICE ──ok──► DEVICE       fail ──► HOST, device blocks to the request
     s2h     LOADING ──ok──► HOST (the request holds it)  fail ──► dropped, negative-cached
-    h2s     host copy ──ok──► in_store                 fail ──► unstored (written again)
+    h2s     host copy ──ok──► in_store, not negative   fail ──► unstored (written again)
     load    (external L1) host → engine blocks; fail ──► the engine recomputes them
     save    (external L1) SWAP_TO_HOST ──ok──► HOST      fail ──► removed, request path cut
 
@@ -198,11 +198,14 @@ def _commit_h2s(core: Core, p: PendingOp, done: int) -> None:
     ok, failed_at = outcomes(core.tree, p, done)
     ok = live(core, ok)
     unstored = core.unstored
+    negative = core.negative
     for n in ok:
         n.in_store = True
         core.stats.stored += len(n.hashes)
         if unstored:
             unstored.pop(n, None)
+        if negative:  # a load of these failed lately; the store has them now
+            negative.discard(n.hashes)
     failed = live(core, [n for n, _e, _pos in failed_at])
     if failed:
         store_failed(core, failed)

@@ -50,9 +50,8 @@ class NegativeCache:
     def add(self, hashes: Sequence[bytes], now: float, ttl_s: float) -> None:
         self.trim(now)
         until = self._until
-        if until:
-            for h in until.keys() & hashes:  # rare: a hash failed again before it expired
-                del until[h]
+        if until:  # rare: a hash failed again before it expired
+            self.discard(hashes)
         until.update(dict.fromkeys(hashes, now + ttl_s))
 
     def prefix(self, hashes: list[bytes], now: float) -> list[bytes]:
@@ -65,6 +64,12 @@ class NegativeCache:
             return hashes[: indexOf(map(until.__contains__, hashes), True)]
         except ValueError:  # none of them
             return hashes
+
+    def discard(self, hashes: Sequence[bytes]) -> None:
+        """Forget ``hashes``: the store has them now (written since they failed)."""
+        until = self._until
+        for h in until.keys() & hashes:
+            del until[h]
 
     def trim(self, now: float) -> None:
         until = self._until
