@@ -268,15 +268,21 @@ class _Group:
         while True:
             if self.signals:
                 return self._forward(self.signals[0])
+            exited = []
             for child in self.children:
                 if child.done or child.proc is None:
                     continue
                 code = child.proc.poll()
                 if code is not None:
                     self._reaped(child, code)
-                    result = self._on_exit(child, code)
-                    if result is not None:
-                        return result
+                    exited.append((child, code))
+            # Failures first: a rank that died in the same poll interval as the scheduler
+            # finished is a failed group, not one the scheduler's success tore down.
+            exited.sort(key=_succeeded)
+            for child, code in exited:
+                result = self._on_exit(child, code)
+                if result is not None:
+                    return result
             if not has_scheduler and all(c.done for c in self.children):
                 self.log.info(zlog.GROUP_STOPPED, reason="ranks_done", code=0)
                 return 0
@@ -363,6 +369,10 @@ class _Group:
                 except subprocess.TimeoutExpired:  # uninterruptible sleep; keep trying
                     _killpg(child.pid, signal.SIGKILL)
             self._reaped(child, code)
+
+
+def _succeeded(exited: tuple[_Child, int]) -> bool:
+    return exited[1] == 0
 
 
 def _build_children(config: LaunchConfig, endpoints: Endpoints, worker_cmd: list[str],

@@ -260,6 +260,37 @@ wait_for("env-0.json", "env-1.json")
     assert [e["reason"] for e in evs if e["event"] == zlog.GROUP_STOPPED] == ["scheduler_done"]
 
 
+def test_a_rank_that_died_as_the_scheduler_finished_fails_the_group(tmp_path: Path) -> None:
+    """Both exits land in one monitor interval (zkvrun is stopped while they happen): the
+    rank's failure is the group's, whatever order the children are polled in. Before,
+    the scheduler's success was handled first and zkvrun said 0."""
+    sched = script(tmp_path, "sched.py", 'put("ready-sched", "")\nwait_for("go")\n')
+    worker = script(tmp_path, "worker.py", WRITE_ENV + "park()\n")
+    logs = tmp_path / "logs"
+    with subprocess.Popen(zkvrun_cmd("--nproc-per-node", "2", "--log-dir", str(logs),
+                                     "--scheduler", sched, worker),
+                          env=env_for(tmp_path), cwd=tmp_path, stderr=subprocess.PIPE,
+                          text=True) as p:
+        try:
+            wait_files(tmp_path, "env-0.json", "env-1.json", "ready-sched")
+            sched_pid = next(e["child_pid"] for e in events(logs)
+                             if e["event"] == zlog.SCHEDULER_STARTED)
+            rank0 = json.loads((tmp_path / "env-0.json").read_text())["pid"]
+            p.send_signal(signal.SIGSTOP)
+            os.kill(rank0, signal.SIGKILL)
+            (tmp_path / "go").write_text("")
+            wait_exited([rank0, sched_pid], 20)  # zombies until zkvrun reaps them
+            p.send_signal(signal.SIGCONT)
+            _, err = p.communicate(timeout=TIMEOUT_S)
+        finally:
+            p.kill()
+    assert p.returncode == 1, err
+    assert f"zkvrun: rank 0 (pid {rank0}) exited with code -9 (SIGKILL)" in err
+    evs = events(logs)
+    assert [e["code"] for e in evs if e["event"] == zlog.GROUP_FAILED] == [-9]
+    assert not any(e["event"] == zlog.GROUP_STOPPED for e in evs)
+
+
 def test_scheduler_failure_exits_with_its_code(tmp_path: Path) -> None:
     worker = script(tmp_path, "worker.py", WRITE_ENV + "park()\n")
     code = ('import os,sys\n'
