@@ -54,7 +54,6 @@ DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "t
 _SIM_OP_BASE = 1 << 40  # op ids of the simulated forward pass, apart from the manager's
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DROPPED = 0, 1, 2, 4
 EXIT_INTERRUPTED = 128 + 2  # SIGINT, as a shell reports it
-EXIT_TERMINATED = 128 + 15  # SIGTERM (zkvrun's teardown of the group)
 
 
 # ---------------------------------------------------------------- workloads
@@ -364,17 +363,17 @@ def node_main(args: argparse.Namespace) -> int:
     from zkv import log as zlog
 
     zlog.configure("scheduler")
-    # zkvrun's teardown (a rank died) is SIGTERM: end as for Ctrl-C, so the metrics file, the
-    # pools' check and the dispatcher's close still happen (it ended at once: no metrics).
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    # zkvrun's teardown (a rank died) is SIGTERM, a closed terminal SIGHUP: end as for Ctrl-C,
+    # so the metrics file, the pools' check and the dispatcher's close still happen.
+    previous = {s: signal.signal(s, _terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return _serve(args)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole group: one line, not a traceback
         print("zkv replay: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    except _Terminated:
-        print("zkv replay: stopped (SIGTERM)", file=sys.stderr, flush=True)
-        return EXIT_TERMINATED
+    except _Terminated as e:
+        print(f"zkv replay: stopped ({e.args[0].name})", file=sys.stderr, flush=True)
+        return 128 + e.args[0]
     except ConfigError as e:
         print(f"zkv replay: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -382,15 +381,16 @@ def node_main(args: argparse.Namespace) -> int:
         print(f"zkv replay: failed: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class _Terminated(Exception):
-    """SIGTERM, raised where the scheduler node is (its finally blocks run)."""
+    """SIGTERM / SIGHUP (``args[0]``), raised where the scheduler node is (finally runs)."""
 
 
 def _terminated(signum: int, frame: object) -> None:
-    raise _Terminated
+    raise _Terminated(signal.Signals(signum))
 
 
 def _serve(args: argparse.Namespace) -> int:

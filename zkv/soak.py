@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         soak._end_epoch(shutdown=True)
     except KeyboardInterrupt:
         stopped = 128 + signal.SIGINT
-    except SystemExit as e:  # SIGTERM (zkv/stopsignals.py)
+    except SystemExit as e:  # SIGTERM, SIGHUP (zkv/stopsignals.py)
         stopped = e.code if isinstance(e.code, int) else 1
     finally:
         if soak is not None:

@@ -23,12 +23,13 @@ import sys
 from types import FrameType
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # (a closed terminal: 129)
 _received: list[int] = []
 
 
 def exit_on_stop_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> None:
-    """SIGINT raises ``KeyboardInterrupt``, SIGTERM ``SystemExit(143)``; both recorded."""
+    """SIGINT raises ``KeyboardInterrupt``, SIGTERM / SIGHUP ``SystemExit(128 + signum)``;
+    each recorded."""
     for s in signals:
         signal.signal(s, _on_signal)
     if sys.unraisablehook is not _quiet_if_stop:

@@ -170,6 +170,7 @@ def _soak_run_dirs(pid: int) -> list[Path]:
 @pytest.mark.parametrize("sig, status, line", [
     ("SIGINT", 130, "zkv soak: interrupted"),  # was: a traceback
     ("SIGTERM", 143, "zkv soak: terminated"),  # was: no report, 250+ MB left in /dev/shm
+    ("SIGHUP", 129, "zkv soak: terminated"),  # was: the same as SIGTERM
 ])
 def test_a_signalled_soak_reports_and_leaves_nothing(tmp_path: Path, sig: str, status: int,
                                                      line: str) -> None:

@@ -11,7 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
+
+from zkv import log as zlog
 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -287,20 +290,18 @@ def test_an_abbreviated_flag_is_refused_and_starts_nothing(tmp_path: Path) -> No
     assert r.stdout == "" and not (tmp_path / "logs").exists()  # nothing was launched
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, pidfds")
-def test_ctrl_c_is_one_line_and_status_130(tmp_path: Path) -> None:
-    """Ctrl-C signals the whole foreground group: zkvrun, the scheduler node, the ranks.
-    Was: the node's KeyboardInterrupt traceback."""
-    import os
+def _signal_a_serving_replay(tmp_path: Path, sig: int, *flags: str) -> tuple[int, str, str]:
+    """``zkv replay`` in a session of its own, ``sig`` sent to its process group (as a
+    terminal does) once the node published a batch: (status, stdout, stderr)."""
     import signal
 
     from tests.waiting import wait_exited, wait_until
 
     logs = tmp_path / "logs"
     proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "replay", "--no-progress",
-                             "--requests", "100000", "--store-dir", "none", "--log-dir",
-                             str(logs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                             "--requests", "100000", "--log-dir", str(logs), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         sched_log = logs / "scheduler.jsonl"
 
@@ -309,16 +310,47 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path: Path) -> None:
             return sched_log.exists() and "dispatcher.batch_published" in sched_log.read_text()
 
         wait_until(serving, 120, "the replay's first batch")
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     wait_exited([proc.pid], 10, "zkv replay")
-    assert proc.returncode == 130, out + err
+    return proc.returncode, out, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, pidfds")
+def test_ctrl_c_is_one_line_and_status_130(tmp_path: Path) -> None:
+    """Ctrl-C signals the whole foreground group: zkvrun, the scheduler node, the ranks.
+    Was: the node's KeyboardInterrupt traceback."""
+    import signal
+
+    code, out, err = _signal_a_serving_replay(tmp_path, signal.SIGINT, "--store-dir", "none")
+    assert code == 130, out + err
     assert "Traceback" not in err, err
     assert "zkv replay: interrupted" in err.splitlines(), err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, pidfds")
+def test_a_hangup_stops_the_run_as_sigterm_does(tmp_path: Path) -> None:
+    """A closed terminal (SIGHUP, which zkvrun forwards to every child): the scheduler node
+    writes its metrics and closes its dispatcher, the ranks stop their actors, status 129.
+    Before, SIGHUP's default action killed each of them on the spot: no metrics file, no
+    store closed, every child "code -1 (SIGHUP)"."""
+    import signal
+
+    logs, metrics = tmp_path / "logs", tmp_path / "metrics.txt"
+    code, out, err = _signal_a_serving_replay(tmp_path, signal.SIGHUP, "--store-dir",
+                                              str(tmp_path / "l3"), "--metrics-file", str(metrics))
+    assert code == 129, out + err
+    assert "zkv replay: stopped (SIGHUP)" in err.splitlines() and "Traceback" not in err, err
+    assert "zkv:batches_total " in metrics.read_text()
+    assert '"dispatcher.stopped"' in (logs / "scheduler.jsonl").read_text()
+    exits = [orjson.loads(line) for line in (logs / "launcher.jsonl").read_text().splitlines()]
+    codes = {e.get("rank", "scheduler"): e["code"] for e in exits
+             if e["event"] in (zlog.RANK_EXITED, zlog.SCHEDULER_EXITED)}
+    assert codes == {"scheduler": 129, 0: 0, 1: 0}, codes
 
 
 # Installed in every process of the run (PYTHONPATH): the one named by T_SIGINT_IN ("front

@@ -35,11 +35,13 @@ _PARENT_PID = os.getppid()
 
 import signal  # noqa: E402
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: SIGHUP too: zkvrun forwards a hangup (a closed terminal) to every rank, which then
+#: closed nothing (its store unclosed, no ``actor.stopped`` line).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _stop_while_starting(_signum: int, _frame: object) -> None:
-    """SIGINT / SIGTERM before the actor runs (a Ctrl-C in the first seconds reaches every
+    """A stop signal before the actor runs (a Ctrl-C in the first seconds reaches every
     rank of the terminal's process group while torch imports): exit 0 through the
     ``finally`` blocks, quietly (a ``KeyboardInterrupt`` traceback from deep in torch's
     import per rank, 25-79 lines, buried zkv's one line)."""
