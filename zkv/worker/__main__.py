@@ -15,7 +15,7 @@ A rank that seems stuck prints every thread's Python stack to its stderr on ``SI
 (``kill -USR1 PID``; :mod:`faulthandler`, which works even while a thread holds the GIL
 or waits in C) and goes on.
 
-Exit status: 0 after Shutdown or SIGTERM/SIGINT, 3 after a seq gap, 4 when the scheduler
+Exit status: 0 after Shutdown or SIGTERM / SIGINT / SIGHUP, 3 after a seq gap, 4 when the scheduler
 refused the rank's hello (a layout that differs, a rank outside the world, a group that
 started without it: the reason is in the log's ``worker.refused`` line and on stderr), 5
 when no scheduler was reachable for ``ZKV_SCHEDULER_TIMEOUT_S`` (a node whose scheduler
@@ -35,9 +35,9 @@ _PARENT_PID = os.getppid()
 
 import signal  # noqa: E402
 
-#: SIGHUP too: zkvrun forwards a hangup (a closed terminal) to every rank, which then
-#: closed nothing (its store unclosed, no ``actor.stopped`` line).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# (SIGHUP among them: zkvrun forwards a hangup, a closed terminal, to every rank, which
+# then closed nothing: its store unclosed, no ``actor.stopped`` line.)
+from zkv.stopsignals import STOP_SIGNALS  # noqa: E402  (signal and sys only)
 
 
 def _stop_while_starting(_signum: int, _frame: object) -> None:
