@@ -84,11 +84,20 @@ def test_the_extra_config_alone_and_the_environment_default() -> None:
     ([1, 2], "expected a JSON object, got list"),
     ("{'host_bytes': 1}", "not JSON: "),
 ])
-def test_a_bad_config_is_one_line_and_status_2(config: object, message: str) -> None:
-    r = _check(config if isinstance(config, str) else orjson.dumps(config).decode())
-    assert r.returncode == 2 and r.stdout == "", r.stdout
-    lines = r.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: "), r.stderr
+def test_a_bad_config_is_one_line_and_status_2(config: object, message: str,
+                                              capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process (the script's ``main``; the runs above and below are the script's
+    own): each run of the script imports vLLM's config anew, ~6 s a case."""
+    from zkv.integrations.vllm.check import main
+
+    for var in ("ZKV_STORE_URL", "ZKV_LOG_LEVEL"):
+        monkeypatch.delenv(var, raising=False)
+    code = main([config if isinstance(config, str) else orjson.dumps(config).decode()])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", out
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: "), err
     assert message in lines[0] and "hunter2" not in lines[0], lines[0]
 
 
