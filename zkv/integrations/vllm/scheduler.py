@@ -328,7 +328,11 @@ class SchedulerHalf:
                 raise RuntimeError(f"zkv: planned {n} loads for {rid}, promised {len(promised)}")
         else:
             self.cm.cache_computed(rid, 0, device_ids=[])  # external mode, hits counted
-        r.confirmed = r.local + ext
+        # Nothing is confirmed before a step that scheduled it comes back: vLLM's own hit
+        # may be blocks another request's forward (this step's, or the one in flight under
+        # async scheduling) is still writing - vLLM caches blocks when it allocates them -
+        # and an abort before that output would save them (saves are not gated).
+        r.confirmed = 0
         self._count(r, ext)
         if self.cfg.policy == WRITE_THROUGH_SELECTIVE:
             for h in r.hashes[: r.num_prompt_blocks]:
