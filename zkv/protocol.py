@@ -464,6 +464,18 @@ def peek_seq(frames: Sequence[Any]) -> int | None:
     return seq if type(seq) is int and seq >= 0 else None
 
 
+def peek_op_ids(frames: Sequence[Any]) -> list[int]:
+    """Op ids of a batch that failed to decode, where they can be read (else none)."""
+    try:
+        ops = orjson.loads(bytes(frames[1]))["ops"]
+        ids = [op["id"] for op in ops]
+    except Exception:
+        return []
+    if all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids):
+        return ids
+    return []
+
+
 def _decode_batch(hdr: dict[str, Any], payload: Sequence[Any], limits: Limits) -> CopyBlocks:
     seq = _nonneg(hdr, "seq")
     step = _nonneg(hdr, "step")

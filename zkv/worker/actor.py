@@ -53,13 +53,13 @@ starts over at seq 0 and says hello, the new scheduler's tree is empty.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import orjson
 import zmq
 
 from zkv import log as ev
@@ -301,13 +301,16 @@ class WorkerActor:
         """Serve until Shutdown, :meth:`stop`, a seq gap or a fatal error; return an exit code
         (``EXIT_OK``, ``EXIT_SEQ_GAP``, ``EXIT_REFUSED``, ``EXIT_FATAL``)."""
         own_ctx = self._ctx is None
-        ctx: zmq.Context[Any] = zmq.Context() if own_ctx else self._ctx  # type: ignore[assignment]
-        sub = ctx.socket(zmq.SUB)
-        push = ctx.socket(zmq.PUSH)
-        self._push = push
-        monitor = None
+        ctx: Any = None
+        sub: Any = None
+        push: Any = None
+        monitor: Any = None
         code, reason = EXIT_FATAL, "fatal error"
-        try:
+        try:  # (sockets made inside: a failure there, EMFILE, stops the actor as any other)
+            ctx = zmq.Context() if own_ctx else self._ctx
+            sub = ctx.socket(zmq.SUB)
+            push = ctx.socket(zmq.PUSH)
+            self._push = push
             self._setup_sockets(sub, push)
             monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
                                              | zmq.EVENT_DISCONNECTED)
@@ -337,19 +340,20 @@ class WorkerActor:
                 if self._gate_waiting:
                     self._gate.notify_all()
             self.counter.close(f"rank {self.rank} worker stopped: {reason}")
-            try:
-                self._send(P.Bye(self.rank, self._pid, reason[:P.MAX_ERROR_CHARS]), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
             if monitor is not None:
                 sub.disable_monitor()
                 monitor.close(0)
-            sub.close(0)
-            push.close(_BYE_LINGER_MS)
+            if sub is not None:
+                sub.close(0)
+            if push is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(P.Bye(self.rank, self._pid, reason[:P.MAX_ERROR_CHARS]),
+                               zmq.NOBLOCK)
+                push.close(_BYE_LINGER_MS)
             self._push = None
             if self._io is not None:
                 self._io.close()
-            if own_ctx:
+            if own_ctx and ctx is not None:
                 ctx.term()
             self._refused_log.flush()
             self._io_failed_log.flush()
@@ -398,9 +402,11 @@ class WorkerActor:
             if now >= next_monitor:
                 next_monitor = now + _MONITOR_EVERY_S
                 if readable(monitor):
-                    self._on_monitor(monitor)
+                    done = self._on_monitor(monitor, sub)
                     if self._io is not None:  # a rejoin starts the I/O anew
                         items[1] = (self._io.wake_fd, POLLIN)
+                    if done is not None:
+                        return done
                 gone = self._scheduler_gone(now)
                 if gone is not None:
                     return gone
@@ -420,7 +426,8 @@ class WorkerActor:
                 return done
         return EXIT_OK, self._stop_reason
 
-    def _on_monitor(self, monitor: zmq.Socket[Any]) -> None:
+    def _on_monitor(self, monitor: zmq.Socket[Any],
+                    sub: zmq.Socket[Any]) -> tuple[int, str] | None:
         """A new connection to the scheduler after the first: it restarted. Join it anew
         (its subscriptions are resent by libzmq; its tree knows none of our blocks)."""
         from zmq.utils.monitor import recv_monitor_message
@@ -448,7 +455,25 @@ class WorkerActor:
                     self._gate.notify_all()
             if self._io is not None:
                 self._restart_io()
+            if (done := self._drop_stale_batches(sub)) is not None:
+                return done
             self._hello()
+        return None
+
+    def _drop_stale_batches(self, sub: zmq.Socket[Any]) -> tuple[int, str] | None:
+        """(Rejoining, before the hello.) Queued batches are the old scheduler's (the new one
+        publishes none before this hello; read now, one was a seq gap): dropped."""
+        dropped = 0
+        while readable(sub):
+            frames = recv_frames(sub, DONTWAIT)
+            done = None if frames[0] == P.T_BATCH else self._on_frames(frames)
+            dropped += frames[0] == P.T_BATCH
+            if done is not None:
+                return done
+        if dropped:
+            self._refused_log(num_batches=dropped,
+                              error="batches of the previous scheduler (it restarted)")
+        return None
 
     def _scheduler_gone(self, now: float) -> tuple[int, str] | None:
         """(exit code, reason) once no scheduler was connected for ``scheduler_timeout_s``
@@ -467,20 +492,16 @@ class WorkerActor:
                          io_threads=self._io_threads, log=self._log)
 
     def _restart_io(self) -> None:
-        """(Rejoining a restarted scheduler, before the hello.) The old scheduler's s2h /
-        h2s go with it: chunks not started are dropped, running ones end (bounded by the
-        store's timeouts) and their results are no one's. The new scheduler numbers seqs
-        and op ids from 0 again, so an old result would be taken for a new op's (an s2h
-        that never ran committed as loaded); and an old s2h still writing would write host
-        blocks the new scheduler counts as free."""
+        """(Rejoining, before the hello.) The old scheduler's s2h / h2s go with it: queued
+        chunks dropped, running ones end (store timeouts), results no one's. Seqs and op ids
+        restart at 0: an old result would pass for a new op's, an old s2h write free blocks."""
         assert self._io is not None
         old, self._io = self._io, None
         dropped = old.num_pending
         old.close()
         self._io = self._new_io()
         if dropped:
-            self._log.warning(ev.IO_DROPPED, num_ops=dropped,
-                              reason="the scheduler restarted")
+            self._log.warning(ev.IO_DROPPED, num_ops=dropped, reason="the scheduler restarted")
 
     def _start_heartbeats(self) -> None:
         self._hb_stop.clear()
@@ -554,7 +575,7 @@ class WorkerActor:
         if seq > self._expected:
             return self._seq_gap(seq)  # the batch we expect never came
         msg = f"batch refused: {error}"
-        results = tuple(P.OpResult(i, False, 0, msg) for i in _peek_op_ids(frames))
+        results = tuple(P.OpResult(i, False, 0, msg) for i in P.peek_op_ids(frames))
         self.counter.fail(seq, msg)
         self._ack(P.BlocksCopied(seq, self.rank, False, results, time.time(), time.time()))
         return None
@@ -777,14 +798,3 @@ class WorkerActor:
             self._hot_log.debug(ev.IO_DONE, seq=seq, num_ops=len(results), ok=ok,
                                 num_pending=len(left))
 
-
-def _peek_op_ids(frames: Sequence[Any]) -> list[int]:
-    """Op ids of a batch that failed to decode, where they can be read (else none)."""
-    try:
-        ops = orjson.loads(bytes(frames[1]))["ops"]
-        ids = [op["id"] for op in ops]
-    except Exception:
-        return []
-    if all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids):
-        return ids
-    return []

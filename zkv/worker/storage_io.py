@@ -214,6 +214,9 @@ class StorageIO:
             ok = self.store.put_many(keys, views) if put else self.store.get_many_into(keys, views)
         except StorageError as e:
             return [f"{op.kind}: block {lo}: {e}"] * (hi - lo)
+        if len(ok) != hi - lo:  # (a short answer would read as "the rest worked")
+            return [f"{op.kind}: block {lo}: the store answered {hi - lo} keys with "
+                    f"{len(ok)} results"] * (hi - lo)
         why = "declined by the store" if put else "is not in the store"
         if not put and _num_refused(self.store) > refused:  # (the store logged which, why)
             why = "is not in the store or was refused (damaged or foreign: storage.block_refused)"

@@ -1,0 +1,178 @@
+"""From a review of the worker side: a rejoin drops the old scheduler's queued batches; a
+store that answers for fewer keys than it was given fails the op; a socket that cannot be
+made stops the actor with an exit code, its waiters told."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+import zkv.kernels as kernels
+from tests.waiting import idle_for, wait_until
+from tests.worker.helpers import FakeScheduler, endpoints
+from tests.worker.test_actor import LAYOUT, GatedBackend, _ids
+from zkv import protocol as P
+from zkv.errors import TransferError
+from zkv.kernels import TorchCpuBackend
+from zkv.storage import LocalDirStore, Store, pack_key
+from zkv.worker import Sidecar
+from zkv.worker.actor import WorkerActor
+from zkv.worker.storage_io import StorageIO
+
+
+def _wait_connected(monitor: Any, timeout: float = 10.0) -> None:
+    """Until the worker's SUB (re)connected to the new XPUB (its handshake, seen by libzmq:
+    the actor thread, busy, has not looked)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, "the worker never connected to the new scheduler"
+        if monitor.poll(int(left * 1000) + 1):
+            if recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return
+
+
+def test_a_batch_of_the_old_scheduler_queued_at_a_restart_does_not_kill_the_rank(
+        stack: ExitStack, folder: str) -> None:
+    """A batch the old scheduler published, still queued on the SUB socket when the actor
+    notices the restart, is taken for the new scheduler's: the actor resets its seq to 0, then
+    reads the stale batch (seq 1) as a gap and stops -- a rank lost at every restart that lands
+    while the actor is busy with a batch (a long copy, a gated wait).
+
+    The two waits below are for deliveries over ipc (ms) that the test cannot observe; if
+    one were too short the test would pass without proving anything, never fail."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    stack.callback(ctx.term)
+    pub, pull = endpoints(folder)
+    old = FakeScheduler(ctx, pub, pull)
+    be = GatedBackend(kernels.get_backend("cpu"), gate_d2h=True)
+    stack.callback(be.gate.set)
+    kv = kernels.get_backend("cpu").allocate_device_cache(LAYOUT)
+    sc = Sidecar(kv, layout=LAYOUT, rank=0, pub_endpoint=pub, pull_endpoint=pull, backend=be,
+                 heartbeat_interval_s=0.05)
+    stack.callback(sc.close)
+    old.wait_ready({0})
+    old.send(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.D2H, _ids(0), _ids(0)),))))
+    assert be.entered.wait(5)  # the actor is busy with seq 0 (a long copy)
+    old.send(P.encode(P.CopyBlocks(1, 1, ())))  # queued behind it
+    idle_for(0.3)  # (delivery into the worker's SUB queue over ipc: ms)
+    old.close()  # the scheduler dies
+    new = FakeScheduler(ctx, pub, pull)
+    stack.callback(new.close)
+    mon = new.xpub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    stack.callback(lambda: mon.close(0))
+    _wait_connected(mon)  # the worker reconnected (libzmq), the actor has not looked yet
+    idle_for(0.2)  # (the worker side's own handshake event reaches its monitor: ms;
+    #                  without it the stale batch may run first: a false pass)
+    be.gate.set()  # seq 0 finishes; the actor sees the restart, then reads the queue
+    new.wait_ready({0})  # the rank's hello to the new scheduler
+    new.send(P.encode(P.CopyBlocks(0, 0, ())))  # the new scheduler's first batch
+    deadline = time.monotonic() + 5
+    while True:
+        msg = new.recv(max(0.01, deadline - time.monotonic()))
+        assert not isinstance(msg, P.Bye), f"the rank stopped: {msg.reason}"
+        if isinstance(msg, P.BlocksCopied) and msg.seq == 0 and msg.t_recv > 0 and not msg.results:
+            break
+    assert sc.alive and sc.actor.exit_code is None
+
+
+class ShortAnswers(Store):
+    """A real local store, but a get answers for all its keys but the last."""
+
+    def __init__(self, inner: LocalDirStore) -> None:
+        super().__init__(inner.namespace)
+        self.inner = inner
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.inner.exists(keys)
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        return self.inner.get_many_into(keys, outs)[:-1]
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[Any]) -> list[bool]:
+        return self.inner.put_many(keys, datas)
+
+    def remove(self, key: bytes) -> None:
+        self.inner.remove(key)
+
+
+def test_a_short_store_answer_fails_the_unanswered_blocks(tmp_path: Path) -> None:
+    """A store whose batched call answers for fewer keys than it was given (the contract says
+    one result per key, in order; ``Store._count_present`` guards ``exists`` against exactly
+    this: "a short answer would read as 'all there'"). ``StorageIO._move`` zips the answer with
+    the block range, so its outcome list is short, and ``job.outcome[lo:hi] = ...`` shrinks the
+    op's outcome list: the blocks left unanswered vanish, later chunks land on shifted indices,
+    and the op's result reads ``ok`` for every block that is left -- an ``OpResult(ok=True,
+    done < num_blocks)``, which the dispatcher refuses as a broken rank's ack (the batch then
+    waits for the ack deadline and the rank is judged lost), or, over several chunks, a prefix
+    that claims a block never read."""
+
+    b = TorchCpuBackend()
+    pool = b.allocate_host_pool(LAYOUT)
+    inner = LocalDirStore(tmp_path, "ns")
+    keys = tuple(bytes([i + 1]) * 16 for i in range(4))
+    io = StorageIO(ShortAnswers(inner), 0, b, pool, io_threads=1, chunk_blocks=4)
+    try:
+        for k in keys:  # every block is in the store
+            inner.put(pack_key(k, 0), bytes(LAYOUT.block_bytes))
+        io.start(5, [P.Op(3, P.S2H, dst=P.as_ids(range(4)), keys=keys)])
+        got: list = []
+        wait_until(lambda: got.extend(io.take_done()) or got, 10, "the op's result")
+        [(seq, [res], left)] = got
+        # the store said nothing about block 3 (nor, in order, which ones it answered for):
+        # the op fails, and its result is one the dispatcher takes
+        assert P.result_claim_error(res, 4) is None, (res, P.result_claim_error(res, 4))
+        assert not res.ok and res.done < 4 and "results" in str(res.error), res
+    finally:
+        io.close()
+
+
+class NoSecondSocket:
+    """A context whose second socket fails as at EMFILE (the first one is real)."""
+
+    def __init__(self) -> None:
+        self.inner: zmq.Context[Any] = zmq.Context()
+        self.made: list[Any] = []
+
+    def socket(self, kind: int) -> Any:
+        if self.made:
+            raise zmq.ZMQError(24, "Too many open files")
+        s = self.inner.socket(kind)
+        self.made.append(s)
+        return s
+
+
+def test_a_socket_that_cannot_be_made_stops_the_actor_cleanly(folder: str) -> None:
+    """``WorkerActor.run`` makes its context and sockets before its ``try``: a failure there (a
+    process out of file descriptors: EMFILE from ``ctx.socket``) leaves the thread by an
+    uncaught exception -- no ``exit_code``, no ``worker.stopped`` line, the counter never
+    closed, the SUB socket (and an own context) never closed. A model thread that waits
+    (``wait_layer`` / ``wait_acked`` without a timeout, as the API allows) hangs for good."""
+    cpu = kernels.get_backend("cpu")
+    ctx = NoSecondSocket()
+    actor = WorkerActor(0, LAYOUT, cpu.allocate_device_cache(LAYOUT),
+                        cpu.allocate_host_pool(LAYOUT), cpu,
+                        pub_endpoint=f"ipc://{folder}/pub", pull_endpoint=f"ipc://{folder}/pull",
+                        context=ctx)  # type: ignore[arg-type]
+    t = threading.Thread(target=actor.run, daemon=True)
+    try:
+        t.start()
+        t.join(5)
+        assert not t.is_alive()
+        assert actor.exit_code is not None, "the actor thread died without an exit code"
+        with pytest.raises(TransferError):  # a waiter is told, not left waiting
+            actor.counter.wait_layer(0, 0, timeout=2)
+        assert actor.wait_acked(0, timeout=None) is None
+        assert all(s.closed for s in ctx.made), "the socket made before the failure leaked"
+    finally:
+        for s in ctx.made:
+            s.close(0)
+        ctx.inner.term()
