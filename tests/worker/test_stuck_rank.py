@@ -28,6 +28,9 @@ def test_sigusr1_prints_the_stacks_and_the_rank_serves_on() -> None:
         group = WorkerGroup(folder, 1, LAYOUT)
         try:
             pid = group.procs[0].pid
+            # One batch served first: the actor is in its loop (its hello comes before the
+            # heartbeat thread starts; a signal then showed that start, not _loop)
+            assert group.run([]).ok
             assert handles_signal(pid, signal.SIGUSR1)
             assert re.fullmatch(rf"rank 0 pid {pid} state [RS], waits in \S+, [\d.]+ s CPU",
                                 group.describe_procs())  # sent SIGUSR1, waited for them
