@@ -13,33 +13,11 @@ and zkv keeps it under the prefix's hashes (then L3): later requests load wrong 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
-from tests.integrations.test_vllm_rank_loss import BS, DOC, Group
-from tests.worker.helpers import short_ipc_dir
-
-
-@pytest.fixture
-def group() -> Iterator[Group]:
-    with short_ipc_dir() as folder:
-        g = Group(folder)
-        try:
-            yield g
-        finally:
-            g.close()
-
-
-def _req(rid: str, last: int) -> Any:
-    toks = DOC + [last]
-    return SimpleNamespace(
-        request_id=rid, prompt_token_ids=toks, all_token_ids=list(toks), num_tokens=len(toks),
-        num_prompt_tokens=len(toks), num_computed_tokens=0,
-        status=SimpleNamespace(name="WAITING"), lora_request=None, cache_salt=None,
-        mm_features=[], kv_transfer_params=None)
+from tests.integrations.test_vllm_rank_loss import BS, Group
 
 
 @pytest.mark.parametrize("status", ["FINISHED_ABORTED", "FINISHED_ERROR"])
@@ -49,7 +27,7 @@ def test_finish_before_first_output_saves_no_unwritten_block(group: Group, statu
     4.. were computed over garbage; vLLM finishes both A and B (which shares them) before
     update_connector_output(N), also under synchronous scheduling."""
     h = group.half
-    a, b = _req("a", 1), _req("b", 2)
+    a, b = group.request(), group.request()
     # step N: A computes DOC (8 blocks); vLLM caches A's blocks at allocation, so B,
     # scheduled in the same step, gets a local hit on them (not written yet)
     assert h.get_num_new_matched_tokens(a, 0) == (0, False)
