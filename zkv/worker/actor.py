@@ -466,9 +466,9 @@ class WorkerActor:
         dropped = 0
         while readable(sub):
             frames = recv_frames(sub, DONTWAIT)
-            done = None if frames[0] == P.T_BATCH else self._on_frames(frames)
-            dropped += frames[0] == P.T_BATCH
-            if done is not None:
+            if frames[0] == P.T_BATCH:
+                dropped += 1
+            elif (done := self._on_frames(frames)) is not None:
                 return done
         if dropped:
             self._refused_log(num_batches=dropped,
