@@ -1,8 +1,11 @@
 """From a review of the worker side: a rejoin drops the old scheduler's queued batches; a
-store that answers for fewer keys than it was given fails the op; a socket that cannot be
-made stops the actor with an exit code, its waiters told."""
+store call hung across a rejoin is said, and a stop still stops the rank; a store that
+answers for fewer keys than it was given fails the op; a socket that cannot be made stops
+the actor with an exit code, its waiters told."""
 from __future__ import annotations
 
+import errno
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -14,14 +17,14 @@ import pytest
 import zmq
 
 import zkv.kernels as kernels
-from tests.waiting import idle_for, wait_until
+from tests.waiting import holds_within, idle_for, wait_until
 from tests.worker.helpers import FakeScheduler, endpoints
 from tests.worker.test_actor import LAYOUT, GatedBackend, _ids
 from zkv import protocol as P
 from zkv.errors import TransferError
 from zkv.kernels import TorchCpuBackend
 from zkv.storage import LocalDirStore, Store, pack_key
-from zkv.worker import Sidecar
+from zkv.worker import Sidecar, storage_io
 from zkv.worker.actor import WorkerActor
 from zkv.worker.storage_io import StorageIO
 
@@ -82,6 +85,102 @@ def test_a_batch_of_the_old_scheduler_queued_at_a_restart_does_not_kill_the_rank
         if isinstance(msg, P.BlocksCopied) and msg.seq == 0 and msg.t_recv > 0 and not msg.results:
             break
     assert sc.alive and sc.actor.exit_code is None
+
+
+class ReadEntered(LocalDirStore):
+    """A real ``file://`` store that says when a batched read began (so a test knows the
+    call is running, not queued)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered = threading.Event()
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        self.entered.set()
+        return super().get_many_into(keys, outs)
+
+
+def _hung_read_at_a_restart(stack: ExitStack, folder: str, tmp_path: Path,
+                            monkeypatch: pytest.MonkeyPatch) -> tuple[Sidecar, Any, list, str]:
+    """A rank whose s2h read hangs on a real ``file://`` store (the block file is a FIFO:
+    ``open`` waits for a writer, as on a hung file system; nothing times it out) when its
+    scheduler restarts. Returns once the rank noticed the restart and the hung call was
+    said; (sidecar, new scheduler, logs, the FIFO: opening it for writing ends the read)."""
+    from structlog.testing import capture_logs
+
+    monkeypatch.setattr(storage_io, "IO_STUCK_S", 3600.0)  # nothing said before the restart
+    store = ReadEntered(tmp_path, "ns", rank=0)
+    key = b"\1" * 16
+    fifo = store.path(pack_key(key, 0))
+    os.makedirs(os.path.dirname(fifo), exist_ok=True)
+    os.mkfifo(fifo)
+    logs = stack.enter_context(capture_logs())
+    ctx: zmq.Context[Any] = zmq.Context()
+    stack.callback(ctx.term)
+    pub, pull = endpoints(folder)
+    old = FakeScheduler(ctx, pub, pull)
+    kv = kernels.get_backend("cpu").allocate_device_cache(LAYOUT)
+    sc = Sidecar(kv, layout=LAYOUT, rank=0, pub_endpoint=pub, pull_endpoint=pull,
+                 backend="cpu", store=store, heartbeat_interval_s=0.05)
+    stack.callback(sc.close)
+    stack.callback(_end_read, fifo, 0.5)  # (before sc.close: last first)
+    old.wait_ready({0})
+    old.send(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.S2H, dst=_ids(0), keys=(key,)),))))
+    assert store.entered.wait(10), "the s2h read never began"
+    old.close()  # the scheduler dies with the read hung ...
+    new = FakeScheduler(ctx, pub, pull)  # ... and comes back
+    stack.callback(new.close)
+    wait_until(lambda: any(e["event"] == "worker.scheduler_rejoined" for e in logs), 10,
+               "the rank to notice the restart")
+    monkeypatch.setattr(storage_io, "IO_STUCK_S", 0.2)
+    wait_until(lambda: any(e["event"] == "worker.io_stuck" for e in logs), 10,
+               "the call hung across the restart said (the rank waits on it in silence)")
+    return sc, new, logs, fifo
+
+
+def _end_read(fifo: str, timeout: float = 10.0) -> bool:
+    """Open the FIFO for writing and close it: the read blocked in ``open`` returns (and
+    fails: a FIFO is no block file). False if no read was waiting within ``timeout``."""
+    def opened() -> bool:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as e:
+            assert e.errno == errno.ENXIO, e  # (no reader in open() yet)
+            return False
+        return True
+
+    return holds_within(opened, timeout)
+
+
+def test_a_store_call_hung_at_a_restart_is_said_and_the_rank_rejoins_once_it_returns(
+        stack: ExitStack, folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a rejoin the old scheduler's I/O is waited for before the hello (an old s2h would
+    write host blocks the new scheduler hands out). That wait ran outside the loop, so a call
+    hung on a ``file://`` store was never said (``worker.io_stuck``) and the rank just never
+    said hello to the new scheduler. Now it is said while the rank waits, and the rank joins
+    the new scheduler once the call returns."""
+    sc, new, logs, fifo = _hung_read_at_a_restart(stack, folder, tmp_path, monkeypatch)
+    [stuck] = [e for e in logs if e["event"] == "worker.io_stuck"]
+    assert (stuck["seq"], stuck["op_id"], stuck["kind"]) == (0, 0, P.S2H), stuck
+    assert _end_read(fifo), "the read was not waiting in open()"
+    new.wait_ready({0})  # the rank's hello to the new scheduler
+    events = [e["event"] for e in logs]
+    assert "worker.io_unstuck" in events and "worker.io_dropped" in events, events
+    assert events.index("worker.io_unstuck") < events.index("worker.io_dropped")
+    new.send(P.encode(P.CopyBlocks(0, 0, ())))  # the new scheduler's seq 0 is served
+    msg = new.recv(5)
+    assert isinstance(msg, P.BlocksCopied) and msg.seq == 0 and not msg.results, msg
+    assert sc.alive
+
+
+def test_a_rank_waiting_on_a_hung_store_call_at_a_restart_still_stops(
+        stack: ExitStack, folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and a stop (the engine shutting down) while the rank waits on that call stops it:
+    the call is left to its thread, the actor ends with exit 0 and its Bye."""
+    sc, new, logs, _ = _hung_read_at_a_restart(stack, folder, tmp_path, monkeypatch)
+    assert sc.close(), "the rank did not stop while it waited on the hung call"
+    assert sc.actor.exit_code == 0
+    assert isinstance(new.recv(5), P.Bye)
 
 
 class ShortAnswers(Store):

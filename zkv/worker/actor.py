@@ -88,15 +88,6 @@ _COPY_KINDS = (P.D2H, P.BACKUP)
 _GATED_KINDS = frozenset((P.H2D, P.FILL, P.CHECK))
 
 
-def _logger(rank: int) -> Any:
-    get = getattr(ev, "get_logger", None)
-    if get is not None:
-        return get("worker", rank=rank)
-    import structlog
-
-    return structlog.get_logger(component="worker", rank=rank, pid=os.getpid())
-
-
 class WorkerActor:
     """One rank's actor. Build it anywhere, then call :meth:`run` in the thread that will
     own its sockets (the :class:`~zkv.worker.sidecar.Sidecar` runs it as a daemon thread,
@@ -177,7 +168,7 @@ class WorkerActor:
         self._expected = 0
         self._last_seq = -1
         self._pid = os.getpid()
-        self._log = _logger(rank)
+        self._log = ev.get_logger("worker", rank=rank)
         self._hot_log = self._log  # bound in run(), once logging is configured
         self._debug = True  # whether debug lines pass (set with _hot_log)
         self._push: zmq.Socket[Any] | None = None
@@ -455,6 +446,8 @@ class WorkerActor:
                     self._gate.notify_all()
             if self._io is not None:
                 self._restart_io()
+            if self._stop.is_set():  # (while the old I/O ran)
+                return None
             if (done := self._drop_stale_batches(sub)) is not None:
                 return done
             self._hello()
@@ -493,12 +486,13 @@ class WorkerActor:
 
     def _restart_io(self) -> None:
         """(Rejoining, before the hello.) The old scheduler's s2h / h2s go with it: queued
-        chunks dropped, running ones end (store timeouts), results no one's. Seqs and op ids
-        restart at 0: an old result would pass for a new op's, an old s2h write free blocks."""
+        chunks dropped, running ones end (store timeouts; a hung one is said, and a stop
+        still stops), results no one's. Seqs and op ids restart at 0: an old result would
+        pass for a new op's, an old s2h write free blocks."""
         assert self._io is not None
         old, self._io = self._io, None
         dropped = old.num_pending
-        old.close()
+        old.close(wait=old.drain(self._stop, _MONITOR_EVERY_S))
         self._io = self._new_io()
         if dropped:
             self._log.warning(ev.IO_DROPPED, num_ops=dropped, reason="the scheduler restarted")

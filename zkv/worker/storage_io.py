@@ -18,7 +18,9 @@ failure's reason. A store call that has not returned after ``IO_STUCK_S`` (a hun
 system under ``file://``: nothing times it out) is said once (``worker.io_stuck``: its
 batch, op, blocks, how long, how many calls are stuck and queued behind them; its op's host
 blocks stay pinned meanwhile), and when it returns (``worker.io_unstuck``). (Before: the
-host pool filled with pinned blocks and nothing was said.)
+host pool filled with pinned blocks and nothing was said.) At a scheduler restart the
+actor drains the old ops (:meth:`~StorageIO.drain`) before its hello: queued chunks cancelled,
+running calls waited for while they are still said when stuck, and a stop still stops.
 
 The actor never waits on a store: a slow or dead store delays only the ack of its own ops,
 never a later batch's copies or the heartbeats. The host blocks of an op in flight are not
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import itertools
 import os
 import threading
@@ -84,6 +87,8 @@ class StorageIO:
         self._tokens = itertools.count()
         self._queued = 0  # chunks submitted, not started
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # a store call returned
+        self._futures: set[cf.Future[None]] = set()  # chunks not done (to cancel: drain)
         self.rank = rank
         self.backend = backend
         self.host_pool = host_pool
@@ -120,7 +125,9 @@ class StorageIO:
             with self._lock:
                 self._queued += job.left
             for lo in range(0, n, step):
-                self._pool.submit(self._run_chunk, job, lo, min(n, lo + step))
+                fut = self._pool.submit(self._run_chunk, job, lo, min(n, lo + step))
+                self._futures.add(fut)
+                fut.add_done_callback(self._futures.discard)
         if started:
             self._pending[seq] = set(started)
         return now, tuple(started)
@@ -145,15 +152,31 @@ class StorageIO:
             out.append((seq, results, tuple(sorted(left))))
         return out
 
-    def close(self) -> None:
+    def drain(self, stop: threading.Event, every_s: float) -> bool:
+        """(A rejoin: the ops are no one's.) Cancel the chunks not started and wait for the
+        running ones, saying the stuck ones (:meth:`check_stuck`) every ``every_s``: a call
+        hung on the file system is said, not waited on in silence. False if ``stop`` was set
+        first (the calls still run: :meth:`close` with ``wait=False``)."""
+        with self._lock:
+            self._queued -= sum(f.cancel() for f in list(self._futures))
+        while True:
+            with self._lock:
+                if self._idle.wait_for(lambda: not self._queued and not self._running, every_s):
+                    return True
+            if stop.is_set():
+                return False
+            self.check_stuck(time.monotonic())
+
+    def close(self, wait: bool = True) -> None:
         """Cancel chunks not started, wait for running ones (bounded by the store's own
-        timeouts), close the wake pipe. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        os.close(self.wake_fd)
-        os.close(self._wake_w)
+        timeouts) unless not ``wait``, close the wake pipe. Idempotent."""
+        with self._lock:  # (a chunk that ends later writes no wake-up: the fd may be reused)
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self.wake_fd)
+            os.close(self._wake_w)
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
     # ---------------------------------------------------------------- I/O threads
 
@@ -189,6 +212,7 @@ class StorageIO:
             t0, *_ = self._running.pop(tok)
             said = tok in self._stuck
             self._stuck.discard(tok)
+            self._idle.notify_all()
         if said:
             self._log.info(ev.IO_UNSTUCK, seq=job.seq, op_id=job.op.id, kind=job.op.kind,
                            blocks=[lo, hi], running_s=round(time.monotonic() - t0, 1),
@@ -198,10 +222,9 @@ class StorageIO:
             last = job.left == 0
         if last:
             self._done.append((job.seq, job.result()))
-            try:
-                os.write(self._wake_w, b"\0")
-            except OSError:  # pipe full (the actor wakes anyway) or closed at shutdown
-                pass
+            with self._lock, contextlib.suppress(OSError):  # full: the actor wakes anyway
+                if not self._closed:
+                    os.write(self._wake_w, b"\0")
 
     def _move(self, op: P.Op, lo: int, hi: int) -> list[str | None]:
         """Blocks ``lo..hi`` of ``op`` in one batched store call; None where it worked."""
