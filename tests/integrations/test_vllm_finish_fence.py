@@ -25,14 +25,19 @@ def _request(rid: str, first: int, num_blocks: int) -> Any:
         mm_features=[])
 
 
+def _scheduled(half: Any, req: Any) -> Any:
+    """``req`` (no hit anywhere) allocated blocks 20.. and scheduled whole in one step."""
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = list(range(20, 21 + req.num_tokens // BS))
+    half.update_state_after_alloc(req, blocks, 0)
+    half.build_connector_meta(Group.step(req, blocks, 0))
+    return req
+
+
 @pytest.mark.parametrize("status", ["FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED"])
 def test_the_last_save_fences_the_next_forward(group: Group, status: str) -> None:
     half = group.half
-    req = _request("fin", 5, 6)
-    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
-    blocks = list(range(20, 27))
-    half.update_state_after_alloc(req, blocks, 0)
-    half.build_connector_meta(Group.step(req, blocks, 0))
+    req = _scheduled(half, _request("fin", 5, 6))
     half.update_connector_output(())  # the forward ran: its 6 full blocks are confirmed
     req.num_computed_tokens = req.num_tokens
     req.status = SimpleNamespace(name=status)
@@ -66,3 +71,23 @@ def test_nothing_to_save_fences_nothing(group: Group) -> None:
     assert half.request_finished(req) == (False, None)
     assert half.dp.next_seq == seq_before
     assert half.build_connector_meta(Group.empty_step()).fence == -1
+
+
+@pytest.mark.parametrize("status", ["FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED",
+                                    "FINISHED_REPETITION"])
+def test_a_request_stopped_by_its_steps_output_saves_that_steps_blocks(
+        group: Group, status: str) -> None:
+    """vLLM decides these finishes on a step's sampled tokens, in ``update_from_output``, and
+    calls ``request_finished`` before that step's connector output comes back: the forward is
+    done, so the last save covers what it computed. ``FINISHED_REPETITION`` (vLLM's repetition
+    detection, ``check_stop``) was missing from that list: such a request's last step was
+    never saved (a save of 0 blocks here)."""
+    half = group.half
+    req = _scheduled(half, _request("stop", 9, 6))
+    req.num_computed_tokens = req.num_tokens  # the step ran; its output is not in yet
+    req.status = SimpleNamespace(name=status)
+    half.request_finished(req)
+    assert half.wait_idle(10.0)
+    assert half.snapshot()["saved_blocks"] == 6
+    half.update_connector_output(())  # the step's output, after the finish: nothing more
+    half.cm.check_invariants()

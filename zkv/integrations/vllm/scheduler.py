@@ -48,11 +48,12 @@ vLLM's calls. One lock orders the pump, vLLM's calls and the metrics scrapes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import xxhash
@@ -94,6 +95,9 @@ EMPTY_STEP_WAIT_S = 0.005  # a step that scheduled nothing waits this long for a
 PRODUCER_SAVE_WAIT_S = 0.5
 # ops that read or write vLLM's blocks: they travel with a step's batch, never the pump's
 _STEP_KINDS = (LOAD, SAVE, H2D, D2H, BACKUP)
+# finishes vLLM decides on a step's sampled tokens (its forward is done) before that step's
+# connector output comes back (update_from_output: request_finished, then the output)
+_STOPPED_BY_OUTPUT = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
 _SELECTIVE_MEMORY = 200_000  # block hashes whose use count write_through_selective keeps
 _HALF_IDS = itertools.count()  # engine_id of halves given none (tests, benchmarks)
 
@@ -183,10 +187,16 @@ class SchedulerHalf:
             self.close()
             raise
 
-    def _called(self, t0: float) -> None:
-        """The end of one of vLLM's calls that began at ``t0`` (perf_counter)."""
-        self._last_call = t1 = time.perf_counter()
-        self.counts.sched_s += t1 - t0
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """One of vLLM's calls: under the lock, its time counted (``counts.sched_s``)."""
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._last_call = t1 = time.perf_counter()
+                self.counts.sched_s += t1 - t0
 
     def _pump(self) -> None:
         """vLLM calls nothing while its engine is idle, and commits and publishes nothing of
@@ -226,12 +236,8 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        with self._lock:
-            t0 = time.perf_counter()
-            try:
-                return self._num_matched(request, num_computed_tokens)
-            finally:
-                self._called(t0)
+        with self._call():
+            return self._num_matched(request, num_computed_tokens)
 
     def _num_matched(self, request: Any, local: int) -> tuple[int | None, bool]:
         r = self._reqs.get(request.request_id)
@@ -299,12 +305,8 @@ class SchedulerHalf:
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        with self._lock:
-            t0 = time.perf_counter()
-            try:
-                self._after_alloc(request, block_ids, num_external_tokens)
-            finally:
-                self._called(t0)
+        with self._call():
+            self._after_alloc(request, block_ids, num_external_tokens)
 
     def _after_alloc(self, request: Any, block_ids: list[int], ext: int) -> None:
         r = self._reqs.get(request.request_id)
@@ -357,12 +359,8 @@ class SchedulerHalf:
         c.computed += max(0, r.request.num_prompt_tokens - r.local - ext)
 
     def build_connector_meta(self, so: Any) -> ZkvMetadata:
-        with self._lock:
-            t0 = time.perf_counter()
-            try:
-                return self._build_meta(so)
-            finally:
-                self._called(t0)
+        with self._call():
+            return self._build_meta(so)
 
     def _build_meta(self, so: Any) -> ZkvMetadata:
         self._step += 1
@@ -444,12 +442,8 @@ class SchedulerHalf:
                                 step: int | None = None) -> None:
         """A step's output: ``step``, its number as the worker halves reported it (None: the
         oldest step whose output has not come)."""
-        with self._lock:
-            t0 = time.perf_counter()
-            try:
-                self._confirm(set(invalid_block_ids or ()), step)
-            finally:
-                self._called(t0)
+        with self._call():
+            self._confirm(set(invalid_block_ids or ()), step)
 
     def _confirm(self, invalid: set[int], step: int | None) -> None:
         self._poll()
@@ -495,12 +489,8 @@ class SchedulerHalf:
         """vLLM's ``request_finished``: (False: vLLM frees the blocks, the last save fences
         the next forward; the kv_transfer_params of a P/D producer, see
         :meth:`_transfer_params`)."""
-        with self._lock:
-            t0 = time.perf_counter()
-            try:
-                return False, self._finished(request)
-            finally:
-                self._called(t0)
+        with self._call():
+            return False, self._finished(request)
 
     def _finished(self, request: Any) -> dict[str, Any] | None:
         rid = request.request_id
@@ -565,7 +555,7 @@ class SchedulerHalf:
             if self.cm.has_request(rid):
                 self.cm.finish(rid)
             return 0
-        if request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
+        if request.status.name in _STOPPED_BY_OUTPUT:
             # the last step's forward is done and was not hit by a failed load (vLLM would
             # not have finished it): every token but the last sampled one has its KV
             r.confirmed = max(r.confirmed, min(request.num_computed_tokens,
