@@ -198,3 +198,37 @@ def test_sizes_the_client_refuses_are_one_line_at_open(mooncake_server: Mooncake
     with pytest.raises(ConfigError, match=r"refused its parameters \(setup returned -600\): "
                                           r"segment_mb=100000000"):
         open_store(mooncake_server.url + "?segment_mb=100000000", "ns-bad-size")
+
+
+def test_sizes_the_client_refuses_once_the_master_is_back_are_said_once(
+        tmp_path: Any) -> None:
+    """The master was down at open, so the client's sizes could not be checked; when it
+    answers and the client's setup refuses them, the store stays down and says why, once.
+    (Before: the first outage's "unreachable" line, then silence for as long as it ran,
+    every call's error blaming the master.)"""
+    from structlog.testing import capture_logs
+
+    from tests.waiting import wait_until
+
+    with MooncakeServer(str(tmp_path)) as mc, capture_logs() as logs:
+        mc.stop_master()
+        store = open_store(mc.url + "?segment_mb=100000000&timeout_s=1", "ns-bad-later")
+        link = store.link
+        assert link is not None and not link.up
+
+        def said() -> list[dict[str, Any]]:
+            store.retry_now()  # (attempts at once, not at the end of each backoff)
+            return [e for e in logs if e["event"] == "storage.store_misconfigured"]
+
+        try:
+            mc.start_master()
+            wait_until(said, 30, "the refused sizes said")
+            attempts = link.num_attempts
+            wait_until(lambda: said() and link.num_attempts > attempts + 1, 30,
+                       "two more reconnect attempts")
+            assert not link.up
+        finally:
+            store.close()
+    [line] = said()
+    assert line["log_level"] == "error" and "refused its parameters (setup returned -600)" \
+        in line["error"] and "segment_mb=100000000" in line["error"], line

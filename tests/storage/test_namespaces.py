@@ -191,3 +191,42 @@ print("held", flush=True)
 sys.stdin.read()
 s.close()
 """
+
+
+def _marks_open(root: Path) -> list[str]:
+    """The namespace marks under ``root`` that this process holds open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (the listing's own fd, closed by now)
+            continue
+        if target.startswith(f"{root}/") and target.endswith(namespaces.MARK):
+            found.append(target)
+    return found
+
+
+def test_a_store_refused_at_open_holds_no_namespace(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open refused after the namespace was held (a budget of 0, a file system with no
+    free space and no budget) kept its mark open and share-locked for the life of the
+    process: an fd leaked per try, and no store could prune that namespace any more."""
+    from zkv.storage import local
+
+    assert _marks_open(tmp_path) == []
+    with pytest.raises(ValueError, match="max_bytes must be > 0"):
+        LocalDirStore(tmp_path, "zero", max_bytes=0)
+    monkeypatch.setattr(local, "free_bytes", lambda _: 0)  # a file system with no room
+    with pytest.raises(ConfigError, match="its file system has no free space"):
+        LocalDirStore(tmp_path, "full", rank=0)
+    monkeypatch.undo()
+    assert _marks_open(tmp_path) == []
+    t = time.time() - 8 * DAY  # both unused for 8 days: a store opening now removes them
+    for ns in os.listdir(tmp_path):
+        os.utime(tmp_path / ns / namespaces.MARK, (t, t))
+    s = LocalDirStore(tmp_path, "live", max_bytes=1 << 20, rank=0, keep_days=7)
+    try:
+        assert sorted(os.listdir(tmp_path)) == ["live"]
+    finally:
+        s.close()
+    assert _marks_open(tmp_path) == []

@@ -123,15 +123,20 @@ def test_bad_namespace_and_writers(tmp_path: Path) -> None:
         open_store(file_url(tmp_path), "ns", writers=0)
 
 
+def _refused_at_open(url: str) -> str:
+    """The one line of the ConfigError that opening ``url`` raises."""
+    with pytest.raises(ConfigError) as info:
+        open_store(url, "ns")
+    return str(info.value)
+
+
 @pytest.mark.parametrize("url, shown", [
     ("redis://:pw@127.0.0.1:6379/zero", "redis://***@127.0.0.1:6379/zero"),
     ("redis://user:p@ss@127.0.0.1:6379/0?ttl_s=0", "redis://***@127.0.0.1:6379/0?ttl_s=0"),
     ("REDIS://:pw@127.0.0.1/0", "REDIS://***@127.0.0.1/0"),
 ])
 def test_a_bad_url_never_shows_its_password(url: str, shown: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        open_store(url, "ns")
-    msg = str(info.value)
+    msg = _refused_at_open(url)
     assert msg.startswith(f"bad store URL {shown!r}: ") and "pw" not in msg and "ss@" not in msg
 
 
@@ -194,3 +199,22 @@ def test_redact_credentials_leaves_everything_else() -> None:
     cmd = "-m zkv.x --storage=redis://:a@b@h:1/0 --to mooncake://h:2 file:///tmp/a@b"
     assert redact_credentials(cmd) == ("-m zkv.x --storage=redis://***@h:1/0 --to mooncake://h:2 "
                                        "file:///tmp/a@b")
+
+
+@pytest.mark.parametrize("url, why", [
+    # a host the resolver cannot encode: UnicodeError (a ValueError) escaped the redis
+    # store's open; Mooncake's reconnect thread retried it for good, as an outage
+    ("redis://a..b:6379/0", "host 'a..b' is no host name"),
+    (f"rediss://{'x' * 64}.example:6380/0", "is no host name"),
+    ("mooncake://.master:50051", "host '.master' is no host name"),
+    # past a C int: the server answered SELECT "value is out of range", not "no such
+    # database": the store opened without a word and failed every call
+    ("redis://127.0.0.1:6379/2147483648", "database must be <= 2147483647"),
+])
+def test_a_url_no_server_can_serve_is_refused_at_open(url: str, why: str) -> None:
+    msg = _refused_at_open(url)
+    assert "\n" not in msg and msg.startswith(f"bad store URL {url!r}: ") and why in msg
+    from zkv.storage.url import parse_url
+
+    assert parse_url("redis://127.0.0.1:6379/2147483647")[1]["db"] == 2**31 - 1
+    assert parse_url("redis://[::1]:6379/0")[1]["host"] == "::1"

@@ -167,6 +167,8 @@ class LocalDirStore(Store):
             raise ValueError(f"rank must be >= 0, got {rank}")
         if writers < 1:
             raise ValueError(f"writers must be >= 1, got {writers}")
+        if max_bytes is not None and max_bytes <= 0:  # (before the namespace is held)
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.rank = rank
         self._suffix = None if rank is None else f".{rank}"
         self.root = os.fspath(root)
@@ -197,8 +199,6 @@ class LocalDirStore(Store):
         except ConfigError as e:  # as a server down at start: puts fail, reads miss
             self._log.error(ev.STORE_UNREACHABLE, store=self.url, error=str(e))
             free = free_bytes(self.root)
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self._share = free // writers
         self._writers = writers
         # (no budget given) the free space a put leaves on the file system, at least: a
@@ -211,6 +211,7 @@ class LocalDirStore(Store):
         else:
             self._ensure_index(at_open=True)
             if self._max_bytes <= 0:
+                self.close()  # the namespace's hold (before, its fd and lock leaked)
                 raise ConfigError(f"store directory {self.root}: its file system has no free "
                                   "space; free some, or give a budget (file://...?max_gb=G)")
 

@@ -178,6 +178,7 @@ class MooncakeStore(Store):
         self._spare: dict[str, list[np.ndarray]] = {"headers": [], "stage": []}
         self._tls = threading.local()
         self.link = Link(self.url, self._connect, log=self._log)
+        self._refused_said = False  # the client's refusal of the URL's sizes, said once
         try:  # a master down at start is no error: the store degrades to misses
             self.link.before()
             self._connect()
@@ -207,10 +208,16 @@ class MooncakeStore(Store):
                 rc = client.setup(self.local_hostname, "P2PHANDSHAKE", self.segment_bytes,
                                   self.buffer_bytes, self.protocol, "", f"{self.host}:{self.port}")
                 if rc == INVALID_PARAMS:  # the URL's sizes, not the master: no outage
-                    raise ConfigError(
+                    error = ConfigError(
                         f"{self.url}: the Mooncake client refused its parameters (setup "
                         f"returned {rc}): segment_mb={self.segment_bytes >> 20}, buffer_mb="
                         f"{self.buffer_bytes >> 20}, protocol={self.protocol}")
+                    if not self.link.up and not self._refused_said:
+                        # (a master down at open: found by a reconnect attempt, which stays
+                        # down; before, in silence, every call's error blaming the master)
+                        self._refused_said = True
+                        self._log.error(ev.STORE_MISCONFIGURED, store=self.url, error=str(error))
+                    raise error
                 if rc != 0:
                     raise StorageError(f"setup returned {rc}")
                 for ptr, n in self._regions:

@@ -56,6 +56,8 @@ _CHOICES = {("mooncake", "header"): MOONCAKE_HEADER_MODES,
 _MAX = {"ttl_s": 10**15}
 # Lower bounds where every call would time out on a healthy server (and say it is down).
 _MIN = {"timeout_s": 0.001, "connect_timeout_s": 0.001}
+# Redis numbers databases with a C int: SELECT of a larger one is "value is out of range".
+_MAX_DB = 2**31 - 1
 
 
 def _bad(url: str, why: str) -> ConfigError:
@@ -134,6 +136,11 @@ def _host_port(url: str, parts: Any) -> tuple[str, int]:
         raise _bad(url, "needs HOST:PORT")
     if port == 0:
         raise _bad(url, "port 0 is no server's port")
+    try:  # as the resolver encodes it (a UnicodeError, not an OSError, escaped the store's
+        host.encode("idna")  # open, or was retried for good as an outage)
+    except UnicodeError:
+        raise _bad(url, f"host {host!r} is no host name (a label empty or longer than 63 "
+                        "characters)") from None
     return host, port
 
 
@@ -163,6 +170,8 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
         path = parts.path.strip("/") or "0"
         if not (path.isascii() and path.isdigit()):  # ('²' is a digit to str.isdigit)
             raise _bad(url, f"database must be a number, got {path!r}")
+        if int(path) > _MAX_DB:  # (before, the store opened without a word and every
+            raise _bad(url, f"database must be <= {_MAX_DB}")  # call failed: out of range)
         password = unquote(parts.password) if parts.password else None
         username = unquote(parts.username) if parts.username else None
         if scheme == "rediss":
