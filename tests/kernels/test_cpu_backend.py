@@ -22,6 +22,7 @@ from tests.kernels.helpers import (
 )
 from zkv.kernels import DONE, TorchCpuBackend, cpu
 from zkv.kernels.cpu import IMPLS, available_impls
+from zkv.kernels.layout import describe_kv_caches
 from zkv.kernels.reference import ref_copy_d2h, ref_copy_h2d
 
 
@@ -310,6 +311,59 @@ def test_device_cache_off_cpu_rejected_before_writing(backend: TorchCpuBackend) 
     with pytest.raises(ValueError, match="device cache on meta"):
         backend.copy_h2d(host, meta, ids([0]), ids([0]), 1)
     assert as_bytes(host) == before
+
+
+def test_spec_of_memory_the_backend_cannot_address_refused_before_any_copy(
+    backend: TorchCpuBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spec described without ``register`` (or registered with another backend, e.g. of
+    CUDA tensors) gets the device check too: its raw addresses never reach memcpy. Before,
+    a spec skipped it: address 0 of meta tensors segfaulted the memmove loop (a CUDA
+    address would in either implementation)."""
+    lay = layout()
+    kv, host = random_caches(backend, lay)
+    meta = [(k.to("meta"), v.to("meta")) for k, v in kv]
+    spec = describe_kv_caches(meta, kv_heads=lay.kv_heads, block_size=lay.block_size,
+                              head_dim=lay.head_dim)
+    before = as_bytes(host)
+
+    def never(*args: object) -> None:
+        raise AssertionError("a chunk copy was given addresses of meta memory")
+
+    monkeypatch.setattr(backend, "_copy", never)
+    with pytest.raises(ValueError, match="device cache on meta"):
+        backend.copy_d2h(spec, host, ids([0]), ids([0]))
+    with pytest.raises(ValueError, match="device cache on meta"):
+        backend.copy_h2d(host, spec, ids([0]), ids([0]), 1)
+    assert as_bytes(host) == before
+
+
+@pytest.mark.parametrize("bad", [[1.9, 2.2], np.array([2.5]), np.array([True, False]),
+                                 torch.tensor([1.0])])
+def test_ids_that_are_not_integers_refused_not_truncated(
+    backend: TorchCpuBackend, bad: object
+) -> None:
+    """``2.5`` used to become block 2 and a bool mask blocks 1 and 0: a silent wrong copy."""
+    lay = layout()
+    kv, host = random_caches(backend, lay)
+    before = as_bytes(host)
+    n = len(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="src_ids must be integers"):
+        backend.copy_d2h(kv, host, bad, ids(list(range(n))))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dst_ids must be integers"):
+        backend.copy_h2d(host, kv, ids(list(range(n))), bad, 0)  # type: ignore[arg-type]
+    assert as_bytes(host) == before
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint32, np.uint64, ">i4", ">i8"])
+def test_ids_of_any_integer_dtype_copy_like_int32(backend: TorchCpuBackend, dtype: str) -> None:
+    lay = layout()
+    kv, host = random_caches(backend, lay)
+    want = host.clone()
+    src, dst = np.array([11, 0, 5], dtype=dtype), np.array([8, 0, 3], dtype=dtype)
+    backend.copy_d2h(kv, host, src, dst)
+    ref_copy_d2h(kv, want, ids([11, 0, 5]), ids([8, 0, 3]))
+    assert as_bytes(host) == as_bytes(want)
 
 
 def test_empty_ids_are_a_no_op(backend: TorchCpuBackend) -> None:

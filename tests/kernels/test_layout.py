@@ -146,6 +146,24 @@ def test_nhd_host_layout_keeps_the_engine_bytes(name: str) -> None:
     assert as_bytes(hnd[1][0][4]) != as_bytes(k[4])  # the HND host order transposes
 
 
+def test_a_spec_for_the_other_host_order_is_refused_by_the_layout() -> None:
+    """A spec's views fix the byte order of the host blocks. One described for HND (the
+    default) and handed to an NHD layout (the actor's ``describe_for_layout``) used to be
+    returned as is: HND bytes in a pool whose fingerprint says NHD, which another instance
+    reads back from L3 transposed."""
+    lay, caches, _ = engine_caches("nhd_pairs", seed=7)
+    nhd = dataclasses.replace(lay, kv_layout="NHD")
+    backend = TorchCpuBackend()
+    host = backend.allocate_host_pool(nhd)
+    spec = backend.register(caches, host)  # described for HND host blocks
+    with pytest.raises(ConfigError, match="described for HND host blocks, .* wants NHD"):
+        describe_for_layout(spec, nhd)
+    assert spec.host_order == "HND" and describe_for_layout(spec, lay) is spec
+    good = describe_for_layout(caches, nhd)
+    assert good.host_order == "NHD" and describe_for_layout(good, nhd) is good
+    assert backend.register(good, host) is good  # a copy's re-check states no order
+
+
 def test_nhd_host_layout_refuses_blocks_that_are_not_dense() -> None:
     t = _t(5, 4, 3, 8)[:, :, :2]  # NHD, 2 of 3 heads: [block, heads] cannot be regrouped
     with pytest.raises(ConfigError, match=r"layer 0 K: NHD blocks with strides .* not dense"):

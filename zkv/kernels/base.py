@@ -229,8 +229,9 @@ class CopyBackend(abc.ABC):
     ) -> tuple[KVSpec, np.ndarray, np.ndarray]:
         """Every check a copy makes before touching a byte: the caches described (a spec
         only against the host pool), layers and ids in range for the direction
-        (``to_host``: device -> host), then where the caches live."""
-        registered = isinstance(kv_caches, KVSpec)
+        (``to_host``: device -> host), then where the caches live. The last also for a
+        spec: one described without :meth:`register`, or registered with another backend,
+        may hold memory this one cannot address (raw CUDA or meta addresses: a segfault)."""
         spec = describe_for_host_pool(kv_caches, host_pool)
         for layer in layers:
             if not 0 <= layer < spec.num_layers:
@@ -240,8 +241,7 @@ class CopyBackend(abc.ABC):
         else:
             bounds = (host_pool.shape[0], spec.num_blocks, "host", "device")
         src, dst = check_ids(src_ids, dst_ids, *bounds)
-        if not registered:
-            self.check_devices(spec, layers)
+        self.check_devices(spec, layers)  # O(1): the spec's one device
         return spec, src, dst
 
     def check_devices(self, spec: KVSpec, layers: Sequence[int]) -> None:
@@ -250,8 +250,14 @@ class CopyBackend(abc.ABC):
 
 
 def as_index(ids: Ids, name: str) -> np.ndarray:
-    """Ids as a fresh writable int64 array (torch refuses read-only numpy views)."""
-    arr = np.array(ids, dtype=np.int64, copy=True)
+    """Ids as a fresh writable int64 array (torch refuses read-only numpy views).
+
+    Any integer dtype; floats, bools and strings are refused (an empty list aside), not
+    cast: ``2.7`` would silently name block 2, a bool mask blocks 0 and 1."""
+    given = np.asarray(ids)
+    if given.dtype.kind not in "iu" and given.size:
+        raise ValueError(f"{name} must be integers, got dtype {given.dtype}")
+    arr = np.array(given, dtype=np.int64, copy=True)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
     return arr

@@ -182,12 +182,15 @@ class KVSpec(Sequence[tuple[torch.Tensor, ...]]):
     ``memo`` holds what a backend derives from it once (e.g. its device param table).
     """
 
-    __slots__ = ("parts", "num_blocks", "block_shape", "dtype", "device", "kind", "memo",
-                 "_views")
+    __slots__ = ("parts", "num_blocks", "block_shape", "dtype", "device", "kind", "host_order",
+                 "memo", "_views")
 
-    def __init__(self, parts: Sequence[Sequence[PartSpec]], kind: str) -> None:
+    def __init__(self, parts: Sequence[Sequence[PartSpec]], kind: str,
+                 host_order: str = "HND") -> None:
         first = parts[0][0].view
         self.parts = tuple(tuple(p) for p in parts)
+        #: the chunk order its views give the host blocks (``CacheLayout.host_order``)
+        self.host_order = host_order
         self.num_blocks = int(first.shape[0])
         self.block_shape: tuple[int, int, int] = tuple(first.shape[1:])  # type: ignore[assignment]
         self.dtype = first.dtype
@@ -215,9 +218,9 @@ class KVSpec(Sequence[tuple[torch.Tensor, ...]]):
         return self._views[layer]
 
     def __repr__(self) -> str:
-        return (f"KVSpec({self.kind}, layers={self.num_layers}, parts={self.num_kv_parts}, "
-                f"blocks={self.num_blocks}, block={self.block_shape}, {self.dtype}, "
-                f"{self.device})")
+        return (f"KVSpec({self.kind}, host {self.host_order}, layers={self.num_layers}, "
+                f"parts={self.num_kv_parts}, blocks={self.num_blocks}, block={self.block_shape}, "
+                f"{self.dtype}, {self.device})")
 
 
 def describe_kv_caches(
@@ -230,19 +233,22 @@ def describe_kv_caches(
     dtype: torch.dtype | None = None,
     kv_order: str | None = None,
     names: Sequence[str] | None = None,
-    host_order: str = "HND",
+    host_order: str | None = None,
 ) -> KVSpec:
     """Validate ``kv_caches`` (one entry per layer, see the module docstring) and describe
-    it for a host pool whose chunks are in ``host_order`` (``CacheLayout.kv_layout``).
-    ``kv_order`` says how the engine's 4-D parts are laid out when their shape does not.
-    Raises :class:`~zkv.errors.ConfigError` naming the layer, the tensor and the check.
-    A :class:`KVSpec` is re-checked against the geometry and returned as is."""
+    it for a host pool whose chunks are in ``host_order`` (``CacheLayout.host_order``;
+    None: HND). ``kv_order`` says how the engine's 4-D parts are laid out when their shape
+    does not. Raises :class:`~zkv.errors.ConfigError` naming the layer, the tensor and the
+    check. A :class:`KVSpec` is re-checked against the geometry (and ``host_order`` when
+    given: its views fix the byte order of the host blocks) and returned as is."""
     if kv_order is not None and kv_order not in KV_ORDERS:
         raise ConfigError(f"kv_order must be one of {KV_ORDERS} or None, got {kv_order!r}")
-    if host_order not in KV_ORDERS:
+    if host_order is not None and host_order not in KV_ORDERS:
         raise ConfigError(f"host order must be one of {KV_ORDERS}, got {host_order!r}")
     if isinstance(kv_caches, KVSpec):
-        return _recheck(kv_caches, (kv_heads, block_size, head_dim), num_kv_parts, dtype)
+        return _recheck(kv_caches, (kv_heads, block_size, head_dim), num_kv_parts, dtype,
+                        host_order)
+    host_order = host_order or "HND"
     if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
         raise ConfigError("kv_caches must be a sequence with one entry per layer, got "
                           f"{type(kv_caches).__name__}")
@@ -257,7 +263,7 @@ def describe_kv_caches(
     if parts != {want}:
         raise ConfigError(f"every layer must have {want} part(s) "
                           f"({' and '.join(_PART_NAMES[want])}), got {sorted(parts)}")
-    return KVSpec(layers, "+".join(sorted(d.kinds)))
+    return KVSpec(layers, "+".join(sorted(d.kinds)), host_order)
 
 
 def describe_for_layout(kv_caches: Any, layout: CacheLayout, **kw: Any) -> KVSpec:
@@ -284,7 +290,7 @@ def describe_for_host_pool(kv_caches: Any, host_pool: torch.Tensor, **kw: Any) -
 
 
 def _recheck(spec: KVSpec, block_shape: tuple[int, int, int], num_kv_parts: int | None,
-             dtype: torch.dtype | None) -> KVSpec:
+             dtype: torch.dtype | None, host_order: str | None) -> KVSpec:
     if spec.block_shape != block_shape:
         raise ConfigError(f"kv cache blocks are {spec.block_shape} [heads, block, dim], "
                           f"expected {block_shape}")
@@ -293,6 +299,12 @@ def _recheck(spec: KVSpec, block_shape: tuple[int, int, int], num_kv_parts: int 
                           f"{num_kv_parts}")
     if dtype is not None and spec.dtype != dtype:
         raise ConfigError(f"kv cache dtype {spec.dtype} != {dtype}")
+    if host_order is not None and spec.host_order != host_order:
+        # Its views would write host blocks in the other order under this layout's
+        # fingerprint: another instance would read them back transposed.
+        raise ConfigError(f"kv cache spec was described for {spec.host_order} host blocks, "
+                          f"the layout's kv_layout wants {host_order}; describe the caches "
+                          "again for this layout (describe_for_layout)")
     return spec
 
 
