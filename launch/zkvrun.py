@@ -18,7 +18,9 @@ SIGKILLed zkvrun takes its children with it; not what they started (PDEATHSIG is
 inherited across fork, and the group kill is zkvrun's own, which a SIGKILL does not let
 run): a child's own children outlive a SIGKILLed zkvrun. Exit codes: 0 (scheduler exited 0, or every
 rank exited 0 on a node without one), the scheduler's code, 1 (a rank failed with no
-restarts left), 2 (usage / refused configuration, a ``-m zkv.worker`` rank's included),
+restarts left), 2 (usage / refused configuration, a ``-m zkv.worker`` rank's included:
+the rank environment it reads, ``zkv.config.check_rank_env``, is checked before anything
+starts),
 128+signum (SIGINT / SIGTERM / SIGHUP).
 A child's exit is reported as ``code N``; for ranks that run ``-m zkv.worker`` with what N
 means there (``code 4 (refused by the scheduler)``, ``zkv.exit_codes``).
@@ -81,6 +83,7 @@ from launch.env import (
 from zkv import __version__, security
 from zkv import log as zlog
 from zkv.argtypes import nonempty
+from zkv.config import check_rank_env
 from zkv.errors import ConfigError
 from zkv.exit_codes import EXIT_CONFIG, EXIT_REFUSED, EXIT_SCHEDULER_GONE, WORKER_EXITS
 
@@ -194,6 +197,24 @@ class _Signals:
         self.received.append(signum)
 
 
+def _say(line: str) -> None:
+    """``line`` on zkvrun's stderr. A stderr that is gone (a closed terminal: EIO; a pipe
+    whose reader exited, as ``| tee`` on a Ctrl-C: EPIPE) must not stop the supervision:
+    it raised out of the loop, so the children were SIGKILLed with no grace, a restart
+    was skipped and zkvrun exited 1 (a forwarded SIGHUP never forwarded). The launcher's
+    log has every such line; from then on stderr is /dev/null, so the line left in its
+    buffer does not fail the interpreter's exit (status 120) and later lines go nowhere."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stderr.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # (no file descriptor behind it)
+            pass
+
+
 def _killpg(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -234,8 +255,7 @@ class _Group:
             try:
                 self.start(child)
             except OSError as e:
-                print(f"zkvrun: cannot start {child.name} ({shlex.join(child.cmd)}): {e}",
-                      file=sys.stderr, flush=True)
+                _say(f"zkvrun: cannot start {child.name} ({shlex.join(child.cmd)}): {e}")
                 self.log.error(zlog.GROUP_FAILED, **child.fields(), error=str(e))
                 self.teardown(signal.SIGTERM)
                 return 1
@@ -312,7 +332,7 @@ class _Group:
         else:
             tail = ("; no restarts left" if self.config.max_restarts or child.role == WORKER
                     else "") + f"; tearing down {len(live)} processes"
-        print(head + tail, file=sys.stderr, flush=True)
+        _say(head + tail)
         self.log.error(zlog.GROUP_FAILED, **child.fields(), child_pid=child.pid, code=code,
                        how=child.how(code), restarts=self.attempt,
                        num_torn_down=len(live), final=self.final)
@@ -325,8 +345,7 @@ class _Group:
     def _forward(self, signum: int) -> int:
         name = signal.Signals(signum).name
         live = self._live()
-        print(f"zkvrun: got {name}; forwarding to {len(live)} processes", file=sys.stderr,
-              flush=True)
+        _say(f"zkvrun: got {name}; forwarding to {len(live)} processes")
         self.log.warning(zlog.SIGNAL_FORWARDED, signal=name, num_children=len(live))
         self.teardown(signum)
         return 128 + signum
@@ -416,9 +435,13 @@ def _resolve_defaults(config: LaunchConfig) -> tuple[LaunchConfig, bool]:
 
 
 def _install_handlers(handler: Callable[[int, object], None]) -> dict[int, object]:
+    """``handler`` for the signals zkvrun forwards. A SIGHUP it was started with ignored
+    stays ignored, as in its children (which inherit it so): ``nohup zkvrun ... &``
+    survives the SIGHUP of a logout, which tore the whole group down (nohup's one job)."""
     if threading.current_thread() is not threading.main_thread():
         return {}  # signal.signal only works there; the caller's thread owns signals
-    return {s: signal.signal(s, handler) for s in FORWARDED_SIGNALS}
+    return {s: signal.signal(s, handler) for s in FORWARDED_SIGNALS
+            if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}
 
 
 def _check_resolves(host: str, node_rank: int) -> None:
@@ -432,9 +455,8 @@ def _check_resolves(host: str, node_rank: int) -> None:
         if node_rank == 0:
             raise ConfigError(f"--master-addr {host}: not an address this machine can "
                               f"resolve ({e})") from None
-        print(f"zkvrun: warning: --master-addr {host} does not resolve yet ({e}); the ranks "
-              "wait for the scheduler there up to ZKV_SCHEDULER_TIMEOUT_S", file=sys.stderr,
-              flush=True)
+        _say(f"zkvrun: warning: --master-addr {host} does not resolve yet ({e}); the ranks "
+             "wait for the scheduler there up to ZKV_SCHEDULER_TIMEOUT_S")
 
 
 def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig, str | None]:
@@ -453,6 +475,8 @@ def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig,
             _make_default_log_root()
         if problem is None:
             zlog.check_level()  # ZKV_LOG_LEVEL, which every child reads
+        if problem is None and exit_meanings(worker_cmd) is not None:
+            check_rank_env()  # what every -m zkv.worker rank reads: one line, not one a rank
         if problem is None and config.nnodes > 1:
             _check_resolves(config.master_addr, config.node_rank)
     except ConfigError as e:
@@ -469,7 +493,7 @@ def run(config: LaunchConfig, worker_cmd: list[str], scheduler_cmd: list[str] | 
     """
     config, problem = _refusal(config, worker_cmd)
     if problem is not None:
-        print(f"zkvrun: error: {problem}", file=sys.stderr, flush=True)
+        _say(f"zkvrun: error: {problem}")
         return 2
     signals = _Signals()
     previous = _install_handlers(signals.on_signal)
@@ -477,8 +501,7 @@ def run(config: LaunchConfig, worker_cmd: list[str], scheduler_cmd: list[str] | 
         config, chosen = _resolve_defaults(config)
         assert config.log_dir is not None
         if chosen:
-            print(f"zkvrun: run {config.run_id}, logs in {config.log_dir}", file=sys.stderr,
-                  flush=True)
+            _say(f"zkvrun: run {config.run_id}, logs in {config.log_dir}")
         name = "launcher" if config.nnodes == 1 else f"launcher-node{config.node_rank}"
         log = zlog.open_logger("launcher", config.log_dir, name=name, run_id=config.run_id,
                                node_rank=config.node_rank)
@@ -506,8 +529,7 @@ def _clean_stale_runs(log: zlog.FileLogger) -> None:
     except ConfigError:
         return  # make_run_dir reports the bad root in one line
     if removed:
-        print(f"zkvrun: removed {len(removed)} run directories left by dead launchers",
-              file=sys.stderr, flush=True)
+        _say(f"zkvrun: removed {len(removed)} run directories left by dead launchers")
         log.info(zlog.RUN_DIRS_CLEANED, paths=removed)
 
 
@@ -531,7 +553,7 @@ def _run_group(config: LaunchConfig, log: zlog.FileLogger, signals: _Signals, at
             code = group.supervise()
         return code, group.failed and not group.final
     except ConfigError as e:
-        print(f"zkvrun: error: {e}", file=sys.stderr, flush=True)
+        _say(f"zkvrun: error: {e}")
         return 2, False
     finally:
         if group is not None:

@@ -290,6 +290,14 @@ def test_an_abbreviated_flag_is_refused_and_starts_nothing(tmp_path: Path) -> No
     assert r.stdout == "" and not (tmp_path / "logs").exists()  # nothing was launched
 
 
+def _hangups_not_ignored() -> None:
+    """(In the child, before exec.) A SIGHUP that pytest was started with ignored (a nohup'd
+    run) stays ignored in zkv replay, as nohup means: the test's SIGHUP must not be."""
+    import signal
+
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _signal_a_serving_replay(tmp_path: Path, sig: int, *flags: str) -> tuple[int, str, str]:
     """``zkv replay`` in a session of its own, ``sig`` sent to its process group (as a
     terminal does) once the node published a batch: (status, stdout, stderr)."""
@@ -301,7 +309,7 @@ def _signal_a_serving_replay(tmp_path: Path, sig: int, *flags: str) -> tuple[int
     proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "replay", "--no-progress",
                              "--requests", "100000", "--log-dir", str(logs), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_hangups_not_ignored)
     try:
         sched_log = logs / "scheduler.jsonl"
 

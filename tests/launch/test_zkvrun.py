@@ -348,6 +348,34 @@ park()
     assert pid_gone(int((tmp_path / "pid-0").read_text()))
 
 
+def _ignore_sighup() -> None:  # (in the child, before exec: what nohup does)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def test_a_signal_ignored_at_start_stays_ignored(tmp_path: Path) -> None:
+    """``nohup zkvrun ... &`` survives the SIGHUP a logout sends its jobs, as its children
+    do (they inherit it ignored). Before, zkvrun caught it and tore the group down: 129."""
+    worker = script(tmp_path, "worker.py", 'record_signal(RANK)\nput(f"ready-{RANK}", "")\n'
+                                           'park()\n')
+    logs = tmp_path / "logs"
+    with subprocess.Popen(zkvrun_cmd("--nproc-per-node", "2", "--grace-s", "0.5", "--log-dir",
+                                     str(logs), worker),
+                          env=env_for(tmp_path), cwd=tmp_path, stderr=subprocess.PIPE,
+                          text=True, preexec_fn=_ignore_sighup) as p:
+        try:
+            wait_files(tmp_path, "ready-0", "ready-1")
+            p.send_signal(signal.SIGHUP)  # the logout's
+            p.send_signal(signal.SIGTERM)  # what ends the job
+            _, err = p.communicate(timeout=TIMEOUT_S)
+        finally:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    for rank in ("0", "1"):
+        assert (tmp_path / f"sig-{rank}").read_text() == str(int(signal.SIGTERM))
+    assert [e["signal"] for e in events(logs) if e["event"] == zlog.SIGNAL_FORWARDED] == \
+        ["SIGTERM"]
+
+
 def test_multi_node_needs_insecure_tcp(tmp_path: Path) -> None:
     r = run_zkvrun(tmp_path, "--nnodes", "2", "-c", "pass")
     assert r.returncode == 2
@@ -392,6 +420,20 @@ def test_a_log_level_typo_is_one_line_and_starts_nothing(tmp_path: Path) -> None
     assert r.stderr == ("zkvrun: error: ZKV_LOG_LEVEL must be one of debug, info, warning, "
                         "error, critical, got 'verbose'\n")
     assert not (tmp_path / "started").exists()
+
+
+def test_a_zkv_worker_env_typo_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    """What every ``-m zkv.worker`` rank reads (zkv.config.check_rank_env), as zkv replay
+    checks it. Before, the scheduler started, every rank said the same line and exited 2."""
+    layout = CacheLayout(2, 2, 16, 8, "float16", 16, 16, world_size=2)
+    sched = script(tmp_path, "sched.py", 'put("started", "")\npark()\n')
+    r = run_zkvrun(tmp_path, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+                   "--config", layout.to_json(), "--scheduler", sched, "-m", "zkv.worker",
+                   ZKV_SCHEDULER_TIMEOUT_S="abc")
+    assert r.returncode == 2
+    assert r.stderr == ("zkvrun: error: ZKV_SCHEDULER_TIMEOUT_S must be a finite number of "
+                        "seconds > 0, or inf to wait forever, got 'abc'\n")
+    assert not (tmp_path / "started").exists() and not (tmp_path / "logs").exists()
 
 
 def test_second_node_ranks_and_tcp_endpoints(tmp_path: Path) -> None:
@@ -645,13 +687,15 @@ sys.exit({code})
 
 def test_a_zkv_worker_rank_with_a_bad_configuration_is_not_restarted(tmp_path: Path) -> None:
     """A ``-m zkv.worker`` rank's 2 (bad configuration) comes back on every rerun: was,
-    ``ZKV_BACKEND=bogus`` with --max-restarts 3 ran four times. (Another program's 2 or 4
-    is its own: test_restarts_run_out restarts it.) zkvrun exits 2, a bad configuration's
-    status (it was 1, as for a rank that failed)."""
+    ``ZKV_BACKEND=bogus`` with --max-restarts 3 ran four times (zkvrun refuses that one
+    before it starts anything now; a store URL is the rank's to refuse). (Another program's 2
+    or 4 is its own: test_restarts_run_out restarts it.) zkvrun exits 2, a bad
+    configuration's status (it was 1, as for a rank that failed)."""
     layout = CacheLayout(2, 2, 16, 32, "float16", 8, 8)
     logs = tmp_path / "logs"
     r = run_zkvrun(tmp_path, "--max-restarts", "3", "--log-dir", str(logs),
-                   "--config", layout.to_json(), "-m", "zkv.worker", ZKV_BACKEND="bogus")
+                   "--config", layout.to_json(), "-m", "zkv.worker", ZKV_BACKEND="cpu",
+                   ZKV_STORE_URL="bogus://x")
     assert r.returncode == 2, r.stderr
     (started,) = [e for e in events(logs) if e["event"] == zlog.RANK_STARTED]
     assert r.stderr.splitlines()[-1] == (
