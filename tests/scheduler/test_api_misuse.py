@@ -189,3 +189,21 @@ def test_a_refused_ack_commits_none_of_its_batch() -> None:
     assert cm.num_pending_ops == 2
     cm.on_ops_done([OpResult(first, True, 2), OpResult(second.id, True, 2)])
     still_works(cm)
+
+
+def test_cache_computed_before_allocate_is_refused_before_its_hashes_are_taken() -> None:
+    """Owned-device mode: ``cache_computed`` of a request not yet allocated is refused, and
+    the hashes it was given are not taken. (They were, then it raised: the storage load
+    the request had in flight joined its path when acked, under other hashes, and the
+    invariants broke.)"""
+    stored = H(4)
+    cm = CacheManager(CacheConfig(8, 16, BS), storage_exists=lambda hs: len(hs))
+    assert cm.match_prefix("a", stored).num_storage == 4
+    assert cm.prefetch("a") == 4
+    (s2h,) = cm.take_ops()
+    with pytest.raises(ValueError, match="not allocated"):
+        cm.cache_computed("a", 4 * BS, block_hashes=H(4))
+    cm.on_ops_done([OpResult(s2h.id, True, 4)])
+    cm.check_invariants()
+    assert cm.request("a").hashes == stored and cm.num_held_blocks("a") == 4
+    still_works(cm)

@@ -485,3 +485,28 @@ def test_a_flush_mid_step_keeps_the_steps_loads_open() -> None:
     cm.finish("r2")
     cm.finish("r3")
     cm.check_invariants()
+
+
+@pytest.mark.parametrize("new", [H(1, 2, 9, 9), H(1, 2)], ids=["other_tail", "shorter"])
+def test_new_hashes_past_the_held_prefix_let_the_storage_load_go(new: list[bytes]) -> None:
+    """A request whose hashes change past what it holds while its storage load is in
+    flight lets the load go: the blocks that arrive are another prefix's (or past its
+    hashes), so they land unheld for later requests and never join its path. (They
+    joined it when acked: the request held blocks 2-3 of H(1, 2, 3, 4) under hashes
+    H(1, 2, 9, 9), and load_external copied that KV into its engine blocks.)"""
+    a = H(1, 2, 3, 4)
+    cm = make(8, storage=set(a))
+    assert cm.match_prefix("r1", a) == Match(0, 0, 4, BS)
+    assert cm.prefetch("r1") == 4
+    (s2h,) = cm.take_ops()
+    assert s2h.kind == S2H
+    assert cm.cache_computed("r1", 4 * BS, block_hashes=new, device_ids=[0, 1, 2, 3]) == 0
+    cm.check_invariants()
+    ack(cm, [s2h])  # (checks the invariants)
+    assert cm.prefetch_done("r1") and cm.num_held_blocks("r1") == 0
+    assert cm.load_external("r1", 0, [0, 1, 2, 3]) == 0
+    assert cm.match_prefix("r2", a) == Match(0, 4, 0, BS)  # landed, for later requests
+    cm.finish("r1")
+    cm.finish("r2")
+    cm.check_invariants()
+    assert cm.tree.num_hlru == 4

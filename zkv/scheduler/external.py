@@ -32,6 +32,8 @@ def cache_computed(core: Core, st: RequestState, num_tokens: int,
     """See ``CacheManager.cache_computed``."""
     if device_ids is None and st.external:
         raise ValueError(f"request {st.req_id!r} is external: pass device_ids")
+    if device_ids is None and not st.allocated:  # (refused before its hashes are taken)
+        raise ValueError(f"request {st.req_id!r} is not allocated")
     if device_ids is not None:  # checked first (nothing changed yet), each id once: the
         lo = max(st.num_held, st.ids_checked)  # engine's table only grows while it runs
         hi = min(num_tokens // core.config.block_size, len(device_ids))
@@ -40,12 +42,12 @@ def cache_computed(core: Core, st: RequestState, num_tokens: int,
             st.ids_checked = hi
     if block_hashes is not None:
         st.take_hashes(block_hashes)
+        if st.loading is not None and not _loading_fits(st):
+            drop_prefetch(core, st)
     full = min(num_tokens // core.config.block_size, len(st.hashes))
     if device_ids is not None:
         go_external(core, st)
         return _save_external(core, st, min(full, len(device_ids)), device_ids)
-    if not st.allocated:
-        raise ValueError(f"request {st.req_id!r} is not allocated")
     full = min(full, len(st.table))
     start = st.num_held
     tree = core.tree
@@ -98,6 +100,16 @@ def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence
     st.tail = parent if parent is not tree.root else None
     st.num_held = i
     return i - start
+
+
+def _loading_fits(st: RequestState) -> bool:
+    """The request's storage load still covers its next blocks: hashes past the held
+    prefix may have changed, and a load of another prefix must not join its path when
+    acked. Chained hashes: the last one loaded names all of them."""
+    n = st.loading
+    assert n is not None
+    end = st.num_held + len(n.hashes)
+    return end <= len(st.hashes) and st.hashes[end - 1] == n.hashes[-1]
 
 
 def load_external(core: Core, st: RequestState, first_block: int,

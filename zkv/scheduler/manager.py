@@ -184,7 +184,9 @@ class CacheManager:
         blocks are saved into host blocks (one ``save`` op per request and step) and become
         HOST when every rank acked. It waits while an earlier save of the request is in
         flight, stops at a block another request is saving or loading, and stops when no
-        host block can be freed. ``block_hashes`` may extend the hashes.
+        host block can be freed. ``block_hashes`` may extend the hashes; hashes that differ
+        past the held prefix from a storage load in flight let that load go
+        (``drop_prefetch``): what it brings is another prefix's.
         """
         return external.cache_computed(self.core, self._req(req_id),
                                        checks.count("num_tokens", num_tokens),
