@@ -252,9 +252,12 @@ def check_endpoint(endpoint: str, *, keys: object, insecure: bool = False,
     """Refuse (ConfigError, one line) an endpoint the trust model does not allow.
 
     ``ipc://``: the socket's directory must be private (:func:`check_private_dir`); on
-    connect too, where it exists already: only this user can have made the socket, which
-    is what tells a worker that the scheduler on the other end is ours (no key pins it on
-    ipc, see :func:`setup_client`).
+    connect too: only this user can have made the socket, which is what tells a worker
+    that the scheduler on the other end is ours (no key pins it on ipc, see
+    :func:`setup_client`). A directory that does not exist yet at connect is made here
+    (0700, as an engine's worker halves make theirs): before, it went unchecked, and
+    whoever made it first (another user, in a shared parent) bound a scheduler there
+    that the rank obeyed (batches, Shutdown) and sent its ipc token to.
     ``tcp://``: keys, unless ``insecure``; a bind address other than loopback needs
     ``allow_remote``. ``inproc://`` stays in the process. Anything else is refused.
     """
@@ -270,6 +273,8 @@ def check_endpoint(endpoint: str, *, keys: object, insecure: bool = False,
         folder = os.path.dirname(os.path.abspath(rest)) or "."
         if bind or os.path.lexists(folder):
             check_private_dir(folder, what="ipc socket directory")
+        else:  # a rank before its scheduler: made now, so that no one else makes it first
+            make_private_dir(folder, what="ipc socket directory")
         return
     if scheme != "tcp":
         raise ConfigError(f"endpoint {endpoint!r}: only ipc:// and tcp:// are supported")

@@ -97,6 +97,27 @@ def test_bad_follow_ups_are_refused(group: tuple[Dispatcher, list[FakeRank]]) ->
     assert done.ok and done.results[0] == P.OpResult(0, True, 2)
 
 
+def test_a_copy_left_pending_is_refused_and_the_deadline_judges_the_rank(
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    """Only storage ops (s2h / h2s) may be left ``pending``: a rank acks its copies at once,
+    and nothing bounds a pending op but the stores' own timeouts. An ack that leaves the
+    copy pending is refused, so the rank's ack deadline still judges it. (Before, it was
+    taken: every rank had acked, no deadline looked at the batch any more, and the copy
+    stayed in flight for good, its blocks pinned, the rank never lost.)"""
+    d, ranks = group
+    seq = d.publish([COPY, LOAD], 0)
+    for r in ranks:
+        r.recv_batch()
+    ack(ranks[1], seq, (P.OpResult(0, True, 2),), pending=(1,))
+    with capture_logs() as logs:
+        ack(ranks[0], seq, (), pending=(0, 1))
+        done = poll_until_done(d, seq)[seq]  # (ack_timeout_s=0.3)
+    (refused,) = events_named(logs, "dispatcher.ack_refused")
+    assert refused["rank"] == 0 and "leaves ops 0 pending" in refused["error"]
+    assert not done.ok and d.lost_ranks == frozenset({0})
+    assert done.results[0].error == "rank 0 lost: no ack for seq 0 within 0.3 s"
+
+
 def test_a_rank_lost_while_io_is_pending_fails_the_batch(
         group: tuple[Dispatcher, list[FakeRank]]) -> None:
     d, ranks = group

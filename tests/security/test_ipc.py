@@ -146,3 +146,43 @@ def test_zap_refuses_another_user_even_where_the_directory_lets_it_in(folder: st
         assert d.num_received == 0
     finally:
         d.close(shutdown=False)
+
+
+def test_a_rank_makes_its_socket_directory_when_it_is_not_there_yet(folder: str) -> None:
+    """A rank started before its scheduler, its socket directory not made yet (in a shared
+    parent like /tmp): the rank makes it (0700, its own) at once, so no one else can make
+    it first, and the scheduler that binds there later is joined. (Before, a missing
+    directory was not checked at all: another user could make it, bind a scheduler there
+    and have the rank run its batches, or stop on its Shutdown.)"""
+    import zkv.kernels as kernels
+    from zkv.config import CacheLayout
+    from zkv.worker import Sidecar
+
+    layout = CacheLayout(num_layers=1, kv_heads=1, block_size=4, head_dim=8, dtype="float16",
+                         num_device_blocks=4, num_host_blocks=4, world_size=1)
+    shared = os.path.join(folder, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)  # (sticky and open to all, like /tmp)
+    run = os.path.join(shared, "run")
+    pub, pull = f"ipc://{run}/pub", f"ipc://{run}/pull"
+    kv = kernels.get_backend("cpu").allocate_device_cache(layout)
+    sc = Sidecar(kv, layout=layout, rank=0, pub_endpoint=pub, pull_endpoint=pull,
+                 backend="cpu", heartbeat_interval_s=0.05)
+    try:
+        made = False
+        try:
+            os.mkdir(run, 0o755)  # another user's try (refused by the checks if it were in time)
+            made = True
+        except FileExistsError:
+            pass
+        assert not made, "the rank's socket directory was left for anyone to make"
+        st = os.lstat(run)
+        assert (stat.S_ISDIR(st.st_mode), st.st_uid, stat.S_IMODE(st.st_mode)) == (
+            True, os.geteuid(), 0o700)
+        d = Dispatcher(pub, pull, 1, layout)
+        try:
+            d.wait_for_ranks(10)
+        finally:
+            d.close()
+    finally:
+        sc.close()

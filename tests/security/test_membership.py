@@ -13,6 +13,7 @@ import zmq
 from structlog.testing import capture_logs
 
 from tests.security.test_curve import FP, _endpoints, _poll_until, group, keyring, transport
+from tests.waiting import wait_until
 from tests.worker.helpers import FakeRank, events_named, poll_for, poll_until_done
 from zkv import log as ev
 from zkv import protocol as P
@@ -47,6 +48,16 @@ def test_a_first_message_that_arrives_in_pieces_never_raises_out_of_poll(
     assert d.lost_ranks == frozenset()
 
 
+def _xsub_of_rank_1(ctx: zmq.Context[Any], keyring: Keyring, d: Dispatcher) -> Any:
+    """An XSUB with rank 1's key connected to the dispatcher's PUB: it sends upstream
+    whatever bytes it likes."""
+    x = ctx.socket(zmq.XSUB)
+    x.setsockopt(zmq.LINGER, 0)
+    security.setup_client(x, keyring.for_rank(1), d.pub_endpoint)
+    x.connect(d.pub_endpoint)
+    return x
+
+
 def test_an_upstream_message_naming_another_ranks_marker_is_refused(
         group: tuple[Dispatcher, list[FakeRank]], ctx: zmq.Context[Any],
         keyring: Keyring) -> None:
@@ -54,10 +65,7 @@ def test_an_upstream_message_naming_another_ranks_marker_is_refused(
     byte 2) naming rank 0's ready marker: counted malformed, rank 0 stays. (Before, any
     first byte but 1 was an unsubscription, checked for no sender: rank 0 was lost.)"""
     d, (r0, r1) = group
-    x = ctx.socket(zmq.XSUB)
-    x.setsockopt(zmq.LINGER, 0)
-    security.setup_client(x, keyring.for_rank(1), d.pub_endpoint)
-    x.connect(d.pub_endpoint)
+    x = _xsub_of_rank_1(ctx, keyring, d)
     try:
         before = d.refusals()["malformed"]
         deadline = time.monotonic() + 10
@@ -169,3 +177,76 @@ def test_reasons_are_cut_when_encoded_and_refused_when_longer(reason: str) -> No
     hdr["reason"] = long
     with pytest.raises(P.ProtocolError, match="reason longer than"):
         P.decode([frames[0], orjson.dumps(hdr)])
+
+
+def test_a_key_holder_subscribing_first_to_another_ranks_marker_cannot_keep_it_out(
+        ctx: zmq.Context[Any], keyring: Keyring, transport: str, folder: str) -> None:
+    """Rank 1's key subscribes to rank 0's ready marker before rank 0 does (its pid is
+    easy to guess): counted forged, and rank 0 still joins. (Before, the XPUB reported a
+    topic's first subscription only: rank 0's own one was never seen, so it never joined
+    and the group did not start.)"""
+    d = Dispatcher(*_endpoints(transport, folder), 2, FP, context=ctx, keys=keyring,
+                   heartbeat_timeout_s=60)
+    r0 = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 0, FP, pid=1234,
+                  keys=keyring.for_rank(0))
+    r1 = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 1, FP, keys=keyring.for_rank(1))
+    try:
+        r1.sub.setsockopt(zmq.SUBSCRIBE, P.ready_topic(0, r0.pid))
+        wait_until(lambda: d.refusals()["forged"] == 1, 10, "the forged subscription",
+                   step=lambda: d.poll(0.02))
+        r1.join()
+        r0.join()
+        d.wait_for_ranks(10)
+        assert d._ranks[0].joined_pid == r0.pid
+    finally:
+        d.close(shutdown=False)
+        r0.close()
+        r1.close()
+
+
+def test_an_upstream_message_that_is_no_subscription_counts_once(
+        group: tuple[Dispatcher, list[FakeRank]], ctx: zmq.Context[Any],
+        keyring: Keyring) -> None:
+    """One upstream message that is no (un)subscription is one ``malformed`` refusal.
+    (Before, membership counted it and then the dispatcher's refuse counted it again:
+    the metric read 2 per message.) The forged subscriptions around it show it was read:
+    one pipe keeps them in order."""
+    d, (r0, _) = group
+    x = _xsub_of_rank_1(ctx, keyring, d)
+    try:
+        pid = iter(range(900000, 901000))
+        before = d.refusals()
+        deadline = time.monotonic() + 10
+        while d.refusals()["forged"] == before["forged"]:  # (sent again until the pipe is up)
+            assert time.monotonic() < deadline, d.refusals()
+            x.send(b"\x01" + P.ready_topic(0, next(pid)))
+            poll_for(d, 0.05)
+        forged = d.refusals()["forged"]
+        x.send(b"\x02" + P.ready_topic(0, r0.pid))
+        x.send(b"\x01" + P.ready_topic(0, next(pid)))
+        wait_until(lambda: d.refusals()["forged"] == forged + 1, 10, "the forged marker after",
+                   step=lambda: d.poll(0.02))
+        assert d.refusals()["malformed"] == before["malformed"] + 1
+    finally:
+        x.close(0)
+
+
+def test_an_ack_naming_many_ops_the_batch_lacks_logs_a_short_line(
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    """A rank's ack naming 100,000 ops its batch does not have (a broken rank's, or made
+    up): refused, and its line names a few of them and counts the rest. (Before, it quoted
+    every one: a 700 KB line per ack, ten a second.) The batch still waits for that rank."""
+    d, (r0, r1) = group
+    seq = d.publish([P.Op(0, P.D2H, P.as_ids([1]), P.as_ids([1]))], step=0)
+    b0, b1 = r0.recv_batch(), r1.recv_batch()
+    bogus = tuple(P.OpResult(i, False, 0) for i in range(1, 100_001))
+    with capture_logs() as logs:
+        r0.send(P.BlocksCopied(seq, 0, False, bogus))
+        _poll_until(d, lambda: d.refusals()["malformed"] == 1, "the refusal")
+    (line,) = events_named(logs, ev.ACK_REFUSED)
+    assert len(repr(line)) < 1024, len(repr(line))
+    assert "ops 1, 2, 3" in line["error"] and "100000 in all" in line["error"], line["error"]
+    assert d.in_flight == 1 and d.lost_ranks == frozenset()
+    r0.ack(b0)
+    r1.ack(b1)
+    assert poll_until_done(d, seq)[seq].ok

@@ -106,16 +106,20 @@ class BatchDone(NamedTuple):
 class _InFlight:
     """A published batch until every rank acked it (one per step: a plain class)."""
 
-    __slots__ = ("seq", "step", "op_ids", "op_set", "sizes", "t_pub", "deadline", "acked",
-                 "results", "waiting")
+    __slots__ = ("seq", "step", "op_ids", "op_set", "sizes", "io_ops", "t_pub", "deadline",
+                 "acked", "results", "waiting")
 
-    def __init__(self, seq: int, step: int, op_ids: tuple[int, ...], t_pub: float,
-                 deadline: float, sizes: dict[int, int]) -> None:
+    def __init__(self, seq: int, step: int, ops: Sequence[P.Op], t_pub: float,
+                 deadline: float) -> None:
         self.seq = seq
         self.step = step
-        self.op_ids = op_ids
-        self.op_set = frozenset(op_ids)
-        self.sizes = sizes  # blocks per op id (what a result may claim)
+        if ops:
+            self.op_ids = tuple(op.id for op in ops)
+            self.sizes = {op.id: op.num_blocks for op in ops}  # what a result may claim
+            self.io_ops = frozenset(op.id for op in ops if op.kind in acks.IO_KINDS)  # may pend
+        else:  # an idle step's (every step of an idle cache)
+            self.op_ids, self.sizes, self.io_ops = (), {}, frozenset()
+        self.op_set = frozenset(self.op_ids)
         self.t_pub = t_pub
         self.deadline = deadline
         self.acked = 0  # bit per rank
@@ -271,6 +275,11 @@ class Dispatcher:
         # publish declares that rank lost. Inbound: subscriptions only (small).
         pub.setsockopt(zmq.SNDHWM, self.send_hwm)
         pub.setsockopt(zmq.XPUB_NODROP, 1)
+        # Every subscription, not a topic's first only: a key holder that subscribed to
+        # another rank's ready marker first (refused as forged) hid that rank's own one,
+        # which kept it from joining. (Unsubscriptions stay the last one's: a closed pipe's
+        # are sent for each of its topics, forged ones included, without a sender.)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         pub.setsockopt(zmq.MAXMSGSIZE, 4096)
         pull.setsockopt(zmq.RCVHWM, P.RECV_HWM)
         pull.setsockopt(zmq.MAXMSGSIZE, P.MAX_WORKER_FRAME_BYTES)
@@ -367,9 +376,9 @@ class Dispatcher:
         seq = self._next_seq
         if ops:
             ops = tuple(ops)
-            op_ids = tuple(op.id for op in ops)
-            if len(set(op_ids)) != len(op_ids):
-                raise ValueError(f"duplicate op ids in batch: {op_ids}")
+            op_ids = {op.id for op in ops}
+            if len(op_ids) != len(ops):
+                raise ValueError(f"duplicate op ids in batch: {[op.id for op in ops]}")
             if len(ops) > P.MAX_OPS:
                 raise ValueError(f"batch has {len(ops)} ops, more than {P.MAX_OPS}")
             frames = P.encode(P.CopyBlocks(seq, step, ops))
@@ -377,16 +386,14 @@ class Dispatcher:
                 raise ValueError(f"batch has a frame over {P.MAX_BATCH_FRAME_BYTES} bytes; "
                                  "split its ops")
         else:  # an idle step: nothing to check
-            op_ids = ()
             frames = P.encode(P.CopyBlocks(seq, step, ()))
         t_pub = time.perf_counter()
         try:
             send_frames(self._pub, frames, DONTWAIT, copy=False)
         except zmq.Again:
             self._send_when_room(frames)
-        self._in_flight[seq] = _InFlight(seq, step, op_ids, t_pub,
-                                         time.monotonic() + self.ack_timeout_s,
-                                         {op.id: op.num_blocks for op in ops} if ops else {})
+        self._in_flight[seq] = _InFlight(seq, step, ops, t_pub,
+                                         time.monotonic() + self.ack_timeout_s)
         self._next_seq = seq + 1
         if self._info:
             self._hot_log(ev.BATCH_PUBLISHED, seq=seq, step=step, num_ops=len(ops))
@@ -662,10 +669,9 @@ class Dispatcher:
             return
         by_id = {res.id: res for res in ack.results}
         pending = set(ack.pending)
-        if not (by_id.keys() | pending) <= expected:
-            self._refuse("malformed", seq=ack.seq, rank=rank,
-                         error=f"ack names ops {sorted((by_id.keys() | pending) - expected)}, "
-                               "which the batch does not have or already reported")
+        why = acks.unexpected_ops(by_id.keys() | pending, expected, pending, batch.io_ops)
+        if why is not None:
+            self._refuse("malformed", seq=ack.seq, rank=rank, error=why)
             return
         why = acks.bad_result(ack.results, batch.sizes) if ack.results else None
         if why is not None:  # (the batch waits on: its ack deadline judges the rank)

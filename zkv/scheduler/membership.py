@@ -77,10 +77,11 @@ class RankState:
 class Membership:
     """The ranks of one group (``ranks[r]``, r < ``world_size``) and who may join.
 
-    ``counts``: the dispatcher's refusal counts (``hello``, ``forged`` and ``malformed``
-    subscriptions are counted here); ``refuse(reason, **fields)`` counts and logs a refused
-    message (rate-limited); ``forged(**fields)`` logs a forged one; ``tell(rank, pid,
-    reason)`` publishes ``Refused``. Every call is O(1) but ``missing`` (O(world_size)).
+    ``counts``: the dispatcher's refusal counts (``hello`` and ``forged`` are counted here,
+    ``malformed`` subscriptions through ``refuse``); ``refuse(reason, **fields)`` counts
+    and logs a refused message (rate-limited); ``forged(**fields)`` logs a forged one;
+    ``tell(rank, pid, reason)`` publishes ``Refused``. Every call is O(1) but ``missing``
+    (O(world_size)).
     """
 
     def __init__(self, world_size: int, layout: CacheLayout | None, fingerprint: str, *,
@@ -148,9 +149,10 @@ class Membership:
         if not sub:
             return False
         if sub[0] > 1:  # no subscription: a message an XSUB sent upstream (XPUB passes
-            self._counts["malformed"] += 1  # those up as they are); before, taken for an
+            # those up as they are; before, taken for an unsubscription of the marker it
+            # named). Counted by refuse alone (it was counted here too: 2 a message).
             self._refuse("malformed", error="an upstream message that is no (un)subscription",
-                         sender=sender)  # unsubscription of the marker it named
+                         sender=sender)
             return False
         marker = P.parse_ready_topic(sub[1:])
         if marker is None:
