@@ -27,6 +27,7 @@ exposition.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -153,6 +154,19 @@ def record_move(direction: str, num_blocks: int, num_bytes: int) -> None:
 
 def render(registry: CollectorRegistry | None = None) -> str:
     return generate_latest(registry or REGISTRY).decode()
+
+
+def check_writable(flag: str, path: str) -> None:
+    """ConfigError unless ``path`` can be written at the end of the run: a file (or none
+    yet) in an existing directory this process may write."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: is a directory")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: no directory {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path)
+                                                     and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable by this process")
 
 
 @dataclass

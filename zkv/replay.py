@@ -18,7 +18,7 @@ Exit status: 0 every request served and every reused block verified; 1 a mismatc
 failed op or a lost rank; 2 a usage or configuration error (one line on stderr, no
 traceback); 4 requests dropped because they did not fit in the pools (counted in the
 summary); 130 interrupted (Ctrl-C: one line, no traceback). With ``--max-restarts`` a lost
-rank restarts the whole group (zkvrun).
+rank restarts the whole group (zkvrun); a mismatch never does (the node exits 3 for it).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import orjson
 from tqdm import tqdm
 
 from zkv import metrics as M
+from zkv import stopsignals
 from zkv.argtypes import nonempty, nonneg_float, nonneg_int, port, positive_int
 from zkv.config import CacheLayout, check_rank_env, pools_fit, pools_shortfall
 from zkv.errors import ConfigError, RankLost
@@ -53,6 +54,9 @@ DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "t
                              "mooncake_synthetic_trace.jsonl")
 _SIM_OP_BASE = 1 << 40  # op ids of the simulated forward pass, apart from the manager's
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DROPPED = 0, 1, 2, 4
+#: The scheduler node's status for wrong bytes: a rerun of the group that verifies clean must
+#: not turn the run into a 0 (zkvrun restarts after 1); ``main`` says 1 for it.
+EXIT_NODE_MISMATCHED = 3
 EXIT_INTERRUPTED = 128 + 2  # SIGINT, as a shell reports it
 
 
@@ -161,6 +165,7 @@ class Replayer:
         self.outstanding: dict[int, tuple[list[Op], list[Op]]] = {}
         self.running: list[str] = []  # requests of the step in progress (aborted on failure)
         self.failed_sim: set[int] = set()  # sim ops (fill / check) that failed on some rank
+        self.lost: frozenset[int] = frozenset()  # ranks counted in zkv:lost_ranks
 
     @property
     def latencies(self) -> list[float]:
@@ -350,8 +355,9 @@ class Replayer:
                 missed = len(o.keys) - (r.done if r else 0) if o.kind == CHECK else 0
                 self.s.mismatched += missed
                 self.s.failed_ops += 0 if missed else 1
-        if not done.ok and done.lost_ranks:
-            M.LOST_RANKS.inc(len(done.lost_ranks))
+        if not done.ok and done.lost_ranks:  # (each failed batch names every rank lost)
+            M.LOST_RANKS.inc(len(done.lost_ranks - self.lost))
+            self.lost |= done.lost_ranks
             rank = min(done.lost_ranks)
             return RankLost(rank, str(results[next(iter(results))].error) if results else "")
         return None
@@ -427,16 +433,19 @@ def _serve(args: argparse.Namespace) -> int:
         rp = Replayer(cm, dp, layout, args.batch, progress=not args.no_progress,
                       prefetch=prefetch)
         s = rp.run(workload)
-    finally:
-        _check_pools(cm, rp)
-        cm.flush_logs()
-        dp.close()
-        if store is not None:
-            store.close()
-        if server is not None:
-            server.shutdown()
-        wrote = _write_metrics(args.metrics_file) if args.metrics_file else True
+    finally:  # (a signal now, zkvrun's teardown, is acted on once the metrics are written)
+        with stopsignals.deferred():
+            _check_pools(cm, rp)
+            cm.flush_logs()
+            dp.close()
+            if store is not None:
+                store.close()
+            if server is not None:
+                server.shutdown()
+            wrote = _write_metrics(args.metrics_file) if args.metrics_file else True
     _print_summary(s, rp.moved, layout, rp.latencies, busy_s(rp.spans), args, store)
+    if s.mismatched:  # never restarted (final_codes), reported as 1 by main
+        return EXIT_NODE_MISMATCHED
     return s.exit_code if wrote else max(s.exit_code, EXIT_FAILED)
 
 
@@ -547,16 +556,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"{self.prog}: error: {redact_credentials(message)}\n")
 
 
-#: Requests a step: a step's batch carries an s2h op per request (and one op per other kind),
-#: at most MAX_OPS.
-MAX_BATCH = MAX_OPS // 2
+#: Requests a step: its batch carries a check and a fill per request beside the cache's own
+#: ops (a few: one per kind, this step's and the last's), at most MAX_OPS (4096 made 8193).
+MAX_BATCH = (MAX_OPS - 16) // 2
 
 
 def _batch(s: str) -> int:
     n = positive_int(s)
     if n > MAX_BATCH:
-        raise argparse.ArgumentTypeError(f"must be <= {MAX_BATCH} (a step's batch carries an "
-                                         f"op per request), got {n}")
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_BATCH} (a step's batch carries two "
+                                         f"ops per request), got {n}")
     return n
 
 
@@ -657,7 +666,7 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
     if args.metrics_port:  # taken now: one line before anything starts (the scheduler
         M.serve(args.metrics_port).shutdown()  # says so too if it is taken meanwhile)
     if args.metrics_file is not None:
-        _check_writable_file("--metrics-file", args.metrics_file)
+        M.check_writable("--metrics-file", args.metrics_file)
     if args.log_dir:
         check_log_dir(args.log_dir)
     check_level()  # ZKV_LOG_LEVEL, which every process of the run reads
@@ -702,19 +711,6 @@ def chat_bytes_per_request(block_size: int) -> int:
     (7.3 KB measured at 16-token blocks: its block hashes and its conversation's history;
     hashes grow as blocks shrink)."""
     return 8192 * max(1, 16 // block_size)
-
-
-def _check_writable_file(flag: str, path: str) -> None:
-    """ConfigError unless ``path`` can be written at the end of the run: a file (or none
-    yet) in an existing directory this process may write."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path}: is a directory")
-    if not os.path.isdir(folder):
-        raise ConfigError(f"{flag} {path}: no directory {folder}")
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path)
-                                                     and not os.access(path, os.W_OK)):
-        raise ConfigError(f"{flag} {path}: not writable by this process")
 
 
 def _without_storage(argv: Sequence[str]) -> list[str]:
@@ -788,9 +784,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = LaunchConfig(nproc_per_node=args.ranks, log_dir=args.log_dir,
                            config=layout.to_json(), max_restarts=args.max_restarts,
                            force_ranks=args.force,
-                           # results a rerun cannot change: a bad flag, dropped requests
-                           final_codes=(EXIT_CONFIG, EXIT_DROPPED))
-        return run(cfg, ["-m", "zkv.worker"], sched)
+                           # results a rerun cannot change: a bad flag, dropped requests,
+                           # wrong bytes
+                           final_codes=(EXIT_CONFIG, EXIT_DROPPED, EXIT_NODE_MISMATCHED))
+        code = run(cfg, ["-m", "zkv.worker"], sched)
+        return EXIT_FAILED if code == EXIT_NODE_MISMATCHED else code
     finally:
         if tmp is not None:
             security.remove_run_dir(tmp)

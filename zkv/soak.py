@@ -237,10 +237,11 @@ class Soak:
             rp.carry = []
             self.report.leaked += leaked_blocks(cm)
             self._add_stats()
+            self.rp = None  # (counted: close() after a signal from here on counts it not again)
         if self.dp is not None:
-            self.report.refusals.update(self.dp.refusals())
-            self.dp.close(shutdown=shutdown)
-        self.dp = self.rp = None
+            dp, self.dp = self.dp, None
+            self.report.refusals.update(dp.refusals())
+            dp.close(shutdown=shutdown)
 
     def _add_stats(self) -> None:
         s = self.rp.s
@@ -267,9 +268,13 @@ class Soak:
             self.pending()
             self.pending = None
         self._stop_ranks()
+        if self.rp is not None:  # stopped mid-epoch: the report so far counts it (no leak check)
+            self._add_stats()
+            self.rp = None
         if self.dp is not None:
+            self.report.refusals.update(self.dp.refusals())
             self.dp.close(shutdown=False)
-            self.dp = self.rp = None
+            self.dp = None
         # (every socket of the context, with no linger: a signal could come while a
         # Dispatcher was being made, its sockets open and no one's, and term() waited on them)
         self.ctx.destroy(linger=0)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -41,6 +43,22 @@ def check() -> None:
     """Raise a stop signal whose exception Python dropped (see the module docstring)."""
     if _received:
         _raise(_received.pop(0))
+
+
+@contextmanager
+def deferred(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """Inside, a stop signal is only recorded; on leaving, the handlers that were there are
+    back and the first signal recorded is raised again: work that must end (a scheduler
+    node's cleanup, its metrics file last) is not cut short, and the signal is not lost."""
+    got: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        if got:
+            signal.raise_signal(got[0])
 
 
 def _on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 from tests.waiting import idle_for
 from tests.worker.helpers import (
     WorkerGroup,
+    digest,
     events_named,
     poll_until_done,
     reap,
@@ -184,3 +185,31 @@ def test_wrong_layout_is_refused_at_hello_naming_the_field(folder: str, field: s
         d.close(shutdown=True)
         proc.terminate()
         reap([proc])
+
+
+def test_a_lost_rank_counts_once_in_the_metrics(folder: str) -> None:
+    """``zkv:lost_ranks_total`` counts ranks: a rank lost with two batches in flight (a
+    step's copies and its storage writes go in two) is one. Before, it counted one per
+    failed batch (2 here), and again in every batch failed after a second rank was lost."""
+    from zkv import metrics as M
+    from zkv.replay import Replayer
+    from zkv.scheduler.manager import CacheManager
+    from zkv.scheduler.records import CacheConfig
+
+    M.register_replay()
+    before = M.REGISTRY.get_sample_value("zkv:lost_ranks_total")
+    g = WorkerGroup(folder, 2, LAYOUT, heartbeat_timeout_s=1.0)
+    try:
+        cm = CacheManager(CacheConfig(LAYOUT.num_device_blocks, LAYOUT.num_host_blocks,
+                                      LAYOUT.block_size, "write_back"))
+        rp = Replayer(cm, g.d, LAYOUT, batch=1, progress=False)
+        os.kill(g.procs[1].pid, signal.SIGSTOP)
+        for block in (0, 1):  # two batches that rank 1 cannot ack
+            rp._publish([], [rp._sim(P.FILL, [block], [digest(block)])])
+        with pytest.raises(RankLost):
+            rp.settle()
+        assert not rp.outstanding
+        assert M.REGISTRY.get_sample_value("zkv:lost_ranks_total") == before + 1
+    finally:
+        g.procs[1].kill()
+        g.close()

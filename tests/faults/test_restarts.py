@@ -194,3 +194,47 @@ def test_replay_with_a_rank_killed_restarts_the_group_and_finishes(tmp_path: Pat
     assert re.search(r"verified\s+\d+ reused blocks checked byte-for-byte on every rank, "
                      r"0 mismatched; 0 failed ops", out), out
     assert re.search(r"requests\s+80 ", out)
+
+
+# Installed in every process of the run (PYTHONPATH): rank 1's first check of reused blocks
+# finds its first block zeroed, as after a faulty copy; only once (T_CORRUPTED marks it),
+# so a rerun of the group would verify clean.
+CORRUPT_ONCE = '''
+import os
+if os.environ.get("ZKV_ROLE") == "worker" and os.environ.get("RANK") == "1":
+    import zkv.kernels.reference as ref
+    real = ref.check_pattern
+    def check_pattern(kv_caches, dev_ids, keys, rank):
+        if len(keys):
+            try:
+                os.close(os.open(os.environ["T_CORRUPTED"], os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                first = ref.torch.as_tensor(ref.as_index(dev_ids, "dev_ids")[:1])
+                for pair in kv_caches:
+                    for t in pair:
+                        t[first] = 0
+        return real(kv_caches, dev_ids, keys, rank)
+    ref.check_pattern = check_pattern
+'''
+
+
+def test_a_mismatch_is_not_hidden_by_a_restart(tmp_path: Path) -> None:
+    """Wrong bytes are the run's result, not a fault a rerun may clear: with --max-restarts
+    the group is not started again and the status is 1. Before, the node's exit 1 (mismatch)
+    restarted the group, whose clean rerun ended the replay with status 0."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CORRUPT_ONCE)
+    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")]), ROOT])
+    env = {**os.environ, "PYTHONPATH": path, "T_CORRUPTED": str(tmp_path / "corrupted")}
+    r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress",
+                        "--requests", "12", "--log-dir", str(tmp_path / "logs"), "--store-dir",
+                        str(tmp_path / "l3"), "--max-restarts", "1"],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert (tmp_path / "corrupted").exists(), r.stderr  # the hook ran
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "restarting the group" not in r.stderr, r.stderr
+    assert r.stdout.count("zkv replay: workload=") == 1, r.stdout  # one summary, the failed one
+    assert re.search(r"verified\s+\d+ reused blocks .*, [1-9]\d* mismatched", r.stdout), r.stdout

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,37 @@ def _soak_run_dirs(pid: int) -> list[Path]:
     return list(root.glob(f"soak-{pid}-*")) if root.is_dir() else []
 
 
+def _signalled_soak(tmp_path: Path, fault_every: str, ready: Callable[[int, Path], bool],
+                    sig: int) -> tuple[int, str, str, int]:
+    """``zkv soak`` with junk faults every ``fault_every`` s, sent ``sig`` once both ranks
+    run and ``ready(its pid, its log dir)``; (status, stdout, stderr, pid), ranks reaped."""
+    from tests.waiting import wait_exited, wait_until
+
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "soak", "--seconds", "600",
+                             "--fault-every", fault_every, "--faults", "junk",
+                             "--log-dir", str(logs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    ranks: list[int] = []
+
+    def running() -> bool:  # both ranks started: the soak is in its run loop
+        assert proc.poll() is None
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text()
+        ranks[:] = [int(c) for c in children.split()]
+        return len(ranks) == 2 and ready(proc.pid, logs)
+
+    try:
+        wait_until(running, 120, "the soak's ranks")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    wait_exited(ranks, 30, "the soak's ranks")
+    return proc.returncode, out, err, proc.pid
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, pidfds")
 @pytest.mark.parametrize("sig, status, line", [
     ("SIGINT", 130, "zkv soak: interrupted"),  # was: a traceback
@@ -176,30 +208,32 @@ def test_a_signalled_soak_reports_and_leaves_nothing(tmp_path: Path, sig: str, s
                                                      line: str) -> None:
     import signal
 
-    from tests.waiting import wait_exited, wait_until
-
-    logs = tmp_path / "logs"
-    proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "soak", "--seconds", "600",
-                             "--fault-every", "60", "--faults", "junk", "--log-dir", str(logs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    ranks: list[int] = []
-
-    def running() -> bool:  # both ranks started: the soak is in its run loop
-        assert proc.poll() is None
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text()
-        ranks[:] = [int(c) for c in children.split()]
-        return len(ranks) == 2 and bool(_soak_run_dirs(proc.pid))
-
-    try:
-        wait_until(running, 120, "the soak's ranks")
-        proc.send_signal(getattr(signal, sig))
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    wait_exited(ranks, 30, "the soak's ranks")
-    assert proc.returncode == status, out + err
+    code, out, err, pid = _signalled_soak(tmp_path, "60",
+                                          lambda pid, _: bool(_soak_run_dirs(pid)),
+                                          getattr(signal, sig))
+    assert code == status, out + err
     assert "Traceback" not in err and err.splitlines()[-1] == line, err
     assert re.search(r"requests\s+\d+ in \d+ steps", out), out  # the report so far
-    assert _soak_run_dirs(proc.pid) == []
+    assert _soak_run_dirs(pid) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, pidfds")
+def test_the_report_of_a_stopped_soak_counts_its_epoch_so_far(tmp_path: Path) -> None:
+    """Ctrl-C once steps ran: the report so far counts the requests, verified blocks and
+    refusals of the epoch that was running. Before, they were added only when an epoch
+    ended (a restart, the end): ``requests 0 in 102 steps = 0.0 requests/s held``,
+    ``verified 0 reused blocks``, nothing refused, after 500 junk messages."""
+    import signal
+
+    def junk_refused(_: int, logs: Path) -> bool:  # the first fault came, half a second in
+        soak_log = logs / "soak.jsonl"
+        return soak_log.exists() and "dispatcher.ack_refused" in soak_log.read_text()
+
+    code, out, err, _ = _signalled_soak(tmp_path, "0.5", junk_refused, signal.SIGINT)
+    assert code == 130, out + err
+    m = re.search(r"requests\s+(\d+) in (\d+) steps", out)
+    assert m and int(m[2]) > 0 and int(m[1]) > 0, out
+    verified = re.search(r"verified\s+(\d+) reused blocks", out)
+    assert verified and int(verified[1]) > 0, out  # each prompt reuses the system prompt
+    malformed = re.search(r"refused\s+.*malformed (\d+)", out)
+    assert malformed and int(malformed[1]) > 0, out

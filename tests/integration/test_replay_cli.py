@@ -26,8 +26,8 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
 @pytest.mark.parametrize("args,message", [
     (["--batch", "-1"], "argument --batch: must be > 0, got -1"),
     (["--batch", "x"], "argument --batch: not an int: 'x'"),
-    (["--batch", "4097"], "argument --batch: must be <= 4096 (a step's batch carries an op "
-                          "per request), got 4097"),
+    (["--batch", "4097"], "argument --batch: must be <= 4088 (a step's batch carries two "
+                          "ops per request), got 4097"),
     (["--ranks", "5000"], "--ranks 5000 is more than 4 per core"),
     (["--ranks", "0"], "argument --ranks: must be > 0, got 0"),
     (["--layers", "0"], "argument --layers: must be > 0, got 0"),
@@ -398,3 +398,57 @@ def test_ctrl_c_early_is_one_line_and_status_130(tmp_path: Path, who: str, modul
         assert r.stderr == "zkv replay: interrupted\n" and not (tmp_path / "logs").exists()
     else:
         assert "zkvrun: scheduler (pid" in r.stderr and "exited with code 130" in r.stderr
+
+
+# Installed in every process of the run (PYTHONPATH): the scheduler node gets a SIGTERM as
+# it starts closing its dispatcher, as when zkvrun's teardown (a rank died) reaches a node
+# already cleaning up after it saw the rank lost itself.
+SIGTERM_IN_CLEANUP = '''
+import os, signal
+if os.environ.get("ZKV_ROLE") == "scheduler":
+    from zkv.scheduler.dispatcher import Dispatcher
+    real = Dispatcher.close
+    def close(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *args, **kwargs)
+    Dispatcher.close = close
+'''
+
+
+def test_a_signal_during_the_cleanup_still_writes_the_metrics(tmp_path: Path) -> None:
+    """The node's cleanup (dispatcher, store, metrics server, metrics file) runs to its end
+    and the signal is acted on after it (status 143). Before, the signal's exception left
+    the cleanup at the dispatcher: no metrics file, the store never closed."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGTERM_IN_CLEANUP)
+    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
+    metrics = tmp_path / "metrics.txt"
+    r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests",
+                        "4", "--log-dir", str(tmp_path / "logs"), "--store-dir",
+                        str(tmp_path / "l3"), "--metrics-file", str(metrics)],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": path})
+    assert r.returncode == 128 + 15, r.stdout + r.stderr
+    assert "zkv replay: stopped (SIGTERM)" in r.stderr.splitlines(), r.stderr
+    assert metrics.exists(), r.stderr
+    assert "zkv:batches_total " in metrics.read_text()
+    assert '"dispatcher.stopped"' in (tmp_path / "logs" / "scheduler.jsonl").read_text()
+
+
+def test_the_largest_batch_taken_fits_in_one_batch_of_ops(tmp_path: Path) -> None:
+    """A step's batch carries a check and a fill per request (a reused prefix, new blocks)
+    beside the cache's own ops. ``--batch 4096`` was taken, and on the chat workload the
+    second step's batch had 8193 ops: a ValueError traceback from the scheduler node after
+    the ranks had started (``--requests 8192 --batch 4096 --policy write_through`` on a small
+    layout). Now it is one line, status 2, nothing started; the bound leaves room for them."""
+    from zkv.protocol import MAX_OPS
+    from zkv.replay import MAX_BATCH
+
+    r = _run(tmp_path, "--batch", "4096", "--requests", "4", "--ranks", "1", "--store-dir",
+             "none", timeout=60)
+    assert (r.returncode, r.stdout) == (2, ""), r.stdout + r.stderr
+    assert r.stderr == (f"zkv replay: error: argument --batch: must be <= {MAX_BATCH} (a step's "
+                        "batch carries two ops per request), got 4096\n"), r.stderr
+    assert not (tmp_path / "logs").exists()
+    assert 2 * MAX_BATCH + 2 * 4 <= MAX_OPS  # two sims a request, this step's and the last's
