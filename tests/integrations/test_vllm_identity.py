@@ -131,3 +131,54 @@ def test_the_config_vllm_reads_instead_of_the_models_is_in_it(tmp_path: Path) ->
     (other / "config.json").write_text('{"rope_scaling": {"type": "dynamic"}}')
     assert ident(str(tmp_path), hf_config_path=str(other)) != with_cfg
     assert ident(str(tmp_path), hf_config_path="org/cfg").endswith("|cfg=org/cfg")
+
+
+def test_weights_loaded_from_elsewhere_are_in_it(tmp_path: Path) -> None:
+    """``--model-weights``: the runai_streamer and sharded_state loaders read the weights
+    there, ``--model`` gives the config alone: two fine-tunes behind one config folder
+    made other KV under one namespace."""
+    (tmp_path / "config.json").write_text("{}")
+    a = ident(str(tmp_path), model_weights="s3://bucket/finetune-a")
+    b = ident(str(tmp_path), model_weights="s3://bucket/finetune-b")
+    assert a != b and a.startswith(ident(str(tmp_path)) + "|w=")
+    assert ident(str(tmp_path), model_weights="") == ident(str(tmp_path))
+    assert ident(str(tmp_path), model_weights=str(tmp_path)) == ident(str(tmp_path))
+
+
+def test_the_online_quantization_settings_are_in_it(tmp_path: Path) -> None:
+    """``--quantization-config``: per-layer-kind schemes and ignored layers of online
+    quantization, under one ``--quantization`` name (``online``, ``fp8_per_block``):
+    other weights, other KV, once one namespace."""
+    (tmp_path / "config.json").write_text("{}")
+    from vllm.config.quantization import resolve_quantization_config
+
+    def with_qc(name: str, qc: dict[str, object] | None) -> str:
+        mc = NS(model=str(tmp_path), revision=None, hf_overrides=None, quantization=name,
+                quantization_config=resolve_quantization_config(name, qc), dtype="float32")
+        return model_identity(mc, NS(cache_dtype="auto"))
+
+    per_tensor = with_qc("online", {"linear": "fp8_per_tensor"})
+    assert per_tensor != with_qc("online", {"linear": "fp8_per_block"})
+    assert with_qc("fp8_per_block", None) != with_qc("fp8_per_block", {"ignore": ["lm_head"]})
+    assert per_tensor == with_qc("online", {"linear": "fp8_per_tensor"})  # same: shared
+    # a dict (a ModelConfig built by hand) is digested by its keys, in any order
+    assert (ident(str(tmp_path), quantization_config={"ignore": ["x"], "linear": None})
+            == ident(str(tmp_path), quantization_config={"linear": None, "ignore": ["x"]}))
+    assert ident(str(tmp_path), quantization_config=None) == ident(str(tmp_path))
+
+
+def test_overrides_by_a_function_are_named_by_what_they_made(tmp_path: Path) -> None:
+    """``LLM(hf_overrides=fn)``: every lambda is ``__main__.<lambda>``, so scripts that
+    scaled RoPE by 2 and by 4 shared a namespace; the config the function made is
+    digested (without the fields that name a machine's path or a library version)."""
+    (tmp_path / "config.json").write_text("{}")
+
+    def with_fn(factor: float, path: str = "/m") -> str:
+        made = {"rope_scaling": {"factor": factor}, "_name_or_path": path,
+                "transformers_version": path}
+        mc = NS(model=str(tmp_path), revision=None, hf_overrides=lambda c: c,
+                hf_config=NS(to_dict=lambda: made), quantization=None, dtype="float32")
+        return model_identity(mc, NS(cache_dtype="auto"))
+
+    assert with_fn(2.0) != with_fn(4.0)
+    assert with_fn(2.0) == with_fn(2.0, path="/elsewhere")

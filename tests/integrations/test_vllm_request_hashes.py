@@ -167,3 +167,54 @@ def test_the_configurations_match_what_vllm_does() -> None:
             named_by_counter = uuids.get("image", [None])[0] is not None
             config = SimpleNamespace(model_config=model, cache_config=cache)
             assert named_by_counter == (not mm_ids_name_content(config)), (gb, prefix)
+
+
+def test_adapter_names_and_salts_never_spell_one_another() -> None:
+    """The root's fields are encoded apart: a client's salt that spells the separator
+    (``x|salt=``) never names the blocks of an adapter whose name holds it (``a|salt=x``),
+    as ``lora=a|salt=x|salt=|lora_path=/p`` did for both."""
+    def root(name: str, salt: str) -> bytes:
+        lora = SimpleNamespace(lora_name=name, lora_path="/p")
+        return request_root(SimpleNamespace(lora_request=lora, cache_salt=salt))
+
+    assert root("a|salt=x", "") != root("a", "x|salt=")
+    assert root("a", "x|lora_path=/q") != request_root(SimpleNamespace(
+        lora_request=SimpleNamespace(lora_name="a", lora_path="/q|lora_path=/p"),
+        cache_salt="x"))
+
+
+def test_engine_wide_mm_processing_settings_scope_the_inputs() -> None:
+    """vLLM's content hash of an image covers the request's ``mm_processor_kwargs``, not
+    the engine's (``--mm-processor-kwargs '{"max_pixels": ...}'``, merged in later): two
+    engines over one store that resize one image apart gave its placeholder blocks the
+    same hashes, and one read the other's KV. The engine's settings now scope the inputs;
+    text before them still matches, and engines without such settings keep their hashes."""
+    from zkv.integrations.vllm.request_hashes import mm_scope
+
+    def cfg(**mm: object) -> SimpleNamespace:
+        return SimpleNamespace(
+            model_config=SimpleNamespace(multimodal_config=SimpleNamespace(
+                mm_processor_cache_gb=4, **mm)),
+            cache_config=SimpleNamespace(enable_prefix_caching=True))
+
+    ids = [9] * 16
+    feature = SimpleNamespace(identifier="f00d", mm_position=SimpleNamespace(offset=6, length=8))
+
+    def hashes(config: SimpleNamespace) -> list[bytes]:
+        r = SimpleNamespace(mm_features=[feature])
+        return hash_tokens(ids, BS, mm_items=request_mm_items(r, mm_scope(config)))
+
+    small, large = cfg(mm_processor_kwargs={"max_pixels": 1 << 16}), cfg(
+        mm_processor_kwargs={"max_pixels": 1 << 20})
+    assert hashes(small)[0] == hashes(large)[0] == hash_tokens(ids, BS)[0]
+    assert all(x != y for x, y in zip(hashes(small)[1:], hashes(large)[1:]))
+    assert hashes(small) == hashes(cfg(mm_processor_kwargs={"max_pixels": 1 << 16}))
+    assert hashes(cfg(video_pruning_rate=0.5)) != hashes(cfg())
+    assert mm_scope(cfg()) == mm_scope(cfg(mm_processor_kwargs={})) == b""
+    text_only = SimpleNamespace(model_config=SimpleNamespace(multimodal_config=None),
+                                cache_config=SimpleNamespace(enable_prefix_caching=False))
+    assert mm_scope(text_only) == b""
+    counters = SimpleNamespace(
+        model_config=SimpleNamespace(multimodal_config=SimpleNamespace(mm_processor_cache_gb=0)),
+        cache_config=SimpleNamespace(enable_prefix_caching=False))
+    assert len({mm_scope(counters), mm_scope(counters), b""}) == 3  # per engine, random

@@ -18,7 +18,6 @@ heads, world size, byte layout) from vLLM's config and KV cache spec.
 
 from __future__ import annotations
 
-import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +54,7 @@ from zkv.integrations.vllm.layout import (
     kv_views,
 )
 from zkv.integrations.vllm.records import ZkvMetadata
-from zkv.integrations.vllm.request_hashes import mm_ids_name_content
+from zkv.integrations.vllm.request_hashes import mm_ids_name_content, mm_scope
 from zkv.integrations.vllm.scheduler import SchedulerHalf
 from zkv.integrations.vllm.worker import WorkerHalf
 
@@ -259,12 +258,11 @@ class ZkvConnector(KVConnectorBase_V1):
             from zkv.storage import StorageQuery
 
             exists = StorageQuery(store, self.world_size)
-        mm_scope = b"" if mm_ids_name_content(vllm_config) else os.urandom(16)
         self.sched = SchedulerHalf(self.cfg, layout, pub_endpoint=pub, pull_endpoint=pull,
                                    store=store, storage_exists=exists,
                                    loads=tc.is_kv_consumer, saves=tc.is_kv_producer,
-                                   mm_scope=mm_scope, engine_id=self.engine_id)
-        if mm_scope:
+                                   mm_scope=mm_scope(vllm_config), engine_id=self.engine_id)
+        if not mm_ids_name_content(vllm_config):
             self.sched.log.warning(
                 E.MM_IDS_LOCAL, hint="with prefix caching off and "
                 "mm_processor_cache_gb=0 vLLM names an image, audio or video by a counter, "

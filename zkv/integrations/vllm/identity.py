@@ -17,9 +17,11 @@ share a store, and a new revision pushed under the same name (new weights, same 
 never reads the old one's KV. Then, where set: the config vLLM reads instead of the
 model's (``hf_config_path``), which RoPE factors a LongRoPE model runs with (the long ones
 past ``original_max_position_embeddings``: vLLM picks them by ``max_model_len``),
-``hf_overrides`` (a RoPE or other config change the file does not show), weight
-quantization, and the KV cache dtype with the
-model dtype it was computed in (vLLM keeps every fp8 / quantized KV format in uint8
+``hf_overrides`` (a RoPE or other config change the file does not show; a function, by
+the config it made), where the weights come from when not from the model's folder
+(``model_weights``: the runai_streamer and sharded_state loaders read them there), weight
+quantization and its online settings (``quantization_config``), and the KV cache dtype
+with the model dtype it was computed in (vLLM keeps every fp8 / quantized KV format in uint8
 tensors, so the geometry's dtype cannot tell ``fp8_e4m3`` from ``fp8_e5m2``). Unset ones
 add nothing, so the namespaces of plain engines stay what they were.
 
@@ -114,6 +116,22 @@ def _longrope(model_config: Any) -> str | None:
     return None
 
 
+def _made_config(model_config: Any, fn: Any) -> str:
+    """A callable ``hf_overrides``, named by the config it made: its name alone is
+    ``__main__.<lambda>`` for every lambda (scripts scaling RoPE by 2 and by 4 shared a
+    namespace). Without the fields that name a machine's path or a library's version."""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+    cfg = getattr(model_config, "hf_config", None)
+    opts = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS  # (id2label: int keys)
+    try:
+        made = dict(cfg.to_dict())  # type: ignore[union-attr]
+        for key in ("_name_or_path", "transformers_version"):
+            made.pop(key, None)
+        return name + orjson.dumps(made, option=opts, default=str).decode()
+    except Exception:  # noqa: BLE001 - no config to read: the name alone, as before
+        return name
+
+
 def model_identity(model_config: Any, cache_config: Any, hub_cache: str | None = None) -> str:
     """The identity of vLLM's ``model_config`` / ``cache_config``; see the module
     docstring. ``hub_cache``: the Hugging Face cache (None: huggingface_hub's default)."""
@@ -131,11 +149,19 @@ def model_identity(model_config: Any, cache_config: Any, hub_cache: str | None =
         ident += f"|longrope={rope}"
     overrides = getattr(mc, "hf_overrides", None)
     if overrides:
-        text = (f"{overrides.__module__}.{overrides.__qualname__}" if callable(overrides)
+        text = (_made_config(mc, overrides) if callable(overrides)
                 else orjson.dumps(overrides, option=orjson.OPT_SORT_KEYS, default=str).decode())
         ident += "|hf=" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    weights = getattr(mc, "model_weights", None)
+    if weights and str(weights) != str(mc.model):  # the loader reads them there
+        ident += f"|w={weights}"
     if getattr(mc, "quantization", None):
         ident += f"|q={mc.quantization}"
+    qc = getattr(mc, "quantization_config", None)
+    if qc is not None:  # online schemes, ignored layers: other weights under one name
+        text = (orjson.dumps(qc, option=orjson.OPT_SORT_KEYS, default=str).decode()
+                if isinstance(qc, dict) else repr(qc))  # (vLLM's args: a stable repr)
+        ident += "|qc=" + hashlib.sha256(text.encode()).hexdigest()[:16]
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
     if cache_dtype != "auto":
         ident += f"|kv={cache_dtype}/{mc.dtype}"

@@ -6,8 +6,10 @@ starts, as vLLM's own block hashes do."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import orjson
 import xxhash
 
 from zkv.scheduler.hashing import ROOT_HASH, MultiModalItem
@@ -21,10 +23,11 @@ def request_root(request: Any, generation: bytes = b"") -> bytes:
     salt = getattr(request, "cache_salt", None)
     if lora is None and not salt and not generation:
         return ROOT_HASH
-    tag = f"lora={getattr(lora, 'lora_name', '') if lora else ''}|salt={salt or ''}"
-    if lora is not None and getattr(lora, "lora_path", None):
-        tag += f"|lora_path={lora.lora_path}"
-    return xxhash.xxh3_128_digest(ROOT_HASH + tag.encode() + generation)
+    # a JSON array: a name or salt holding a separator never spells another's fields
+    # (``lora=a|salt=x|salt=`` was both adapter ``a|salt=x`` and salt ``x|salt=``)
+    tag = orjson.dumps([getattr(lora, "lora_name", "") if lora else "", salt or "",
+                        (getattr(lora, "lora_path", None) or "") if lora else ""])
+    return xxhash.xxh3_128_digest(ROOT_HASH + tag + generation)
 
 
 def mm_ids_name_content(vllm_config: Any) -> bool:
@@ -40,19 +43,46 @@ def mm_ids_name_content(vllm_config: Any) -> bool:
                 or getattr(mm, "mm_processor_cache_gb", 1) != 0)
 
 
+#: The engine's multimodal settings that change an input's KV but not vLLM's name for it
+#: (its content hash covers the request's processor kwargs, not the engine's, which the
+#: processor merges in later: ``--mm-processor-kwargs '{"max_pixels": ...}'`` resizes one
+#: image to other pixels; EVS pruning keeps other video tokens; an fp8 encoder).
+_MM_SETTINGS = ("mm_processor_kwargs", "media_io_kwargs", "video_pruning_rate",
+                "mm_encoder_attn_dtype", "mm_encoder_fp8_scale_path")
+
+
+def mm_scope(vllm_config: Any) -> bytes:
+    """The ``scope`` of :func:`request_mm_items` for an engine: random (16 bytes, new at
+    each start) when its identifiers name an input only within one process
+    (:func:`mm_ids_name_content` false); else a digest of the settings in
+    ``_MM_SETTINGS`` that are set (engines that agree share), b"" when none are."""
+    if not mm_ids_name_content(vllm_config):
+        return os.urandom(16)
+    mm = getattr(vllm_config.model_config, "multimodal_config", None)
+    settings = {k: getattr(mm, k, None) for k in _MM_SETTINGS}
+    settings = {k: v for k, v in settings.items() if v}  # (unset, empty, 0: off)
+    if not settings:
+        return b""
+    if "video_pruning_rate" in settings:
+        settings["video_pruning_method"] = getattr(mm, "video_pruning_method", None)
+    return xxhash.xxh3_128_digest(orjson.dumps(settings, option=orjson.OPT_SORT_KEYS,
+                                               default=str))
+
+
 def request_mm_items(request: Any, scope: bytes = b"") -> tuple[MultiModalItem, ...]:
     """Multimodal inputs: their content's identifier and where it starts (as vLLM's own
     hashes: one image at other positions of otherwise equal placeholder blocks is other
-    KV). ``scope``: mixed into every item, when the identifiers name an input only within
-    one process (:func:`mm_ids_name_content` false): a random value per engine, so that
-    another engine's or an earlier run's ``renderer0-mm-1-image-0``, another image, never
-    matches through a shared store."""
+    KV). ``scope``: :func:`mm_scope`, mixed into every item: an engine's own (another
+    engine's or an earlier run's ``renderer0-mm-1-image-0``, another image, never matches
+    through a shared store), or its settings'. A scoped digest starts with 0xff, a byte no
+    UTF-8 identifier holds, so no client's uuid spells a scope's bytes."""
     items = []
     for f in getattr(request, "mm_features", None) or ():
         pos = f.mm_position
         ident = str(getattr(f, "identifier", "") or getattr(f, "mm_hash", ""))
+        name = f"{ident}@{pos.offset}".encode()
         items.append(MultiModalItem(pos.offset, pos.offset + pos.length, xxhash.xxh3_128_digest(
-            f"{ident}@{pos.offset}".encode() + scope)))
+            b"\xff" + scope + name if scope else name)))
     return tuple(items)
 
 
