@@ -402,3 +402,23 @@ def test_a_load_that_failed_midway_calls_off_the_batchs_other_copies() -> None:
             backend.go.set()
             w.close()
             d.close()
+
+
+def test_a_load_whose_ack_timed_out_without_the_layer_hooks_never_lands() -> None:
+    """A forward that ran no ``wait_for_layer_load`` (a full CUDA graph) learns of its load
+    from the ack alone: when that wait times out, vLLM recomputes every block of the load,
+    so the load must be called off as a timed-out layer is. (Before, the batch, reached
+    later, copied the host blocks over what vLLM recomputed, and its ack said ok.)"""
+    with _held_half() as (kv, backend, w, d):
+        assert w.sidecar is not None
+        w.sidecar.host_pool[0].fill_(7.0)
+        save = d.publish([P.Op(0, P.D2H, P.as_ids([5]), P.as_ids([1]))], 0)  # held
+        load = d.publish([P.Op(1, P.H2D, P.as_ids([0]), P.as_ids([4]), layerwise=True)], 1)
+        w.bind(ZkvMetadata(step=1, release_upto=load, load_seq=load, load_op=1, loads=[4]))
+        assert w.load_errors() == {4}  # no ack within 0.2 s: vLLM recomputes block 4
+        _write(kv, (4,), 3.0)
+        backend.go.set()
+        both = poll_until_done(d, {save, load}, 10)
+        assert both[save].ok
+        assert not both[load].ok and "abandoned" in str(both[load].results[1].error), both
+        assert _recomputed(kv, 4, 3.0), "the load landed over the recomputed block"

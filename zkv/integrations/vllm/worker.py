@@ -12,7 +12,8 @@ A gated :class:`~zkv.worker.sidecar.Sidecar` runs over vLLM's own KV tensors. On
                                     GPU: the compute stream waits on its event)
     get_block_ids_with_load_errors  this rank's ack of the load batch: the blocks past
                                     ``done`` failed -> vLLM recomputes them; and
-                                    meta.unloaded (promised, then no batch: zkv went off)
+                                    meta.unloaded (promised, then no batch: zkv went off);
+                                    no ack in time: every block, and the load is called off
     get_finished                    nothing: no save holds vLLM's blocks (a finished or
                                     preempted request's last save fences the next forward)
 
@@ -191,11 +192,16 @@ class WorkerHalf:
         ack = self.sidecar.wait_acked(meta.load_seq, self.cfg.layer_timeout_s)
         self.wait_s["acks"] += time.perf_counter() - t0
         res = None if ack is None else next((r for r in ack.results if r.id == meta.load_op), None)
+        error = None if res is None else res.error
+        if ack is None:  # (no layer hook waited: a full CUDA graph) vLLM recomputes every
+            # block, so no copy of the batch, reached later, may land over them
+            error = f"no ack within {self.cfg.layer_timeout_s} s"
+            self._call_off(meta.load_seq, 0, error)
         if res is None or not res.ok:
             done = 0 if res is None else res.done
             self._errors.update(meta.loads[done:])
             self._ack_failed_log(seq=meta.load_seq, num_blocks=len(meta.loads) - done,
-                                 error=None if res is None else res.error)
+                                 error=error)
         return self._errors
 
     def close(self) -> None:
