@@ -11,6 +11,7 @@ import pytest
 from tests.servers import free_port, make_tls
 from zkv.errors import ConfigError
 from zkv.storage import LocalDirStore, file_url, open_store
+from zkv.storage.url import parse_url
 
 
 def test_file_url_opens_a_local_dir_store(tmp_path: Path) -> None:
@@ -218,3 +219,17 @@ def test_a_url_no_server_can_serve_is_refused_at_open(url: str, why: str) -> Non
 
     assert parse_url("redis://127.0.0.1:6379/2147483647")[1]["db"] == 2**31 - 1
     assert parse_url("redis://[::1]:6379/0")[1]["host"] == "::1"
+
+
+@pytest.mark.parametrize("url", [
+    "file:///tmp/a\tb",          # was the store /tmp/ab (urlsplit drops a tab)
+    "file:///tmp/x ",            # was the store '/tmp/x ' (a pasted variable's blank)
+    " file:///tmp/x",
+    "redis://:pa\nss@127.0.0.1:6379/0",  # was the password 'pass'
+    "file:///tmp/x\x7f",
+])
+def test_a_url_with_a_control_character_or_an_outer_blank_is_refused(url: str) -> None:
+    with pytest.raises(ConfigError, match="control character") as info:
+        parse_url(url)
+    assert "pa\nss" not in str(info.value) and "ss@" not in str(info.value)
+    assert parse_url("file:///tmp/my dir")[1]["root"] == "/tmp/my dir"  # an inner blank: kept

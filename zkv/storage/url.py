@@ -127,6 +127,18 @@ def _query_pairs(query: str) -> list[tuple[str, str]]:
     return parse_qsl(query.replace("+", "%2B"), keep_blank_values=True, strict_parsing=False)
 
 
+def _check_characters(url: str) -> None:
+    """urlsplit drops a tab or a newline anywhere in a URL and blanks before it, and keeps
+    blanks after it: ``file:///tmp/a<TAB>b`` was the store ``/tmp/ab``, ``file:///tmp/x ``
+    (a trailing space from a pasted variable) ``/tmp/x ``, a newline in a password another
+    password. Refused: a control character anywhere, a blank at either end."""
+    if url != url.strip() or any(ord(c) < 0x20 or ord(c) == 0x7F for c in url):
+        # (shown percent-encoded: a blank or newline in a password hid it from the redaction)
+        shown = "".join(c if 0x20 < ord(c) != 0x7F else f"%{ord(c):02X}" for c in url)
+        raise _bad(shown, "it holds a control character (a tab, a newline) or a blank at an "
+                          "end: percent-encode one that belongs to a path (%09, %20)")
+
+
 def _host_port(url: str, parts: Any) -> tuple[str, int]:
     try:
         host, port = parts.hostname, parts.port
@@ -149,6 +161,7 @@ def parse_url(url: str, writers: int = 1) -> tuple[str, dict[str, Any]]:
     :class:`ConfigError` (one line) if it is bad."""
     if not isinstance(url, str) or "://" not in url:
         raise _bad(str(url), f"expected SCHEME://..., one of {', '.join(SCHEMES)}")
+    _check_characters(url)
     try:
         parts = urlsplit(url)
     except ValueError as e:  # "Invalid IPv6 URL" ("redis://[::1")

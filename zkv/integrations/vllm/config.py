@@ -80,6 +80,9 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 DEFAULT_HOST_BYTES = 2 * 2**30
 MIN_HEARTBEAT_TIMEOUT_S = 1.0  # four of the ranks' heartbeats (Sidecar: every 0.25 s)
 MAX_TIMEOUT_S = 86400.0  # a day: "never" for these timeouts (1e10 s overflowed a wait)
+#: host_bytes and host_blocks at most (an int64, as torch sizes a pool): a larger one was an
+#: OverflowError traceback at start, where the pool's size is put in GiB for the message.
+MAX_POOL_SIZE = 2**63 - 1
 #: ``storage`` when the extra config gives none (the variable ``python -m zkv.worker``
 #: reads): vLLM logs its whole extra config at INFO at every start, and ``vllm serve`` has
 #: it on its command line (``ps``), so a store password belongs here.
@@ -149,11 +152,14 @@ def parse_size(key: str, value: Any) -> int:
     if isinstance(value, int):
         n = value
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+        size = float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()]  # (inf: 400 digits)
+        n = int(size) if math.isfinite(size) else MAX_POOL_SIZE + 1
     else:
         raise ConfigError(f"zkv: {key} must be a byte size like 4GiB or 1048576, got {value!r}")
     if n <= 0:
         raise ConfigError(f"zkv: {key} must be > 0, got {value!r}")
+    if n > MAX_POOL_SIZE:
+        raise ConfigError(f"zkv: {key} must be at most {MAX_POOL_SIZE} bytes, got {value!r:.40}")
     return n
 
 
@@ -184,7 +190,10 @@ def _at_most(key: str, v: float, high: float) -> float:
 
 
 def _number(key: str, value: Any, low: float, strict: bool = False) -> float:
-    v = float(_typed(key, value, (int, float), "a number"))
+    try:
+        v = float(_typed(key, value, (int, float), "a number"))
+    except OverflowError:  # an int of 309 digits or more (Python's json.loads keeps it)
+        raise ConfigError(f"zkv: {key} must be a finite number, got {value!r:.40}") from None
     if not math.isfinite(v):  # JSON configs may carry NaN / Infinity
         raise ConfigError(f"zkv: {key} must be a finite number, got {value!r}")
     if v < low or (strict and v == low):
@@ -241,8 +250,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None,
     for key, value in extra.items():
         if key == "host_blocks":
             kw[key] = int(_typed(key, value, int, "an integer"))
-            if kw[key] <= 0:
-                raise ConfigError(f"zkv: host_blocks must be > 0, got {value!r}")
+            if not 0 < kw[key] <= MAX_POOL_SIZE:
+                raise ConfigError(f"zkv: host_blocks must be > 0 and <= {MAX_POOL_SIZE}, "
+                                  f"got {value!r:.40}")
         elif key == "host_bytes":
             kw[key] = parse_size(key, value)
         elif key == "storage":
@@ -267,6 +277,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None,
             kw[key] = _at_most(key, _number(key, value, MIN_HEARTBEAT_TIMEOUT_S), MAX_TIMEOUT_S)
         elif key == "log_dir":
             kw[key] = _typed(key, value, str, "a string")
+            if not kw[key].strip():  # (configure() took "" for no key: stderr, silently)
+                raise ConfigError("zkv: log_dir is empty: give a directory, or leave the key "
+                                  "out for stderr")
             try:
                 check_log_dir(kw[key])
             except ConfigError as e:
