@@ -208,3 +208,65 @@ def test_a_killed_pipeline_bench_leaves_no_process(tmp_path: Path, sig: str) -> 
                 os.kill(c, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _load_bench(monkeypatch: pytest.MonkeyPatch, script: str):  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # (its helpers, as when run)
+    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}", ROOT / "bench" / script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # (its dataclasses look it up)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_reference_hashing_time_is_per_block_of_its_own_sample(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference path hashes the first 200 requests only: its us/block is its time over
+    those requests' blocks (was: scaled by requests to the whole workload and divided by
+    every block, 21% low on the full chat workload, whose first turns are short). A clock
+    that ticks 100 ns per block hashed, on both paths: both read 0.100 us/block."""
+    from types import SimpleNamespace
+
+    bench = _load_bench(monkeypatch, "scheduler_ops.py")
+    clock = [0]
+
+    def fake_hash(ids: list[int]) -> list[bytes]:
+        clock[0] += 100 * len(ids)
+        return [b"h"] * len(ids)
+
+    monkeypatch.setattr(bench, "time", SimpleNamespace(thread_time_ns=lambda: clock[0]))
+    monkeypatch.setattr(bench.hashing, "hash_ids_chain_py", fake_hash)
+    requests = [[1]] * 200 + [[1] * 9] * 200  # the sample: 1 block each, the rest 9
+    w = bench.Workload("trace", 512, requests, fake_hash, fake_hash, (1_000,))
+    w.hashes = [fake_hash(r) for r in requests]
+    line = bench.hashing_line(w)
+    assert "native 0.100 us/block (reference Python path 0.100)" in line, line
+
+
+def test_the_echo_clock_starts_after_the_encode_as_zkvs_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Dispatcher.publish`` stamps ``t_pub`` after encoding the batch, so zkv's ``empty``
+    latency holds no encode; the ``echo + zkv codec`` row held its own (the clock started
+    before it). Here an encode costs 1000 us of a fake clock and nothing else does: every
+    latency of that echo reads 0."""
+    from types import SimpleNamespace
+
+    bench = _load_bench(monkeypatch, "pipeline.py")
+    clock = [0.0]
+    real_encode = bench.P.encode
+
+    def slow_encode(m):  # type: ignore[no-untyped-def]
+        clock[0] += 1e-3
+        return real_encode(m)
+
+    ack = real_encode(bench.P.BlocksCopied(0, 0, True, (), 0.0, 0.0))
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bench.P, "encode", slow_encode)
+    echo = object.__new__(bench.EchoGroup)  # its sockets and children faked
+    echo.world_size, echo.mode = 2, "codec"
+    echo.pub = SimpleNamespace(send_multipart=lambda frames: None)
+    echo.pull = SimpleNamespace(poll=lambda timeout: 1, recv_multipart=lambda flags: ack)
+    assert list(echo.measure(5, warmup=2)) == [0.0] * 5
