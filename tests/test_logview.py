@@ -416,3 +416,25 @@ def test_a_terminal_without_utf8_gets_escapes_not_a_traceback(tmp_path: Path) ->
                        capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert b"\\ufffd\\ufffd garbled" in p.stdout and b"x.z" in p.stdout
+
+
+def test_a_rotated_files_cut_last_line_shows_when_its_grace_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file renamed away (or deleted) whose last line was cut (its writer hit a full disk,
+    then moved to the new file): ``-f`` shows that line, malformed, as ``zkv logs`` does,
+    once the grace is over (was: dropped, waiting for a newline no writer would add)."""
+    path = tmp_path / "w-0.jsonl"
+    write(path, ev(1.0, "a.first"), ev(2.0, "b.cut")[:15])
+    tail = logview.Tail(str(path))
+    try:
+        assert [r.data and r.data["event"] for r in tail.records(final=False)] == ["a.first"]
+        os.rename(path, tmp_path / "w-0.jsonl.1")
+        monkeypatch.setattr(logview, "ROTATED_GRACE_S", 0.0)
+        got = list(tail.records(final=False))
+        assert [(r.malformed, r.raw) for r in got] == [(True, ev(2.0, "b.cut")[:15].decode())]
+        assert tail.idle
+    finally:
+        tail.close()
+    out = io.StringIO()  # the plain view shows the same lines
+    logview.view(str(tmp_path), out=out)
+    assert "MALFORMED  w-0.jsonl.1:2" in out.getvalue()

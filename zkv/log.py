@@ -29,6 +29,7 @@ import errno
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -211,11 +212,12 @@ class LineFile:
     interleave, and logrotate's ``copytruncate`` works). A failed write drops the line and
     counts it (``num_dropped``); the first failure prints one warning to stderr. A short
     write (a size limit hit mid-line) is ended with a newline before the next line, so
-    readers skip one broken line at most. Rotation by rename (logrotate's default
-    ``create``; ``mv`` then a new file, or none): at most every ``check_s`` a write looks at
-    ``path``, and when it no longer names the open file, the file there (made if missing)
-    takes the lines from then on, like ``logging``'s ``WatchedFileHandler``. Calls are
-    serialized by the caller (the sink's lock).
+    readers skip one broken line at most; so is a cut line a previous writer left at the
+    end of the file (a rank restarted once the disk freed up). Rotation by rename
+    (logrotate's default ``create``; ``mv`` then a new file, or none): at most every
+    ``check_s`` a write looks at ``path``, and when it no longer names the open file, the
+    file there (made if missing) takes the lines from then on, like ``logging``'s
+    ``WatchedFileHandler``. Calls are serialized by the caller (the sink's lock).
     """
 
     def __init__(self, path: str, check_s: float | None = None) -> None:
@@ -232,10 +234,14 @@ class LineFile:
     def _open(self) -> None:
         """(Re)open ``path``, made if missing; the previous file is closed once the new one
         is open (OSError: nothing changes)."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        flags = os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        try:  # (read too: the last byte, below)
+            fd = os.open(self.path, os.O_RDWR | flags, 0o644)
+        except PermissionError:
+            fd = os.open(self.path, os.O_WRONLY | flags, 0o644)
         st = os.fstat(fd)
         old, self._fd, self._id = self._fd, fd, (st.st_dev, st.st_ino)
-        self._partial = False
+        self._partial = _ends_mid_line(fd, st)
         self._next_check = time.monotonic() + self._check_s
         if old is not None:
             os.close(old)
@@ -289,6 +295,17 @@ class LineFile:
             os.close(fd)
         if self.num_dropped:
             _warn(f"zkv: {self.num_dropped} log lines dropped ({self.path})")
+
+
+def _ends_mid_line(fd: int, st: os.stat_result) -> bool:
+    """Whether the regular file ``fd`` ends in a cut line (a previous writer's, at a size
+    limit or a full disk): the next line then starts with a newline, not glued to it."""
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return False
+    try:
+        return os.pread(fd, 1, st.st_size - 1) != b"\n"
+    except OSError:  # (opened write-only)
+        return False
 
 
 def _warn(text: str) -> None:

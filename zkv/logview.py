@@ -167,11 +167,14 @@ class Tail:
                                                          final)
 
     def _rotated(self, final: bool) -> Iterator[Record]:
-        """The rest of the files renamed away; closed once their grace ended."""
+        """The rest of the files renamed away; closed once their grace ended, after a
+        last read that takes a cut last line too (no writer will end it: it showed in
+        ``zkv logs``, as malformed, and was lost to ``zkv logs -f``)."""
         keep = []
         for f, until, offset, lineno in self._old:
-            offset, lineno = yield from self._read(f, offset, lineno, final)
-            if time.monotonic() < until:
+            over = time.monotonic() >= until
+            offset, lineno = yield from self._read(f, offset, lineno, final or over)
+            if not over:
                 keep.append((f, until, offset, lineno))
             else:
                 f.close()

@@ -92,3 +92,34 @@ def test_line_file_counts_drops_and_recovers(tmp_path: Path,
     assert path.read_text() == '{"a":1}\n{"c":3}\n'
     err = capsys.readouterr().err
     assert err.count("cannot write log file") == 1 and "3 log lines dropped" in err
+
+
+_WRITER = """
+import sys
+import structlog
+from zkv import log as zlog
+zlog.configure("worker", rank=0, log_dir=sys.argv[1])
+for i in range(int(sys.argv[2])):
+    structlog.get_logger().info(zlog.BATCH_DONE if i else zlog.WORKER_STARTED, seq=i)
+"""
+
+
+def test_a_restarted_writer_does_not_glue_its_first_line_to_a_cut_one(tmp_path: Path) -> None:
+    """A process that hit the size limit mid-line left a cut last line; the next process
+    on that file (a rank restarted once the disk freed up) starts on a line of its own
+    (was: its first line, ``worker.started``, was appended to the cut one: both lost)."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+
+    def run(n: int, preexec: object = None) -> None:
+        r = subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path), str(n)],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT,
+                           preexec_fn=preexec)  # type: ignore[arg-type]
+        assert r.returncode == 0, r.stderr
+
+    run(100, limit)
+    path = tmp_path / "worker-0.jsonl"
+    assert not path.read_bytes().endswith(b"\n")  # cut mid-line at the limit
+    run(1)  # restarted, the limit gone
+    last = orjson.loads(path.read_bytes().splitlines()[-1])
+    assert last["event"] == zlog.WORKER_STARTED

@@ -98,6 +98,11 @@ def test_a_load_failing_every_step_is_three_error_lines_and_a_count_at_close() -
             d.close()
     (summary,) = [e for e in logs if e["event"] == "connector.load_failed" and e.get("summary")]
     assert (summary["num_suppressed"], summary["num_total"]) == (n - 3, n), summary
+    # which of the three causes (copy, layer timeout, ack) it counted: the failed acks
+    # (was: no cause, one such summary per cause at close)
+    assert summary["cause"] == "ack_failed", summary
+    assert {e.get("cause") for e in failed} == {"ack_failed"}
+    assert late[0]["cause"] == "layer_timed_out"
 
 
 def test_a_load_bound_after_close_is_recomputed_without_an_error_line() -> None:

@@ -1337,6 +1337,25 @@ def test_failed_copy_ops_are_rate_limited_and_counted_at_the_flush() -> None:
     assert cm.stats.failed_ops == 9 and cm.stats.failed_by_kind == {D2H: 16, H2D: 2}
 
 
+def test_the_flushed_summary_of_failed_ops_names_their_kind() -> None:
+    """Each op kind has its own limit, so its own summary at the flush: that line names the
+    kind (was: ``scheduler.op_failed num_suppressed=5 summary=true`` alone, one such line
+    per failing kind, none saying which)."""
+    cm = make(2, 4)
+    cached(cm, "a", H(100, 200))
+    with capture_logs() as logs:
+        for i in range(5):
+            assert run(cm, f"r{i}", H(10 * i + 1, 10 * i + 2)) is not None
+            (op,) = take(cm)
+            fail(cm, op)
+            finish(cm, f"r{i}")
+            for later in take(cm):
+                ack(cm, later)
+        cm.flush_logs()
+    (summary,) = [e for e in logs if e["event"] == "scheduler.op_failed" and e.get("summary")]
+    assert (summary["kind"], summary["num_suppressed"]) == (D2H, 2), summary
+
+
 def test_step_summary_and_failed_op_events_follow_the_log_level() -> None:
     """One ``scheduler.step_done`` line per step with ops at debug (none when filtered, and
     then not even built), ``scheduler.op_failed`` at warning for a partial ack."""

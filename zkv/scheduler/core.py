@@ -123,7 +123,7 @@ class Core:
         log = self.op_failed_logs.get(kind)
         if log is None:
             log = self.op_failed_logs[kind] = ev.repeating(
-                ev.get_logger("scheduler"), ev.OP_FAILED, level="warning")
+                ev.get_logger("scheduler", kind=kind), ev.OP_FAILED, level="warning")
         return log
 
     @property

@@ -73,8 +73,10 @@ class WorkerHalf:
     def __init__(self, cfg: ZkvVllmConfig, rank: int, engine_id: str | None = None) -> None:
         self.cfg = cfg
         self.rank = rank
-        self.log = zlog.get_logger("connector", role="worker", rank=rank,
-                                   **({} if engine_id is None else {"engine_id": engine_id}))
+        binds: dict[str, Any] = {"role": "worker", "rank": rank}
+        if engine_id is not None:
+            binds["engine_id"] = engine_id
+        self.log = zlog.get_logger("connector", **binds)
         self.sidecar: Any = None
         self.layer_index: dict[str, int] = {}
         self.meta: ZkvMetadata | None = None
@@ -87,9 +89,11 @@ class WorkerHalf:
         self.wait_s = {"bind": 0.0, "layers": 0.0, "acks": 0.0}  # the forward blocked on zkv
         # a broken copy path or a stuck rank fails every step while it lasts: rate-limited,
         # one limit per cause (a copy error's lines do not hide a first timeout), what they
-        # held back written at close
+        # held back written at close, each naming its cause (one event: a summary of
+        # held-back lines said which of the three it counted only by that field)
         self._copy_failed_log, self._layer_late_log, self._ack_failed_log = (
-            zlog.repeating(self.log, E.LOAD_FAILED) for _ in range(3))
+            zlog.repeating(zlog.get_logger("connector", cause=cause, **binds), E.LOAD_FAILED)
+            for cause in ("copy_failed", "layer_timed_out", "ack_failed"))
         self._batch_late_log = zlog.repeating(self.log, E.BATCH_LATE)
         self.num_steps = 0
 
