@@ -392,8 +392,13 @@ class ZapHandler:
                 if self._zap in ready:
                     req = self._zap.recv_multipart()
                     self._zap.send_multipart(self._answer(req))
-        except zmq.ContextTerminated:  # the context ended under a registered domain (its
-            with ZapHandler._lock:     # owner stopped mid-construction, say): end with it
+        except zmq.ZMQError as e:  # the context ended under a registered domain (its
+            # owner stopped mid-construction, say): end with it. ``ctx.destroy`` closes
+            # the sockets under this thread first (ENOTSOCK, not ContextTerminated).
+            if not isinstance(e, zmq.ContextTerminated) and not (
+                    self._zap.closed or self._stop_in.closed or self._ctx.closed):
+                raise
+            with ZapHandler._lock:
                 if ZapHandler._by_context.get(id(self._ctx)) is self:
                     del ZapHandler._by_context[id(self._ctx)]
                 self._domains.clear()

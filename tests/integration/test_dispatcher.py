@@ -524,6 +524,28 @@ def test_a_context_ended_under_a_registered_domain_ends_the_zap_thread_quietly()
     handler.unregister("zkv-orphan")
 
 
+def test_a_context_destroyed_under_a_registered_domain_ends_the_zap_thread_quietly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and so when the context is destroyed (``ctx.destroy``: zkv soak's close after a
+    Ctrl-C while a dispatcher was being made), which closes the handler's sockets under
+    its thread first. (Before, the thread died with ``ZMQError('Socket operation on
+    non-socket')``: "Exception in thread zkv-zap" and a traceback on the soak's stderr.)"""
+    import threading
+
+    from zkv.security import ZapHandler
+
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    for i in range(5):  # (the thread may be anywhere in its poll when the sockets go)
+        c: zmq.Context[Any] = zmq.Context()
+        handler = ZapHandler.register(c, f"zkv-destroyed-{i}", None)
+        c.destroy(linger=0)
+        handler._thread.join(5.0)
+        assert not handler._thread.is_alive() and id(c) not in ZapHandler._by_context
+        handler.unregister(f"zkv-destroyed-{i}")
+    assert died == []
+
+
 def test_polls_without_a_wait_check_the_deadlines_on_the_clock(
         group: tuple[Dispatcher, list[FakeRank]], monkeypatch: pytest.MonkeyPatch) -> None:
     """The vLLM half polls with no wait at every call vLLM makes; a deadline check scans the
