@@ -67,6 +67,7 @@ import zmq
 from zmq.utils import z85
 
 from zkv import log as ev
+from zkv import stopsignals
 from zkv.errors import ConfigError
 
 KEYS_ENV = "ZKV_KEYS"
@@ -233,6 +234,13 @@ def ipc_token(rank: int, secret: bytes) -> str:
     return hashlib.blake2b(b"zkv-ipc-token/%d" % rank, key=secret, digest_size=24).hexdigest()
 
 
+def new_socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
+    """``ctx.socket(kind)``, whole or not at all when a stop signal comes (see
+    :func:`zkv.stopsignals.atomic`): ``ctx.destroy`` / ``term`` then never wait on a
+    socket that nobody holds."""
+    return stopsignals.atomic(lambda: ctx.socket(kind), lambda sock: sock.close(0))
+
+
 def setup_client(sock: zmq.Socket[Any], keys: ClientKeys | None, endpoint: str) -> None:
     """Make ``sock`` authenticate to the scheduler at ``endpoint`` (before ``connect``):
     PLAIN with the rank's ipc token on ``ipc://``, a CURVE client elsewhere."""
@@ -332,13 +340,13 @@ class ZapHandler:
         opened: list[zmq.Socket[Any]] = []
         try:  # the stop socket too, now: at unregister the socket limit may be reached
             for kind in (zmq.REP, zmq.PAIR, zmq.PAIR):
-                opened.append(ctx.socket(kind))
+                opened.append(new_socket(ctx, kind))
                 opened[-1].linger = 0
             self._zap, self._stop_in, self._stop_out = opened
             _bind_when_free(self._zap, ZAP_ENDPOINT)
             self._stop_in.bind(stop_ep)
             self._stop_out.connect(stop_ep)
-        except zmq.ZMQError:
+        except BaseException:  # a socket error, a stop signal
             for sock in opened:
                 sock.close(0)
             raise

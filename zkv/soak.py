@@ -379,7 +379,7 @@ class Soak:
     def _push(self, keys: Any) -> zmq.Socket[Any]:
         from zkv import security
 
-        s = self.ctx.socket(zmq.PUSH)
+        s = security.new_socket(self.ctx, zmq.PUSH)
         s.linger = 0
         s.sndhwm = 10_000
         security.setup_client(s, keys, self.pull)

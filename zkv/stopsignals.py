@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # (a closed terminal: 129)
 _received: list[int] = []
+T = TypeVar("T")
 
 
 def exit_on_stop_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> None:
@@ -49,16 +51,50 @@ def check() -> None:
 def deferred(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
     """Inside, a stop signal is only recorded; on leaving, the handlers that were there are
     back and the first signal recorded is raised again: work that must end (a scheduler
-    node's cleanup, its metrics file last) is not cut short, and the signal is not lost."""
+    node's cleanup, its metrics file last) is not cut short, and the signal is not lost.
+    (Outside the main thread, which no signal handler interrupts, it does nothing.)"""
     got: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in signals}
+    previous = _record(signals, got)
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        _restore(previous)
         if got:
             signal.raise_signal(got[0])
+
+
+def atomic(make: Callable[[], T], undo: Callable[[T], object],
+           signals: tuple[int, ...] = STOP_SIGNALS) -> T:
+    """``make()`` that a stop signal cannot cut in half: one that comes meanwhile is raised
+    when it is done, after ``undo`` of what it made. A ZeroMQ socket a signal caught inside
+    ``ctx.socket()`` (made, not yet known to the context, held by the traceback) was closed
+    by no one, and ``ctx.term()`` waited for it forever: a signalled ``zkv soak`` hung."""
+    got: list[int] = []
+    made: list[T] = []
+    previous = _record(signals, got)
+    try:
+        made.append(make())
+    finally:
+        _restore(previous)
+        if got:
+            if made:
+                undo(made[0])
+            signal.raise_signal(got[0])
+    return made[0]
+
+
+def _record(signals: tuple[int, ...], got: list[int]) -> dict[int, Any]:
+    """Install a handler that records into ``got``; the handlers it replaced (none outside
+    the main thread; a handler set from C, not Python, is left in place)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, lambda signum, _frame: got.append(signum))
+            for s in signals if signal.getsignal(s) is not None}
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)
 
 
 def _on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -241,9 +241,9 @@ class Dispatcher:
         zap = None
         try:  # creating a socket fails too (the process's or the context's socket limit)
             zap = self._zap = security.ZapHandler.register(self._ctx, self._domain, keys)
-            self._pub = self._ctx.socket(zmq.XPUB)
+            self._pub = security.new_socket(self._ctx, zmq.XPUB)
             opened.append(self._pub)
-            self._pull = self._ctx.socket(zmq.PULL)
+            self._pull = security.new_socket(self._ctx, zmq.PULL)
             opened.append(self._pull)
             self._setup_sockets(keys, pub_endpoint, pull_endpoint)
             for sock, endpoint in ((self._pub, pub_endpoint), (self._pull, pull_endpoint)):
@@ -257,8 +257,8 @@ class Dispatcher:
                 sock.close(0)
             if zap is not None:
                 zap.unregister(self._domain)
-            if self._own_context:
-                self._ctx.term()
+            if self._own_context:  # (destroy: a socket a signal caught before ``opened``)
+                self._ctx.destroy(linger=0)
             raise
         self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.pull_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
