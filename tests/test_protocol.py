@@ -208,6 +208,20 @@ def test_an_ack_of_a_full_failed_batch_fits_the_schedulers_frame_limit() -> None
     assert P.decode(P.encode(P.BlocksCopied(7, 3, True, ok))).results == ok  # as it was
 
 
+def test_an_op_error_longer_than_any_encoder_sends_is_refused() -> None:
+    """The encoder cuts each op error to MAX_ERROR_CHARS; a longer one (a broken or forged
+    rank's, up to the 8 MB frame) went on into the scheduler's op.failed log line and the
+    batch's results. One at the bound still decodes."""
+    frames = P.encode(P.BlocksCopied(1, 0, False, (P.OpResult(3, False, 0, "x"),)))
+    hdr = _hdr(frames)
+    hdr["ops"][0]["error"] = "e" * P.MAX_ERROR_CHARS
+    assert P.decode(_with_hdr(frames, hdr)).results[0].error == "e" * P.MAX_ERROR_CHARS  # type: ignore[union-attr]
+    hdr["ops"][0]["error"] = "e" * (P.MAX_ERROR_CHARS + 1)
+    _refused(_with_hdr(frames, hdr), match="error")
+    hdr["ops"][0]["error"] = "é" * (1 << 20)
+    _refused(_with_hdr(frames, hdr), match="error")
+
+
 def test_ack_duplicate_op_ids_refused() -> None:
     frames = P.encode(P.BlocksCopied(1, 0, True, (P.OpResult(4, True, 1), P.OpResult(4, True, 1))))
     _refused(frames, match="duplicate")

@@ -65,7 +65,8 @@ MAX_WORKER_FRAME_BYTES = 8 << 20
 #: Ops per batch; a batch carries 3 frames per op. An ack of a full batch (a result per op,
 #: every one failed) must fit MAX_WORKER_FRAME_BYTES: ~140 bytes a result besides its error.
 MAX_OPS = 1 << 13
-#: An op's error text is cut to this many characters (an ack stays small) ...
+#: An op's error text is cut to this many characters (an ack stays small; decoded: refused
+#: when longer) ...
 MAX_ERROR_CHARS = 512
 #: ... and an ack's errors together to this many (ASCII, escaped: at most 6 bytes a
 #: character in the JSON), each error to its share when many ops failed.
@@ -222,6 +223,9 @@ class Refused(NamedTuple):
 
 
 Message = Union[CopyBlocks, BlocksCopied, Hello, Heartbeat, Bye, Shutdown, Refused]
+#: The types a rank sends the scheduler; its PULL refuses the others (a ``Refused``, which
+#: names a rank too, was dropped there uncounted).
+WORKER_MESSAGES = frozenset((BlocksCopied, Hello, Heartbeat, Bye))
 
 
 @dataclass(frozen=True, slots=True)
@@ -583,8 +587,11 @@ def _decode_result(r: Any) -> OpResult:
     if not isinstance(r, dict):
         raise ProtocolError("ack: op result is not an object")
     err = r.get("error")
-    if err is not None and not isinstance(err, str):
-        raise ProtocolError("ack: op error must be a string or null")
+    if err is not None and (type(err) is not str or len(err) > MAX_ERROR_CHARS):
+        # (longer is no encoder's: it cuts each to MAX_ERROR_CHARS. It went on, megabytes,
+        # into the scheduler's op.failed log line and the batch's results)
+        raise ProtocolError(f"ack: op error must be null or a string of at most "
+                            f"{MAX_ERROR_CHARS} characters")
     return OpResult(_nonneg(r, "id"), _get(r, "ok", bool), _nonneg(r, "done"), err)
 
 

@@ -184,6 +184,27 @@ def test_bad_acks_are_refused_and_ignored(group: tuple[Dispatcher, list[FakeRank
 
 
 
+def _refused_types(logs: list[dict[str, Any]]) -> list[str]:
+    return [e["type"] for e in events_named(logs, "dispatcher.ack_refused")]
+
+
+def test_a_scheduler_message_on_the_ack_channel_is_refused_and_counted(
+        group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    """Only acks, hellos, heartbeats and byes come from a rank. A ``Refused`` names a rank
+    as they do: it was dropped without a count or a line; now, as a ``Shutdown`` or a
+    batch, it is refused as malformed."""
+    d, ranks = group
+    before = d.refusals()["malformed"]
+    with capture_logs() as logs:
+        ranks[1].send(P.Refused(1, ranks[1].pid, "not the scheduler's"))
+        ranks[1].send(P.Shutdown("nor this"))  # (after it on one connection: read after it)
+        wait_until(lambda: "Shutdown" in _refused_types(logs), 5, "the Shutdown's refusal",
+                   step=lambda: d.poll(0.01))
+    assert _refused_types(logs) == ["Refused", "Shutdown"]
+    assert d.refusals()["malformed"] == before + 2
+    assert d.lost_ranks == frozenset()
+
+
 def test_an_ack_claiming_more_than_its_op_holds_is_refused(
         group: tuple[Dispatcher, list[FakeRank]]) -> None:
     """A rank's result for a 2-block op that claims 7 blocks done, or ok with 1 done, is a

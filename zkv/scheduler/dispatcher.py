@@ -592,7 +592,7 @@ class Dispatcher:
             if not self._authenticated or msg.rank == sender:
                 self._on_ack(msg)
                 return
-        rank = getattr(msg, "rank", None)
+        rank = msg.rank if type(msg) in P.WORKER_MESSAGES else None  # type: ignore[union-attr]
         if rank is None:
             self._counts["malformed"] += 1
             self._refused_log(error="not a worker message", type=_tag(frames))
