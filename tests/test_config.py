@@ -60,6 +60,11 @@ def test_a_good_layout_round_trips_and_values_are_still_checked() -> None:
                                  "got 'nan'"),
     ({"ZKV_HEARTBEAT_S": ""}, "ZKV_HEARTBEAT_S must be a finite number of seconds >= 0.01, "
                               "got ''"),  # (a rank refuses '' too)
+    # Python's float() reads "1_0" as 10: a typo of 1.0 was a heartbeat every 10 s
+    ({"ZKV_HEARTBEAT_S": "1_0"}, "ZKV_HEARTBEAT_S must be a finite number of seconds >= 0.01, "
+                                 "got '1_0'"),
+    ({"ZKV_SCHEDULER_TIMEOUT_S": "3_0"}, "ZKV_SCHEDULER_TIMEOUT_S must be a finite number of "
+                                         "seconds > 0, or inf to wait forever, got '3_0'"),
     ({"ZKV_SCHEDULER_TIMEOUT_S": "5m"}, "ZKV_SCHEDULER_TIMEOUT_S must be a finite number of "
                                         "seconds > 0, or inf to wait forever, got '5m'"),
     ({"ZKV_BACKEND": "tpu"}, "ZKV_BACKEND: unknown copy backend 'tpu'; one of 'auto', 'cupy', "

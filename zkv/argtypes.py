@@ -73,14 +73,18 @@ def port(s: str) -> int:
 
 
 def _float(s: str) -> float:
-    try:
-        return float(s)
+    try:  # (Python's float() reads "1_0" as 10: a typo taken for a number)
+        if "_" not in s:
+            return float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+        pass
+    raise argparse.ArgumentTypeError(f"not a number: {s!r}")
 
 
 def _int(s: str) -> int:
     try:
-        return int(s)
+        if "_" not in s:
+            return int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an int: {s!r}") from None
+        pass
+    raise argparse.ArgumentTypeError(f"not an int: {s!r}")

@@ -205,9 +205,10 @@ def check_rank_env(env: Mapping[str, str] | None = None) -> None:
 
 
 def _finite_positive(raw: str) -> float | None:
-    """``raw`` as a finite number > 0; None for junk, NaN, inf or <= 0."""
+    """``raw`` as a finite number > 0; None for junk, NaN, inf or <= 0 (and for "1_0",
+    which Python's ``float`` reads as 10)."""
     try:
-        value = float(raw)
+        value = float(raw) if "_" not in raw else math.nan
     except ValueError:
         return None
     return value if 0 < value < math.inf else None

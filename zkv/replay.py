@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import orjson
@@ -39,19 +39,16 @@ from tqdm import tqdm
 
 from zkv import metrics as M
 from zkv import stopsignals
-from zkv.argtypes import nonempty, nonneg_float, nonneg_int, port, positive_int
 from zkv.config import CacheLayout, check_rank_env, pools_fit, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_level, check_log_dir
-from zkv.protocol import CHECK, FILL, H2S, MAX_OPS, S2H, Op, OpResult, as_ids
+from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
+from zkv.replay_args import DEFAULT_TRACE, build_parser, check_flags_read
 from zkv.scheduler.dispatcher import BatchDone
-from zkv.scheduler.eviction import POLICIES as EVICTION_POLICIES
 from zkv.scheduler.hashing import BlockHash, hash_ids_chain, hash_tokens
-from zkv.scheduler.manager import WRITE_POLICIES, CacheConfig, CacheManager
-from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy, PrefetchTracker
+from zkv.scheduler.manager import CacheConfig, CacheManager
+from zkv.scheduler.prefetch import PrefetchPolicy, PrefetchTracker
 
-DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
-                             "mooncake_synthetic_trace.jsonl")
 _SIM_OP_BASE = 1 << 40  # op ids of the simulated forward pass, apart from the manager's
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DROPPED = 0, 1, 2, 4
 #: The scheduler node's status for wrong bytes: a rerun of the group that verifies clean must
@@ -546,119 +543,6 @@ def _warn_store_failures(s: Summary, store: Any) -> None:
 # ---------------------------------------------------------------- front end
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line (``zkv replay: error: ...``), exit status 2; a URL's
-    password in it written ``***@`` (an abbreviated ``--stor URL`` is echoed back)."""
-
-    def error(self, message: str) -> NoReturn:
-        from zkv.security import redact_credentials
-
-        self.exit(EXIT_CONFIG, f"{self.prog}: error: {redact_credentials(message)}\n")
-
-
-#: Requests a step: its batch carries a check and a fill per request beside the cache's own
-#: ops (a few: one per kind, this step's and the last's), at most MAX_OPS (4096 made 8193).
-MAX_BATCH = (MAX_OPS - 16) // 2
-
-
-def _batch(s: str) -> int:
-    n = positive_int(s)
-    if n > MAX_BATCH:
-        raise argparse.ArgumentTypeError(f"must be <= {MAX_BATCH} (a step's batch carries two "
-                                         f"ops per request), got {n}")
-    return n
-
-
-def build_parser() -> argparse.ArgumentParser:
-    # No abbreviations: ``--stora URL`` would get past _without_storage onto the node's
-    # command line, a store password with it (ps).
-    p = _Parser(prog="zkv replay", description=__doc__.split("\n")[0], allow_abbrev=False)
-    _workload_args(p)
-    _cache_args(p)
-    _storage_args(p)
-    _run_args(p)
-    return p
-
-
-def _workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload", "what is replayed")
-    g.add_argument("--workload", choices=("chat", "trace"), default="chat",
-                   help="chat: multi-turn conversations sharing a system prompt; trace: the "
-                        "Mooncake trace's block ids (default: %(default)s)")
-    g.add_argument("--trace", type=nonempty, default=None,
-                   help="Mooncake trace JSONL, with --workload trace (default: "
-                        f"{os.path.normpath(DEFAULT_TRACE)})")
-    g.add_argument("--requests", type=positive_int, default=300,
-                   help="requests to replay (default: %(default)s)")
-    g.add_argument("--batch", type=_batch, default=2,
-                   help="requests per scheduling step (default: %(default)s)")
-    g.add_argument("--seed", type=nonneg_int, default=0,
-                   help="the chat workload's random seed (default: %(default)s)")
-
-
-def _cache_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cache", "the ranks, their KV geometry and pools, the policies")
-    g.add_argument("--ranks", type=positive_int, default=2,
-                   help="worker processes, one per rank (default: %(default)s)")
-    g.add_argument("--layers", type=positive_int, default=4,
-                   help="model layers (default: %(default)s)")
-    g.add_argument("--kv-heads", type=positive_int, default=2,
-                   help="KV heads per rank (default: %(default)s)")
-    g.add_argument("--head-dim", type=positive_int, default=64,
-                   help="elements per head and token (default: %(default)s)")
-    g.add_argument("--block-size", type=positive_int, default=16,
-                   help="tokens per block (default: %(default)s)")
-    g.add_argument("--dtype", default="float16", help="KV dtype (default: %(default)s)")
-    g.add_argument("--device-blocks", type=positive_int, default=768,
-                   help="L1 blocks per rank (default: %(default)s)")
-    g.add_argument("--host-blocks", type=nonneg_int, default=1024,
-                   help="L2 blocks per rank, 0 for none (default: %(default)s)")
-    g.add_argument("--policy", choices=WRITE_POLICIES, default="write_back",
-                   help="when blocks are written to the host tier (default: %(default)s)")
-    g.add_argument("--threshold", type=positive_int, default=2,
-                   help="write_through_selective hit threshold (default: %(default)s)")
-    g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
-                   help="eviction order in each tier (lru, or slru: segmented, with a ghost "
-                        "memory of recent evictions; default: %(default)s)")
-
-
-def _storage_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("storage", "L3, and how long a request waits for it")
-    g.add_argument("--storage", type=nonempty, default=None, metavar="URL",
-                   help="L3 store: file:///path, redis://HOST:PORT/DB (rediss:// over TLS), "
-                        "mooncake://HOST:PORT, "
-                        "or 'none' (default: a fresh local directory, in /dev/shm if present)")
-    g.add_argument("--store-dir", type=nonempty, default=None,
-                   help="local-directory L3 (= --storage file://DIR; 'none' disables L3)")
-    g.add_argument("--prefetch", choices=PREFETCH_POLICIES, default="wait_complete",
-                   help="how long a request waits for its L3 loads (default: %(default)s)")
-    g.add_argument("--prefetch-base-ms", type=nonneg_float, default=50.0,
-                   help="timeout policy: budget = base + per-ki-token x prompt tokens / 1024, "
-                        "at most 2,000 ms (vLLM's prefetch_max_ms; default: %(default)s)")
-    g.add_argument("--prefetch-per-ki-token-ms", type=nonneg_float, default=50.0,
-                   help="the timeout budget's part per 1,024 prompt tokens (default: "
-                        "%(default)s)")
-
-
-def _run_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("run", "logs, metrics, supervision")
-    g.add_argument("--log-dir", type=nonempty, default=None,
-                   help="where the JSON logs go (default: $ZKV_LOG_DIR, else "
-                        "{tmp}/zkv-logs-{uid}/{run_id})")
-    g.add_argument("--metrics-port", type=port, default=None,
-                   help="serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any)")
-    g.add_argument("--metrics-file", type=nonempty, default=None,
-                   help="write the final metrics here")
-    g.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (there is one only when stderr is a terminal)")
-    g.add_argument("--max-restarts", type=nonneg_int, default=0,
-                   help="start the whole group again after a failure, this many times "
-                        "(default: %(default)s)")
-    g.add_argument("--force", action="store_true",
-                   help="allow more ranks than 4 per core, or pools larger than free memory")
-    g.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
-
-
 def check_args(args: argparse.Namespace) -> CacheLayout:
     """The layout, or ConfigError naming the first argument that makes no sense."""
     from launch.env import max_local_ranks
@@ -748,10 +632,15 @@ def _storage_url(args: argparse.Namespace, layout: CacheLayout, tmp: str) -> str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(__doc__.split("\n")[0]).parse_args(argv)
     args.trace_given = args.trace is not None
     if args.trace is None:
-        args.trace = os.path.normpath(DEFAULT_TRACE)
+        args.trace = DEFAULT_TRACE
+    try:
+        check_flags_read(args)
+    except ConfigError as e:
+        print(f"zkv replay: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     if args.node:
         return node_main(args)
     from launch.zkvrun import LaunchConfig, run

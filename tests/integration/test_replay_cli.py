@@ -87,6 +87,22 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--metrics-file", ""], "argument --metrics-file: empty value ''"),
     (["--log-dir", " "], "argument --log-dir: empty value ' '"),
     (["--workload", "trace", "--trace", ""], "argument --trace: empty value ''"),
+    # flags the configuration does not read: they changed nothing and said nothing, status 0
+    (["--threshold", "5"], "--threshold is read by --policy write_through_selective only (the "
+                           "policy is write_back)"),
+    (["--policy", "write_through", "--prefetch", "timeout", "--prefetch-per-ki-token-ms",
+      "1", "--threshold", "1"], "--threshold is read by --policy write_through_selective"),
+    (["--prefetch-base-ms", "10"], "--prefetch-base-ms is read by --prefetch timeout only (the "
+                                   "prefetch policy is wait_complete)"),
+    (["--prefetch", "best_effort", "--prefetch-per-ki-token-ms", "10"],
+     "--prefetch-per-ki-token-ms is read by --prefetch timeout only"),
+    (["--host-blocks", "0"], "--host-blocks 0 leaves the L3 store unused (blocks reach it and "
+                             "come back through host memory): give host blocks, or --storage "
+                             "none"),
+    (["--host-blocks", "0", "--storage", "file://{tmp}/l3"], "--host-blocks 0 leaves the L3"),
+    # Python's int() / float() read "1_0" as 10
+    (["--ranks", "1_0"], "argument --ranks: not an int: '1_0'"),
+    (["--prefetch-base-ms", "5_0"], "argument --prefetch-base-ms: not a number: '5_0'"),
 ])
 def test_config_errors_are_one_line_and_start_nothing(tmp_path: Path, args: list[str],
                                                       message: str) -> None:
@@ -443,7 +459,7 @@ def test_the_largest_batch_taken_fits_in_one_batch_of_ops(tmp_path: Path) -> Non
     the ranks had started (``--requests 8192 --batch 4096 --policy write_through`` on a small
     layout). Now it is one line, status 2, nothing started; the bound leaves room for them."""
     from zkv.protocol import MAX_OPS
-    from zkv.replay import MAX_BATCH
+    from zkv.replay_args import MAX_BATCH
 
     r = _run(tmp_path, "--batch", "4096", "--requests", "4", "--ranks", "1", "--store-dir",
              "none", timeout=60)

@@ -77,6 +77,8 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
                 if raw not in ("0", "1", "true", "false"):
                     raise ValueError(raw)
                 out[name] = raw in ("1", "true")
+            elif kind in (int, float) and "_" in raw:  # (int(), float(): "1_0" is 10)
+                raise ValueError(raw)
             else:
                 out[name] = kind(raw)
         except ValueError:
