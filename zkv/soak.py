@@ -117,6 +117,7 @@ class Report:
     injected: Counter[str] = field(default_factory=Counter)
     survived: Counter[str] = field(default_factory=Counter)
     leaked: int = 0
+    leak_checked: int = 0  # epochs whose leaks were counted (not one a signal cut short)
     checked_blocks: int = 0
     unexpected: list[str] = field(default_factory=list)
     refusals: Counter[str] = field(default_factory=Counter)
@@ -138,7 +139,9 @@ class Report:
             "  faults       " + "  ".join(f"{k} {self.survived[k]}/{self.injected[k]}"
                                           for k in kinds)
             + f"   (survived/injected; {sum(self.injected.values())} in all)",
-            f"  leaked       {self.leaked} blocks",
+            f"  leaked       {self.leaked} blocks ({self.leak_checked} of {self.epochs} "
+            "epochs checked" + ("" if self.leak_checked == self.epochs else
+                                 "; the last, cut short, was not") + ")",
             f"  verified     {self.checked_blocks} reused blocks on every rank = {mb:.1f} MB "
             "compared byte for byte",
             "  refused      " + "  ".join(f"{k} {v}" for k, v in sorted(self.refusals.items())),
@@ -236,6 +239,7 @@ class Soak:
             rp.outstanding.clear()
             rp.carry = []
             self.report.leaked += leaked_blocks(cm)
+            self.report.leak_checked += 1
             self._add_stats()
             self.rp = None  # (counted: close() after a signal from here on counts it not again)
         if self.dp is not None:

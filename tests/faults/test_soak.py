@@ -26,7 +26,7 @@ def test_short_soak_survives_every_fault() -> None:
     for kind in FAULTS:
         m = re.search(rf"\b{kind} (\d+)/(\d+)", out)
         assert m and m.group(1) == m.group(2) and int(m.group(2)) >= 1, (kind, out)
-    assert re.search(r"leaked\s+0 blocks", out)
+    assert re.search(r"leaked\s+0 blocks \((\d+) of \1 epochs checked\)", out), out  # every one
     assert re.search(r"unexpected\s+none", out)
     m = re.search(r"verified\s+(\d+) reused blocks", out)
     assert m and int(m.group(1)) > 0
@@ -237,3 +237,6 @@ def test_the_report_of_a_stopped_soak_counts_its_epoch_so_far(tmp_path: Path) ->
     assert verified and int(verified[1]) > 0, out  # each prompt reuses the system prompt
     malformed = re.search(r"refused\s+.*malformed (\d+)", out)
     assert malformed and int(malformed[1]) > 0, out
+    # the epoch a signal cut short was never leak-checked: said, not "leaked 0" alone
+    assert re.search(r"leaked\s+0 blocks \(0 of 1 epochs checked; the last, cut short, was "
+                     r"not\)", out), out
