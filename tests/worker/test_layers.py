@@ -9,7 +9,7 @@ import pytest
 
 from tests.waiting import wait_until
 from zkv.errors import TransferError
-from zkv.worker.layers import LayerDoneCounter
+from zkv.worker.layers import SAVES, LayerDoneCounter
 
 
 class RecordingBackend:
@@ -264,3 +264,45 @@ def test_an_idle_batch_whose_seq_was_abandoned_begins_quietly() -> None:
     c.begin_done(3, "e")
     with pytest.raises(TransferError):
         c.wait_layer(3, 0, timeout=0)
+
+
+def test_an_abandon_far_ahead_never_makes_a_batch_not_run_yet_count_as_done() -> None:
+    """An engine whose wait on seq 500 raised when its scheduler restarted abandons seq 500,
+    as it does on any failed wait; that lands on the new counter (seqs start at 0 again),
+    where it finishes seq 500 before seqs 0, 1, ... Forgotten in finish order, it counted
+    every seq up to 500 as finished long ago: a wait on batch 10, not run yet, returned at
+    once (the forward read KV not loaded), and the actor's begin(10) raised (it stopped)."""
+    be = RecordingBackend()
+    c = LayerDoneCounter(1, be, history=4)
+    assert c.abandon(500, 0, "the scheduler restarted", timeout=0) == (True, None)
+    for seq in range(10):
+        c.begin_done(seq, seq)
+    assert sorted(c._batches) == [7, 8, 9, 500]  # seq 500, not begun yet, is kept
+    with pytest.raises(TimeoutError):
+        c.wait_layer(10, 0, timeout=0.01)
+    c.begin(10)
+    c.mark(10, 0, "e10")
+    c.wait_layer(10, 0, timeout=0)
+    c.wait_layer(3, 0, timeout=0)  # forgotten for good: every seq up to it ran
+    assert be.waited == ["e10"]
+    with pytest.raises(TransferError, match="the scheduler restarted"):
+        c.wait_layer(500, 0, timeout=0)
+
+
+def test_a_batchs_saves_count_as_a_copy_before_layer_zero() -> None:
+    """The layer waits are what kept the forward off a block the batch's d2h reads (evicted
+    and reused in one step): an abandon with no layer marked stops saves not started yet,
+    waits for one running, and its end says whether the abandon ran past it."""
+    c = LayerDoneCounter(2)
+    c.begin(0)
+    assert c.start_layer(0, SAVES)
+    assert c.abandon(0, 1, "timed out", timeout=0.01) == (False, None)  # the save runs on
+    assert c.end_layer(0, "d") is True  # ... so it fails: it may have read the forward's KV
+    assert c.abandon(0, 1, "timed out", timeout=0) == (True, "d")  # compute waits on it
+    c.begin(1)
+    c.mark(1, 0)  # layer 0 marked: the saves ran before it; an abandon leaves them alone
+    c.abandon(1, 1, "timed out", timeout=0)
+    assert c.start_layer(1, SAVES) and c.end_layer(1) is False
+    assert c.abandon(7, 1, "timed out", timeout=0) == (True, None)  # before it began
+    c.begin(7)
+    assert not c.start_layer(7, SAVES)

@@ -18,11 +18,12 @@ import zmq
 
 import zkv.kernels as kernels
 from tests.waiting import holds_within, idle_for, wait_until
-from tests.worker.helpers import FakeScheduler, endpoints
-from tests.worker.test_actor import LAYOUT, GatedBackend, _ids
+from tests.worker.helpers import FakeScheduler, digest, endpoints, poll_until_done
+from tests.worker.test_actor import LAYOUT, GatedBackend, Rig, _ids
 from zkv import protocol as P
 from zkv.errors import TransferError
 from zkv.kernels import TorchCpuBackend
+from zkv.scheduler.dispatcher import Dispatcher
 from zkv.storage import LocalDirStore, Store, pack_key
 from zkv.worker import Sidecar, storage_io
 from zkv.worker.actor import WorkerActor
@@ -275,3 +276,101 @@ def test_a_socket_that_cannot_be_made_stops_the_actor_cleanly(folder: str) -> No
         for s in ctx.made:
             s.close(0)
         ctx.inner.term()
+
+
+def test_a_wait_for_an_ack_across_a_restart_never_gets_the_new_schedulers_batch(
+        stack: ExitStack, folder: str) -> None:
+    """An engine waits for this rank's ack of batch 1 of a scheduler that dies before it
+    sends it. The rank rejoins a new scheduler (its seqs start over at 0): the wait kept on
+    waiting and returned the new scheduler's batch 1 (other ops, other blocks) as the ack
+    asked for; without a timeout it waited until the new one got that far. Now it returns
+    at the rejoin: None (the old batch 1 will never be acked)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    stack.callback(ctx.term)
+    pub, pull = endpoints(folder)
+    old = FakeScheduler(ctx, pub, pull)
+    kv = kernels.get_backend("cpu").allocate_device_cache(LAYOUT)
+    sc = Sidecar(kv, layout=LAYOUT, rank=0, pub_endpoint=pub, pull_endpoint=pull,
+                 backend="cpu", heartbeat_interval_s=0.05)
+    stack.callback(sc.close)
+    old.wait_ready({0})
+    old.send(P.encode(P.CopyBlocks(0, 0, ())))
+    assert sc.wait_acked(0, 5) is not None
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(sc.wait_acked(1, 30)), daemon=True)
+    waiter.start()
+    stack.callback(waiter.join, 10)  # (after sc.close: that ends the wait at the latest)
+    old.close()  # the scheduler dies ...
+    new = FakeScheduler(ctx, pub, pull)  # ... and comes back
+    stack.callback(new.close)
+    new.wait_ready({0})  # the rank rejoined (its hello)
+    new.send(P.encode(P.CopyBlocks(0, 0, ())))
+    new.send(P.encode(P.CopyBlocks(1, 1, (P.Op(0, P.D2H, _ids(2), _ids(3)),))))
+    ack = sc.wait_acked(1, 5)
+    assert ack is not None and ack.results == (P.OpResult(0, True, 1),)
+    wait_until(lambda: got, 5, "the wait for the old scheduler's batch 1 to end")
+    assert got == [None], got  # not the new scheduler's batch 1
+    assert sc.wait_acked(0, 0) is not None  # (a wait that begins after the rejoin: its seqs)
+
+
+def _recompute(sc: Sidecar, block: int, value: float) -> None:
+    """The engine's forward writes every layer of device block ``block``."""
+    for layer in range(LAYOUT.num_layers):
+        for t in sc.actor.kv_caches[layer]:
+            t[block].fill_(value)
+
+
+def test_an_abandoned_load_calls_off_the_running_save_of_a_block_its_step_reuses(
+        stack: ExitStack, folder: str) -> None:
+    """A step evicts device block 5 (d2h to host block 3) and loads into it (h2d): a block
+    given up by an eviction may be reused in the same step, as the forward's wait on layer 0
+    comes after the batch's d2h. The engine's wait ran out while that d2h still ran (held
+    here); it abandoned the load and recomputes block 5. abandon_load said no copy still ran
+    (it waited for layer copies only), and the d2h, reading block 5 after the recompute, was
+    acked ok: the new request's KV saved as the evicted block's. Now the batch's saves are
+    called off with its loads: the running one is waited for (past the timeout here: said)
+    and fails."""
+    be = GatedBackend(kernels.get_backend("cpu"), gate_d2h=True)
+    rig = Rig(stack, folder, backend=be)
+    stack.callback(be.gate.set)
+    sc = rig.sidecars[0]
+    assert rig.run([P.Op(0, P.FILL, dst=_ids(5), keys=(digest(5),))]).ok
+    seq = rig.d.publish([P.Op(0, P.D2H, _ids(5), _ids(3)),
+                         P.Op(1, P.H2D, _ids(1), _ids(5), layerwise=True)], 1)
+    assert be.entered.wait(5)  # the d2h runs
+    with pytest.raises(TimeoutError):
+        sc.wait_layer(seq, 0, timeout=0.05)
+    assert not sc.abandon_load(seq, 0, "layer 0 timed out", timeout=0.1), \
+        "abandon_load said no copy of the batch still ran"
+    _recompute(sc, 5, 7.0)
+    be.gate.set()
+    done = poll_until_done(rig.d, seq)[seq]
+    assert [(r.ok, r.done) for r in (done.results[0], done.results[1])] == [(False, 0)] * 2
+    assert "abandoned" in str(done.results[0].error), done.results[0]
+
+
+def test_an_abandoned_load_calls_off_the_save_of_its_batch_not_run_yet(
+        stack: ExitStack, folder: str) -> None:
+    """... and a save of the batch that has not run yet (a gated batch, not released when
+    the engine gave up) never runs: it would read what the forward wrote since."""
+    pub, pull = endpoints(folder)
+    d = Dispatcher(pub, pull, 1, LAYOUT.fingerprint())
+    stack.callback(d.close)
+    kv = kernels.get_backend("cpu").allocate_device_cache(LAYOUT)
+    sc = Sidecar(kv, layout=LAYOUT, rank=0, pub_endpoint=pub, pull_endpoint=pull,
+                 backend="cpu", heartbeat_interval_s=0.05, gated=True)
+    stack.callback(sc.close)
+    d.wait_for_ranks(10)
+    sc.release(0)
+    assert poll_until_done(d, d.publish([P.Op(0, P.FILL, dst=_ids(5), keys=(digest(5),))],
+                                        0))[0].ok
+    seq = d.publish([P.Op(0, P.D2H, _ids(5), _ids(3)),
+                     P.Op(1, P.H2D, _ids(1), _ids(5), layerwise=True)], 1)
+    with pytest.raises(TimeoutError):
+        sc.wait_layer(seq, 0, timeout=0.05)
+    assert sc.abandon_load(seq, 0, "layer 0 timed out", timeout=1)
+    _recompute(sc, 5, 7.0)
+    sc.release(seq)  # the next step
+    done = poll_until_done(d, seq)[seq]
+    assert [(r.ok, r.done) for r in (done.results[0], done.results[1])] == [(False, 0)] * 2
+    assert "abandoned" in str(done.results[0].error), done.results[0]

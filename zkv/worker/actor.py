@@ -70,8 +70,8 @@ from zkv.errors import ConfigError, DeviceFault, ProtocolError
 from zkv.exit_codes import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, EXIT_SCHEDULER_GONE, EXIT_SEQ_GAP
 from zkv.kernels.layout import describe_for_layout
 from zkv.storage import Store
-from zkv.worker.copies import merged_copy, run_sim
-from zkv.worker.layers import LayerDoneCounter
+from zkv.worker.copies import merged_copy, run_loads, run_sim
+from zkv.worker.layers import SAVES, LayerDoneCounter
 from zkv.worker.storage_io import IO_KINDS, StorageIO
 from zkv.zmqio import DONTWAIT, POLLIN, allow_ipv6, readable, recv_frames, send_frames, zmq_poll
 
@@ -234,12 +234,16 @@ class WorkerActor:
                     self._gate.notify_all()
 
     def wait_acked(self, seq: int, timeout: float | None = None) -> P.BlocksCopied | None:
-        """This rank's ack of batch ``seq`` once it is sent (None after ``timeout`` or when
-        the actor stopped). Acks older than the last ~1024 seqs are forgotten (None)."""
+        """This rank's ack of batch ``seq`` once it is sent (None after ``timeout``, when the
+        actor stopped, or when it rejoined a restarted scheduler meanwhile: that scheduler's
+        seqs start over, and its batch ``seq`` is another). Acks older than the last ~1024
+        seqs are forgotten (None)."""
         with self._gate:
-            self._gate_wait_until(lambda: seq in self._acks or self._last_seq >= seq
-                                  or self.exit_code is not None, timeout)
-            return self._acks.get(seq)
+            acks = self._acks  # (a rejoin starts a new dict)
+            self._gate_wait_until(lambda: seq in acks or self._last_seq >= seq
+                                  or self.exit_code is not None or self._acks is not acks,
+                                  timeout)
+            return acks.get(seq)
 
     def _gate_wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         """(``self._gate`` held) Wait until ``done()`` holds, at most ``timeout`` seconds
@@ -441,7 +445,7 @@ class WorkerActor:
             with self._gate:  # the new scheduler's seqs start at 0 (so do the engine's)
                 self._expected, self._last_seq, self._released = 0, -1, -1
                 self._saves_abandoned, self._last_save, self._saves_overrun = -1, None, -1
-                self._acks.clear()
+                self._acks = {}  # (a wait_acked on the old one ends: see there)
                 if self._gate_waiting:
                     self._gate.notify_all()
             if self._io is not None:
@@ -669,7 +673,7 @@ class WorkerActor:
 
     def _run_copies(self, batch: P.CopyBlocks, results: dict[int, P.OpResult]) -> Any:
         """d2h/backup (all layers), then h2d layer by layer with an event per layer."""
-        b, kv, host, seq = self.backend, self.kv_caches, self.host_pool, batch.seq
+        b, seq = self.backend, batch.seq
         b.begin_batch(self.compute_stream)
         d2h = [op for op in batch.ops if op.kind in _COPY_KINDS]
         h2d = [op for op in batch.ops if op.kind == P.H2D]
@@ -679,64 +683,42 @@ class WorkerActor:
             handle = b.record_event()
             self.counter.mark_all(seq, handle)
             return handle
-        failed: dict[int, P.OpResult] = {}
-        handle = None
-        counter = self.counter
-        for layer in range(self.layout.num_layers):
-            live = [op for op in h2d if op.id not in failed]
-            if live and not counter.start_layer(seq, layer):
-                # the engine stopped waiting and recomputes these layers: never write them
-                why = f"h2d abandoned by the engine from layer {layer}"
-                for op in live:
-                    failed[op.id] = P.OpResult(op.id, False, 0, why)
-                live = []
-            elif live:
-                try:
-                    merged_copy(self._log, seq, live,
-                                lambda s, d, i=layer: b.copy_h2d(host, kv, s, d, i),  # type: ignore[misc]
-                                failed, layer=layer)
-                except BaseException:
-                    counter.end_layer(seq)
-                    raise
-            handle = b.record_event()
-            if live:
-                counter.end_layer(seq, handle)
-            if not failed:
-                counter.mark(seq, layer, handle)
-            else:  # a layer that lacks blocks: it and every later layer fail (idempotent)
-                errors = "; ".join(sorted({str(r.error) for r in failed.values()}))
-                counter.fail_from(seq, layer, errors)
-        for op in h2d:
-            results[op.id] = failed.get(op.id) or P.OpResult(op.id, True, op.num_blocks)
-        return handle
+        return run_loads(self._log, seq, h2d, results, self.counter, b, self.host_pool,
+                         self.kv_caches)
 
     def _run_saves(self, seq: int, ops: list[P.Op], results: dict[int, P.OpResult]) -> None:
         """The batch's d2h / backup, unless the engine stopped waiting for them
-        (:meth:`abandon_saves`): it may have given their blocks to another request, whose
-        KV a late copy would save under these blocks' hashes."""
-        b, kv, host = self.backend, self.kv_caches, self.host_pool
+        (:meth:`abandon_saves`, or for the batch's load: ``counter.abandon``): it may have
+        given their blocks to another request, whose KV a late copy would save under these
+        blocks' hashes."""
+        b, kv, host, counter = self.backend, self.kv_caches, self.host_pool, self.counter
+        started = counter.start_layer(seq, SAVES)  # (no: the engine abandoned the load)
         with self._gate:
-            abandoned = seq <= self._saves_abandoned
+            abandoned = seq <= self._saves_abandoned or not started
             if not abandoned:
                 self._saving = seq
         if abandoned:
+            if started:
+                counter.end_layer(seq)
             why = "save abandoned by the engine (it stopped waiting for it)"
             for op in ops:
                 results[op.id] = P.OpResult(op.id, False, 0, why)
             return
         try:
             merged_copy(self._log, seq, ops, lambda s, d: b.copy_d2h(kv, host, s, d), results)
+            handle = b.record_event()
         except BaseException:  # (a dead device: no event to record)
+            counter.end_layer(seq)
             with self._gate:
                 self._saving = -1
                 if self._gate_waiting:
                     self._gate.notify_all()
             raise
-        handle = b.record_event()
+        overrun = counter.end_layer(seq, handle)
         with self._gate:
             self._saving = -1
             self._last_save = handle
-            if seq <= self._saves_overrun:  # it may have read what the forward wrote
+            if overrun or seq <= self._saves_overrun:  # it may have read what the forward wrote
                 why = "save abandoned by the engine while it ran"
                 for op in ops:
                     results[op.id] = P.OpResult(op.id, False, 0, why)

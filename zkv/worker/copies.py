@@ -1,6 +1,6 @@
 """How the worker actor runs a batch's copy ops: one merged copy per kind (per layer for
-h2d), op by op only when the merged one fails; and the simulated forward pass (fill /
-check) that ``zkv replay`` and the tests run in place of a model.
+h2d, :func:`run_loads`), op by op only when the merged one fails; and the simulated forward
+pass (fill / check) that ``zkv replay`` and the tests run in place of a model.
 
 ::
 
@@ -56,6 +56,43 @@ def merged_copy(log: Any, seq: int, ops: list[P.Op],
     if report_ok:
         for op in ops:
             out[op.id] = P.OpResult(op.id, True, op.num_blocks)
+
+
+def run_loads(log: Any, seq: int, h2d: list[P.Op], results: dict[int, P.OpResult],
+              counter: Any, backend: Any, host: Any, kv: Any) -> Any:
+    """A batch's h2d, layer by layer: each layer's copy asked of ``counter`` (a
+    :class:`~zkv.worker.layers.LayerDoneCounter`; the engine may have abandoned it), an
+    event after it, the layer marked (or failed from it on, if an op lacks blocks). Returns
+    the last layer's event."""
+    failed: dict[int, P.OpResult] = {}
+    handle = None
+    for layer in range(counter.num_layers):
+        live = [op for op in h2d if op.id not in failed]
+        if live and not counter.start_layer(seq, layer):
+            # the engine stopped waiting and recomputes these layers: never write them
+            why = f"h2d abandoned by the engine from layer {layer}"
+            for op in live:
+                failed[op.id] = P.OpResult(op.id, False, 0, why)
+            live = []
+        elif live:
+            try:
+                merged_copy(log, seq, live,
+                            lambda s, d, i=layer: backend.copy_h2d(host, kv, s, d, i),  # type: ignore[misc]
+                            failed, layer=layer)
+            except BaseException:
+                counter.end_layer(seq)
+                raise
+        handle = backend.record_event()
+        if live:
+            counter.end_layer(seq, handle)
+        if not failed:
+            counter.mark(seq, layer, handle)
+        else:  # a layer that lacks blocks: it and every later layer fail (idempotent)
+            errors = "; ".join(sorted({str(r.error) for r in failed.values()}))
+            counter.fail_from(seq, layer, errors)
+    for op in h2d:
+        results[op.id] = failed.get(op.id) or P.OpResult(op.id, True, op.num_blocks)
+    return handle
 
 
 def run_sim(log: Any, batch: P.CopyBlocks, results: dict[int, P.OpResult], handle: Any,

@@ -23,22 +23,27 @@ not get, into the same blocks. A copy that lands after that would overwrite them
 blocks of another request once the engine reused them. So the engine abandons the load
 (``abandon(seq, i)``): layers ``i..`` fail, and no layer that was not copied yet starts
 later (the engine recomputes the whole block); the actor asks before each layer's copy
-(``start_layer``)::
+(``start_layer``). The batch's d2h / backup count as a copy before layer 0 (``SAVES``):
+once no layer waits on them, the forward may write a block they still read (one evicted
+and reused in the same step), so they do not start either, and one that ran past the
+abandon's wait fails (``end_layer`` says so)::
 
     actor:   start_layer(L) ──yes──► copy L ──► end_layer(handle) ──► mark / fail_from
                  │ no (abandoned): its ops fail ("abandoned ...")
-    engine:  abandon(seq, i) = fail_from(seq, i) + wait until no layer copy is running
+    engine:  abandon(seq, i) = fail_from(seq, i) + wait until no copy of the batch runs
              → the event after the latest copy issued (compute waits on it)
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from zkv.errors import TransferError
+
+SAVES = -1  # start_layer / end_layer: the batch's d2h / backup, which run before layer 0
 
 
 @dataclass(slots=True)
@@ -48,7 +53,8 @@ class _Batch:
     error: str | None = None
     failed_from: int = 0  # with ``error``: layers >= failed_from raise
     abandoned_from: int = 1 << 30  # the engine gave up on layers >= this (abandon)
-    copying: int = -1  # the layer the actor is copying now (-1: none)
+    copying: int | None = None  # the layer the actor is copying now (SAVES: its saves)
+    overrun: bool = False  # an abandon stopped waiting while that copy ran
     last: Any = None  # event recorded after the latest layer copy the actor issued
 
     def usable(self, layer: int) -> bool:
@@ -58,11 +64,17 @@ class _Batch:
 class LayerDoneCounter:
     """Which layers of which batch (``seq``) have their copies recorded.
 
-    ``mark`` is O(1) and layers are marked in order (0, 1, ...). The history of finished
-    batches is bounded (``history`` seqs, oldest forgotten first); waiting on a forgotten
-    seq returns at once, since seqs finish in order and it finished long ago. Waiting on a
-    seq that has not begun yet blocks until it begins and the layer is marked (the forward
-    may run ahead of the batch's arrival). Thread-safe; waiters block on one condition.
+    ``mark`` is O(1) (O(log history) for a batch's last layer) and layers are marked in
+    order (0, 1, ...). The history of finished batches is bounded (``history`` seqs, lowest
+    forgotten first, and none above the last seq begun); waiting on a forgotten seq returns
+    at once: every seq up to it began and finished long ago. Waiting on a seq that has not
+    begun yet blocks until it begins and the layer is marked (the forward may run ahead of
+    the batch's arrival). Thread-safe; waiters block on one condition.
+
+    Seqs do not finish in seq order: an abandon (or fail) of a seq that has not begun
+    finishes it at once, maybe far ahead (an engine's late abandon of the seq of a scheduler
+    that restarted since). Forgetting by finish order then counted every seq up to it as
+    done long ago: a wait on a batch not run yet returned at once, and its begin raised.
     """
 
     def __init__(self, num_layers: int, backend: Any = None, *, history: int = 1024) -> None:
@@ -75,12 +87,14 @@ class LayerDoneCounter:
         self._cond = threading.Condition(self._lock)
         self._waiting = 0  # threads in wait_layer: every notify is skipped when none
         self._batches: dict[int, _Batch] = {}
-        self._finished: deque[int] = deque()
+        self._finished: list[int] = []  # a min-heap of the finished seqs not forgotten
         self._forgotten_upto = -1
+        self._top = -1  # the highest seq begun
         self._closed: str | None = None
 
     def begin(self, seq: int) -> None:
         with self._cond:
+            self._top = max(self._top, seq)
             batch = self._batches.get(seq)
             if batch is not None and batch.abandoned_from == 0:
                 return  # abandoned before it began: start_layer says no
@@ -89,36 +103,39 @@ class LayerDoneCounter:
             self._batches[seq] = _Batch([None] * self.num_layers)
 
     def start_layer(self, seq: int, layer: int) -> bool:
-        """(Actor, before copying layer ``layer`` of a begun ``seq``.) False if the engine
-        abandoned that layer: do not copy it. Else the copy counts as running until
-        :meth:`end_layer`, and :meth:`abandon` waits for it."""
+        """(Actor, before copying layer ``layer`` of a begun ``seq``, or its saves: ``SAVES``.)
+        False if the engine abandoned that layer: do not copy it. Else the copy counts as
+        running until :meth:`end_layer`, and :meth:`abandon` waits for it."""
         with self._cond:
             batch = self._batches.get(seq)
-            if batch is None or layer >= batch.abandoned_from:
+            if batch is None or max(layer, 0) >= batch.abandoned_from:
                 return False
             batch.copying = layer
             return True
 
-    def end_layer(self, seq: int, event_handle: Any = None) -> None:
+    def end_layer(self, seq: int, event_handle: Any = None) -> bool:
         """(Actor, after a copy that :meth:`start_layer` allowed.) ``event_handle``: the
-        event recorded after it, kept for :meth:`abandon`."""
+        event recorded after it, kept for :meth:`abandon`. True if an abandon stopped
+        waiting for the copy while it ran (a save may have read what the forward wrote)."""
         with self._cond:
             batch = self._batches.get(seq)
             if batch is None:
-                return
-            batch.copying = -1
+                return False
+            overrun, batch.copying, batch.overrun = batch.overrun, None, False
             if event_handle is not None:
                 batch.last = event_handle
             if self._waiting:
                 self._cond.notify_all()
+            return overrun
 
     def abandon(self, seq: int, layer: int, reason: str,
                 timeout: float | None = None) -> tuple[bool, Any]:
         """(Engine, its wait for ``layer`` of ``seq`` timed out.) Fail layers ``layer..``,
-        let no copy of a layer not copied yet start later, and wait (at most ``timeout``)
-        for a copy that is running now. Returns ``(quiet, handle)``: ``quiet`` False if a copy
-        still ran at the timeout; ``handle``, the event recorded after the latest copy
-        issued, which the compute stream must wait on (on GPU the copy was only queued)."""
+        let no copy of a layer not copied yet start later (nor the batch's saves, before
+        layer 0 is marked), and wait (at most ``timeout``) for a copy that is running now.
+        Returns ``(quiet, handle)``: ``quiet`` False if a copy still ran at the timeout;
+        ``handle``, the event recorded after the latest copy issued, which the compute
+        stream must wait on (on GPU the copy was only queued)."""
         with self._cond:
             self.fail_from(seq, layer, reason)
             batch = self._batches.get(seq)
@@ -128,14 +145,15 @@ class LayerDoneCounter:
             batch.abandoned_from = min(batch.abandoned_from, layer, batch.num_marked)
             self._waiting += 1
             try:
-                quiet = self._cond.wait_for(
-                    lambda: batch.copying < 0 or self._closed is not None, timeout)
+                self._cond.wait_for(
+                    lambda: batch.copying is None or self._closed is not None, timeout)
             finally:
                 self._waiting -= 1
+            batch.overrun = batch.copying is not None
             # The latest copy issued, not only one that ended after this call: a layer the
             # wait gave up on may have been issued (and marked) since, its event never
             # waited on by compute; the stream runs in order, so this covers every earlier.
-            return quiet and batch.copying < 0, batch.last
+            return not batch.overrun, batch.last
 
     def mark(self, seq: int, layer: int, event_handle: Any = None) -> None:
         """Layer ``layer`` of ``seq`` is recorded (its copies are queued before the event)."""
@@ -156,6 +174,8 @@ class LayerDoneCounter:
     def begin_done(self, seq: int, event_handle: Any = None) -> None:
         """``begin`` + ``mark_all`` under one lock (a batch without h2d ops)."""
         with self._lock:  # (the condition's lock, without its Python-level __enter__)
+            if seq > self._top:
+                self._top = seq
             batch = self._batches.get(seq)
             if batch is not None and batch.abandoned_from == 0:
                 return  # abandoned before it came (an engine's late abandon of a seq number
@@ -256,9 +276,11 @@ class LayerDoneCounter:
         return batch.num_marked > layer or batch.error is not None or self._closed is not None
 
     def _finish(self, seq: int) -> None:
-        """Called with the lock held, once per seq: keep at most ``history`` finished."""
-        self._finished.append(seq)
-        while len(self._finished) > self._history:
-            old = self._finished.popleft()
+        """Called with the lock held, once per seq: keep at most ``history`` finished, but
+        never forget one above the last seq begun (every seq up to a forgotten one began)."""
+        finished = self._finished
+        heapq.heappush(finished, seq)
+        while len(finished) > self._history and finished[0] <= self._top:
+            old = heapq.heappop(finished)
             del self._batches[old]
             self._forgotten_upto = max(self._forgotten_upto, old)

@@ -225,8 +225,9 @@ class Sidecar:
         """In the model thread, once its wait for ``layer`` of ``seq`` timed out and the
         engine will recompute: no copy of layers ``layer..`` of ``seq`` writes the KV cache
         later (a copy running now is waited for, at most ``timeout``; on GPU the compute
-        stream waits for it). False if one still ran at the timeout. See
-        :meth:`LayerDoneCounter.abandon`."""
+        stream waits for it), and no save of ``seq`` reads the engine's blocks later unless
+        layer 0 was marked (the forward no longer waits behind it). False if a copy still ran
+        at the timeout. See :meth:`LayerDoneCounter.abandon`."""
         quiet, handle = self.actor.counter.abandon(seq, layer, reason, timeout)
         if handle is not None:
             self.backend.wait_event_on_compute(handle)
