@@ -140,3 +140,26 @@ def test_a_quota_full_disk_makes_room_from_the_stores_own_files(
     monkeypatch.setattr(local, "_REGROW_S", 0.0)
     s.put(key(10), bytes(1000))
     assert s.max_bytes == lowered
+
+
+def test_a_store_that_refuses_the_host_pool_leaks_no_fd(tmp_path: Path) -> None:
+    """A store that refuses ``register_buffer`` (Mooncake's client answering rc != 0 raises
+    this StorageError): the I/O pool's wake pipe was made first and never closed, two fds
+    a refused start (the actor stops; a sidecar may be made again)."""
+    from zkv.errors import StorageError
+
+    class Refusing(LocalDirStore):
+        def register_buffer(self, ptr: int, nbytes: int) -> None:
+            raise StorageError(f"{self.url}: register_buffer returned -1")
+
+    b = TorchCpuBackend()
+    pool = b.allocate_host_pool(LAYOUT)
+    store = Refusing(tmp_path, "ns")
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            with pytest.raises(StorageError, match="register_buffer returned -1"):
+                StorageIO(store, 0, b, pool, io_threads=1)
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        store.close()

@@ -93,6 +93,9 @@ class StorageIO:
         self.backend = backend
         self.host_pool = host_pool
         self.chunk_blocks = chunk_blocks
+        ptr, nbytes = getattr(host_pool, "data_ptr", None), getattr(host_pool, "nbytes", None)
+        if ptr is not None and nbytes:  # first: a store that refuses it (Mooncake) leaks
+            store.register_buffer(int(ptr()), int(nbytes))  # no pipe
         self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix=f"zkv-io-{rank}")
         self._done: collections.deque[tuple[int, P.OpResult]] = collections.deque()
         self._pending: dict[int, set[int]] = {}
@@ -100,9 +103,6 @@ class StorageIO:
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_w, False)
         self._closed = False
-        ptr, nbytes = getattr(host_pool, "data_ptr", None), getattr(host_pool, "nbytes", None)
-        if ptr is not None and nbytes:
-            store.register_buffer(int(ptr()), int(nbytes))
 
     @property
     def num_pending(self) -> int:
