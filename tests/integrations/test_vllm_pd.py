@@ -180,6 +180,23 @@ def test_a_promise_not_kept_expires_and_the_request_computes(
     assert AWAIT_EXPIRED in capfd.readouterr().err
 
 
+def test_a_consumer_whose_own_cache_holds_the_promised_blocks_waits_for_nothing(
+        pair: tuple[Group, Group]) -> None:
+    """vLLM's own prefix cache already holds the promised blocks (the same prompt came
+    before): nothing the producer writes would be loaded, so nothing is waited for. The
+    request was asked to wait ("ask again") its whole budget for blocks it never used."""
+    _, consumer = pair
+    req = consumer.request()
+    req.kv_transfer_params = {PARAM_BLOCKS: 8, PARAM_NAMESPACE: consumer.half._namespace}
+    assert consumer.half.get_num_new_matched_tokens(req, 8 * BS) == (0, False)
+    assert consumer.half.snapshot()["awaited"] == 0
+    consumer.half.request_finished(req)
+    other = consumer.request()  # vLLM holds only 7 of them: it waits for the 8th
+    other.kv_transfer_params = req.kv_transfer_params
+    assert consumer.half.get_num_new_matched_tokens(other, 7 * BS)[0] is None
+    consumer.half.request_finished(other)
+
+
 @pytest.mark.parametrize("params", [
     {PARAM_BLOCKS: 8, PARAM_NAMESPACE: "another-model"},  # no promise for this namespace
     {PARAM_BLOCKS: "8", PARAM_NAMESPACE: None},           # forged or garbled: refused

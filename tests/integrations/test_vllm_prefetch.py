@@ -85,3 +85,53 @@ def test_best_effort_takes_a_producers_promise_as_no_wait(
     assert half.get_num_new_matched_tokens(req, 0) == (0, False)
     assert (half.counts.awaited, half.counts.await_expired) == (0, 0)
     half.request_finished(req)
+
+
+@pytest.fixture
+def writer_and_waiting(tmp_path: Path) -> Iterator[tuple[Group, Group]]:
+    with two_engines_on_one_store(tmp_path, {"prefetch": "wait_complete"}) as pair:
+        yield pair
+
+
+@pytest.mark.parametrize("local_blocks", [8, 7])
+def test_a_prompt_vllm_holds_waits_for_no_prefetch(
+        writer_and_waiting: tuple[Group, Group], local_blocks: int) -> None:
+    """A prompt whose blocks are only in L3 waits for its prefetch (here wait_complete)
+    only when the read brings tokens past vLLM's own prefix-cache hit. vLLM's GPU cache is
+    often larger than zkv's host pool: a prompt it holds whole (8 blocks of 8, plus a
+    token) was asked to wait ("ask again") for L3 reads whose blocks it would never load,
+    the whole read, or up to the timeout budget, per such request. It goes on at once now,
+    as under best_effort: the read still lands in the host pool, for later requests."""
+    writer, group = writer_and_waiting
+    writer.compute_and_save()
+    hashes = hash_tokens(DOC, BS, parent=ROOT_HASH)
+    assert writer.store is not None
+    wait_until(lambda: leading_present(writer.store, hashes, 1) == 8, DEADLINE_S,
+               "the document's 8 blocks in L3")
+    half = group.half
+    req = group.request()  # the whole document: in L3 and, up to local_blocks, in vLLM
+    ext, _ = half.get_num_new_matched_tokens(req, local_blocks * BS)
+    if local_blocks == 7:  # the 8th block is worth the wait (it computed it before)
+        assert ext is None
+        ext, _ = group.ask_until_matched(req)
+        assert ext == 8 * BS  # (ask_until_matched asks with no local hit)
+        half.request_finished(req)
+    else:
+        assert ext == 0, "waited for L3 reads of blocks vLLM already holds"
+        blocks = list(range(9))
+        half.update_state_after_alloc(req, blocks, 0)
+        meta = half.build_connector_meta(Group.step(req, blocks, 8 * BS))
+        assert meta.loads == [] and not meta.unloaded
+        half.update_connector_output((), step=meta.step)
+        req.num_computed_tokens = req.num_tokens
+        req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+        half.request_finished(req)
+    assert half.wait_idle(DEADLINE_S)
+    snap = half.snapshot()
+    assert snap["cm_loaded"] == 8, snap  # the read landed in the host pool either way
+    assert snap["saved_blocks"] == 0, snap  # (nothing saved twice: the host had them)
+    after = group.request()
+    assert half.get_num_new_matched_tokens(after, 0) == (8 * BS, False)
+    half.request_finished(after)
+    assert half.in_flight()["requests"] == 0
+    half.cm.check_invariants()

@@ -8,8 +8,9 @@ Per request::
 
     get_num_new_matched_tokens ── match (host, then one L3 existence query)
         │ L3 hits: prefetch (s2h, published at once); None ("ask again") while the
-        │          prefetch policy waits (timeout / wait_complete); best_effort goes on
-        │          with its host hits and lets the s2h land for later requests
+        │          prefetch policy waits (timeout / wait_complete); best_effort, or a
+        │          read of nothing past vLLM's own hit, goes on with its host hits and
+        │          lets the s2h land for later requests
         ▼
     update_state_after_alloc ──── load: host blocks → vLLM's new blocks (layerwise h2d,
         │                          in this step's batch; the forward waits per layer)
@@ -273,7 +274,9 @@ class SchedulerHalf:
             if not self.prefetch.ready(rid, self.cm.prefetch_done(rid), time.monotonic()):
                 return None, False  # vLLM asks again next step
         m = self.cm.match_prefix(rid, r.hashes[: r.num_prompt_blocks], check=False)  # (ours)
-        if not r.prefetched and self._awaits_producer(r, m.num_host + m.num_storage):
+        # (the blocks vLLM's own cache holds are no wait: nothing would load them)
+        if not r.prefetched and self._awaits_producer(
+                r, max(m.num_host + m.num_storage, local // self.bs)):
             return None, False  # its producer's blocks are on their way to L3
         if not r.prefetched:
             # Its host hits before its own prefetch (if any) runs: what that brings into the
@@ -281,12 +284,14 @@ class SchedulerHalf:
             r.host_blocks_at_match = m.num_host
         if m.num_storage and not r.prefetched:
             r.prefetched = True
-            if self.cm.prefetch(rid):
+            n = self.cm.prefetch(rid)
+            if n:
                 # The s2h starts now, not with the step's batch; this step's loads (vLLM
                 # blocks of requests allocated before this one) stay for that batch, whose
                 # seq the worker halves wait on.
                 self._flush(keep=(LOAD,))
-                if self.cfg.prefetch == BEST_EFFORT:
+                if (self.cfg.prefetch == BEST_EFFORT  # or it reads nothing past vLLM's hit:
+                        or min((m.num_host + n) * self.bs, request.num_tokens - 1) <= local):
                     # vLLM schedules it now, with the host hits it has: it lets its s2h go,
                     # which lands in the host pool for later requests (a load is never
                     # planned from blocks still arriving: load_external refuses it)
@@ -523,8 +528,8 @@ class SchedulerHalf:
 
     def _awaits_producer(self, r: RequestState, found: int) -> bool:
         """True while the request's producer promised more leading blocks than host and
-        store hold (``found``), for at most ``_await_s`` from the first ask (:mod:`.pd`);
-        vLLM asks again next step."""
+        store (or vLLM's own cache) hold (``found``), for at most ``_await_s`` from the
+        first ask (:mod:`.pd`); vLLM asks again next step."""
         w = r.wait
         if w is None:
             try:
