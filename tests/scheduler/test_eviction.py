@@ -127,6 +127,26 @@ def test_slru_shrink_demotes_protected_entries_past_the_new_share() -> None:
     assert pol.queues() == ([hot[3], hot[2]], [hot[1], hot[0]])
 
 
+def test_slru_a_protected_entry_that_gives_blocks_away_holds_fewer_of_the_share() -> None:
+    """A protected run split or trimmed (``shrink``) takes less of the protected share:
+    another protected run fits beside it (counted at its old size, the share looked full
+    and the older run was demoted, for good: ``remove`` takes off what it holds then)."""
+    pol = SLRU(8, protected_fraction=0.5)  # up to 4 protected blocks
+    root = Node([], None, DEVICE)
+    a = Node([bytes([9, i]) * 8 for i in range(4)], root, DEVICE)
+    b = Node([bytes([10, i]) * 8 for i in range(2)], root, DEVICE)
+    a.hits = b.hits = 3
+    pol.push(a)
+    del a.hashes[2:]  # its last two blocks left (as the tree's trim_tail does)
+    pol.shrink(a, 2)
+    assert pol._prot_blocks == 2 and pol.num_blocks == 2
+    pol.push(b)
+    assert pol.queues() == ([], [a, b]) and pol._prot_blocks == 4
+    pol.remove(a)
+    pol.remove(b)
+    assert pol._prot_blocks == 0 and pol.num_blocks == 0
+
+
 def test_a_victim_run_gives_its_last_blocks_and_keeps_its_place() -> None:
     """Evicting fewer blocks than a victim node holds takes its tail and leaves the rest
     first in line: one block at a time would go in the same order."""

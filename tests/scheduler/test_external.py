@@ -98,6 +98,27 @@ def test_load_into_engine_blocks_and_count_hits_once() -> None:
     assert cm.stats.hit_host == 4  # finish adds nothing
 
 
+def test_a_running_requests_saves_each_step_count_its_hits_once() -> None:
+    """The engine calls cache_computed at every step of a running request: its hits (the
+    stats, each held node's ``hits``) were counted when it first went external, and no
+    step counts them again (else a block hit once looks hot to SLRU and the threshold)."""
+    cm = make(8)
+    a = H(1, 2, 3, 4)
+    assert save(cm, "r1", a[:2], [0, 1]) == 2
+    ack(cm, cm.take_ops())
+    cm.finish("r1")
+    assert cm.match_prefix("r2", a) == Match(0, 2, 0, BS)
+    assert cm.load_external("r2", 0, [5, 6]) == 2
+    ack(cm, cm.take_ops())
+    for n in (3, 4):  # two decode steps, one new block each
+        assert cm.cache_computed("r2", n * BS, device_ids=[5, 6, 7, 8][:n]) == 1
+        ack(cm, cm.take_ops())
+    assert (cm.stats.hit_requests, cm.stats.hit_host) == (2, 2)
+    cm.finish("r2")
+    cm.check_invariants()
+    assert [cm.tree.block(h).hits for h in a] == [2, 2, 1, 1]
+
+
 def test_failed_load_is_reported_for_recompute_and_cache_stays() -> None:
     cm = make(8)
     a = H(1, 2, 3)
@@ -111,6 +132,25 @@ def test_failed_load_is_reported_for_recompute_and_cache_stays() -> None:
     assert cm.take_load_failures() == {}
     cm.finish("r2")
     assert cm.match_prefix("r3", a) == Match(0, 3, 0, BS)  # host copies are intact
+
+
+def test_a_failed_load_of_a_request_gone_before_the_engine_asks_is_not_reported() -> None:
+    """The load failed while the request ran; it finished (and its id came back as a new
+    request) before the engine asked: neither the gone request's failures nor any under
+    its id are reported (the new one's blocks are other blocks)."""
+    cm = make(8)
+    a = H(1, 2)
+    save(cm, "r1", a, [0, 1])
+    ack(cm, cm.take_ops())
+    cm.finish("r1")
+    cm.match_prefix("r2", a)
+    assert cm.load_external("r2", 0, [7, 8]) == 2
+    ack(cm, cm.take_ops(), done={0: 0})
+    cm.finish("r2")
+    assert cm.match_prefix("r2", a) == Match(0, 2, 0, BS)  # the id, matched again
+    assert cm.take_load_failures() == {}
+    cm.finish("r2")
+    cm.check_invariants()
 
 
 def test_a_partial_load_over_host_blocks_loaded_twice_settles_both() -> None:
@@ -306,6 +346,33 @@ def test_a_request_matched_again_after_its_prefetch_uses_its_blocks_once() -> No
     assert isinstance(pol, SLRU)
     probation, protected = pol.queues()
     assert (len(probation), len(protected)) == (1, 0)
+
+
+def test_loads_that_land_after_the_request_was_counted_count_as_its_use() -> None:
+    """The request was counted (it went external) before its storage load was acked: the
+    blocks that land join its path and count its use, so a second request's use makes
+    them protected in SLRU (with no hit of their own, they stayed on probation)."""
+    a = H(1, 2)
+    cm = make(8, storage=set(a), eviction_policy="slru")
+    assert cm.match_prefix("r1", a) == Match(0, 0, 2, BS)
+    assert cm.prefetch("r1") == 2
+    ops = cm.take_ops()
+    assert cm.cache_computed("r1", 0, device_ids=[]) == 0  # counted now, loads in flight
+    cm.check_invariants()
+    ack(cm, ops)
+    assert cm.num_held_blocks("r1") == 2
+    assert [cm.tree.block(h).hits for h in a] == [1, 1]
+    cm.finish("r1")
+    assert cm.match_prefix("r2", a) == Match(0, 2, 0, BS)
+    assert cm.load_external("r2", 0, [10, 11]) == 2
+    ack(cm, cm.take_ops())
+    cm.finish("r2")
+    cm.check_invariants()
+    assert [cm.tree.block(h).hits for h in a] == [2, 2]
+    pol = cm.tree.hpol
+    assert isinstance(pol, SLRU)
+    probation, protected = pol.queues()
+    assert (len(probation), len(protected)) == (0, 1)
 
 
 def test_storage_write_after_save() -> None:

@@ -380,6 +380,33 @@ def test_write_back_with_one_host_block_keeps_a_chains_first_block() -> None:
     assert (cm.stats.swapped_out, cm.stats.dropped) == (1, 3)
 
 
+def test_write_back_without_a_host_block_frees_the_parent_that_waited_on_its_tail() -> None:
+    """A swapped-in parent (its host copy kept) and a computed child leave the device in
+    one eviction: the parent becomes HOST (metadata only) and waits on the child, which
+    gets no host block (the parent's is the only one) and is dropped. The parent is a
+    host chain tail now: evictable (else its host block stayed pinned for good)."""
+    cm = make(2, 1)
+    assert (cached(cm, "r1", H(1)), cached(cm, "r2", H(2)), cached(cm, "r3", H(3))) == (
+        [0], [1], [0])  # H(1) -> host 0; H(2) and H(3) are dropped for r4 below
+    p = H(1, 5)
+    assert match(cm, "r4", p) == Match(0, 1, 0, BS)
+    assert alloc(cm, "r4", 8) == [0, 1]
+    (h2d,) = take(cm)
+    ack(cm, h2d)
+    finish(cm, "r4")
+    assert [(status(cm, h), node(cm, h).dev, node(cm, h).host) for h in p] == [
+        (DEVICE, 0, 0), (DEVICE, 1, -1)]
+    assert run(cm, "r5", H(6, 7)) == [0, 1]
+    assert take(cm) == []  # no d2h: the only host block is p[0]'s own
+    assert (status(cm, p[0]), node(cm, p[0]).host, status(cm, p[1])) == (HOST, 0, None)
+    assert cm.tree.num_hlru == 1 and cm.stats.dropped == 3
+    finish(cm, "r5")
+    assert run(cm, "r6", H(8)) == [1]  # p[0]'s host block takes H(6, 7)[1]'s d2h
+    (d2h,) = take(cm)
+    assert shape(d2h) == (D2H, [1], [0], ())
+    assert status(cm, p[0]) is None
+
+
 def test_a_waiting_request_matched_again_is_one_use_of_its_blocks() -> None:
     """vLLM asks about a waiting request every step: hits count uses, so the threshold
     of write_through_selective (3 here) is not reached by two requests."""
@@ -582,6 +609,24 @@ def test_write_through_failed_backup_frees_the_host_block() -> None:
     assert (node(cm, a[1]).host, node(cm, a[1]).host_ok) == (-1, False)
     assert cm.host.num_used == 1
     assert [status(cm, h) for h in a] == [DEVICE, DEVICE]
+
+
+def test_write_through_with_fewer_free_host_blocks_backs_up_the_first_blocks() -> None:
+    """One host block for a two-block node: its first block is backed up (the node split
+    there), and survives the device's eviction on host; the rest is dropped."""
+    cm = make(4, 1, WRITE_THROUGH)
+    a = H(1, 2)
+    assert run(cm, "r1", a) == [0, 1]
+    finish(cm, "r1")
+    (op,) = take(cm)
+    assert shape(op) == (BACKUP, [0], [0], ())
+    assert node(cm, a[0]).node is not node(cm, a[1]).node
+    ack(cm, op)
+    assert [(node(cm, h).host, node(cm, h).host_ok) for h in a] == [(0, True), (-1, False)]
+    assert cm.stats.backed_up == 1
+    assert run(cm, "r2", H(3, 4, 5, 6)) == [0, 1, 2, 3]
+    assert take(cm) == []  # a[0] has its copy (metadata only), a[1] is dropped
+    assert (status(cm, a[0]), node(cm, a[0]).host, status(cm, a[1])) == (HOST, 0, None)
 
 
 def test_write_through_selective_backs_up_on_the_second_use() -> None:
@@ -823,6 +868,52 @@ def test_storage_write_after_the_host_copy_commits_and_pins_the_host_block() -> 
     assert status(cm, a[0]) is None
 
 
+def test_a_block_backed_up_again_is_not_written_to_the_store_again() -> None:
+    """A stored block lost its host backup to host pressure and is backed up again: the
+    store has it already, so the new backup brings no second storage write."""
+    cm = make(2, 1, WRITE_THROUGH, storage_write=True)
+    a = H(1)
+    for rid, h, dev in (("r1", a, 0), ("r2", H(2), 1)):
+        assert run(cm, rid, h) == [dev]
+        finish(cm, rid)
+        (backup,) = take(cm)
+        assert shape(backup) == (BACKUP, [dev], [0], ())  # r2's takes a's host block
+        ack(cm, backup)
+        (h2s,) = take(cm)
+        assert shape(h2s) == (H2S, [0], [], tuple(h))
+        ack(cm, h2s)
+    n = node(cm, a[0])
+    assert (n.status, n.host, n.host_ok, n.in_store) == (DEVICE, -1, False, True)
+    assert run(cm, "r3", a) == [0]
+    finish(cm, "r3")
+    (backup,) = take(cm)
+    assert shape(backup) == (BACKUP, [0], [0], ())
+    ack(cm, backup)
+    assert take(cm) == []
+    assert (n.host_ok, n.in_store, cm.stats.stored) == (True, True, 2)
+
+
+def test_a_stored_node_split_by_a_match_is_stored_in_both_pieces() -> None:
+    """A match that ends inside a stored node splits it: the piece put above is as
+    stored as the rest (else it is written again once it leaves the device later)."""
+    cm = make(2, 4, storage_write=True)
+    a = H(1, 2)
+    cached(cm, "r1", a)
+    assert run(cm, "r2", H(3, 4)) == [0, 1]
+    (d2h,) = take(cm)
+    ack(cm, d2h)
+    finish(cm, "r2")
+    (h2s,) = take(cm)
+    assert shape(h2s) == (H2S, [0, 1], [], tuple(a))
+    ack(cm, h2s)
+    assert match(cm, "r3", a[:1]) == Match(0, 1, 0, BS)
+    cm.abort("r3")
+    cm.check_invariants()
+    assert node(cm, a[0]).node is not node(cm, a[1]).node
+    assert [(status(cm, h), node(cm, h).in_store) for h in a] == [(HOST, True), (HOST, True)]
+    assert take(cm) == [] and cm.stats.stored == 2
+
+
 # ================================================================ failures and lifecycle
 
 
@@ -892,6 +983,41 @@ def test_reset_with_ops_in_flight_frees_blocks_on_ack() -> None:
     assert ack(cm, backup) == []
     assert cm.status_counts()["DELETING"] == 0
     assert (cm.device.num_used, cm.host.num_used) == (0, 0)
+
+
+def test_reset_of_a_node_with_two_ops_in_flight_frees_it_after_the_last() -> None:
+    """A host block being written to the store (h2s) and swapped in (h2d) at once: reset
+    makes it DELETING, and its blocks stay allocated until both ops are acked (freed at
+    the first ack, a worker still copies through them while the pools hand them out)."""
+    cm = make(1, 4, storage_write=True)
+    a = H(1)
+    cached(cm, "r1", a)
+    assert run(cm, "r2", H(2)) == [0]
+    (d2h,) = take(cm)
+    ack(cm, d2h)
+    finish(cm, "r2")
+    (h2s,) = take(cm)
+    assert shape(h2s) == (H2S, [0], [], tuple(a))
+    match(cm, "r3", a)
+    assert alloc(cm, "r3", 4) == [0]
+    d2h, h2d = take(cm)
+    assert shape(h2d) == (H2D, [0], [0], ())
+    finish(cm, "r3")
+    ack(cm, d2h)
+    (h2s_b,) = take(cm)  # H(2)'s write
+    assert (node(cm, a[0]).status, node(cm, a[0]).busy) == (SWAP_TO_DEVICE, 2)
+    cm.reset()
+    cm.check_invariants()
+    assert (cm.device.num_used, cm.host.num_used) == (1, 2)
+    ack(cm, h2s)
+    assert cm.status_counts()["DELETING"] == 2
+    assert (cm.device.num_used, cm.host.num_used) == (1, 2)  # the h2d still runs
+    assert cm.device.is_allocated(0) and cm.host.is_allocated(0)
+    ack(cm, h2d)
+    assert (cm.device.num_used, cm.host.num_used) == (0, 1)
+    ack(cm, h2s_b)
+    assert (cm.device.num_used, cm.host.num_used) == (0, 0)
+    assert cm.status_counts()["DELETING"] == 0
 
 
 def test_reset_with_a_d2h_in_flight() -> None:
@@ -1020,6 +1146,31 @@ def test_ops_come_one_per_kind_in_worker_order_with_fresh_ids() -> None:
     assert op.id > h2d.id
 
 
+def test_a_d2h_opened_after_the_steps_h2d_still_runs_first() -> None:
+    """The step's first swap-in needs no eviction (its h2d op opens first); the second
+    evicts device block 0 and swaps into it: the worker must copy block 0 out (d2h)
+    before the h2d overwrites it, whatever order the ops were opened in."""
+    cm = make(2, 4)
+    assert (cached(cm, "r1", H(1)), cached(cm, "r2", H(2)), cached(cm, "r3", H(3))) == (
+        [0], [1], [0])
+    assert run(cm, "r4", H(4)) == [1]  # H(2) -> host 1
+    ack(cm, *take(cm))
+    finish(cm, "r4", 0)  # nothing computed: device block 1 is free again
+    assert [(status(cm, H(i)[0]), node(cm, H(i)[0]).host) for i in (1, 2)] == [
+        (HOST, 0), (HOST, 1)]
+    match(cm, "p", H(1))
+    match(cm, "q", H(2))
+    assert alloc(cm, "p", 4) == [1]  # a free block: no eviction
+    assert alloc(cm, "q", 4) == [0]  # H(3) leaves device 0 (d2h), H(2) comes into it
+    ops = take(cm)
+    assert [shape(op) for op in ops] == [(D2H, [0], [2], ()), (H2D, [0, 1], [1, 0], ())]
+    ack(cm, *ops)
+    finish(cm, "p")
+    finish(cm, "q")
+    assert [(status(cm, H(i)[0]), node(cm, H(i)[0]).dev) for i in (1, 2, 3)] == [
+        (DEVICE, 1), (DEVICE, 0), (HOST, -1)]
+
+
 # ================================================================ tree order
 
 
@@ -1113,6 +1264,29 @@ def test_partial_swap_in_commits_the_first_k() -> None:
     finish(cm, "r3")
     assert [(status(cm, h), node(cm, h).dev, node(cm, h).host) for h in a] == [
         (DEVICE, 0, 0), (DEVICE, 1, 1)]
+
+
+def test_failed_swap_in_of_two_nodes_recomputes_from_the_first() -> None:
+    """One h2d over two held HOST nodes fails whole: the engine recomputes from the first
+    failed block (the lowest depth), not from the second node's."""
+    cm = make(2, 4)
+    a = H(1, 2)
+    cached(cm, "r1", a[:1])
+    assert cached(cm, "r2", a) == [0, 1]        # a[1] a node of its own, under a[0]
+    assert node(cm, a[0]).node is not node(cm, a[1]).node
+    assert cached(cm, "r3", H(9, 8)) == [0, 1]  # a[1] -> host 0, a[0] -> host 1
+    assert match(cm, "r4", a) == Match(0, 2, 0, BS)
+    assert alloc(cm, "r4", 8) == [0, 1]
+    d2h, h2d = take(cm)
+    assert shape(h2d) == (H2D, [1, 0], [0, 1], ())
+    ack(cm, d2h)
+    fail(cm, h2d)
+    assert [(status(cm, h), node(cm, h).dev) for h in a] == [(HOST, -1), (HOST, -1)]
+    assert cm.take_recompute() == {"r4": 0}
+    assert cm.block_table("r4") == [0, 1]
+    finish(cm, "r4")  # both recomputed blocks are attached again
+    assert [(status(cm, h), node(cm, h).dev, node(cm, h).host) for h in a] == [
+        (DEVICE, 0, 1), (DEVICE, 1, 0)]
 
 
 def test_finish_with_extended_hashes_caches_decode_blocks() -> None:
@@ -1296,6 +1470,27 @@ def test_blocks_being_loaded_are_no_storage_hit_for_another_request() -> None:
     assert match(cm, "r2", a) == Match(0, 0, 0, BS)
     assert cm.prefetch("r2") == 0
     assert len(store.queries) == queries  # and no storage round trip was spent on it
+
+
+def test_a_prefetch_of_blocks_another_request_began_loading_since_its_match_loads_none(
+) -> None:
+    """Both requests matched the storage hits before either prefetched: the second's
+    prefetch finds the first block in the tree (being loaded) and loads nothing; one s2h,
+    and the blocks land once, for both to match."""
+    a = H(1, 2)
+    store = Store(*a)
+    cm = make(4, 4, store=store)
+    assert match(cm, "r1", a).num_storage == 2
+    assert match(cm, "r2", a).num_storage == 2
+    assert cm.prefetch("r1") == 2
+    assert cm.prefetch("r2") == 0
+    cm.check_invariants()
+    assert cm.host.num_used == 2
+    (s2h,) = take(cm)
+    assert shape(s2h) == (S2H, [], [0, 1], tuple(a))
+    ack(cm, s2h)
+    assert [status(cm, h) for h in a] == [HOST, HOST]
+    assert match(cm, "r2", a) == Match(0, 2, 0, BS)
 
 
 # ================================================================ events

@@ -159,6 +159,25 @@ def test_a_block_the_host_tier_let_go_is_not_waited_for(clock: Clock) -> None:
     assert cm.num_unstored_blocks == 0 and cm.stats.store_retried == 0
 
 
+def test_a_waiting_block_dropped_with_its_parent_is_not_counted_as_waiting(clock: Clock
+                                                                          ) -> None:
+    """A waiting block goes with its parent, whose d2h failed (the parent's only copy is
+    gone, and the subtree with it): no block waits for its write any more."""
+    cm = make(2, 4)
+    a = H(1, 2)
+    assert push(cm, "r1", a) == []
+    (h2s,) = push(cm, "r2", H(3))  # a[1] leaves the device: its write fails
+    assert h2s.keys == (a[1],)
+    fail(cm, h2s)
+    assert cm.num_unstored_blocks == 1
+    assert run(cm, "r3", H(4)) == [0]  # a[0] leaves the device: its d2h fails
+    (d2h,) = take(cm)
+    assert shape(d2h) == (D2H, [0], [1], ())
+    fail(cm, d2h)
+    assert [h in cm.tree.index for h in a] == [False, False]
+    assert cm.num_unstored_blocks == 0 and cm.host.num_used == 0
+
+
 def test_every_piece_of_a_node_split_while_it_waited_is_written(clock: Clock) -> None:
     cm = make(3, 6)
     a = H(1, 2, 3)
@@ -248,6 +267,32 @@ def test_a_round_writes_a_quarter_of_the_host_pool_and_the_rest_follows(clock: C
     assert rest.keys == (H(3)[0],)
     ack(cm, rest)
     assert cm.num_unstored_blocks == 0 and cm.stats.store_retried == 3
+
+
+def test_a_parent_written_with_its_waiting_child_is_done_waiting(clock: Clock) -> None:
+    """A round's limit is reached by a waiting child and the parent its retry walked up
+    to: the parent, later on the list, stays listed while its write runs; once that write
+    succeeds nothing waits, and no retry is due (an idle engine's pump is not woken for
+    one every backoff, for good)."""
+    cm = make(2, 4)  # a round: one block (then the walk up to the parent)
+    a = H(1, 2)
+    assert push(cm, "r1", a) == []
+    (h2s,) = push(cm, "r2", H(3))  # a[1] leaves the device first
+    assert h2s.keys == (a[1],)
+    fail(cm, h2s)
+    (h2s,) = push(cm, "r3", H(4))  # then a[0]
+    assert h2s.keys == (a[0],)
+    fail(cm, h2s)
+    assert cm.num_unstored_blocks == 2
+    clock.now += 1.0
+    (again,) = take(cm)
+    assert shape(again) == (H2S, [0, 1], [], (a[1], a[0]))
+    ack(cm, again)
+    assert [cm.tree.index[h].in_store for h in a] == [True, True]
+    assert cm.num_unstored_blocks == 0 and not cm.store_retry_due()
+    clock.now += 100.0
+    assert take(cm) == [] and not cm.store_retry_due()
+    assert cm.stats.store_retried == 2
 
 
 def test_a_device_nodes_backup_is_written_once_the_device_lets_it_go(clock: Clock) -> None:

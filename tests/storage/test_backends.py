@@ -78,6 +78,9 @@ def _refused(backend: Backend, damage: str
         bad = raw[:-1] + bytes([raw[-1] ^ 0x01])
     elif damage == "header":
         bad = raw[:30] + bytes([raw[30] ^ 0x80]) + raw[31:]
+    elif damage in ("header-zeros", "header-checksum"):  # only the header checksum sees it
+        i = 44 if damage == "header-zeros" else 60
+        bad = raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1:]
     elif damage == "truncated":
         bad = raw[: HEADER_SIZE + BLOCK // 2]
     elif damage == "header-only":
@@ -101,7 +104,8 @@ def _refused(backend: Backend, damage: str
 
 
 @pytest.mark.parametrize("damage, kind", [
-    ("payload", "corrupt"), ("header", "corrupt"), ("too-long", "corrupt"),
+    ("payload", "corrupt"), ("header", "corrupt"), ("header-zeros", "corrupt"),
+    ("header-checksum", "corrupt"), ("too-long", "corrupt"),
     ("misplaced", "corrupt"), ("truncated", "truncated"), ("header-only", "truncated"),
     ("foreign", "foreign"),
 ])
