@@ -141,3 +141,25 @@ def test_host_hits_stay_host_hits_when_the_prefetch_gets_no_host_block(
     assert _counted(reader) == want
     assert _scraped(reader) == want
     reader.half.request_finished(req)
+
+
+def test_a_prompt_of_whole_blocks_all_in_the_host_pool_leaves_vllm_its_last_token(
+        group: Group) -> None:
+    """A prompt of exactly 8 blocks, all 8 in the host pool: zkv promises all but the last
+    token (vLLM computes at least one, to sample from), and loads every block, the last
+    one too (vLLM recomputes only that token's KV in it)."""
+    group.compute_and_save()
+    half = group.half
+    before = _counted(group)  # (the request that computed DOC)
+    req = group.request()
+    req.prompt_token_ids = req.all_token_ids = list(DOC)
+    req.num_tokens = req.num_prompt_tokens = len(DOC)
+    ext, _ = group.ask_until_matched(req)
+    assert ext == len(DOC) - 1 == 8 * BS - 1
+    blocks = list(range(20, 28))
+    half.update_state_after_alloc(req, blocks, ext)
+    meta = half.build_connector_meta(Group.step(req, blocks, ext))
+    assert (meta.loads, meta.unloaded) == (blocks, [])
+    counted = {tier: n - before[tier] for tier, n in _counted(group).items()}
+    assert counted == {"vllm_local": 0, "zkv_host": 8 * BS - 1, "zkv_store": 0, "computed": 1}
+    half.request_finished(req)

@@ -262,6 +262,21 @@ def test_an_ungated_worker_waits_on_the_fence_before_the_forward() -> None:
             d.close()
 
 
+def test_a_gated_worker_without_a_load_waits_for_the_released_batch() -> None:
+    """Gated, a step without a load: its forward may write a block this step's batch
+    still saves (evicted and reused in the same step), so it starts once that batch, the
+    last one released, was acked; not only the batch before it."""
+    with short_ipc_dir() as folder:
+        w, d = _half(folder, _SlowSaves(), gated=True)
+        try:
+            seq = d.publish([P.Op(0, P.D2H, P.as_ids([4]), P.as_ids([0]))], 0)
+            w.bind(ZkvMetadata(step=1, release_upto=seq))
+            assert w.sidecar.last_seq >= seq, "the forward started while the save still read"
+        finally:
+            w.close()
+            d.close()
+
+
 def test_saves_past_a_timed_out_fence_never_store_what_the_forward_wrote() -> None:
     """Request A finished (its save: device block 5, in batch ``fence``) and vLLM gave
     block 5 to request B; the actor is still inside an earlier save (batch ``busy``) when

@@ -96,6 +96,26 @@ def test_d2h_h2d_round_trip_is_byte_identical(stack: ExitStack, folder: str) -> 
             assert v[8:16].numpy().tobytes() == v[0:8].numpy().tobytes()
 
 
+def test_merged_copies_of_several_ops_move_each_op_to_its_own_blocks(
+        stack: ExitStack, folder: str) -> None:
+    """A batch's ops of one kind go as one merged copy (their ids concatenated): each op's
+    blocks must land where that op says, ops of different sizes and unsorted ids too."""
+    rig = Rig(stack, folder)
+    sc = rig.sidecars[0]
+    keys = _keys(4, salt=3)
+    assert rig.run([P.Op(0, P.FILL, dst=_ids(0, 1, 2, 3), keys=keys)]).ok
+    done = rig.run([P.Op(0, P.D2H, _ids(2), _ids(9)),
+                    P.Op(1, P.D2H, _ids(0, 3, 1), _ids(4, 12, 6))])
+    assert done.results == {0: P.OpResult(0, True, 1), 1: P.OpResult(1, True, 3)}, done
+    for h, key in ((9, keys[2]), (4, keys[0]), (12, keys[3]), (6, keys[1])):
+        got = bytes(rig.cpu.host_block(sc.host_pool, h))
+        assert got == reference.expected_block_bytes(LAYOUT, key, sc.rank), h
+    done = rig.run([P.Op(0, P.H2D, _ids(12, 4), _ids(15, 8), layerwise=True),
+                    P.Op(1, P.H2D, _ids(9), _ids(11), layerwise=True),
+                    P.Op(2, P.CHECK, src=_ids(8, 11, 15), keys=(keys[0], keys[2], keys[3]))])
+    assert done.ok and done.results[2] == P.OpResult(2, True, 3), done
+
+
 def test_check_reports_the_first_mismatch(stack: ExitStack, folder: str) -> None:
     rig = Rig(stack, folder)
     keys = _keys(4)
@@ -106,6 +126,10 @@ def test_check_reports_the_first_mismatch(stack: ExitStack, folder: str) -> None
     res = done.results[0]
     assert (res.ok, res.done) == (False, 2) and "device block 9" in str(res.error)
     assert len(events_named(logs, "worker.copy_failed")) == 1
+    # a mismatch in the last block only is one too (all but one block right is not ok)
+    done = rig.run([P.Op(0, P.CHECK, src=_ids(0, 1, 2, 9), keys=keys)])
+    res = done.results[0]
+    assert (done.ok, res.ok, res.done) == (False, False, 3) and "device block 9" in str(res.error)
 
 
 def test_empty_batches_are_acked_and_mark_every_layer(stack: ExitStack, folder: str) -> None:
@@ -186,6 +210,29 @@ def test_no_layer_is_done_before_the_batch_d2h(stack: ExitStack, folder: str) ->
     be.gate.set()
     sc.wait_layer(seq, 0, timeout=5)
     assert poll_until_done(rig.d, seq)[seq].ok
+
+
+def test_abandon_saves_waits_for_the_running_save_of_the_batch_it_names(
+        stack: ExitStack, folder: str) -> None:
+    """The engine's wait for batch ``seq`` ran out while that batch's own d2h runs:
+    abandon_saves(seq) waits for it (it must not return while the save may still read
+    blocks the forward is about to write), and the save, started before, commits."""
+    be = GatedBackend(kernels.get_backend("cpu"), gate_d2h=True)
+    rig = Rig(stack, folder, backend=be)
+    stack.callback(be.gate.set)
+    sc = rig.sidecars[0]
+    seq = rig.d.publish([P.Op(0, P.D2H, _ids(2), _ids(7))], step=0)
+    assert be.entered.wait(5)  # the save of batch seq runs
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(sc.abandon_saves(seq, timeout=5)),
+                         daemon=True)
+    t.start()
+    wait_until(lambda: sc.actor._gate_waiting == 1, 5, "abandon_saves waiting for the save")
+    assert got == []
+    be.gate.set()
+    t.join(5)
+    assert got == [True]  # quiet: the save ended before the forward went on
+    assert poll_until_done(rig.d, seq)[seq].results == {0: P.OpResult(0, True, 1)}
 
 
 class FailingBackend:

@@ -322,3 +322,48 @@ def test_a_forward_past_an_abandoned_save_waits_for_the_queued_d2h(
     fake.drain_all()
     assert bool((sc.host_pool[5, 1, 1] == 1.0).all()), "the save read the forward's write"
     assert bool((kv[1][1][9] == 7.0).all())
+
+
+def test_a_forward_waits_on_the_queued_copies_of_the_layer_it_waited_for(
+        stack: ExitStack, fake: Any) -> None:
+    """The layer the forward waited for (``wait_layer``) may be issued and not have run: the
+    forward's work on that layer must run after it, through the layer's event. A load's
+    layer (the forward reads what the h2d brings), and any layer of a batch with saves
+    alone (the forward may write a block the d2h still reads: evicted and reused in the
+    same step)."""
+    backend = fake_cuda.cupy_backend()
+    kv = _caches(7)
+    d, sc = _rig(stack, backend, kv=kv)
+    d.wait_for_ranks(10)
+    model = _model_stream(fake, sc)
+    last = LAYOUT.num_layers - 1
+    sc.host_pool[1].fill_(2.0)
+    gate = fake.hold(backend.transfer_stream.ptr, "a long copy")
+    stack.callback(gate.open)
+    load = d.publish([P.Op(0, P.H2D, _ids(1), _ids(6), layerwise=True)], 0)
+    assert holds_within(lambda: sc.actor.counter.is_done(load, last), 10)  # issued, not run
+    seen: list[float] = []
+    sc.wait_layer(load, 1, timeout=1)
+    fake.enqueue(model, lambda: seen.append(float(kv[1][0][6].flatten()[0])),
+                 "the forward reads layer 1 of block 6")
+    fake.drain(model)
+    assert fake.pending(model) and seen == [], "the forward read the layer before its h2d"
+    gate.open()
+    assert poll_until_done(d, load, 10)[load].ok
+    fake.drain_all()
+    assert seen == [2.0]
+
+    kv[1][1][9].fill_(1.0)
+    gate = fake.hold(backend.transfer_stream.ptr, "a long copy")
+    stack.callback(gate.open)
+    save = d.publish([P.Op(0, P.D2H, _ids(9), _ids(5))], 1)
+    assert holds_within(lambda: sc.actor.counter.is_done(save, last), 10)  # issued, not run
+    sc.wait_layer(save, 0, timeout=1)
+    fake.enqueue(model, lambda: kv[1][1][9].fill_(7.0), "the forward writes block 9 anew")
+    fake.drain(model)
+    assert fake.pending(model), "the forward's write ran before the batch's queued d2h"
+    gate.open()
+    assert poll_until_done(d, save, 10)[save].ok
+    fake.drain_all()
+    assert bool((sc.host_pool[5, 1, 1] == 1.0).all()), "the save read the forward's write"
+    assert bool((kv[1][1][9] == 7.0).all())

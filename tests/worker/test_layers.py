@@ -60,11 +60,14 @@ def test_waiter_on_future_seq_wakes_when_marked() -> None:
     c = LayerDoneCounter(2)
     out: list[Any] = []
     t = _waiter(c, 5, 1, out)
+    # blocked in its wait before anything is marked: only a mark's notify can wake it (a
+    # waiter that came later would see the mark at once and prove nothing)
+    wait_until(lambda: c._waiting == 1, 5, "the waiter blocked")
     c.begin(5)
     c.mark(5, 0)
     assert out == []  # layer 1 not yet; the waiter cannot have returned
     c.mark(5, 1)
-    t.join(5)
+    t.join(2)  # well within the waiter's own 5 s timeout
     assert out == ["ok"]
 
 
@@ -78,14 +81,39 @@ def test_mark_all_marks_remaining_layers_with_one_event() -> None:
     assert be.waited == ["ev"] * 4
 
 
+@pytest.mark.parametrize("finish", ["mark_all", "begin_done", "fail"])
+def test_a_blocked_waiter_wakes_when_its_batch_finishes(finish: str) -> None:
+    """A batch without h2d (mark_all), without ops (begin_done) or failed wakes a forward
+    that was already waiting on it (no other call wakes it here), not only one that asks
+    later."""
+    c = LayerDoneCounter(2)
+    out: list[Any] = []
+    t = _waiter(c, 0, 1, out)
+    wait_until(lambda: c._waiting == 1, 5, "the waiter blocked")
+    if finish == "begin_done":
+        c.begin_done(0)
+    elif finish == "mark_all":
+        c.begin(0)
+        c.mark_all(0)
+    else:
+        c.begin(0)
+        c.fail(0, "h2d failed: boom")
+    t.join(2)  # well within the waiter's own 5 s timeout
+    if finish == "fail":
+        assert isinstance(out[0], TransferError) and "boom" in str(out[0])
+    else:
+        assert out == ["ok"]
+
+
 def test_failed_seq_raises_for_present_and_future_waiters() -> None:
     c = LayerDoneCounter(2)
     out: list[Any] = []
     t = _waiter(c, 3, 1, out)
+    wait_until(lambda: c._waiting == 1, 5, "the waiter blocked")
     c.begin(3)
     c.mark(3, 0)
     c.fail(3, "h2d failed: boom")
-    t.join(5)
+    t.join(2)
     assert isinstance(out[0], TransferError) and "boom" in str(out[0])
     with pytest.raises(TransferError, match="batch 3 failed"):
         c.wait_layer(3, 0, timeout=0)  # even a layer that was marked
@@ -100,8 +128,9 @@ def test_close_releases_waiters_on_unfinished_seqs() -> None:
     c.mark_all(0)
     out: list[Any] = []
     t = _waiter(c, 1, 0, out)
+    wait_until(lambda: c._waiting == 1, 5, "the waiter blocked")
     c.close("worker stopped: seq gap")
-    t.join(5)
+    t.join(2)
     assert isinstance(out[0], TransferError) and "seq gap" in str(out[0])
     c.wait_layer(0, 1, timeout=0)  # finished before the close: still fine
 
@@ -138,11 +167,12 @@ def test_many_waiters_many_layers() -> None:
     c = LayerDoneCounter(8)
     outs: list[list[Any]] = [[] for _ in range(8)]
     threads = [_waiter(c, 0, layer, outs[layer]) for layer in range(8)]
+    wait_until(lambda: c._waiting == 8, 5, "every waiter blocked")
     c.begin(0)
     for layer in range(8):
         c.mark(0, layer)
     for t in threads:
-        t.join(5)
+        t.join(2)  # well within the waiters' own 5 s timeout
     assert outs == [["ok"]] * 8
 
 
@@ -152,12 +182,13 @@ def test_failed_layer_and_later_layers_raise_earlier_layers_stay_done() -> None:
     c = LayerDoneCounter(4, be)
     out: list[Any] = []
     t = _waiter(c, 0, 3, out)
+    wait_until(lambda: c._waiting == 1, 5, "the waiter blocked")
     c.begin(0)
     c.mark(0, 0, "e0")
     c.mark(0, 1, "e1")
     c.fail_from(0, 2, "h2d failed: block 5")
     c.mark(0, 2, "e2")  # a late mark never turns a failed layer into a done one
-    t.join(5)
+    t.join(2)
     assert isinstance(out[0], TransferError) and "from layer 2" in str(out[0])
     c.wait_layer(0, 1, timeout=0)
     assert be.waited == ["e1"]

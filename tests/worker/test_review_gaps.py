@@ -51,6 +51,40 @@ def test_an_op_of_several_chunks_is_reported_once_after_its_last_chunk(tmp_path:
         io.close()
 
 
+def test_an_op_is_not_reported_while_its_last_chunk_still_reads(tmp_path: Path) -> None:
+    """An s2h of 5 blocks in chunks of 2: while the last chunk's read hangs (its block file
+    is a FIFO: ``open`` waits), the op is not reported; the blocks not read yet count as
+    done only once read (an early report said ``done == 5`` with block 4 never loaded).
+    Then the read returns (refused: a FIFO is no block file) and the op fails at block 4."""
+    b = TorchCpuBackend()
+    pool = b.allocate_host_pool(LAYOUT)
+    store = LocalDirStore(tmp_path, "ns", rank=0)
+    keys = tuple(bytes([i + 1]) * 16 for i in range(5))
+    src = b.allocate_host_pool(LAYOUT)
+    assert all(store.put_many([pack_key(k, 0) for k in keys[:4]],
+                              [b.host_block(src, i) for i in range(4)]))
+    fifo = store.path(pack_key(keys[4], 0))
+    os.makedirs(os.path.dirname(fifo), exist_ok=True)
+    os.mkfifo(fifo)
+    io = StorageIO(store, 0, b, pool, io_threads=1, chunk_blocks=2)
+    try:
+        _, pending = io.start(0, [P.Op(7, P.S2H, dst=P.as_ids(range(5)), keys=keys)])
+        assert pending == (7,)
+        wait_until(lambda: [(lo, hi) for _, _, lo, hi in io._running.values()] == [(4, 5)],
+                   10, "the last chunk's read to hang")
+        assert io.take_done() == [], "the op was reported before its last chunk ran"
+        with open(fifo, "wb"):  # the read returns
+            pass
+        got: list = []
+        wait_until(lambda: got.extend(io.take_done()) or got, 10, "the op's result")
+        [(seq, [res], left)] = got
+        assert (seq, res.id, res.ok, res.done, left) == (0, 7, False, 4, ())
+    finally:
+        with contextlib.suppress(OSError):  # never leave the I/O thread in open() at close
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        io.close()
+
+
 def test_a_read_hung_on_the_file_system_is_said_once_and_when_it_returns(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real ``file://`` store whose block file is a FIFO: the read hangs in ``open`` as on

@@ -374,3 +374,34 @@ def test_an_abandoned_load_calls_off_the_save_of_its_batch_not_run_yet(
     done = poll_until_done(d, seq)[seq]
     assert [(r.ok, r.done) for r in (done.results[0], done.results[1])] == [(False, 0)] * 2
     assert "abandoned" in str(done.results[0].error), done.results[0]
+
+
+def test_a_rejoin_forgets_the_old_schedulers_release_and_abandoned_saves(
+        stack: ExitStack, folder: str) -> None:
+    """The engine released batches up to 5 of a scheduler that then restarted, and gave up
+    on its saves up to 5. The new scheduler's seqs (and the engine's) start over at 0: its
+    save 0 runs, and its load 1 waits for the engine's release of 1 (with the old release
+    kept, it wrote the KV cache while an earlier forward could still read it)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    stack.callback(ctx.term)
+    pub, pull = endpoints(folder)
+    old = FakeScheduler(ctx, pub, pull)
+    kv = kernels.get_backend("cpu").allocate_device_cache(LAYOUT)
+    sc = Sidecar(kv, layout=LAYOUT, rank=0, pub_endpoint=pub, pull_endpoint=pull,
+                 backend="cpu", heartbeat_interval_s=0.05, gated=True)
+    stack.callback(sc.close)
+    old.wait_ready({0})
+    sc.release(5)
+    assert sc.abandon_saves(5, timeout=1)
+    old.close()  # the scheduler dies ...
+    new = FakeScheduler(ctx, pub, pull)  # ... and comes back
+    stack.callback(new.close)
+    new.wait_ready({0})  # the rank rejoined (its hello)
+    new.send(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.D2H, _ids(2), _ids(3)),))))
+    ack = sc.wait_acked(0, 5)
+    assert ack is not None and ack.results == (P.OpResult(0, True, 1),), ack
+    new.send(P.encode(P.CopyBlocks(1, 1, (P.Op(0, P.FILL, dst=_ids(4), keys=(digest(4),)),))))
+    assert sc.wait_acked(1, 0.3) is None  # held: the engine has not released the new 1
+    sc.release(1)
+    ack = sc.wait_acked(1, 5)
+    assert ack is not None and ack.ok, ack
