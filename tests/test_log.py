@@ -11,6 +11,7 @@ import orjson
 import pytest
 import structlog
 
+from tests.waiting import idle_for
 from zkv import log as zlog
 
 
@@ -135,6 +136,27 @@ def test_a_log_file_rotated_by_rename_is_followed(tmp_path: Path,
     log.info("d.after_truncate")
     assert path.read_bytes().startswith(b'{"') and [r["event"] for r in lines(path)] == [
         "d.after_truncate"]
+
+
+def test_rate_limited_lines_say_how_many_were_held_back(tmp_path: Path) -> None:
+    """At most ``burst`` lines a window; the first line of a later window carries how many
+    were held back meanwhile (``num_suppressed``), and ``flush`` writes the rest as a
+    summary: a flood is counted exactly, never silently lost."""
+    path = tmp_path / "x.jsonl"
+    with zlog.FileLogger(str(path), "scheduler") as log:
+        limited = zlog.RateLimited(log, zlog.ACK_REFUSED, burst=2, window_s=0.3)
+        for i in range(5):
+            limited(i=i)
+        idle_for(0.3)  # the window ends
+        for i in range(5, 8):
+            limited(i=i)
+        limited.flush()
+        limited.flush()  # nothing held back any more: no second summary
+    got = [(r["level"], r.get("i"), r.get("num_suppressed"), r.get("num_total"))
+           for r in lines(path)]
+    assert got == [("error", 0, None, None), ("error", 1, None, None),
+                   ("error", 5, 3, None), ("error", 6, None, None), ("error", None, 1, 8)]
+    assert limited.total == 8
 
 
 def test_a_log_dir_removed_under_the_writer_costs_no_line(tmp_path: Path,

@@ -227,6 +227,26 @@ def test_ack_duplicate_op_ids_refused() -> None:
     _refused(frames, match="duplicate")
 
 
+@pytest.mark.parametrize("pending", [[4], [5, 5], [-1], [True], [5.0], "5", None])
+def test_ack_pending_must_name_distinct_ops_without_a_result(pending: object) -> None:
+    """``pending`` names the ops whose results follow in later acks: an op that already
+    has its result here (or one named twice) would keep the batch waiting on a result
+    that never comes, and no deadline bounds pending storage I/O."""
+    frames = P.encode(P.BlocksCopied(1, 0, True, (P.OpResult(4, True, 1),), pending=(5, 6)))
+    assert P.decode(frames).pending == (5, 6)  # type: ignore[union-attr]
+    hdr = _hdr(frames)
+    hdr["pending"] = pending
+    _refused(_with_hdr(frames, hdr), match="pending")
+
+
+def test_a_batch_over_max_ops_is_refused() -> None:
+    """A batch's ack names every op (a failed one too) and must fit the scheduler's frame
+    limit: a batch of more than MAX_OPS ops is refused (one at the bound decodes)."""
+    ops = tuple(P.Op(i, P.D2H) for i in range(P.MAX_OPS + 1))
+    _refused(P.encode(P.CopyBlocks(0, 0, ops)), match=f"more than {P.MAX_OPS}")
+    assert len(P.decode(P.encode(P.CopyBlocks(0, 0, ops[:-1]))).ops) == P.MAX_OPS  # type: ignore[union-attr]
+
+
 def test_frame_count_mismatch_refused() -> None:
     frames = P.encode(_batch())
     _refused(frames[:-1], match="payload frames")
@@ -365,6 +385,21 @@ def test_peek_seq() -> None:
     assert P.peek_seq([P.T_BATCH]) is None
     assert P.peek_seq([P.T_BATCH, orjson.dumps({"seq": True})]) is None
     assert P.peek_seq([P.T_BATCH, orjson.dumps({"seq": -3})]) is None
+
+
+@pytest.mark.parametrize("ops", [[{"id": 1}, {"id": 1}], [{"id": -1}], [{"id": True}],
+                                 [{"id": 1.0}], [{"kind": "d2h"}], [1], {"id": 1}])
+def test_peek_op_ids_of_a_batch_that_failed_to_decode(ops: object) -> None:
+    """A rank acks a batch it refused as failed, naming the ops it could read: ids that
+    repeat or are no op ids would make that ack malformed in turn (refused by the
+    scheduler, which then waited for the ack deadline), so then it names none."""
+    frames = P.encode(_batch())
+    hdr = _hdr(frames)
+    hdr["v"] = 99  # (refused by decode: peek reads it anyway)
+    assert P.peek_op_ids(_with_hdr(frames, hdr)) == [0, 1, 2, 3, 4, 5, 6]
+    hdr["ops"] = ops
+    assert P.peek_op_ids(_with_hdr(frames, hdr)) == []
+    assert P.peek_op_ids([P.T_BATCH, b"garbage"]) == []
 
 
 def test_as_ids_rejects_2d() -> None:

@@ -394,26 +394,36 @@ class ZapHandler:
         poller.register(self._stop_in, zmq.POLLIN)
         try:
             while True:
-                ready = dict(poller.poll())
+                ready = dict(poller.poll(_ZAP_CHECK_MS))
                 if self._stop_in in ready:
                     return
                 if self._zap in ready:
                     req = self._zap.recv_multipart()
                     self._zap.send_multipart(self._answer(req))
+                elif not ready and self._ended():
+                    self._forget_context()
+                    return
         except zmq.ZMQError as e:  # the context ended under a registered domain (its
             # owner stopped mid-construction, say): end with it. ``ctx.destroy`` closes
             # the sockets under this thread first (ENOTSOCK, not ContextTerminated).
-            if not isinstance(e, zmq.ContextTerminated) and not (
-                    self._zap.closed or self._stop_in.closed or self._ctx.closed):
+            if not isinstance(e, zmq.ContextTerminated) and not self._ended():
                 raise
-            with ZapHandler._lock:
-                if ZapHandler._by_context.get(id(self._ctx)) is self:
-                    del ZapHandler._by_context[id(self._ctx)]
-                self._domains.clear()
-                self._stop_out.close(0)  # (no unregister will use it: it waits for term)
+            self._forget_context()
         finally:
             self._zap.close(0)
             self._stop_in.close(0)
+
+    def _ended(self) -> bool:
+        """Whether the context ended under this thread (``ctx.destroy``: its sockets closed
+        from another thread, which a poll already waiting on them may never notice)."""
+        return self._zap.closed or self._stop_in.closed or self._ctx.closed
+
+    def _forget_context(self) -> None:
+        with ZapHandler._lock:
+            if ZapHandler._by_context.get(id(self._ctx)) is self:
+                del ZapHandler._by_context[id(self._ctx)]
+            self._domains.clear()
+            self._stop_out.close(0)  # (no unregister will use it: it waits for term)
 
     def _answer(self, req: list[bytes]) -> list[bytes]:
         if len(req) < 6:
@@ -433,6 +443,12 @@ class ZapHandler:
         if user is None:
             return [b"1.0", request_id, b"400", reason.encode(), b"", b""]
         return [b"1.0", request_id, b"200", b"OK", user.encode(), b""]
+
+
+#: How often the ZAP thread wakes to look whether its context ended under it: a poll
+#: waiting on sockets that ``ctx.destroy`` closes from another thread may never return
+#: (the thread stayed, and its handler stayed registered under a dead context's id).
+_ZAP_CHECK_MS = 100
 
 
 def _bind_when_free(sock: zmq.Socket[Any], endpoint: str, timeout_s: float = 2.0) -> None:

@@ -123,3 +123,34 @@ def test_a_restarted_writer_does_not_glue_its_first_line_to_a_cut_one(tmp_path: 
     run(1)  # restarted, the limit gone
     last = orjson.loads(path.read_bytes().splitlines()[-1])
     assert last["event"] == zlog.WORKER_STARTED
+
+
+_CUT = """
+import resource, sys
+from zkv import log as zlog
+_, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+f = zlog.LineFile(sys.argv[1])
+for i in range(100):  # until a line is cut at the limit
+    f.write('{"event":"x","i":%d,"pad":"%s"}\\n' % (i, "y" * 80))
+    if f.num_dropped:
+        break
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # room again
+f.write('{"event":"after"}\\n')
+f.close()
+"""
+
+
+def test_a_line_cut_at_a_size_limit_is_ended_before_the_next_one(tmp_path: Path) -> None:
+    """A write cut short mid-line (the size limit hit) leaves half a line; once there is
+    room again, the writer's next line starts on a line of its own instead of being glued
+    to the cut one (both lost to a reader)."""
+    path = tmp_path / "w.jsonl"
+    r = subprocess.run([sys.executable, "-c", _CUT, str(path)], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "cannot write log file" in r.stderr
+    *whole, cut, last = path.read_bytes().split(b"\n")[:-1]
+    assert len(whole) >= 5 and [orjson.loads(x)["i"] for x in whole] == list(range(len(whole)))
+    assert cut and cut.startswith(b'{"event":"x"') and not cut.endswith(b"}")
+    assert orjson.loads(last) == {"event": "after"}

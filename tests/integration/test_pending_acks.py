@@ -11,6 +11,7 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
+from tests.waiting import wait_until
 from tests.worker.helpers import (
     FakeRank,
     endpoints,
@@ -76,6 +77,27 @@ def test_batches_complete_out_of_seq_order(group: tuple[Dispatcher, list[FakeRan
     for r in ranks:
         ack(r, first, (P.OpResult(1, True, 3),))
     assert poll_until_done(d, first)[first].results == {1: P.OpResult(1, True, 3)}
+
+
+def test_pending_io_reported_one_op_at_a_time(group: tuple[Dispatcher, list[FakeRank]]) -> None:
+    """A rank may report its pending storage ops in several follow-ups: the batch waits
+    for the last one's result, not only for the first follow-up."""
+    d, ranks = group
+    save = P.Op(2, P.H2S, src=P.as_ids([7]), keys=(b"d" * 16,))
+    seq = d.publish([COPY, LOAD, save], 0)
+    n, got = d.num_received, []
+    for r in ranks:
+        r.recv_batch()
+        ack(r, seq, (P.OpResult(0, True, 2),), pending=(1, 2))
+        ack(r, seq, (P.OpResult(1, True, 3),))  # op 2 still pending
+    wait_until(lambda: d.num_received == n + 4, what="the acks",
+               step=lambda: got.extend(d.poll(0.01)))
+    assert got == [] and d.in_flight == 1
+    ack(ranks[0], seq, (P.OpResult(2, False, 0, "h2s: store full"),))
+    ack(ranks[1], seq, (P.OpResult(2, True, 1),))
+    done = poll_until_done(d, seq)[seq]
+    assert done.results == {0: P.OpResult(0, True, 2), 1: P.OpResult(1, True, 3),
+                            2: P.OpResult(2, False, 0, "rank 0: h2s: store full")}
 
 
 def test_bad_follow_ups_are_refused(group: tuple[Dispatcher, list[FakeRank]]) -> None:

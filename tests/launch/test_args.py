@@ -23,6 +23,7 @@ from launch.zkvrun import (
     run,
     scheduler_env,
 )
+from zkv.security import Keyring
 
 EP = Endpoints("ipc:///x/pub", "ipc:///x/pull")
 
@@ -137,6 +138,32 @@ def test_rank_env_multi_node() -> None:
     assert "RANK" not in s and "LOCAL_RANK" not in s and s["ZKV_ROLE"] == "scheduler"
     assert make_endpoints(LaunchConfig(nnodes=2, master_addr="::1", insecure_tcp=True)).pub == \
         "tcp://[::1]:29511"
+
+
+def test_keys_and_flags_this_run_did_not_give_are_not_inherited() -> None:
+    """``ZKV_KEYS`` / ``ZKV_INSECURE`` / ``ZKV_ALLOW_REMOTE`` left in zkvrun's own
+    environment (a shell that ran another group) never reach its children: only what this
+    run's flags and keyring say."""
+    stale = {"ZKV_KEYS": "/old/keys", "ZKV_INSECURE": "1", "ZKV_ALLOW_REMOTE": "1"}
+    tcp = ("tcp://10.0.0.1:29511", "tcp://10.0.0.1:29512")
+    cfg = LaunchConfig(nnodes=2, node_rank=1, master_addr="10.0.0.1", keys="/k")
+    ep = Endpoints(*tcp, keys="/k")
+    for env in (rank_env(cfg, 0, ep, base_env=stale), scheduler_env(cfg, ep, base_env=stale)):
+        assert (env["ZKV_KEYS"], env.get("ZKV_INSECURE"), env.get("ZKV_ALLOW_REMOTE")) == \
+            ("/k", None, None)
+    insecure = LaunchConfig(nnodes=2, node_rank=1, master_addr="10.0.0.1", insecure_tcp=True)
+    env = rank_env(insecure, 0, Endpoints(*tcp), base_env=stale)
+    assert (env.get("ZKV_KEYS"), env["ZKV_INSECURE"], env.get("ZKV_ALLOW_REMOTE")) == \
+        (None, "1", None)
+
+
+def test_a_keyring_for_another_world_size_is_refused(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = Keyring.generate(2).save(str(tmp_path / "keys"))
+    cfg = LaunchConfig(nproc_per_node=3, keys=path, log_dir=str(tmp_path / "logs"))
+    assert run(cfg, ["never_started.py"], None) == 2
+    assert capsys.readouterr().err == (f"zkvrun: error: --keys {path} has keys for 2 ranks, "
+                                       "this job has WORLD_SIZE=3\n")
 
 
 def test_config_checks() -> None:

@@ -305,6 +305,20 @@ def test_scheduler_failure_exits_with_its_code(tmp_path: Path) -> None:
     assert pid_gone(json.loads((tmp_path / "env-0.json").read_text())["pid"])
 
 
+def test_a_scheduler_killed_by_a_signal_fails_the_run_with_1(tmp_path: Path) -> None:
+    """Its negative code (-9) is no exit status: zkvrun exits 1 (a failure), not 247."""
+    worker = script(tmp_path, "worker.py", WRITE_ENV + "park()\n")
+    code = ('import os,signal\n'
+            'from tests.waiting import wait_until\n'
+            'wait_until(lambda: os.path.exists(os.environ["T_OUT"]+"/env-0.json"), 20)\n'
+            'os.kill(os.getpid(), signal.SIGKILL)')
+    r = run_zkvrun(tmp_path, "--log-dir", str(tmp_path / "logs"),
+                   "--scheduler", f"-c '{code}'", worker)
+    assert r.returncode == 1, r.stderr
+    assert "exited with code -9 (SIGKILL); tearing down 1 processes" in r.stderr
+    assert pid_gone(json.loads((tmp_path / "env-0.json").read_text())["pid"])
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_is_forwarded_to_every_child(tmp_path: Path, sig: signal.Signals) -> None:
     body = 'record_signal(TAG)\nput("ready-" + TAG, "")\npark()\n'

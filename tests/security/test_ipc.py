@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,10 @@ def test_socket_directory_must_be_private(folder: str) -> None:
     os.chmod(folder, 0o755)
     with pytest.raises(ConfigError, match="mode 755; it must be 700"):
         Dispatcher(f"ipc://{folder}/pub", f"ipc://{folder}/pull", 1, FP)
+    for mode in (0o750, 0o710, 0o701):  # the group's bits count as much as the others'
+        os.chmod(folder, mode)
+        with pytest.raises(ConfigError, match=f"mode {mode:o}; it must be 700"):
+            security.check_private_dir(folder)
     os.chmod(folder, 0o700)
     link = folder + "-link"
     os.symlink(folder, link)
@@ -89,6 +95,40 @@ def _as_nobody(body: Any) -> int:
 
 
 @needs_root
+def test_stale_run_dirs_are_those_whose_owner_is_gone(tmp_path: Path) -> None:
+    """``clean_stale_runs`` removes a run directory whose owner process is gone, also when
+    its pid names another process now (a different start time: the pid was reused after
+    a SIGKILLed launcher); it keeps a live owner's, and never touches a directory it did
+    not make (another name: an engine's own, say), whatever its owner file says."""
+    base = str(tmp_path)
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True, timeout=60)
+    dead, ppid = int(child.stdout), os.getppid()  # (reaped: gone)
+
+    def run_dir(owner: str, name: str | None = None) -> str:
+        path = security.make_run_dir(base)
+        if name is not None:
+            os.rename(path, os.path.join(os.path.dirname(path), name))
+            path = os.path.join(os.path.dirname(path), name)
+        Path(path, "owner").write_text(owner)
+        return path
+
+    mine = security.make_run_dir(base)
+    live = run_dir(f"{ppid} {security._start_time(ppid)}\n")
+    gone = run_dir(f"{dead} 1\n")
+    reused = run_dir(f"{ppid} 1\n")
+    other = run_dir(f"{dead} 1\n", name="engine-1234")
+    starting = run_dir("")  # no owner yet: one starting now, kept ...
+    failed = run_dir("")  # ... but not one that no process claimed for an hour
+    for path in (starting, failed):
+        os.unlink(os.path.join(path, "owner"))
+    old = time.time() - security.UNCLAIMED_STALE_S - 60
+    os.utime(failed, (old, old))
+    assert sorted(security.clean_stale_runs(base)) == sorted([gone, reused, failed])
+    assert [os.path.isdir(p) for p in (mine, live, gone, reused, other, starting, failed)] \
+        == [True, True, False, False, True, True, False]
+
+
 def test_another_user_cannot_reach_the_socket_files(folder: str) -> None:
     d = Dispatcher(f"ipc://{folder}/pub", f"ipc://{folder}/pull", 1, FP)
     try:

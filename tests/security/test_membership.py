@@ -13,7 +13,7 @@ import zmq
 from structlog.testing import capture_logs
 
 from tests.security.test_curve import FP, _endpoints, _poll_until, group, keyring, transport
-from tests.waiting import wait_until
+from tests.waiting import holds_within, wait_until
 from tests.worker.helpers import FakeRank, events_named, poll_for, poll_until_done
 from zkv import log as ev
 from zkv import protocol as P
@@ -108,6 +108,44 @@ def test_a_process_replaced_before_the_start_is_told_to_stop(
         b.ack(b.recv_batch(), {0: failed})
         done = poll_until_done(d, seq)[seq]
         assert not done.ok and done.results[0].error == f"rank 0: {failed.error}"
+    finally:
+        d.close(shutdown=False)
+        a.close()
+        b.close()
+
+
+def test_a_replaced_process_neither_keeps_the_rank_alive_nor_loses_it(
+        ctx: zmq.Context[Any], transport: str, folder: str) -> None:
+    """The older process of a rank (replaced before the start, told to stop) may still
+    send with the rank's key: neither its bye nor its subscriber going away (it stops, as
+    told) may end the rank's place, nor its heartbeats stand in for the joined process's
+    (a frozen rank would never be declared lost)."""
+    kr = Keyring.generate(1)
+    d = Dispatcher(*_endpoints(transport, folder), 1, FP, context=ctx, keys=kr,
+                   heartbeat_timeout_s=1.0)
+    a = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 0, FP, pid=111, keys=kr.for_rank(0))
+    b = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 0, FP, pid=222, keys=kr.for_rank(0))
+    try:
+        a.join()
+        _poll_until(d, lambda: d._ranks[0].joined_pid == 111, "A to join")
+        b.join()
+        _poll_until(d, lambda: d._ranks[0].joined_pid == 222, "B to join in A's place")
+        d.wait_for_ranks(10)
+        b_beats = lambda: (b.heartbeat(), d.poll(0.02))  # noqa: E731
+        before = d.refusals()["malformed"]
+        a.send(P.Bye(0, 111, "the replaced process stops"))
+        a.send_raw([P.T_BYE, b"{}"])  # counted: A's bye (sent before it) was read then
+        wait_until(lambda: d.refusals()["malformed"] == before + 1, what="A's messages",
+                   step=b_beats)
+        a.sub.close(0)  # the XPUB reports the unsubscription of A's ready marker
+        assert not holds_within(lambda: 0 in d.lost_ranks, 0.5, step=b_beats)
+        seq = d.publish([P.Op(0, P.D2H, P.as_ids([1]), P.as_ids([1]))], step=0)
+        b.ack(b.recv_batch())
+        assert poll_until_done(d, seq)[seq].ok
+        # B goes silent; A beats on: rank 0 is lost at B's heartbeat timeout all the same
+        wait_until(lambda: 0 in d.lost_ranks, timeout=5, what="rank 0 lost",
+                   step=lambda: (a.heartbeat(99), d.poll(0.05)))
+        assert "no heartbeat" in d._lost[0]
     finally:
         d.close(shutdown=False)
         a.close()
