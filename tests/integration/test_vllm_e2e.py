@@ -196,8 +196,14 @@ def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa
     z = _last(zkv_tp1)
     assert z["disabled"] is None and z["failed_load_blocks"] == 0
     assert z["vllm_local_tokens"] > 0, "vLLM's own prefix cache should hit"
-    assert z["zkv_host_tokens"] > 2_000, "zkv's host tier should serve evicted documents"
+    # (1,760 here since a request whose L3 read vLLM's own cache covers no longer waits
+    # for it: vLLM keeps more of its own hits, 7,104 against 4,736, and zkv's host fewer)
+    assert z["zkv_host_tokens"] > 1_000, "zkv's host tier should serve evicted documents"
     assert z["zkv_store_tokens"] > 5_000, "zkv's L3 should serve what the host tier dropped"
+    # Every full block of the 20 repeated documents (37 blocks of 32 tokens each) comes from
+    # a cache, but for a few (23,680 here; 22,624 before that change: 33 blocks recomputed)
+    reused = z["vllm_local_tokens"] + z["zkv_host_tokens"] + z["zkv_store_tokens"]
+    assert 0.95 * 20 * 37 * 32 <= reused <= 20 * 37 * 32, z
     assert z["saved_blocks"] > 300 and z["cm_evicted_host"] > 0
     assert z["requests"] == 30 and z["cm_failed_ops"] == 0
     lines = [x for x in zkv_tp1["metrics"].splitlines() if x.startswith("zkv:prompt_tokens_total{")]
