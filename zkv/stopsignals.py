@@ -69,17 +69,14 @@ def atomic(make: Callable[[], T], undo: Callable[[T], object],
     when it is done, after ``undo`` of what it made. A ZeroMQ socket a signal caught inside
     ``ctx.socket()`` (made, not yet known to the context, held by the traceback) was closed
     by no one, and ``ctx.term()`` waited for it forever: a signalled ``zkv soak`` hung."""
-    got: list[int] = []
     made: list[T] = []
-    previous = _record(signals, got)
     try:
-        made.append(make())
-    finally:
-        _restore(previous)
-        if got:
-            if made:
-                undo(made[0])
-            signal.raise_signal(got[0])
+        with deferred(signals):
+            made.append(make())
+    except BaseException:  # (the signal, raised as ``deferred`` ends)
+        if made:
+            undo(made[0])
+        raise
     return made[0]
 
 
