@@ -353,21 +353,37 @@ class _Group:
     def teardown(self, sig: int) -> None:
         """Send ``sig`` to every live child's group, wait up to grace, SIGKILL the rest.
 
+        The scheduler node is signalled first and alone, for up to half the grace period:
+        its own stop sends the ranks Shutdown, which they obey (status 0). Signalled with
+        it, a rank could say bye before the node, not yet run, took its own signal, and the
+        node failed the run for a lost rank ("rank 0 is dead: ... it said bye: sighup")
+        instead of stopping as signalled. The ranks still alive then get ``sig`` too.
         Another signal to zkvrun during the wait skips the rest of the grace period.
         """
         num_signals = len(self.signals)
-        for child in self._live():
-            _killpg(child.pid, sig)
         deadline = time.monotonic() + self.config.grace_s
-        while (self._poll_live() and time.monotonic() < deadline
+        live = self._live()
+        first = [c for c in live if c.role == SCHEDULER] if len(live) > 1 else []
+        for child in first:
+            _killpg(child.pid, sig)
+        half = time.monotonic() + self.config.grace_s / 2
+        while (first and self._poll_live(first) and time.monotonic() < half
+               and len(self.signals) == num_signals):
+            self._pause()
+        for child in self._live():
+            if child not in first:  # (once: a second signal would cut the node's own stop)
+                _killpg(child.pid, sig)
+        while (self._poll_live(self._live()) and time.monotonic() < deadline
                and len(self.signals) == num_signals):
             self._pause()
         self.kill_all()
 
-    def _poll_live(self) -> bool:
-        """Reap the children that exited; True while some are still running."""
+    def _poll_live(self, children: list[_Child]) -> bool:
+        """Reap those of ``children`` that exited; True while some are still running."""
         running = False
-        for child in self._live():
+        for child in children:
+            if not child.alive():
+                continue
             code = child.proc.poll() if child.proc else None
             if code is None:
                 running = True

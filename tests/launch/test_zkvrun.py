@@ -55,6 +55,7 @@ def record_signal(tag):
         sys.exit(0)
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGHUP, handler)
 '''
 
 
@@ -319,13 +320,11 @@ def test_a_scheduler_killed_by_a_signal_fails_the_run_with_1(tmp_path: Path) -> 
     assert pid_gone(json.loads((tmp_path / "env-0.json").read_text())["pid"])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_is_forwarded_to_every_child(tmp_path: Path, sig: signal.Signals) -> None:
-    body = 'record_signal(TAG)\nput("ready-" + TAG, "")\npark()\n'
-    worker = script(tmp_path, "worker.py", "TAG = RANK\n" + body)
-    sched = script(tmp_path, "sched.py", 'TAG = "sched"\n' + body)
+def _signal_a_group(tmp_path: Path, sched: str, worker: str, sig: int, *flags: str) -> str:
+    """zkvrun with a scheduler node and 2 ranks, ``sig`` sent to it once all three are
+    ready; its stderr (its status in the test's ``assert``: the returned process)."""
     with subprocess.Popen(zkvrun_cmd("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
-                                     "--scheduler", sched, worker),
+                                     *flags, "--scheduler", sched, worker),
                           env=env_for(tmp_path), cwd=tmp_path, stderr=subprocess.PIPE,
                           text=True) as p:
         try:
@@ -334,10 +333,62 @@ def test_signal_is_forwarded_to_every_child(tmp_path: Path, sig: signal.Signals)
             _, err = p.communicate(timeout=TIMEOUT_S)
         finally:
             p.kill()
-    assert p.returncode == 128 + sig
+    assert p.returncode == 128 + sig, err
+    return err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_is_forwarded_to_every_child(tmp_path: Path, sig: signal.Signals) -> None:
+    body = 'record_signal(TAG)\nput("ready-" + TAG, "")\npark()\n'
+    worker = script(tmp_path, "worker.py", "TAG = RANK\n" + body)
+    sched = script(tmp_path, "sched.py", 'TAG = "sched"\n' + body)
+    err = _signal_a_group(tmp_path, sched, worker, sig)
     assert f"zkvrun: got {sig.name}; forwarding to 3 processes" in err
     for tag in ("0", "1", "sched"):
         assert (tmp_path / f"sig-{tag}").read_text() == str(int(sig))
+
+
+RECORDING_RANK = 'record_signal(RANK)\nput("ready-" + RANK, "")\npark()\n'
+
+
+def test_the_scheduler_is_signalled_before_the_ranks(tmp_path: Path) -> None:
+    """A forwarded signal reaches the scheduler node alone first: its stop sends the ranks
+    Shutdown. Signalled with it, a rank said bye before the node, not yet run on a busy
+    machine, took its own signal, and ``zkv replay`` failed for a lost rank ("rank 0 is dead:
+    ... it said bye: sighup") instead of stopping (the CI failure of bd02add). Here the node
+    watches for a second after its signal: no rank may have been signalled meanwhile."""
+    worker = script(tmp_path, "worker.py", RECORDING_RANK)
+    sched = script(tmp_path, "sched.py", r'''
+from tests.waiting import holds_within
+def handler(signum, frame):
+    put("sig-sched", str(signum))
+    early = holds_within(lambda: any(os.path.exists(os.path.join(OUT, f"sig-{r}")) for r in "01"),
+                         1.0)
+    put("ranks-signalled-early", str(early))
+    sys.exit(0)
+signal.signal(signal.SIGHUP, handler)
+put("ready-sched", "")
+park()
+''')
+    _signal_a_group(tmp_path, sched, worker, signal.SIGHUP)
+    assert (tmp_path / "ranks-signalled-early").read_text() == "False"
+    for tag in ("0", "1", "sched"):  # the ranks still got it, once the node had stopped
+        assert (tmp_path / f"sig-{tag}").read_text() == str(int(signal.SIGHUP))
+
+
+def test_a_scheduler_that_ignores_the_signal_holds_the_ranks_half_the_grace(
+        tmp_path: Path) -> None:
+    """A node that does not stop on the signal: the ranks get it after half the grace
+    period, and the node is SIGKILLed at its end."""
+    worker = script(tmp_path, "worker.py", RECORDING_RANK)
+    sched = script(tmp_path, "sched.py", 'signal.signal(signal.SIGTERM, signal.SIG_IGN)\n'
+                                         'put("ready-sched", "")\npark()\n')
+    _signal_a_group(tmp_path, sched, worker, signal.SIGTERM, "--grace-s", "2")
+    for tag in ("0", "1"):
+        assert (tmp_path / f"sig-{tag}").read_text() == str(int(signal.SIGTERM))
+    codes = {e.get("rank", "scheduler"): e["code"] for e in events(tmp_path / "logs")
+             if e["event"] in (zlog.RANK_EXITED, zlog.SCHEDULER_EXITED)}
+    assert codes == {"scheduler": -9, 0: 0, 1: 0}, codes
 
 
 def test_second_signal_skips_the_grace_period(tmp_path: Path) -> None:

@@ -220,3 +220,41 @@ def test_a_stop_signal_while_the_store_opens_stops_the_actor_that_closes_it(
              .splitlines()]
     stopped = [e for e in lines if e["event"] == "worker.stopped"]
     assert len(stopped) == 1 and stopped[0]["reason"] == "sigterm", stopped
+
+
+def test_a_stop_signal_while_the_rank_exits_leaves_its_status(tmp_path: Path) -> None:
+    """zkvrun forwards a stop signal to the ranks once the scheduler node stopped, while the
+    ranks may be exiting on its Shutdown. Python's exit puts its handlers back to the
+    defaults before the modules are torn down, so a SIGHUP there ended a rank that had
+    stopped in order as "code -1 (SIGHUP)" (the node's SIGHUP test saw ranks -1, not 0).
+    Here the rank stops on its scheduler timeout (5), and an object torn down with the
+    script's globals sends it a SIGHUP: still 5."""
+    code = ("import os, runpy, signal\n"
+            "class SignalOnTeardown:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGHUP)  # (delivered before kill returns)\n"
+            "late = SignalOnTeardown()\n"
+            "runpy.run_module('zkv.worker', run_name='__main__', alter_sys=True)\n")
+    _exits_on_the_scheduler_timeout(tmp_path, code)
+
+
+def test_the_rank_leaves_no_thread_that_frees_its_cache_during_the_exit(tmp_path: Path) -> None:
+    """When ``main`` returns, no other thread is left: the parent watcher held the actor,
+    and when it let go after Python's exit had begun, freeing a tensor there ended that
+    thread with a forced unwind through torch's C++ frames: "terminate called without an
+    active exception", status -6 (SIGABRT), about one exit in twenty here (gdb's stack:
+    the watcher's argument tuple freeing the actor's tensors in ``take_gil``)."""
+    code = ("import threading, zkv.worker.__main__ as m\n"
+            "code = m.main()\n"
+            "others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]\n"
+            "assert others == [], others\n"
+            "raise SystemExit(code)\n")
+    _exits_on_the_scheduler_timeout(tmp_path, code)
+
+
+def _exits_on_the_scheduler_timeout(tmp_path: Path, code: str) -> None:
+    """Python ``code`` run as rank 1 with no scheduler and a 0.5 s timeout: status 5."""
+    env = rank_env(tmp_path, ZKV_SCHEDULER_TIMEOUT_S="0.5")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 5, (r.returncode, r.stderr[-2000:])
