@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import orjson
 import pytest
@@ -183,6 +185,17 @@ def test_control_field_types_refused(msg: P.Message, field: str, value: object) 
 def test_refused_reason_is_cut_to_its_bound() -> None:
     msg = P.decode(P.encode(P.Refused(2, 7, "y" * (3 * P.MAX_REASON_CHARS))))
     assert msg == P.Refused(2, 7, "y" * P.MAX_REASON_CHARS)
+
+
+@pytest.mark.parametrize("make", [lambda r: P.Bye(2, 7, r), lambda r: P.Shutdown(r),
+                                  lambda r: P.Refused(2, 7, r)])
+def test_a_reason_with_a_lone_surrogate_is_sent_escaped(make: Callable[[str], P.Message]) -> None:
+    """A reason naming a file whose name is not UTF-8 (Python decodes its bytes to lone
+    surrogates): the message encodes, the surrogate written as its escape, other non-ASCII
+    kept. Before, orjson refused it and ``encode`` raised: a rank stopping with such a
+    reason skipped the rest of its close."""
+    msg = P.decode(P.encode(make("no /tmp/\udcff-é")))
+    assert msg == make("no /tmp/\\udcff-é")
 
 
 def test_an_ack_of_a_full_failed_batch_fits_the_schedulers_frame_limit() -> None:

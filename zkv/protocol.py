@@ -292,14 +292,14 @@ def encode(msg: Message) -> list[bytes]:
         return [T_HEARTBEAT, orjson.dumps(hdr)]
     if isinstance(msg, Bye):
         hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid,
-               "reason": msg.reason[:MAX_REASON_CHARS]}
+               "reason": _reason_text(msg.reason)}
         return [T_BYE, orjson.dumps(hdr)]
     if isinstance(msg, Shutdown):
         return [T_SHUTDOWN, orjson.dumps({"v": PROTOCOL_VERSION,
-                                          "reason": msg.reason[:MAX_REASON_CHARS]})]
+                                          "reason": _reason_text(msg.reason)})]
     if isinstance(msg, Refused):
         hdr = {"v": PROTOCOL_VERSION, "rank": msg.rank, "pid": msg.pid,
-               "reason": msg.reason[:MAX_REASON_CHARS]}
+               "reason": _reason_text(msg.reason)}
         return [T_REFUSED, orjson.dumps(hdr)]
     raise TypeError(f"not a zkv message: {type(msg).__name__}")
 
@@ -311,6 +311,15 @@ def _result_headers(results: Sequence[OpResult]) -> list[dict[str, Any]]:
     cap = min(MAX_ERROR_CHARS, MAX_ACK_ERROR_CHARS // max(1, num_errors))
     return [{"id": r.id, "ok": r.ok, "done": r.done,
              "error": None if r.error is None else _cut(r.error, cap)} for r in results]
+
+
+def _reason_text(reason: str) -> str:
+    """A bye's, shutdown's or refusal's reason as JSON can carry it: cut to
+    ``MAX_REASON_CHARS``, a lone surrogate (a file name's undecodable byte, as Python
+    decodes it) written as its escape. (orjson refused it: the encode raised, and a rank
+    stopping with such a reason skipped the rest of its close.)"""
+    reason = reason[:MAX_REASON_CHARS]
+    return reason if reason.isascii() else reason.encode("utf-8", "backslashreplace").decode()
 
 
 def _cut(error: str, cap: int) -> str:

@@ -437,6 +437,29 @@ def test_close_publishes_shutdown(ctx: zmq.Context[Any], eps: tuple[str, str]) -
         d.close()  # idempotent
 
 
+def test_close_waits_for_the_joined_process_bye_not_an_old_ones(
+        ctx: zmq.Context[Any], eps: tuple[str, str]) -> None:
+    """A bye with another pid than the joined process's (an old process of that rank, still
+    connected) does not end close's wait for byes: the joined process may not have read the
+    Shutdown yet, and closing with linger 0 could drop it. Before, the old process's bye
+    ended the wait at once."""
+    import threading
+
+    with joined_fakes(ctx, eps, 1, FP) as (d, (r,)):
+        old = FakeRank(ctx, *eps, 0, FP, pid=4242)
+        try:
+            old.send(P.Bye(0, 4242, "sigterm"))
+            closer = threading.Thread(target=d.close, kwargs={"timeout_s": 20})
+            closer.start()
+            assert r.recv() == P.Shutdown("scheduler closed")
+            assert not holds_within(lambda: not closer.is_alive(), 1.0), "did not wait"
+            r.send(P.Bye(0, r.pid, "shutdown"))
+            closer.join(10)
+            assert not closer.is_alive()
+        finally:
+            old.close()
+
+
 def test_from_env_names_a_missing_endpoint() -> None:
     with pytest.raises(ConfigError, match="ZKV_PULL_ENDPOINT is not set .zkvrun sets it"):
         Dispatcher.from_env(1, FP, env={"ZKV_PUB_ENDPOINT": "ipc:///nowhere"})

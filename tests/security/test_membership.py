@@ -288,3 +288,18 @@ def test_an_ack_naming_many_ops_the_batch_lacks_logs_a_short_line(
     r0.ack(b0)
     r1.ack(b1)
     assert poll_until_done(d, seq)[seq].ok
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1"])
+def test_a_layout_field_of_another_json_type_differs(value: object) -> None:
+    """A hello whose layout says ``"world_size": true`` (or 1.0, "1") does not fit a world
+    of 1: JSON's true and 1.0 equal Python's 1, and such a layout was taken as the same."""
+    from zkv.config import CacheLayout
+    from zkv.scheduler.membership import layout_diff
+
+    layout = CacheLayout(2, 2, 16, 32, "float16", 16, 16, world_size=1)
+    theirs = orjson.loads(layout.to_json())
+    assert layout_diff(layout, orjson.dumps(theirs).decode()) is None
+    theirs["world_size"] = value
+    assert layout_diff(layout, orjson.dumps(theirs).decode()) == (
+        f"layout differs: world_size: rank has {value!r}, scheduler has 1")

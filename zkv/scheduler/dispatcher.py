@@ -782,9 +782,10 @@ class Dispatcher:
                 msg = P.decode(frames)
             except (zmq.Again, ProtocolError):
                 continue
-            if not isinstance(msg, P.Bye) or msg.rank >= self.world_size:
+            if not isinstance(msg, P.Bye) or msg.rank not in waiting:
                 continue
-            if copy or self._sender(frames[0]) == msg.rank:
+            if (copy or self._sender(frames[0]) == msg.rank) and (
+                    msg.pid == self._ranks[msg.rank].joined_pid):  # (not an old process's)
                 waiting.discard(msg.rank)
 
 def _tag(frames: Sequence[Any]) -> str:

@@ -306,7 +306,9 @@ def layout_diff(layout: CacheLayout, geometry: str) -> str | None:
     if not isinstance(theirs, dict):
         return "its layout description is not a JSON object"
     ours = asdict(layout)
+    # (the type too: JSON's true or 1.0 equals Python's 1, and a world_size of true fitted)
     diffs = [f"{k}: rank has {theirs.get(k, '(missing)')!r}, scheduler has {v!r}"
-             for k, v in ours.items() if theirs.get(k, object()) != v]
+             for k, v in ours.items() if theirs.get(k, object()) != v
+             or type(theirs[k]) is not type(v)]
     diffs += [f"{k}: unknown field" for k in theirs.keys() - ours.keys()]
     return "layout differs: " + "; ".join(diffs) if diffs else None
