@@ -383,6 +383,10 @@ def node_main(args: argparse.Namespace) -> int:
     except (RankLost, TimeoutError) as e:
         print(f"zkv replay: failed: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except StateCheckFailed as e:
+        print(f"zkv replay: failed: the scheduler's state check at the end: {e}",
+              file=sys.stderr, flush=True)
+        return EXIT_FAILED
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -432,14 +436,16 @@ def _serve(args: argparse.Namespace) -> int:
         s = rp.run(workload)
     finally:  # (a signal now, zkvrun's teardown, is acted on once the metrics are written)
         with stopsignals.deferred():
-            _check_pools(cm, rp)
-            cm.flush_logs()
-            dp.close()
-            if store is not None:
-                store.close()
-            if server is not None:
-                server.shutdown()
-            wrote = _write_metrics(args.metrics_file) if args.metrics_file else True
+            try:  # (a failed check still closes all, and the ranks get their Shutdown)
+                _check_pools(cm, rp)
+            finally:
+                cm.flush_logs()
+                dp.close()
+                if store is not None:
+                    store.close()
+                if server is not None:
+                    server.shutdown()
+                wrote = _write_metrics(args.metrics_file) if args.metrics_file else True
     _print_summary(s, rp.moved, layout, rp.latencies, busy_s(rp.spans), args, store)
     if s.mismatched:  # never restarted (final_codes), reported as 1 by main
         return EXIT_NODE_MISMATCHED
@@ -458,13 +464,20 @@ def _write_metrics(path: str) -> bool:
     return True
 
 
+class StateCheckFailed(Exception):
+    """The scheduler's state broke an invariant at the end of the run (a zkv bug)."""
+
+
 def _check_pools(cm: CacheManager, rp: Replayer | None) -> None:
     """Also after a failure: whatever failed was rolled back, no block leaked."""
     if rp is not None and rp.running:
         for rid in rp.running:
             cm.abort(rid)
         rp.running = []
-    cm.check_invariants()
+    try:
+        cm.check_invariants()
+    except AssertionError as e:
+        raise StateCheckFailed(str(e) or "an invariant does not hold") from e
 
 
 def busy_s(spans: list[tuple[float, float]]) -> float:

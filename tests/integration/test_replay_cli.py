@@ -344,6 +344,13 @@ def _signal_a_serving_replay(tmp_path: Path, sig: int, *flags: str) -> tuple[int
     return proc.returncode, out, err
 
 
+def _exit_codes(logs: Path) -> dict[object, int]:
+    """Each child's exit code from zkvrun's log: ``{"scheduler": code, rank: code}``."""
+    exits = [orjson.loads(line) for line in (logs / "launcher.jsonl").read_text().splitlines()]
+    return {e.get("rank", "scheduler"): e["code"] for e in exits
+            if e["event"] in (zlog.RANK_EXITED, zlog.SCHEDULER_EXITED)}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, pidfds")
 def test_ctrl_c_is_one_line_and_status_130(tmp_path: Path) -> None:
     """Ctrl-C signals the whole foreground group: zkvrun, the scheduler node, the ranks.
@@ -371,9 +378,7 @@ def test_a_hangup_stops_the_run_as_sigterm_does(tmp_path: Path) -> None:
     assert "zkv replay: stopped (SIGHUP)" in err.splitlines() and "Traceback" not in err, err
     assert "zkv:batches_total " in metrics.read_text()
     assert '"dispatcher.stopped"' in (logs / "scheduler.jsonl").read_text()
-    exits = [orjson.loads(line) for line in (logs / "launcher.jsonl").read_text().splitlines()]
-    codes = {e.get("rank", "scheduler"): e["code"] for e in exits
-             if e["event"] in (zlog.RANK_EXITED, zlog.SCHEDULER_EXITED)}
+    codes = _exit_codes(logs)
     assert codes == {"scheduler": 129, 0: 0, 1: 0}, codes
 
 
@@ -450,6 +455,42 @@ def test_a_signal_during_the_cleanup_still_writes_the_metrics(tmp_path: Path) ->
     assert metrics.exists(), r.stderr
     assert "zkv:batches_total " in metrics.read_text()
     assert '"dispatcher.stopped"' in (tmp_path / "logs" / "scheduler.jsonl").read_text()
+
+
+# Installed in every process of the run (PYTHONPATH): the scheduler node's state check at
+# the end of the run fails (what a bug in the scheduler would do).
+CHECK_FAILS = '''
+import os
+if os.environ.get("ZKV_ROLE") == "scheduler":
+    from zkv.scheduler import invariants
+    def check(core):
+        raise AssertionError("node n7: ref 2 but 1 requests hold it")
+    invariants.check = check
+'''
+
+
+def test_a_failed_state_check_at_the_end_still_closes_all(tmp_path: Path) -> None:
+    """The node's end-of-run check of the pools and the tree fails: one line naming it,
+    status 1, and the cleanup still ran (dispatcher closed, ranks told Shutdown and exited
+    0, the metrics file written). Before, the AssertionError skipped all of it: a traceback,
+    no metrics file, the ranks torn down by zkvrun's SIGTERM instead of told."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CHECK_FAILS)
+    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
+    metrics, logs = tmp_path / "metrics.txt", tmp_path / "logs"
+    r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests",
+                        "4", "--log-dir", str(logs), "--metrics-file", str(metrics)],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": path})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert ("zkv replay: failed: the scheduler's state check at the end: node n7: ref 2 but 1 "
+            "requests hold it") in r.stderr.splitlines(), r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "zkv:batches_total " in metrics.read_text()
+    assert '"dispatcher.stopped"' in (logs / "scheduler.jsonl").read_text()
+    codes = _exit_codes(logs)
+    assert codes == {"scheduler": 1, 0: 0, 1: 0}, codes
 
 
 def test_the_largest_batch_taken_fits_in_one_batch_of_ops(tmp_path: Path) -> None:
