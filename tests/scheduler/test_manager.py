@@ -893,6 +893,58 @@ def test_a_block_backed_up_again_is_not_written_to_the_store_again() -> None:
     assert (n.host_ok, n.in_store, cm.stats.stored) == (True, True, 2)
 
 
+def _written_through_pending(cm: CacheManager, rid: str, hashes: list[bytes]) -> Op:
+    """``rid`` computed ``hashes`` and finished under write_through with L3 writes; its
+    backup acked, its h2s taken and left in flight (a slow store): that op."""
+    assert run(cm, rid, hashes) is not None
+    finish(cm, rid)
+    (backup,) = take(cm)
+    assert backup.kind == BACKUP
+    ack(cm, backup)
+    (h2s,) = take(cm)
+    assert shape(h2s)[0] == H2S and h2s.keys == tuple(hashes)
+    return h2s
+
+
+@pytest.mark.parametrize("blocks_wanted", [2, 1])  # the whole victim, or a part of it
+def test_an_l3_write_in_flight_leaves_the_device_copy_evictable(blocks_wanted: int) -> None:
+    """Under write_through with L3 writes, a finished request's blocks wait on device while
+    their host copy is written to the store (h2s reads the host blocks only). Before, the
+    op made the node busy and off the device list: with a slow store, the device filled
+    with such nodes and no request fitted (``allocate`` None) until the writes came back.
+    Now the device copy goes (the node is HOST, its host copy still being written); a
+    victim cut to fewer blocks comes whole, as a busy node is never split at its tail,
+    and the blocks it does not need go back to the pool. The write commits after."""
+    cm = make(2, 4, WRITE_THROUGH, storage_write=True)
+    a = H(1, 2)
+    h2s = _written_through_pending(cm, "a", a)
+    n = node(cm, a[1])
+    assert (n.status, n.host_ok, n.in_store) == (DEVICE, True, False)
+    assert run(cm, "b", H(7, 8)[:blocks_wanted]) is not None, "the L3 write pinned the device"
+    assert [status(cm, h) for h in a] == [HOST, HOST]
+    assert cm.device.num_free == 2 - blocks_wanted
+    assert cm.stats.evicted_device == 2
+    ack(cm, h2s)
+    assert [node(cm, h).in_store for h in a] == [True, True]
+    m = match(cm, "a2", a)  # the host copy, written and intact, is a host hit
+    assert (m.num_device, m.num_host) == (0, 2)
+
+
+def test_a_failed_l3_write_of_an_evicted_device_copy_is_written_again() -> None:
+    """The same, and the write fails: the node (HOST now) waits for its retry as any
+    host copy whose write failed."""
+    cm = CacheManager(CacheConfig(2, 4, BS, WRITE_THROUGH, storage_write=True,
+                                  store_retry_s=1e-9, store_retry_max_s=1e-9))
+    a = H(1, 2)
+    h2s = _written_through_pending(cm, "a", a)
+    assert run(cm, "b", H(7, 8)) is not None
+    fail(cm, h2s)
+    (again,) = take(cm)
+    assert shape(again)[0] == H2S and again.keys == tuple(a)
+    ack(cm, again)
+    assert [node(cm, h).in_store for h in a] == [True, True]
+
+
 def test_a_stored_node_split_by_a_match_is_stored_in_both_pieces() -> None:
     """A match that ends inside a stored node splits it: the piece put above is as
     stored as the rest (else it is written again once it leaves the device later)."""

@@ -79,6 +79,12 @@ def live(core: Core, nodes: list[Node]) -> list[Node]:
     return [n for n in nodes if not settle(core, n)]
 
 
+def end_writes(nodes: list[Node]) -> None:
+    """One L3 write (h2s) fewer in flight over each of ``nodes`` (before they settle)."""
+    for n in nodes:
+        n.wbusy -= 1
+
+
 def settle_deleting(core: Core, n: Node) -> None:
     if n.busy == 0:
         core.deleting.discard(n)
@@ -94,10 +100,11 @@ def running(core: Core, st: RequestState | None) -> RequestState | None:
 
 def relist_all(core: Core, nodes: list[Node]) -> None:
     """Make settled nodes evictable where they qualify, leaf first (``nodes`` in chain
-    order, root side first, are pushed reversed)."""
+    order, root side first, are pushed reversed). A node whose only ops in flight are L3
+    writes may go on the device list."""
     relist = core.tree.relist
     for n in reversed(nodes):
-        if not n.busy and n.status is not DELETING:
+        if n.busy == n.wbusy and n.status is not DELETING:
             relist(n)
 
 
@@ -196,6 +203,8 @@ def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
 
 def _commit_h2s(core: Core, p: PendingOp, done: int) -> None:
     ok, failed_at = outcomes(core.tree, p, done)
+    end_writes(ok)
+    end_writes([n for n, _e, _pos in failed_at])
     ok = live(core, ok)
     unstored = core.unstored
     negative = core.negative

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from zkv.protocol import H2S
 from zkv.scheduler.block_pool import BlockPool
 from zkv.scheduler.core import Core
 from zkv.scheduler.eviction import EvictionPolicy
@@ -43,17 +44,19 @@ def check(core: Core) -> None:
     _check_owned(core.device, owners_dev)
     _check_owned(core.host, owners_host)
     busy: Counter[int] = Counter()
+    wbusy: Counter[int] = Counter()
     for p in list(core.ledger.pending.values()) + list(core.ledger.open.values()):
         assert len(p.nodes) == len(p.counts) == len(p.reqs)
         for node, count in zip(p.nodes, p.counts):
             for piece in pieces(node, count):
                 busy[id(piece)] += 1
+                wbusy[id(piece)] += p.kind == H2S
+    for n in [*attached, *core.deleting]:
+        assert n.busy == busy[id(n)], f"{n}: busy {n.busy} but {busy[id(n)]} ops in flight"
+        assert n.wbusy == wbusy[id(n)], f"{n}: wbusy {n.wbusy} but {wbusy[id(n)]} L3 writes"
     for n in attached:
         assert n.ref == refs[id(n)], f"{n}: ref {n.ref} but {refs[id(n)]} requests hold it"
-        assert n.busy == busy[id(n)], f"{n}: busy {n.busy} but {busy[id(n)]} ops in flight"
         _check_node(tree, n)
-    for n in core.deleting:
-        assert n.busy == busy[id(n)], f"{n}: busy {n.busy} but {busy[id(n)]} ops in flight"
     for n in [*attached, tree.root]:
         kids = list((n.children or {}).values())
         dpin = sum(1 for c in kids if c.status in ON_DEVICE and not c.dlisted)
@@ -120,7 +123,7 @@ def _check_node(tree: RadixTree, n: Node) -> None:
         assert parent is tree.root or parent.status in ON_DEVICE, (
             f"tier order: {n} on device under {parent}")
     assert parent is tree.root or parent.hits >= n.hits, f"{n}: more hits than its parent"
-    want_d = n.status is DEVICE and n.ref == 0 and n.busy == 0 and n.dpin == 0
+    want_d = n.status is DEVICE and n.ref == 0 and n.busy == n.wbusy and n.dpin == 0
     assert n.dlisted == want_d, f"{n}: device evictable-set membership wrong"
     want_h = n.host_ok and n.busy == 0 and (
         n.status is DEVICE or (n.status is HOST and n.ref == 0 and n.hpin == 0))

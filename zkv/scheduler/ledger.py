@@ -154,6 +154,7 @@ def _split_at(tree: RadixTree, p: PendingOp, done: int) -> None:
         for piece in pieces(node, count):
             k = len(piece.hashes)
             if pos < done < pos + k and piece.status is not DELETING:
+                tree.unlist_device_chain(piece)  # (listed: an L3 write's node on device)
                 tree.split(piece, done - pos)
                 return
             pos += k

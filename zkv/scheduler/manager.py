@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from zkv import log as ev
-from zkv.protocol import Op, OpResult
+from zkv.protocol import H2S, Op, OpResult
 from zkv.scheduler import checks, commit, external, invariants, requests
 from zkv.scheduler.block_pool import BlockPool
 from zkv.scheduler.core import Core, make_core
@@ -327,6 +327,8 @@ class CacheManager:
             raise ValueError(f"reset with {len(core.requests)} running requests")
         for op in core.ledger.discard_open():  # never dispatched: nothing will ack them
             for n, count in zip(op.nodes, op.counts):
+                if op.kind == H2S:
+                    commit.end_writes(pieces(n, count))
                 commit.live(core, pieces(n, count))
         tree = core.tree
         for n in tree.subtree_postorder(tree.root)[:-1]:

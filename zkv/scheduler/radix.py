@@ -33,7 +33,8 @@ Tier order: a node on device has its parent on device (or the root).
 Evictable sets, one per tier, closed under subtrees, so a victim is a chain tail and each
 eviction is O(1) (``eviction.py`` gives the ordering half of the argument)::
 
-    device-listed  ⟺  DEVICE, ref 0, busy 0, and dpin == 0
+    device-listed  ⟺  DEVICE, ref 0, busy == wbusy (nothing in flight but L3 writes of
+                      its host copy), and dpin == 0
     host-listed    ⟺  host_ok, busy 0, and (DEVICE, or HOST, ref 0 and hpin == 0)
     dpin = children on device (DEVICE / SWAP_TO_DEVICE) that are not device-listed
     hpin = children that are not host-listed
@@ -77,14 +78,15 @@ ON_DEVICE = (DEVICE, SWAP_TO_DEVICE)
 
 class Node:
     """A run of blocks. ``ref`` counts running requests that hold it (a request holds whole
-    nodes from the root); ``busy`` counts ops in flight over it; ``dpin`` / ``hpin`` count
-    children that keep it out of the device / host evictable set; ``reused`` is the
-    eviction policy's mark (``eviction.SLRU``)."""
+    nodes from the root); ``busy`` counts ops in flight over it, ``wbusy`` those of them
+    that write its host copy to L3 (h2s: they leave its device copy evictable); ``dpin`` /
+    ``hpin`` count children that keep it out of the device / host evictable set;
+    ``reused`` is the eviction policy's mark (``eviction.SLRU``)."""
 
     __slots__ = (
         "hashes", "dev", "host", "parent", "children", "depth", "status", "ref", "busy",
-        "hits", "last_access", "host_ok", "in_store", "reused", "dpin", "hpin", "dlisted",
-        "hlisted",
+        "wbusy", "hits", "last_access", "host_ok", "in_store", "reused", "dpin", "hpin",
+        "dlisted", "hlisted",
     )
 
     def __init__(self, hashes: list[bytes], parent: Node | None, status: Status,
@@ -96,7 +98,8 @@ class Node:
         self.children: dict[bytes, Node] | None = None
         self.depth: int = 0 if parent is None else parent.depth + len(parent.hashes)
         self.status = status
-        self.ref = self.busy = self.hits = self.last_access = self.dpin = self.hpin = 0
+        self.ref = self.busy = self.wbusy = self.hits = self.last_access = 0
+        self.dpin = self.hpin = 0
         self.host_ok = self.in_store = self.reused = self.dlisted = self.hlisted = False
 
     def __repr__(self) -> str:
@@ -203,6 +206,7 @@ class RadixTree:
         h.status = n.status
         h.ref = n.ref
         h.busy = n.busy
+        h.wbusy = n.wbusy
         h.hits = n.hits
         h.last_access = n.last_access
         h.host_ok = n.host_ok
@@ -253,7 +257,7 @@ class RadixTree:
         n.children = {t.hashes[0]: t}
         t.depth = n.depth + c
         t.status = n.status
-        t.ref = t.busy = 0
+        t.ref = t.busy = t.wbusy = 0
         t.hits = n.hits
         t.last_access = n.last_access
         t.host_ok = n.host_ok
@@ -400,10 +404,21 @@ class RadixTree:
             self.unlist(n)
             n = n.parent  # type: ignore[assignment]
 
+    def unlist_device_chain(self, n: Node) -> None:
+        """A device-listed node ``n`` (its only ops in flight L3 writes) is split by an op's
+        outcome: it leaves the device set, and so do the ancestors listed only because it
+        was (the new head would go in line after them: a parent before its child). One
+        step per node; the op's commit lists them again, in chain order."""
+        while n.dlisted:
+            self.dpol.remove(n)
+            n.dlisted = False
+            n = n.parent  # type: ignore[assignment]  # (the root is never listed)
+            n.dpin += 1
+
     def relist(self, n: Node) -> None:
         """List ``n`` in each tier where it qualifies, then its ancestors that qualify now."""
-        if (not n.dlisted and n.status is DEVICE and not n.ref and not n.busy and not n.dpin
-                and n.parent is not None):
+        if (not n.dlisted and n.status is DEVICE and not n.ref and n.busy == n.wbusy
+                and not n.dpin and n.parent is not None):
             self._dlist_up(n)
         if not n.hlisted and n.host_ok and not n.busy and (
                 n.status is DEVICE or (n.status is HOST and not n.ref and not n.hpin)):
@@ -416,7 +431,7 @@ class RadixTree:
             n.dlisted = True
             p: Node = n.parent  # type: ignore[assignment]
             p.dpin -= 1
-            if (p.dpin or p.dlisted or p.ref or p.busy or p.status is not DEVICE
+            if (p.dpin or p.dlisted or p.ref or p.busy != p.wbusy or p.status is not DEVICE
                     or p.parent is None):
                 return
             n = p
@@ -446,12 +461,14 @@ class RadixTree:
     def pop_device(self, want: int, v: Node | None = None) -> Node | None:
         """The device policy's next victim (``v``, when the caller looked already), its
         last ``want`` blocks at most (the rest stays first in line), unlisted; the caller
-        moves it off the device at once (its parent's ``dpin`` does not count it)."""
+        moves it off the device at once (its parent's ``dpin`` does not count it). A victim
+        with an L3 write in flight (``wbusy``) comes whole: a busy node is never split at
+        its tail (its op entries end at its last block), so the caller may get more."""
         if v is None:
             v = self.dpol.oldest()
             if v is None:
                 return None
-        if len(v.hashes) > want:
+        if len(v.hashes) > want and not v.busy:
             t = self.split_tail(v, want)
             v.dpin -= 1  # t is leaving the device
             return t

@@ -42,7 +42,7 @@ def hold(tree: RadixTree, n: Node, now: int) -> None:
 def unref(tree: RadixTree, n: Node) -> None:
     n.ref -= 1
     assert n.ref >= 0, f"negative ref on {n}"
-    if n.ref == 0 and not n.busy:
+    if n.ref == 0 and n.busy == n.wbusy:
         tree.relist(n)
 
 
@@ -53,7 +53,7 @@ def unref_path(tree: RadixTree, tail: Node | None) -> None:
     while n is not None and n.parent is not None:
         r = n.ref - 1
         n.ref = r
-        if r == 0 and not n.busy:
+        if r == 0 and n.busy == n.wbusy:
             relist(n)
         n = n.parent
 

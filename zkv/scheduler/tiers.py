@@ -68,6 +68,10 @@ def evict_device(core: Core, n_blocks: int) -> list[int] | None:
         if note_evicted is not None:
             note_evicted(t.hashes)
         ids = t.dev  # type: ignore[assignment]
+        if len(ids) > need:  # a whole victim with an L3 write in flight: free the rest
+            core.device.free(ids[: len(ids) - need][::-1])
+            stats.evicted_device += len(ids) - need
+            ids = ids[len(ids) - need :]
         need -= len(ids)
         out += ids[::-1]  # chain tails first, as one block at a time would give them
         t.dev = None
@@ -217,6 +221,7 @@ def maybe_store(core: Core, n: Node) -> None:
     if not core.config.storage_write or n.in_store:
         return
     Ledger.add(core.ledger.op(H2S), n, None, n.host, (), n.hashes)  # type: ignore[arg-type]
+    n.wbusy += 1  # (it reads the host copy: a DEVICE node's device copy stays evictable)
 
 
 def store_failed(core: Core, nodes: list[Node]) -> None:
