@@ -256,8 +256,8 @@ def retry_stores(core: Core) -> int:
     a split put above one: ``in_store`` is per node); returns the blocks queued. At most
     a quarter of the host pool per round (an op pins the host blocks it reads; the rest
     waits for the next round, at once when this one succeeds). HOST nodes only: a device
-    node's backup is written once the device lets the node go (pinning device blocks
-    would keep requests from fitting); busy ones wait a round. Nodes gone from the host
+    node's backup is written once the device lets the node go (chosen when a write
+    pinned device blocks, which ``wbusy`` ended); busy ones wait a round. Nodes gone from the host
     tier meanwhile are forgotten. O(nodes looked at), once per retry period."""
     if not retry_due(core):
         return 0
