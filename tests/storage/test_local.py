@@ -58,6 +58,37 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     assert on_disk == 3 + 1  # and the namespace's mark (zkv/storage/namespaces.py)
 
 
+def test_a_put_keeps_its_block_while_another_puts_reservation_is_pending(
+        tmp_path: Path) -> None:
+    """A budget of one file and two puts at once: the first to land keeps its block until
+    the other lands (the index keeps the newest file whatever the other put reserved).
+    Kept nothing (``keep=0``, mutant S12 of the last review, which no test caught), it
+    evicted its own new file at once: a put that said yes, and a miss right after it."""
+    s = LocalDirStore(tmp_path, "ns", max_bytes=FILE)
+    write = s._write_file  # the slow put waits, its bytes reserved, until released
+    reserved, release = threading.Event(), threading.Event()
+
+    def held_write(tmp: str, bufs: list[Any]) -> None:
+        if threading.current_thread() is slow:
+            reserved.set()
+            assert release.wait(10), "never released"
+        write(tmp, bufs)
+
+    s._write_file = held_write  # type: ignore[method-assign]
+    slow = threading.Thread(target=s.put, args=(key(1), data(1)))
+    slow.start()
+    try:
+        assert reserved.wait(10), "the slow put never reserved"
+        s.put(key(0), data(0))
+        assert get(s, 0), "the put evicted its own block"
+    finally:
+        release.set()
+        slow.join(10)
+    assert not slow.is_alive()
+    assert s.exists([key(0), key(1)]) == [False, True] and get(s, 1)
+    assert (s.num_blocks, s.num_bytes) == (1, FILE)
+
+
 @pytest.mark.parametrize("rank", [0, None])
 def test_puts_never_scan_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        rank: int | None) -> None:
