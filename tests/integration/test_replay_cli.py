@@ -382,6 +382,16 @@ def test_a_hangup_stops_the_run_as_sigterm_does(tmp_path: Path) -> None:
     assert codes == {"scheduler": 129, 0: 0, 1: 0}, codes
 
 
+def _hooked_env(tmp_path: Path, hook_code: str, **extra: str) -> dict[str, str]:
+    """This environment with ``hook_code`` as a ``sitecustomize`` on PYTHONPATH (so every
+    process of the run executes it as it starts), and ``extra``."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(hook_code)
+    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 # Installed in every process of the run (PYTHONPATH): the one named by T_SIGINT_IN ("front
 # end", or a child's ZKV_ROLE) sends itself SIGINT as it starts importing T_SIGINT_AT, so the
 # signal lands at that point of its start, every time.
@@ -404,11 +414,7 @@ if os.environ.get("ZKV_ROLE", "front end") == os.environ.get("T_SIGINT_IN"):
 ])
 def test_ctrl_c_early_is_one_line_and_status_130(tmp_path: Path, who: str, module: str) -> None:
     """The first second of a replay, before any handler of zkv's own was installed."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SIGINT_AT_IMPORT)
-    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "PYTHONPATH": path, "T_SIGINT_IN": who, "T_SIGINT_AT": module}
+    env = _hooked_env(tmp_path, SIGINT_AT_IMPORT, T_SIGINT_IN=who, T_SIGINT_AT=module)
     r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--ranks",
                         "1", "--requests", "20", "--log-dir", str(tmp_path / "logs")],
                        capture_output=True, text=True, timeout=120, env=env)
@@ -440,16 +446,13 @@ def test_a_signal_during_the_cleanup_still_writes_the_metrics(tmp_path: Path) ->
     """The node's cleanup (dispatcher, store, metrics server, metrics file) runs to its end
     and the signal is acted on after it (status 143). Before, the signal's exception left
     the cleanup at the dispatcher: no metrics file, the store never closed."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SIGTERM_IN_CLEANUP)
-    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = _hooked_env(tmp_path, SIGTERM_IN_CLEANUP)
     metrics = tmp_path / "metrics.txt"
     r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests",
                         "4", "--log-dir", str(tmp_path / "logs"), "--store-dir",
                         str(tmp_path / "l3"), "--metrics-file", str(metrics)],
                        capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": path})
+                       env=env)
     assert r.returncode == 128 + 15, r.stdout + r.stderr
     assert "zkv replay: stopped (SIGTERM)" in r.stderr.splitlines(), r.stderr
     assert metrics.exists(), r.stderr
@@ -474,15 +477,12 @@ def test_a_failed_state_check_at_the_end_still_closes_all(tmp_path: Path) -> Non
     status 1, and the cleanup still ran (dispatcher closed, ranks told Shutdown and exited
     0, the metrics file written). Before, the AssertionError skipped all of it: a traceback,
     no metrics file, the ranks torn down by zkvrun's SIGTERM instead of told."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(CHECK_FAILS)
-    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = _hooked_env(tmp_path, CHECK_FAILS)
     metrics, logs = tmp_path / "metrics.txt", tmp_path / "logs"
     r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests",
                         "4", "--log-dir", str(logs), "--metrics-file", str(metrics)],
                        capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": path})
+                       env=env)
     assert r.returncode == 1, r.stdout + r.stderr
     assert ("zkv replay: failed: the scheduler's state check at the end: node n7: ref 2 but 1 "
             "requests hold it") in r.stderr.splitlines(), r.stderr
