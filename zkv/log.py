@@ -66,6 +66,7 @@ IO_DONE = "worker.io_done"
 IO_DROPPED = "worker.io_dropped"
 IO_STUCK = "worker.io_stuck"
 IO_UNSTUCK = "worker.io_unstuck"
+IO_ABANDONED = "worker.io_abandoned"
 COMPUTE_STREAM = "worker.compute_stream"
 SCHEDULER_LOST = "worker.scheduler_lost"
 # storage (L3)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -13,6 +16,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import orjson
 import pytest
 import zmq
 
@@ -103,33 +108,13 @@ class ReadEntered(LocalDirStore):
 
 def _hung_read_at_a_restart(stack: ExitStack, folder: str, tmp_path: Path,
                             monkeypatch: pytest.MonkeyPatch) -> tuple[Sidecar, Any, list, str]:
-    """A rank whose s2h read hangs on a real ``file://`` store (the block file is a FIFO:
-    ``open`` waits for a writer, as on a hung file system; nothing times it out) when its
-    scheduler restarts. Returns once the rank noticed the restart and the hung call was
-    said; (sidecar, new scheduler, logs, the FIFO: opening it for writing ends the read)."""
-    from structlog.testing import capture_logs
-
+    """A rank whose s2h read hangs (:func:`_hung_read`) when its scheduler restarts.
+    Returns once the rank noticed the restart and the hung call was said; (sidecar, new
+    scheduler, logs, the FIFO: opening it for writing ends the read)."""
     monkeypatch.setattr(storage_io, "IO_STUCK_S", 3600.0)  # nothing said before the restart
-    store = ReadEntered(tmp_path, "ns", rank=0)
-    key = b"\1" * 16
-    fifo = store.path(pack_key(key, 0))
-    os.makedirs(os.path.dirname(fifo), exist_ok=True)
-    os.mkfifo(fifo)
-    logs = stack.enter_context(capture_logs())
-    ctx: zmq.Context[Any] = zmq.Context()
-    stack.callback(ctx.term)
-    pub, pull = endpoints(folder)
-    old = FakeScheduler(ctx, pub, pull)
-    kv = kernels.get_backend("cpu").allocate_device_cache(LAYOUT)
-    sc = Sidecar(kv, layout=LAYOUT, rank=0, pub_endpoint=pub, pull_endpoint=pull,
-                 backend="cpu", store=store, heartbeat_interval_s=0.05)
-    stack.callback(sc.close)
-    stack.callback(_end_read, fifo, 0.5)  # (before sc.close: last first)
-    old.wait_ready({0})
-    old.send(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.S2H, dst=_ids(0), keys=(key,)),))))
-    assert store.entered.wait(10), "the s2h read never began"
+    sc, old, logs, fifo = _hung_read(stack, folder, tmp_path)
     old.close()  # the scheduler dies with the read hung ...
-    new = FakeScheduler(ctx, pub, pull)  # ... and comes back
+    new = FakeScheduler(old.xpub.context, *endpoints(folder))  # ... and comes back
     stack.callback(new.close)
     wait_until(lambda: any(e["event"] == "worker.scheduler_rejoined" for e in logs), 10,
                "the rank to notice the restart")
@@ -188,6 +173,117 @@ def test_a_rank_waiting_on_a_hung_store_call_at_a_restart_still_stops(
         assert (msg.seq, msg.pending, msg.results) == (0, (0,), ()), msg
         msg = new.recv(5)
     assert isinstance(msg, P.Bye), msg
+
+
+def _hung_read(stack: ExitStack, folder: str, tmp_path: Path
+               ) -> tuple[Sidecar, FakeScheduler, list, str]:
+    """A sidecar rank whose s2h read hangs on a real ``file://`` store (the block file is
+    a FIFO: ``open`` waits for a writer, as on a hung file system; nothing times it out).
+    Returns once the read runs; (sidecar, scheduler, logs, the FIFO)."""
+    from structlog.testing import capture_logs
+
+    store = ReadEntered(tmp_path, "ns", rank=0)
+    key = b"\1" * 16
+    fifo = store.path(pack_key(key, 0))
+    os.makedirs(os.path.dirname(fifo), exist_ok=True)
+    os.mkfifo(fifo)
+    logs = stack.enter_context(capture_logs())
+    ctx: zmq.Context[Any] = zmq.Context()
+    stack.callback(ctx.term)
+    pub, pull = endpoints(folder)
+    sched = FakeScheduler(ctx, pub, pull)
+    stack.callback(sched.close)
+    kv = kernels.get_backend("cpu").allocate_device_cache(LAYOUT)
+    sc = Sidecar(kv, layout=LAYOUT, rank=0, pub_endpoint=pub, pull_endpoint=pull,
+                 backend="cpu", store=store, heartbeat_interval_s=0.05)
+    stack.callback(sc.close)
+    stack.callback(_end_read, fifo, 0.5)  # (before sc.close: last first)
+    sched.wait_ready({0})
+    sched.send(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.S2H, dst=_ids(0), keys=(key,)),))))
+    assert store.entered.wait(10), "the s2h read never began"
+    return sc, sched, logs, fifo
+
+
+def test_a_stop_while_a_store_call_hangs_leaves_the_call_and_stops(
+        stack: ExitStack, folder: str, tmp_path: Path) -> None:
+    """A stop (the engine shutting its sidecar down) while a store call hangs for good:
+    the actor waits for it up to the store's ``close_wait_s``, then leaves it to its
+    thread, says so (``worker.io_abandoned``) and ends (exit 0). That thread is a daemon
+    thread: the engine's process can still exit. Before: the actor waited on the call for
+    ever (a ``ThreadPoolExecutor`` shutdown), ``Sidecar.close`` gave up after its join
+    timeout, and the executor's thread, joined at the interpreter's exit, kept the engine's
+    process from exiting."""
+    sc, _, logs, fifo = _hung_read(stack, folder, tmp_path)
+    assert sc.close(), "the sidecar did not stop while a store call hung"
+    assert sc.actor.exit_code == 0
+    [left] = [e for e in logs if e["event"] == "worker.io_abandoned"]
+    assert (left["num_calls"], left["seq"], left["op_id"], left["kind"]) == (1, 0, 0, P.S2H)
+    io = [t for t in threading.enumerate() if t.name.startswith("zkv-io-0")]
+    assert io and all(t.daemon for t in io), [(t.name, t.daemon) for t in io]
+    assert _end_read(fifo), "the read was not hung any more"  # (it was left, not ended)
+
+
+def _blocked_in_open(pid: int) -> bool:
+    """Whether a thread of ``pid`` is blocked opening a FIFO (no writer yet)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                if f.read().strip() == "wait_for_partner":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def test_a_rank_process_stops_on_a_signal_while_a_store_call_hangs(tmp_path: Path,
+                                                                   folder: str) -> None:
+    """``python -m zkv.worker`` (as zkvrun starts it) with a store call hung for good gets
+    SIGTERM: it stops, exit 0, the call said as left (``worker.io_abandoned``), and the
+    process ends with that thread still in the call (it ends at once, past Python's exit:
+    a thread coming back from a store call in finalization is ended by a forced unwind).
+    Before: the rank never exited (the I/O pool was waited on at the stop, and its threads
+    again at the interpreter's exit), whatever zkvrun sent short of SIGKILL."""
+    from tests.worker.test_main import LAYOUT as RANK_LAYOUT
+    from tests.worker.test_main import rank_env
+
+    store_dir = tmp_path / "store"
+    probe = LocalDirStore(store_dir, RANK_LAYOUT.fingerprint(), rank=0)  # (the rank's paths)
+    key = b"\3" * 16
+    fifo = probe.path(pack_key(key, 0))
+    probe.close()
+    os.makedirs(os.path.dirname(fifo), exist_ok=True)
+    os.mkfifo(fifo)
+    pub, pull = endpoints(folder)
+    env = rank_env(tmp_path, RANK="0", ZKV_STORE_URL=f"file://{store_dir}",
+                   ZKV_PUB_ENDPOINT=pub, ZKV_PULL_ENDPOINT=pull)
+    ctx: zmq.Context[Any] = zmq.Context()
+    sched = FakeScheduler(ctx, pub, pull)
+    proc = subprocess.Popen([sys.executable, "-m", "zkv.worker"], env=env,
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        sched.wait_ready({0}, timeout=60)
+        dst = np.array([0], "<i4")
+        sched.send(P.encode(P.CopyBlocks(0, 0, (P.Op(0, P.S2H, dst=dst, keys=(key,)),))))
+        wait_until(lambda: _blocked_in_open(proc.pid), 30, "the rank's read to block in open")
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == 0, f"the rank did not stop on SIGTERM with a store call hung ({code})"
+        log = (tmp_path / "logs" / "worker-0.jsonl").read_text()
+        [left] = [e for e in map(orjson.loads, log.splitlines())
+                  if e["event"] == "worker.io_abandoned"]
+        assert (left["num_calls"], left["kind"]) == (1, P.S2H), left
+        assert "Traceback" not in (proc.stderr.read() if proc.stderr else ""), "stderr"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stderr:
+            proc.stderr.close()
+        sched.close()
+        ctx.term()
 
 
 class ShortAnswers(Store):

@@ -52,6 +52,7 @@ if __name__ == "__main__":  # (run as the rank, not imported: the importer's sig
     for _sig in STOP_SIGNALS:
         signal.signal(_sig, _stop_while_starting)
 
+import contextlib  # noqa: E402
 import faulthandler  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -192,9 +193,23 @@ def _ignore_late_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _exit_past_left_threads(code: int) -> None:
+    """End the process now if a thread is left: one in a store call that never returned
+    (the actor left it at its stop: ``worker.io_abandoned``). Python's exit would free
+    what it holds with the GIL taken back in finalization, which ends such a thread with a
+    forced unwind (an abort through C++ frames, e.g. Mooncake's client). Every log line is
+    written already (unbuffered); stdout and stderr are flushed."""
+    if any(t is not threading.main_thread() for t in threading.enumerate()):
+        for f in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                f.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
     try:
         _code = main()
     finally:
         _ignore_late_stop_signals()
+    _exit_past_left_threads(_code)
     sys.exit(_code)

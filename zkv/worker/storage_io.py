@@ -22,6 +22,12 @@ host pool filled with pinned blocks and nothing was said.) At a scheduler restar
 actor drains the old ops (:meth:`~StorageIO.drain`) before its hello: queued chunks cancelled,
 running calls waited for while they are still said when stuck, and a stop still stops.
 
+At a stop (:meth:`~StorageIO.close`) the running calls are waited for up to the store's
+``close_wait_s``; one still running then (hung for good) is left to its thread and said
+(``worker.io_abandoned``). The threads are daemon threads, not a ``ThreadPoolExecutor``'s:
+those are joined at the interpreter's exit, so a call that never returns kept the rank
+(or the engine process holding a sidecar) from ever exiting, whatever the signal.
+
 The actor never waits on a store: a slow or dead store delays only the ack of its own ops,
 never a later batch's copies or the heartbeats. The host blocks of an op in flight are not
 touched by later batches (the scheduler pins them until the op is acked), so the copies
@@ -31,7 +37,6 @@ and the I/O never race on a block.
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import contextlib
 import itertools
 import os
@@ -85,10 +90,10 @@ class StorageIO:
         self._running: dict[int, tuple[float, _Job, int, int]] = {}
         self._stuck: set[int] = set()
         self._tokens = itertools.count()
-        self._queued = 0  # chunks submitted, not started
+        self._tasks: collections.deque[tuple[_Job, int, int]] = collections.deque()  # queued
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # a store call returned
-        self._futures: set[cf.Future[None]] = set()  # chunks not done (to cancel: drain)
+        self._work = threading.Condition(self._lock)  # a chunk queued, or closed
         self.rank = rank
         self.backend = backend
         self.host_pool = host_pool
@@ -96,13 +101,16 @@ class StorageIO:
         ptr, nbytes = getattr(host_pool, "data_ptr", None), getattr(host_pool, "nbytes", None)
         if ptr is not None and nbytes:  # first: a store that refuses it (Mooncake) leaks
             store.register_buffer(int(ptr()), int(nbytes))  # no pipe
-        self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix=f"zkv-io-{rank}")
+        self._threads = [threading.Thread(target=self._serve, daemon=True,
+                                          name=f"zkv-io-{rank}-{i}") for i in range(io_threads)]
         self._done: collections.deque[tuple[int, P.OpResult]] = collections.deque()
         self._pending: dict[int, set[int]] = {}
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_w, False)
         self._closed = False
+        for t in self._threads:
+            t.start()
 
     @property
     def num_pending(self) -> int:
@@ -123,11 +131,8 @@ class StorageIO:
             job = _Job(seq, op, [None] * n, -(-n // step))
             started.append(op.id)
             with self._lock:
-                self._queued += job.left
-            for lo in range(0, n, step):
-                fut = self._pool.submit(self._run_chunk, job, lo, min(n, lo + step))
-                self._futures.add(fut)
-                fut.add_done_callback(self._futures.discard)
+                self._tasks.extend((job, lo, min(n, lo + step)) for lo in range(0, n, step))
+                self._work.notify(job.left)
         if started:
             self._pending[seq] = set(started)
         return now, tuple(started)
@@ -158,25 +163,42 @@ class StorageIO:
         hung on the file system is said, not waited on in silence. False if ``stop`` was set
         first (the calls still run: :meth:`close` with ``wait=False``)."""
         with self._lock:
-            self._queued -= sum(f.cancel() for f in list(self._futures))
+            self._tasks.clear()
         while True:
             with self._lock:
-                if self._idle.wait_for(lambda: not self._queued and not self._running, every_s):
+                if self._idle.wait_for(lambda: not self._running, every_s):
                     return True
             if stop.is_set():
                 return False
             self.check_stuck(time.monotonic())
 
-    def close(self, wait: bool = True) -> None:
-        """Cancel chunks not started, wait for running ones (bounded by the store's own
-        timeouts) unless not ``wait``, close the wake pipe. Idempotent."""
+    def close(self, wait: bool = True) -> int:
+        """Cancel chunks not started, wait for running ones up to the store's
+        ``close_wait_s`` unless not ``wait``, close the wake pipe. Returns the store calls
+        still running, left to their threads (said: ``worker.io_abandoned``). Idempotent
+        (0 after the first)."""
         with self._lock:  # (a chunk that ends later writes no wake-up: the fd may be reused)
             if self._closed:
-                return
+                return 0
             self._closed = True
+            self._tasks.clear()
+            self._work.notify_all()
+            if wait:
+                self._idle.wait_for(lambda: not self._running, self.store.close_wait_s)
             os.close(self.wake_fd)
             os.close(self._wake_w)
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+            left = sorted(self._running.values(), key=lambda r: r[0])
+        if not left:  # (idle threads end at once: none is left behind the rank's exit)
+            for t in self._threads:
+                t.join(1.0)
+        else:
+            t0, job, lo, hi = left[0]
+            self._log.warning(ev.IO_ABANDONED, num_calls=len(left), seq=job.seq,
+                              op_id=job.op.id, kind=job.op.kind, blocks=[lo, hi],
+                              running_s=round(time.monotonic() - t0, 1), store=self.store.url,
+                              error="store calls still running at the stop are left to their "
+                                    "threads (a hung file system or server?)")
+        return len(left)
 
     # ---------------------------------------------------------------- I/O threads
 
@@ -191,7 +213,7 @@ class StorageIO:
             self._stuck.update(tok for _, tok in new)
             t0, tok = min(new)
             _, job, lo, hi = self._running[tok]
-            num_stuck, queued = len(self._stuck), self._queued
+            num_stuck, queued = len(self._stuck), len(self._tasks)
         self._log.warning(ev.IO_STUCK, seq=job.seq, op_id=job.op.id, kind=job.op.kind,
                           blocks=[lo, hi], running_s=round(now - t0, 1), num_stuck=num_stuck,
                           num_queued=queued, store=self.store.url,
@@ -199,11 +221,19 @@ class StorageIO:
                                 "file system or server?): its op's host blocks stay pinned, "
                                 "and other calls queue behind it")
 
-    def _run_chunk(self, job: _Job, lo: int, hi: int) -> None:
-        tok = next(self._tokens)
-        with self._lock:
-            self._queued -= 1
-            self._running[tok] = (time.monotonic(), job, lo, hi)
+    def _serve(self) -> None:
+        """An I/O thread: chunks in the order queued, until closed."""
+        while True:
+            with self._lock:
+                self._work.wait_for(lambda: self._tasks or self._closed)
+                if not self._tasks:
+                    return
+                job, lo, hi = self._tasks.popleft()
+                tok = next(self._tokens)
+                self._running[tok] = (time.monotonic(), job, lo, hi)
+            self._run_chunk(tok, job, lo, hi)
+
+    def _run_chunk(self, tok: int, job: _Job, lo: int, hi: int) -> None:
         try:
             job.outcome[lo:hi] = self._move(job.op, lo, hi)
         except BaseException as e:  # never lose a chunk: its blocks fail with the reason
