@@ -12,7 +12,7 @@ from tests.scheduler.test_manager import BS, H, ack, fail, finish, run, shape, t
 from zkv.protocol import D2H, H2S, Op
 from zkv.scheduler import tiers
 from zkv.scheduler.manager import CacheConfig, CacheManager
-from zkv.scheduler.radix import HOST
+from zkv.scheduler.radix import DEVICE, HOST
 
 
 class Clock:
@@ -295,7 +295,11 @@ def test_a_parent_written_with_its_waiting_child_is_done_waiting(clock: Clock) -
     assert cm.stats.store_retried == 2
 
 
-def test_a_device_nodes_backup_is_written_once_the_device_lets_it_go(clock: Clock) -> None:
+def test_a_device_nodes_backup_is_written_again_while_on_device(clock: Clock) -> None:
+    """A hot block (on device, backed up) whose write failed in a store outage is written
+    again when the retry comes, from its host copy, and its device copy stays evictable
+    meanwhile. Before: it waited until the device let it go, so the blocks in use kept
+    out of L3 (and off other engines) for as long as they stayed hot."""
     cm = CacheManager(CacheConfig(2, 8, BS, "write_through", storage_write=True))
     a = H(1, 2)
     assert run(cm, "r1", a) is not None
@@ -305,14 +309,19 @@ def test_a_device_nodes_backup_is_written_once_the_device_lets_it_go(clock: Cloc
     ack(cm, backup)
     (h2s,) = take(cm)
     fail(cm, h2s)
-    clock.now += 1.0
-    assert take(cm) == []  # on device: its device blocks are not pinned for a retry
-    assert cm.num_unstored_blocks == 2
-    assert run(cm, "r2", H(3, 4)) is not None  # `a` leaves the device (its host copy stays)
-    assert cm.tree.index[a[0]].status is HOST
-    clock.now += 2.0
-    ops = take(cm)
-    assert [op.keys for op in ops if op.kind == H2S] == [tuple(a)]
+    n = cm.tree.index[a[0]]
+    clock.now += 0.99
+    assert take(cm) == [] and cm.num_unstored_blocks == 2
+    clock.now += 0.01
+    (again,) = take(cm)  # on device: written from its host copy
+    assert shape(again) == (H2S, list(n.host), [], tuple(a))  # type: ignore[arg-type]
+    assert (n.status, n.dlisted, n.hlisted, n.wbusy) == (DEVICE, True, False, 1)
+    cm.check_invariants()
+    assert run(cm, "r2", H(3, 4)) is not None  # `a` leaves the device meanwhile
+    assert n.status is HOST and not n.in_store
+    ack(cm, again)
+    assert n.in_store and cm.num_unstored_blocks == 0 and cm.stats.store_retried == 2
+    cm.check_invariants()
 
 
 def _stored(cm: CacheManager, hashes: list[bytes]) -> list[bool | None]:

@@ -399,7 +399,14 @@ class RadixTree:
         """A HOST node ``n`` becomes busy: it leaves the host set, and so do the HOST
         ancestors that were listed only because it was (the set stays closed under
         subtrees; a DEVICE ancestor's backup stays). One step per node unlisted;
-        ``relist`` lists them again when ``n`` settles."""
+        ``relist`` lists them again when ``n`` settles. A DEVICE node (an L3 write of its
+        backup) leaves the host set alone: its device listing stays (``wbusy``)."""
+        if n.status is DEVICE:
+            if n.hlisted:
+                self.hpol.remove(n)
+                n.hlisted = False
+                n.parent.hpin += 1  # type: ignore[union-attr]
+            return
         while n.hlisted and n.status is HOST:
             self.unlist(n)
             n = n.parent  # type: ignore[assignment]

@@ -17,8 +17,9 @@ that is down (or full) must not keep it out of L3 once it is back, so the node w
 ``core.unstored`` and is written again::
 
     h2s fails ──► unstored ──store_retry_at──► h2s again (and any piece a split put above;
-        ▲            │                          HOST nodes, a quarter of the host pool a
-        │            │                          round: the rest waits in unstored)
+        ▲            │                          from the host copy, on device or not; a
+        │            │                          quarter of the host pool a round: the
+        │            │                          rest waits in unstored)
         │            │ evicted / dropped meanwhile: forgotten (L3 is a cache)
         └─ fails ────┘ (backoff doubled once per round, up to store_retry_max_s)
     an h2s op that fully succeeds: the store takes writes, retry at the next take_ops
@@ -31,7 +32,7 @@ import time
 from zkv.protocol import BACKUP, D2H, H2S
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import Ledger
-from zkv.scheduler.radix import DELETING, HOST, SWAP_TO_HOST, Node
+from zkv.scheduler.radix import DELETING, DEVICE, HOST, SWAP_TO_HOST, Node
 
 
 def evict_device(core: Core, n_blocks: int) -> list[int] | None:
@@ -255,10 +256,12 @@ def retry_stores(core: Core) -> int:
     """Queue the h2s of ``unstored`` nodes again once their time came (and of the pieces
     a split put above one: ``in_store`` is per node); returns the blocks queued. At most
     a quarter of the host pool per round (an op pins the host blocks it reads; the rest
-    waits for the next round, at once when this one succeeds). HOST nodes only: a device
-    node's backup is written once the device lets the node go (chosen when a write
-    pinned device blocks, which ``wbusy`` ended); busy ones wait a round. Nodes gone from the host
-    tier meanwhile are forgotten. O(nodes looked at), once per retry period."""
+    waits for the next round, at once when this one succeeds). HOST nodes, and DEVICE
+    nodes' backups: the write reads the host copy, and the device copy stays evictable
+    (``wbusy``), so the hot blocks a store outage left out reach L3 while they are hot
+    (before: only once the device let them go). Busy ones (moving) wait a round. Nodes
+    gone from the host tier meanwhile are forgotten. O(nodes looked at), once per retry
+    period."""
     if not retry_due(core):
         return 0
     todo = list(core.unstored)
@@ -282,8 +285,8 @@ def retry_stores(core: Core) -> int:
                 # piece a split put above it may still wait for its write
                 n = n.parent  # type: ignore[assignment]  # (not None: the loop's test)
                 continue
-            if n.busy or n.status is not HOST:  # moving, or on device: next round (a
-                unstored[n] = None  # DEVICE node's parents are DEVICE too)
+            if n.busy or (n.status is not HOST and n.status is not DEVICE):  # moving:
+                unstored[n] = None  # next round
                 break
             core.tree.unlist_host_chain(n)  # busy until acked (the commit relists it)
             maybe_store(core, n)
