@@ -159,7 +159,7 @@ def ref_tp1(env: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def zkv_tp1(env: dict[str, Any]) -> dict[str, Any]:
-    return run_engine(env, "zkv-tp1", _spec(env, connector=_zkv(env)))
+    return run_engine(env, "zkv-tp1", dict(_spec(env, connector=_zkv(env)), log_stats=True))
 
 
 def _same_tokens(a: dict[str, Any], b: dict[str, Any], phases: int | None = None) -> None:
@@ -209,6 +209,13 @@ def test_tp1_identical_tokens_from_every_tier(ref_tp1, zkv_tp1) -> None:  # noqa
     lines = [x for x in zkv_tp1["metrics"].splitlines() if x.startswith("zkv:prompt_tokens_total{")]
     assert lines and all('model="' in x and 'engine_id="' in x for x in lines), lines
     assert 'tier="zkv_store"' in zkv_tp1["metrics"]
+    # vLLM's own count of where cached prompt tokens came from agrees with zkv's: host
+    # hits as "host", the file:// store's as "disk" (before: all of them "host")
+    by_source = zkv_tp1["cached_by_source"]
+    assert by_source["host"] == z["zkv_host_tokens"], (by_source, z)
+    assert by_source["disk"] == z["zkv_store_tokens"], (by_source, z)
+    assert by_source["device"] == z["vllm_local_tokens"], (by_source, z)
+    assert by_source["external_unspecified"] == 0, by_source
     _nothing_left(zkv_tp1)
 
 

@@ -406,7 +406,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
               hf_overrides=spec.get("hf_overrides"),
-              enable_prompt_embeds=bool(spec.get("prompt_embeds")), enforce_eager=True, **kw)
+              enable_prompt_embeds=bool(spec.get("prompt_embeds")), enforce_eager=True,
+              disable_log_stats=not spec.get("log_stats"), **kw)
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
     half = _connector_half(llm)
     last_prompts: list[list[int]] = []  # a follow_up phase answers the phase before it
@@ -458,6 +459,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "zkv": half.snapshot() if half is not None else (
                 scrape(port) if port is not None else None),
         })
+    if spec.get("log_stats"):  # vLLM's own counters: its prompt tokens cached, by source
+        out["cached_by_source"] = {m.labels["source"]: m.value for m in llm.get_metrics()
+                                   if m.name == "vllm:prompt_tokens_cached_by_source"}
     if half is not None:
         from zkv.integrations.vllm import metrics
 

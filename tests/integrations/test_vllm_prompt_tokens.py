@@ -120,6 +120,7 @@ def test_one_request_from_every_tier_is_split_as_its_prompt_is_laid_out(
     assert want == {"vllm_local": 32, "zkv_host": 32, "zkv_store": 64, "computed": 1}
     assert _counted(reader) == want
     assert _scraped(reader) == want
+    assert reader.half.hit_tiers(req.request_id, ext) == (32, 64)  # vLLM's split by source
     reader.half.request_finished(req)
 
 
@@ -140,6 +141,7 @@ def test_host_hits_stay_host_hits_when_the_prefetch_gets_no_host_block(
     want = {"vllm_local": 32, "zkv_host": 32, "zkv_store": 0, "computed": 129 - 32 - 32}
     assert _counted(reader) == want
     assert _scraped(reader) == want
+    assert reader.half.hit_tiers(req.request_id, ext) == (32, 0)
     reader.half.request_finished(req)
 
 
@@ -163,3 +165,18 @@ def test_a_prompt_of_whole_blocks_all_in_the_host_pool_leaves_vllm_its_last_toke
     counted = {tier: n - before[tier] for tier, n in _counted(group).items()}
     assert counted == {"vllm_local": 0, "zkv_host": 8 * BS - 1, "zkv_store": 0, "computed": 1}
     half.request_finished(req)
+
+
+@pytest.mark.parametrize("url, source", [
+    ("file:///var/cache/zkv", "disk"),
+    ("redis://127.0.0.1:6379/0", "external_unspecified"),
+    ("mooncake://127.0.0.1:50051", "external_unspecified"),
+    (None, "external_unspecified"),
+])
+def test_l3_hits_are_named_as_vllm_names_their_tier(url: str | None, source: str) -> None:
+    """vLLM's ``vllm:prompt_tokens_cached_by_source`` names a local disk ``disk`` and a
+    remote store ``external_unspecified``: L3 hits from a ``file://`` store are the first,
+    Redis's and Mooncake's the second (the end-to-end count: test_vllm_e2e)."""
+    from zkv.integrations.vllm.config import l3_source
+
+    assert l3_source(url) == source

@@ -94,6 +94,13 @@ def default_storage_url() -> str:
     return file_url(os.path.join(base, "zkv", "l3"))
 
 
+def l3_source(url: str | None) -> str:
+    """vLLM's name (a ``CacheHitSource``) for the tier of L3 hits from the store at
+    ``url``: a local directory is ``disk``; Redis and Mooncake are remote stores,
+    ``external_unspecified``."""
+    return "disk" if url is not None and url.startswith("file:") else "external_unspecified"
+
+
 def env_storage_url(env: Mapping[str, str] | None = None) -> str | None:
     """``storage`` when the extra config has no such key: ``$ZKV_STORE_URL`` (``none``: no
     L3; empty: unset), else :func:`default_storage_url`."""

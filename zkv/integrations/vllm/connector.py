@@ -41,6 +41,7 @@ from zkv.integrations.vllm.config import (
     dp_index,
     engine_metrics_port,
     failure_policy_advice,
+    l3_source,
     parse_extra_config,
     storage_secret_advice,
 )
@@ -351,6 +352,18 @@ class ZkvConnector(KVConnectorBase_V1):
         assert self.sched is not None
         self.sched.update_state_after_alloc(request, blocks.get_block_ids()[0],
                                             num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        """zkv's hits by tier, for vLLM's ``vllm:prompt_tokens_cached_by_source``: its host
+        tier's as ``host``, L3's as ``disk`` (a ``file://`` store) or
+        ``external_unspecified`` (Redis, Mooncake: remote stores, as vLLM names them).
+        Before, every hit was ``host``, L3's too."""
+        if not num_external_tokens or self.sched is None:
+            return {}
+        host, l3 = self.sched.hit_tiers(request.request_id, num_external_tokens)
+        far = CacheHitSource(l3_source(None if self._store is None else self._store.url))
+        return {src: n for src, n in ((CacheHitSource.HOST, host), (far, l3)) if n}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.sched is not None

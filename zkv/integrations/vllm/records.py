@@ -59,6 +59,12 @@ class RequestState:
     generation: bytes = b""     # the cache generation its hashes were made in (reset())
     wait: pd.ProducerWait | None = None  # P/D: for its producer's blocks (first match)
 
+    def host_tokens(self, ext: int, block_size: int) -> int:
+        """Of ``ext`` tokens zkv loads past vLLM's hit, those its host tier had at the
+        match (from block 0, as vLLM's own: those under vLLM's hit are vLLM's); the rest
+        its prefetch brought from L3."""
+        return min(ext, max(0, self.host_blocks_at_match * block_size - self.local))
+
     def extend_hashes(self, upto: int, block_size: int) -> None:
         """Hash the full blocks of its tokens up to token ``upto`` not hashed yet."""
         full = min(upto, len(self.request.all_token_ids)) // block_size

@@ -157,11 +157,9 @@ class SchedulerHalf:
         # failed never lands): the prefetch policy's longest wait, none for best_effort
         self._await_s = 0.0 if policy.kind == BEST_EFFORT else policy.max_s
         self._reqs: dict[str, RequestState] = {}
-        # (step, {req_id: (epoch, tokens computed once the step ran)}) per step whose
-        # output has not come back yet
+        # (step, {req_id: (epoch, tokens computed once it ran)}) per step with no output yet
         self._steps: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = collections.deque()
-        # requests vLLM preempted outside schedule() whose preemption was handled when it
-        # asked about them again, in this step (see _num_matched)
+        # requests preempted outside schedule(), handled when asked about again this step
         self._preempted_early: set[str] = set()
         # a request's epoch, new at each start and preemption and never reused: a step's
         # output confirms only the epoch it scheduled (an id can come back: a client's
@@ -209,8 +207,7 @@ class SchedulerHalf:
         step), or failed storage writes are due to be tried again, and vLLM has called
         nothing for ``PUMP_IDLE_S``, this thread commits the acks and publishes the L3 ops
         that follow them (s2h, h2s: host pool and store only); ops on vLLM's blocks wait
-        for a step's batch. It takes the same lock as
-        vLLM's calls, so the two never interleave."""
+        for a step's batch. It takes vLLM's calls' lock: the two never interleave."""
         while not self._stop.is_set():
             if (not self.dp.in_flight and not self._io_open  # hints, read without the lock
                     and not self.cm.store_retry_due()):
@@ -350,14 +347,13 @@ class SchedulerHalf:
     def _count(self, r: RequestState, ext: int) -> None:
         """Count a request's prompt tokens once, by tier, in the prompt's order: vLLM's own
         hit (``local``) first, then zkv's host hits past it, then its store hits (the
-        blocks its prefetch brought), then the tokens vLLM computes. zkv's host hits
-        start at block 0, as vLLM's do: those under vLLM's hit are vLLM's."""
+        blocks its prefetch brought), then the tokens vLLM computes."""
         if r.counted:
             return
         r.counted = True
         c = self.counts
         c.requests += 1
-        host_tokens = min(ext, max(0, r.host_blocks_at_match * self.bs - r.local))
+        host_tokens = r.host_tokens(ext, self.bs)
         c.vllm_local += r.local
         c.zkv_host += host_tokens
         c.zkv_store += ext - host_tokens
@@ -661,8 +657,7 @@ class SchedulerHalf:
         return seq
 
     def _savers(self, ops: list[Any]) -> list[str]:
-        """The requests whose saves are among ``ops`` (taken: pending in the ledger, which
-        keeps one save op per request)."""
+        """The requests whose saves are among ``ops`` (the ledger keeps one per request)."""
         pending = [self.cm.ledger.pending[op.id] for op in ops]
         return [p.reqs[0].req_id for p in pending if p.kind == SAVE and p.reqs[0] is not None]
 
@@ -748,13 +743,19 @@ class SchedulerHalf:
                 "disabled": self.disabled, **{f"cm_{k}": v for k, v in self.cm.snapshot().items()
                                               if isinstance(v, int)}}
 
+    def hit_tiers(self, rid: str, num_tokens: int) -> tuple[int, int]:
+        """``num_tokens`` external hits of request ``rid`` (its last match's) split by the
+        tier that had them: (zkv's host tier, L3)."""
+        with self._lock:
+            r = self._reqs.get(rid)
+            host = num_tokens if r is None else r.host_tokens(num_tokens, self.bs)
+        return host, num_tokens - host
+
     def in_flight(self) -> dict[str, int]:
         """What is not over yet: requests the connector tracks, requests holding zkv blocks,
-        ops and batches every rank has not acked (an idle engine's settle at 0 once the pump
-        committed the last acks, within milliseconds), steps whose output has not
-        come back (under async scheduling vLLM keeps the last one it scheduled until its
-        next step), blocks whose L3 write failed and waits to be tried again (0 once the
-        store took them; not 0 while it is down)."""
+        ops and batches every rank has not acked (0 within milliseconds of the last ack),
+        steps whose output has not come back (under async scheduling vLLM keeps the last
+        one until its next step), blocks whose L3 write failed and waits to be tried again."""
         with self._lock:
             return {"requests": len(self._reqs), "cache_requests": self.cm.num_running(),
                     "ops": self.cm.num_pending_ops, "batches": self.dp.in_flight,
