@@ -460,6 +460,29 @@ def _install_handlers(handler: Callable[[int, object], None]) -> dict[int, objec
             if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}
 
 
+def _check_store_env(config: LaunchConfig) -> None:
+    """The L3 store every ``-m zkv.worker`` rank opens (``ZKV_STORE_URL``, else
+    ``ZKV_STORE_DIR``), checked as a rank checks it, without connecting (a ``file://``
+    budget against the layout's block when ``--config`` gives it): a bad one is one line
+    here, not one a rank after its torch import."""
+    from zkv.storage import HEADER_SIZE
+    from zkv.storage.url import check_budget, file_url, parse_url
+
+    url, name = os.environ.get("ZKV_STORE_URL") or None, "ZKV_STORE_URL"
+    if url is None and os.environ.get("ZKV_STORE_DIR"):
+        url, name = file_url(os.environ["ZKV_STORE_DIR"]), "ZKV_STORE_DIR"
+    if url is None:
+        return
+    layout = load_layout(config) if config.config is not None else None
+    writers = config.world_size if layout is None else layout.world_size
+    try:
+        scheme, kw = parse_url(url, writers)
+        if scheme == "file" and layout is not None:
+            check_budget(url, kw, writers, HEADER_SIZE + layout.block_bytes)
+    except ConfigError as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
 def _check_resolves(host: str, node_rank: int) -> None:
     """``--master-addr`` that does not resolve: on node rank 0, which listens there, a
     ConfigError; on the others one warning line, and the ranks wait for it as before (a
@@ -493,6 +516,7 @@ def _refusal(config: LaunchConfig, worker_cmd: list[str]) -> tuple[LaunchConfig,
             zlog.check_level()  # ZKV_LOG_LEVEL, which every child reads
         if problem is None and exit_meanings(worker_cmd) is not None:
             check_rank_env()  # what every -m zkv.worker rank reads: one line, not one a rank
+            _check_store_env(config)
         if problem is None and config.nnodes > 1:
             _check_resolves(config.master_addr, config.node_rank)
     except ConfigError as e:

@@ -554,6 +554,15 @@ def redact_credentials(text: str) -> str:
     return _URL_WORD.sub(one, text)
 
 
+def redact_url(url: str) -> str:
+    """One URL (its ends known, not a word in a text) with its ``user:password@`` written
+    ``***@``, whatever the password holds: a blank too, which ends a word for
+    :func:`redact_credentials` (``redis://:a b@host:6379/0`` showed ``b``)."""
+    scheme, sep, rest = url.partition("://")
+    end = userinfo_end(rest) if sep else None
+    return redact_credentials(url) if end is None else f"{scheme}://***{rest[end:]}"
+
+
 def check_private_dir(path: str, *, what: str = "directory",
                       holds: str = "reach the sockets or keys") -> None:
     """Refuse (ConfigError) unless ``path`` is a real directory owned by this user that no

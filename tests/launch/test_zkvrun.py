@@ -752,22 +752,46 @@ sys.exit({code})
 
 def test_a_zkv_worker_rank_with_a_bad_configuration_is_not_restarted(tmp_path: Path) -> None:
     """A ``-m zkv.worker`` rank's 2 (bad configuration) comes back on every rerun: was,
-    ``ZKV_BACKEND=bogus`` with --max-restarts 3 ran four times (zkvrun refuses that one
-    before it starts anything now; a store URL is the rank's to refuse). (Another program's 2
-    or 4 is its own: test_restarts_run_out restarts it.) zkvrun exits 2, a bad
-    configuration's status (it was 1, as for a rank that failed)."""
-    layout = CacheLayout(2, 2, 16, 32, "float16", 8, 8)
+    ``ZKV_BACKEND=bogus`` with --max-restarts 3 ran four times (zkvrun refuses that one,
+    and a bad store URL, before it starts anything now; a rank given no layout, neither
+    ``--config`` nor ``ZKV_CONFIG``, is the rank's to refuse). (Another program's 2 or 4 is
+    its own: test_restarts_run_out restarts it.) zkvrun exits 2, a bad configuration's
+    status (it was 1, as for a rank that failed)."""
     logs = tmp_path / "logs"
     r = run_zkvrun(tmp_path, "--max-restarts", "3", "--log-dir", str(logs),
-                   "--config", layout.to_json(), "-m", "zkv.worker", ZKV_BACKEND="cpu",
-                   ZKV_STORE_URL="bogus://x")
+                   "-m", "zkv.worker", ZKV_BACKEND="cpu")
     assert r.returncode == 2, r.stderr
+    assert "zkv.worker: ZKV_CONFIG is not set" in r.stderr
     (started,) = [e for e in events(logs) if e["event"] == zlog.RANK_STARTED]
     assert r.stderr.splitlines()[-1] == (
         f"zkvrun: rank 0 (pid {started['child_pid']}) exited with code 2 (bad configuration): "
         "not restarting; tearing down 0 processes")
     (failed,) = [e for e in events(logs) if e["event"] == zlog.GROUP_FAILED]
     assert (failed["code"], failed["final"]) == (2, True)
+
+
+@pytest.mark.parametrize("extra, line", [
+    ({"ZKV_STORE_URL": "bogus://x"}, "ZKV_STORE_URL: bad store URL 'bogus://x': unknown "
+                                     "scheme 'bogus' (one of file, redis, rediss, mooncake)"),
+    ({"ZKV_STORE_URL": "redis://:sec ret@h:99999/0"},
+     "ZKV_STORE_URL: bad store URL 'redis://***@h:99999/0': Port out of range 0-65535"),
+    ({"ZKV_STORE_URL": "file:///tmp/l3?max_bytes=100"},
+     "ZKV_STORE_URL: bad store URL 'file:///tmp/l3?max_bytes=100': a budget of 50 bytes per "
+     "writer (2 writers) holds no block of 8256 bytes; give a larger max_gb"),
+])
+def test_a_bad_store_for_the_ranks_is_one_line_and_starts_nothing(
+        tmp_path: Path, extra: dict[str, str], line: str) -> None:
+    """Every ``-m zkv.worker`` rank opens ``ZKV_STORE_URL``: a bad one was refused by each
+    rank after its torch import, one line a rank, then zkvrun's own. Now zkvrun parses it
+    as a rank does (its ``file://`` budget against the layout's block), says it once
+    (the password of one with a blank in it hidden) and starts nothing."""
+    layout = CacheLayout(2, 2, 16, 32, "float16", 16, 16, world_size=2)
+    logs = tmp_path / "logs"
+    r = run_zkvrun(tmp_path, "--nproc-per-node", "2", "--log-dir", str(logs),
+                   "--config", layout.to_json(), "-m", "zkv.worker", ZKV_BACKEND="cpu",
+                   **extra)
+    assert (r.returncode, r.stderr) == (2, f"zkvrun: error: {line}\n")
+    assert not list(logs.glob("*.jsonl"))  # (no launcher's, no rank's: nothing ran)
 
 
 def test_the_default_log_dir_is_per_user_and_private(tmp_path: Path) -> None:

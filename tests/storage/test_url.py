@@ -144,6 +144,23 @@ def test_a_bad_url_never_shows_its_password(url: str, shown: str) -> None:
     assert msg.startswith(f"bad store URL {shown!r}: ") and "pw" not in msg and "ss@" not in msg
 
 
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:sec ret@127.0.0.1:99999/0", "redis://***@127.0.0.1:99999/0"),
+    ("rediss://u:a b c@h:6380/x", "rediss://***@h:6380/x"),
+])
+def test_a_password_with_a_blank_is_never_shown(url: str, shown: str) -> None:
+    """A blank inside a password (not percent-encoded) ended the word the redaction
+    looked at, so a bad URL's error showed what followed it: ``ret`` of ``sec ret``."""
+    from zkv.security import redact_url
+
+    msg = _refused_at_open(url)
+    assert msg.startswith(f"bad store URL {shown!r}: "), msg
+    password = url.split("://")[1].rsplit("@", 1)[0]
+    assert password not in msg and password.split()[-1] + "@" not in msg, msg
+    assert redact_url(url) == shown
+    assert redact_url("file:///tmp/my cache") == "file:///tmp/my cache"
+
+
 @pytest.mark.parametrize("password", ["se/cret", "se?cret", "se#cret", "s/e?c#r@et", "pw"])
 def test_a_password_with_url_delimiters_is_never_shown(password: str) -> None:
     """A password with an unescaped ``/``, ``?`` or ``#`` (base64 ones have ``/``) makes a

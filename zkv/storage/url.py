@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, unquote_to_bytes, urlsplit
 
 from zkv.errors import ConfigError
-from zkv.security import redact_credentials, userinfo_end
+from zkv.security import redact_url, userinfo_end
 from zkv.storage.base import Store
 
 SCHEMES = ("file", "redis", "rediss", "mooncake")
@@ -61,7 +61,7 @@ _MAX_DB = 2**31 - 1
 
 
 def _bad(url: str, why: str) -> ConfigError:
-    return ConfigError(f"bad store URL {redact_credentials(url)!r}: {why}")
+    return ConfigError(f"bad store URL {redact_url(url)!r}: {why}")
 
 
 def _params(url: str, scheme: str, query: str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from zkv.integrations.vllm.config import (
     ZkvVllmConfig,
     parse_extra_config,
 )
-from zkv.security import redact_credentials
+from zkv.security import redact_credentials, redact_url
 
 PROG = "zkv-check-vllm-config"
 CONNECTOR = "ZkvConnector"
@@ -92,7 +92,7 @@ def describe(cfg: ZkvVllmConfig) -> str:
         pool = f"{cfg.host_blocks} host blocks per rank"
     else:
         pool = f"{(cfg.host_bytes or DEFAULT_HOST_BYTES) / 2**30:g} GiB host pool per rank"
-    store = "none" if cfg.storage is None else redact_credentials(cfg.storage)
+    store = "none" if cfg.storage is None else redact_url(cfg.storage)
     return (f"{pool}, storage {store} (writes {'on' if cfg.storage_write else 'off'}), "
             f"policy {cfg.policy}, prefetch {cfg.prefetch}, log_level {cfg.log_level}"
             + ("" if cfg.metrics_port is None else f", metrics on port {cfg.metrics_port}"))

@@ -70,7 +70,7 @@ from zkv.errors import ConfigError
 from zkv.log import LEVELS, check_log_dir, level_name
 from zkv.scheduler.prefetch import PREFETCH_POLICIES, PrefetchPolicy
 from zkv.scheduler.records import WRITE_POLICIES, WRITE_THROUGH
-from zkv.security import redact_credentials
+from zkv.security import redact_url
 from zkv.storage.url import file_url, parse_url
 
 LOG_LEVELS = tuple(LEVELS)  # (zkv.log's: debug, info, warning, error, critical)
@@ -135,7 +135,7 @@ class ZkvVllmConfig:
     def __repr__(self) -> str:
         shown = {f: getattr(self, f) for f in self.__dataclass_fields__}
         if self.storage is not None:
-            shown["storage"] = redact_credentials(self.storage)
+            shown["storage"] = redact_url(self.storage)
         return f"ZkvVllmConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def prefetch_policy(self) -> PrefetchPolicy:
@@ -225,9 +225,9 @@ def storage_secret_advice(extra: Mapping[str, Any] | None) -> str | None:
     """What to say at start when the extra config's ``storage`` holds a user or password
     (None: nothing). The URL still works; the advice shows it without the credentials."""
     url = (extra or {}).get("storage")
-    if not isinstance(url, str) or redact_credentials(url) == url:
+    if not isinstance(url, str) or redact_url(url) == url:
         return None
-    return (f"storage {redact_credentials(url)!r} holds credentials, and vLLM logs its "
+    return (f"storage {redact_url(url)!r} holds credentials, and vLLM logs its "
             "kv_connector_extra_config at every start (vllm serve also shows it in ps): "
             f"leave storage out and give the URL in ${STORE_URL_ENV}, in the environment "
             "vLLM starts in")
