@@ -438,3 +438,25 @@ def test_a_rotated_files_cut_last_line_shows_when_its_grace_ends(
     out = io.StringIO()  # the plain view shows the same lines
     logview.view(str(tmp_path), out=out)
     assert "MALFORMED  w-0.jsonl.1:2" in out.getvalue()
+
+
+def test_a_file_truncated_and_written_past_the_old_offset_is_read_again(tmp_path: Path
+                                                                        ) -> None:
+    """copytruncate, then more lines than before, all between two reads: the size alone
+    did not show the truncation, and the new lines were read from the old offset (a half
+    line, malformed, and the first ones lost)."""
+    path = tmp_path / "a.jsonl"
+    write(path, ev(1.0, "a.one"))
+    tail = logview.Tail(str(path))
+    try:
+        assert [r.data and r.data["event"] for r in tail.records(final=False)] == ["a.one"]
+        os.truncate(path, 0)
+        write(path, ev(2.0, "b.first_after"), ev(3.0, "b.second_after"))
+        got = list(tail.records(final=False))
+        assert [r.data and r.data["event"] for r in got] == ["b.first_after", "b.second_after"]
+        assert not any(r.malformed for r in got)
+        write(path, ev(4.0, "b.third_after"))  # and on from there
+        assert [r.data and r.data["event"] for r in tail.records(final=False)] == [
+            "b.third_after"]
+    finally:
+        tail.close()

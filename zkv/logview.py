@@ -105,10 +105,15 @@ def _as_int(v: object) -> int | None:
 #: How long a file renamed away (rotated) is still read after a new one took its name: a
 #: zkv process notices the rename within a second and writes to the old file until then.
 ROTATED_GRACE_S = 5.0
+#: Bytes of the last line read that are checked before each read (a copytruncate seen
+#: even when the file grew past the old offset again in between).
+TAIL_CHECK = 64
 
 
 class Tail:
-    """Reads one file from where it last stopped. A truncated file restarts at 0; a file
+    """Reads one file from where it last stopped. A truncated file restarts at 0 (also one
+    that grew past the old offset again before the next read, seen by the bytes before
+    the offset: they are no longer the last line read); a file
     renamed away (logrotate's ``create``) or deleted is read to its end, for
     ``ROTATED_GRACE_S``, then closed (a deleted one was held open, its space with it, for as
     long as ``zkv logs -f`` ran), while the new file at the path is read from 0 (was: the
@@ -124,6 +129,7 @@ class Tail:
         self._f: Any = None  # the open file, and its (device, inode)
         self._id: tuple[int, int] | None = None
         self._old: list[tuple[Any, float, int, int]] = []  # renamed away: (f, until, offset, n)
+        self._last = b""  # the end of the last line read from ``_f`` (up to TAIL_CHECK bytes)
 
     @property
     def idle(self) -> bool:
@@ -152,6 +158,7 @@ class Tail:
             self._f = None
             yield from self._rotated(final)
             self.offset = self.lineno = 0
+            self._last = b""
         if st is None:
             return
         if self._f is None:
@@ -161,10 +168,19 @@ class Tail:
                 return
             fst = os.fstat(self._f.fileno())
             self._id = (fst.st_dev, fst.st_ino)
-        if os.fstat(self._f.fileno()).st_size < self.offset:  # truncated (copytruncate)
+        if self._rewritten(self._f):  # truncated (copytruncate), maybe written again
             self.offset = self.lineno = 0
+            self._last = b""
         self.offset, self.lineno = yield from self._read(self._f, self.offset, self.lineno,
-                                                         final)
+                                                         final, current=True)
+
+    def _rewritten(self, f: Any) -> bool:
+        """The file is shorter than the offset, or the bytes before the offset are not
+        the end of the last line read: truncated, and written past the offset again."""
+        if os.fstat(f.fileno()).st_size < self.offset:
+            return True
+        n = len(self._last)
+        return n > 0 and os.pread(f.fileno(), n, self.offset - n) != self._last
 
     def _rotated(self, final: bool) -> Iterator[Record]:
         """The rest of the files renamed away; closed once their grace ended, after a
@@ -180,7 +196,7 @@ class Tail:
                 f.close()
         self._old = keep
 
-    def _read(self, f: Any, offset: int, lineno: int, final: bool
+    def _read(self, f: Any, offset: int, lineno: int, final: bool, current: bool = False
               ) -> Generator[Record, None, tuple[int, int]]:
         f.seek(offset)
         while line := f.readline():
@@ -188,6 +204,8 @@ class Tail:
                 break
             offset += len(line)
             lineno += 1
+            if current:
+                self._last = line[-TAIL_CHECK:]
             line = line.rstrip(b"\r\n")
             if not line.strip():
                 continue
