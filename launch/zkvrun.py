@@ -16,12 +16,14 @@ reaches the whole tree under it: at teardown, and when a child exits (what it le
 group is SIGKILLed). On Linux each child also gets ``PR_SET_PDEATHSIG=SIGKILL``, so a
 SIGKILLed zkvrun takes its children with it; not what they started (PDEATHSIG is not
 inherited across fork, and the group kill is zkvrun's own, which a SIGKILL does not let
-run): a child's own children outlive a SIGKILLed zkvrun. Exit codes: 0 (scheduler exited 0, or every
-rank exited 0 on a node without one), the scheduler's code, 1 (a rank failed with no
-restarts left), 2 (usage / refused configuration, a ``-m zkv.worker`` rank's included:
-the rank environment it reads, ``zkv.config.check_rank_env``, is checked before anything
-starts),
-128+signum (SIGINT / SIGTERM / SIGHUP).
+run): a child's own children outlive a SIGKILLed zkvrun. What a child started in another
+session (``setsid``, a double fork), out of its group's reach, is found by a token in its
+environment and SIGKILLed when the group ends (``launch/strays.py``). Exit codes: 0
+(scheduler exited 0, or every rank exited 0 on a node without one), the scheduler's
+code, 1 (a rank failed with no restarts left), 2 (usage / refused configuration, a ``-m
+zkv.worker`` rank's included: the rank environment it reads, ``zkv.config.check_rank_env``,
+and its store URL are checked before anything starts), 128+signum (SIGINT / SIGTERM /
+SIGHUP).
 A child's exit is reported as ``code N``; for ranks that run ``-m zkv.worker`` with what N
 means there (``code 4 (refused by the scheduler)``, ``zkv.exit_codes``).
 
@@ -64,6 +66,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from launch import strays
 from launch.env import (
     RANKS_PER_CORE,
     SCHEDULER,
@@ -241,6 +244,7 @@ class _Group:
         self.failed = False  # a child failed (rather than: done, or a signal to zkvrun)
         self.final = False  # ... with an exit no restart can change
         self._preexec = pdeathsig_preexec()
+        self.token = strays.new_token(attempt)  # in every child's environment (see strays)
 
     def on_signal(self, signum: int, _frame: object = None) -> None:
         self.sig.on_signal(signum, _frame)
@@ -266,7 +270,8 @@ class _Group:
 
     def start(self, child: _Child) -> None:
         child.proc = subprocess.Popen(  # noqa: S603 (the user's own command)
-            child.cmd, env=child.env, start_new_session=True, preexec_fn=self._preexec)
+            child.cmd, env={**child.env, strays.ENV: self.token}, start_new_session=True,
+            preexec_fn=self._preexec)
         child.done = False
         event = zlog.SCHEDULER_STARTED if child.role == SCHEDULER else zlog.RANK_STARTED
         self.log.info(event, **child.fields(), child_pid=child.pid, restarts=self.attempt,
@@ -404,6 +409,13 @@ class _Group:
                 except subprocess.TimeoutExpired:  # uninterruptible sleep; keep trying
                     _killpg(child.pid, signal.SIGKILL)
             self._reaped(child, code)
+        left = strays.kill(self.token)  # what they started outside their groups (setsid)
+        if left:
+            cmds = [security.redact_credentials(cmd)[:200] for _, cmd in left]
+            shown = "; ".join(f"pid {pid} ({c[:80]})" for (pid, _), c in zip(left, cmds))
+            _say(f"zkvrun: killed {len(left)} processes the group left outside its process "
+                 f"groups: {shown}")
+            self.log.warning(zlog.STRAYS_KILLED, pids=[pid for pid, _ in left], cmds=cmds)
 
 
 def _succeeded(exited: tuple[_Child, int]) -> bool:

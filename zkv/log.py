@@ -96,6 +96,7 @@ SCHEDULER_EXITED = "launch.scheduler_exited"
 SIGNAL_FORWARDED = "launch.signal_forwarded"
 RUN_DIRS_CLEANED = "launch.run_dirs_cleaned"
 GROUP_RESTARTED = "launch.group_restarted"
+STRAYS_KILLED = "launch.strays_killed"
 # security
 HANDSHAKE_REFUSED = "security.handshake_refused"
 IDENTITY_FORGED = "security.identity_forged"

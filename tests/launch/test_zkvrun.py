@@ -820,3 +820,32 @@ def test_a_default_log_dir_that_cannot_be_ours_is_one_line_and_starts_nothing(
     assert r.returncode == 2
     assert r.stderr == f"zkvrun: error: log directory {root}{why}\n"
     assert not (tmp_path / "started").exists()
+
+
+def test_what_a_rank_started_in_another_session_is_killed_when_the_group_ends(
+        tmp_path: Path) -> None:
+    """A rank that starts a process in a session of its own (``setsid``, as a daemon
+    does): zkvrun's group kill never reached it, and it outlived the run (with whatever it
+    held: a GPU's memory, a port). Now it carries the group's token in its environment
+    and is SIGKILLed, and said, when the group ends."""
+    body = ("import subprocess\n"
+            "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+            "put(f'stray-{RANK}', str(p.pid))\n")
+    logs = tmp_path / "logs"
+    try:
+        # (before: zkvrun's stderr pipe stayed open in the strays, and the run timed out)
+        r = run_zkvrun(tmp_path, "--nproc-per-node", "2", "--log-dir", str(logs),
+                       script(tmp_path, "rank.py", body))
+        pids = [int((tmp_path / f"stray-{rank}").read_text()) for rank in (0, 1)]
+        assert r.returncode == 0, r.stderr
+        wait_exited(pids, 10, "the processes the ranks started in sessions of their own")
+        [line] = [x for x in r.stderr.splitlines() if "left outside" in x]
+        assert line.startswith("zkvrun: killed 2 processes the group left outside its "
+                               "process groups: pid "), line
+        assert "(sleep 600)" in line, line
+        [killed] = [e for e in events(logs) if e["event"] == zlog.STRAYS_KILLED]
+        assert sorted(killed["pids"]) == sorted(pids)
+    finally:  # (whatever happened: none is left to the machine)
+        for stray in tmp_path.glob("stray-*"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(stray.read_text()), signal.SIGKILL)
