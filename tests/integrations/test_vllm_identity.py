@@ -97,6 +97,26 @@ def test_settings_that_change_the_kv_are_in_it(tmp_path: Path, extra: dict[str, 
             != model_identity(mc, NS(cache_dtype="fp8_e5m2")))
 
 
+def test_one_kv_format_is_one_name_and_two_formats_are_two(tmp_path: Path) -> None:
+    """``fp8`` is vLLM's alias of ``fp8_e4m3``: engines started with either wrote the same
+    bytes under two namespaces and shared nothing. And ``fp8_e4m3`` is the platform's e4m3
+    type: ROCm's ``float8_e4m3fnuz`` is other bytes than CUDA's ``float8_e4m3fn`` under
+    the same name (a mixed fleet sharing a store read each other's). A float cache dtype
+    equal to the model's is the model's own KV (``auto``)."""
+    mc = NS(model=str(tmp_path), revision=None, hf_overrides=None, quantization=None,
+            dtype="torch.bfloat16")
+
+    def ident(cache_dtype: str, fp8: str | None = "float8_e4m3fn") -> str:
+        return model_identity(mc, NS(cache_dtype=cache_dtype), fp8_e4m3=fp8)
+
+    assert ident("fp8") == ident("fp8_e4m3") == ident("fp8", None)
+    assert ident("fp8_e4m3").endswith("|kv=fp8_e4m3/torch.bfloat16")  # (as before)
+    assert ident("fp8", "float8_e4m3fnuz") == ident("fp8_e4m3", "float8_e4m3fnuz")
+    assert ident("fp8", "float8_e4m3fnuz") != ident("fp8")
+    assert ident("fp8_e5m2", "float8_e4m3fnuz") == ident("fp8_e5m2")  # (one e5m2 everywhere)
+    assert ident("bfloat16") == ident("auto") != ident("float16")
+
+
 def test_a_longrope_model_is_named_by_the_factors_its_length_picks(tmp_path: Path) -> None:
     """vLLM rotates every position of a LongRoPE model (Phi-3 128k, Phi-4-mini) with the
     long factors when max_model_len is past original_max_position_embeddings, else with

@@ -191,7 +191,11 @@ class ZkvConnector(KVConnectorBase_V1):
         self.world_size = world_size(vllm_config)
         self.engine_id = str(tc.engine_id)
         salt = f"|{self.cfg.namespace_salt}" if self.cfg.namespace_salt else ""
-        self.model = model_identity(vllm_config.model_config, vllm_config.cache_config) + salt
+        from vllm.platforms import current_platform
+
+        fp8 = str(current_platform.fp8_dtype()).removeprefix("torch.")
+        self.model = model_identity(vllm_config.model_config, vllm_config.cache_config,
+                                    fp8_e4m3=fp8) + salt
         self.sched: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         self._ipc_dir: str | None = None

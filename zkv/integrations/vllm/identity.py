@@ -132,9 +132,25 @@ def _made_config(model_config: Any, fn: Any) -> str:
         return name
 
 
-def model_identity(model_config: Any, cache_config: Any, hub_cache: str | None = None) -> str:
+def kv_format(cache_dtype: str, model_dtype: Any, fp8_e4m3: str | None = None) -> str:
+    """The KV format a ``cache_dtype`` stores, one name per format: ``fp8`` is vLLM's
+    alias of ``fp8_e4m3`` (they shared no block); that one is the platform's e4m3 type
+    (``fp8_e4m3``: ``float8_e4m3fn``, named so, as before; others, ROCm's
+    ``float8_e4m3fnuz``, added: other bytes under one name); a float type equal to the
+    model's is ``auto``."""
+    if cache_dtype == str(model_dtype).removeprefix("torch."):
+        return "auto"
+    name = "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
+    if name == "fp8_e4m3" and fp8_e4m3 not in (None, "float8_e4m3fn"):
+        name += f":{fp8_e4m3}"
+    return name
+
+
+def model_identity(model_config: Any, cache_config: Any, hub_cache: str | None = None,
+                   fp8_e4m3: str | None = None) -> str:
     """The identity of vLLM's ``model_config`` / ``cache_config``; see the module
-    docstring. ``hub_cache``: the Hugging Face cache (None: huggingface_hub's default)."""
+    docstring. ``hub_cache``: the Hugging Face cache (None: huggingface_hub's default).
+    ``fp8_e4m3``: the platform's e4m3 torch type (:func:`kv_format`)."""
     mc = model_config
     ident, cfg_path = model_source(str(mc.model), getattr(mc, "revision", None), hub_cache)
     if cfg_path is not None and os.path.isfile(cfg_path):
@@ -162,7 +178,7 @@ def model_identity(model_config: Any, cache_config: Any, hub_cache: str | None =
         text = (orjson.dumps(qc, option=orjson.OPT_SORT_KEYS, default=str).decode()
                 if isinstance(qc, dict) else repr(qc))  # (vLLM's args: a stable repr)
         ident += "|qc=" + hashlib.sha256(text.encode()).hexdigest()[:16]
-    cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
-    if cache_dtype != "auto":
-        ident += f"|kv={cache_dtype}/{mc.dtype}"
+    kv = kv_format(str(getattr(cache_config, "cache_dtype", "auto")), mc.dtype, fp8_e4m3)
+    if kv != "auto":
+        ident += f"|kv={kv}/{mc.dtype}"
     return ident
