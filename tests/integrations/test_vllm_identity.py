@@ -83,6 +83,7 @@ def test_a_local_directory_keeps_the_identity_it_had(tmp_path: Path) -> None:
 @pytest.mark.parametrize("extra, part", [
     ({"hf_overrides": {"rope_parameters": {"rope_type": "yarn"}}}, "|hf="),
     ({"quantization": "awq"}, "|q=awq"),
+    ({"model_class_overrides": {"LlamaForCausalLM": "my_pkg.model:MyLlama"}}, "|mc="),
 ])
 def test_settings_that_change_the_kv_are_in_it(tmp_path: Path, extra: dict[str, object],
                                                part: str) -> None:

@@ -18,7 +18,8 @@ never reads the old one's KV. Then, where set: the config vLLM reads instead of 
 model's (``hf_config_path``), which RoPE factors a LongRoPE model runs with (the long ones
 past ``original_max_position_embeddings``: vLLM picks them by ``max_model_len``),
 ``hf_overrides`` (a RoPE or other config change the file does not show; a function, by
-the config it made), where the weights come from when not from the model's folder
+the config it made), ``model_class_overrides`` (another implementation of the
+architecture), where the weights come from when not from the model's folder
 (``model_weights``: the runai_streamer and sharded_state loaders read them there), weight
 quantization and its online settings (``quantization_config``), and the KV cache dtype
 with the model dtype it was computed in (vLLM keeps every fp8 / quantized KV format in uint8
@@ -168,6 +169,10 @@ def model_identity(model_config: Any, cache_config: Any, hub_cache: str | None =
         text = (_made_config(mc, overrides) if callable(overrides)
                 else orjson.dumps(overrides, option=orjson.OPT_SORT_KEYS, default=str).decode())
         ident += "|hf=" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    classes = getattr(mc, "model_class_overrides", None)
+    if classes:  # another implementation of the architecture computes the KV
+        text = orjson.dumps(classes, option=orjson.OPT_SORT_KEYS, default=str).decode()
+        ident += "|mc=" + hashlib.sha256(text.encode()).hexdigest()[:16]
     weights = getattr(mc, "model_weights", None)
     if weights and str(weights) != str(mc.model):  # the loader reads them there
         ident += f"|w={weights}"
