@@ -478,13 +478,12 @@ def _check_store_env(config: LaunchConfig) -> None:
     budget against the layout's block when ``--config`` gives it): a bad one is one line
     here, not one a rank after its torch import."""
     from zkv.storage import HEADER_SIZE
-    from zkv.storage.url import check_budget, file_url, parse_url
+    from zkv.storage.url import check_budget, parse_url, store_url_from_env
 
-    url, name = os.environ.get("ZKV_STORE_URL") or None, "ZKV_STORE_URL"
-    if url is None and os.environ.get("ZKV_STORE_DIR"):
-        url, name = file_url(os.environ["ZKV_STORE_DIR"]), "ZKV_STORE_DIR"
-    if url is None:
+    found = store_url_from_env(os.environ)
+    if found is None:
         return
+    name, url = found
     layout = load_layout(config) if config.config is not None else None
     writers = config.world_size if layout is None else layout.world_size
     try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import ssl
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, unquote_to_bytes, urlsplit
 
@@ -304,6 +305,16 @@ def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict
     if "keep_days" in params:
         kw["keep_days"] = params["keep_days"]
     return kw
+
+
+def store_url_from_env(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """The L3 store a ``zkv.worker`` rank opens: ``(variable, URL)`` from
+    ``ZKV_STORE_URL``, else the older ``ZKV_STORE_DIR`` (a directory); None without."""
+    if env.get("ZKV_STORE_URL"):
+        return "ZKV_STORE_URL", env["ZKV_STORE_URL"]
+    if env.get("ZKV_STORE_DIR"):
+        return "ZKV_STORE_DIR", file_url(env["ZKV_STORE_DIR"])
+    return None
 
 
 def file_url(path: str | os.PathLike[str]) -> str:

@@ -67,7 +67,8 @@ from zkv.config import (
 )
 from zkv.errors import ConfigError
 from zkv.exit_codes import EXIT_CONFIG, EXIT_FATAL, EXIT_REFUSED, EXIT_SCHEDULER_GONE
-from zkv.storage import HEADER_SIZE, Store, file_url, open_store
+from zkv.storage import HEADER_SIZE, Store, open_store
+from zkv.storage.url import store_url_from_env
 from zkv.worker.actor import WorkerActor
 from zkv.worker.sidecar import (
     rank_from_env,
@@ -91,13 +92,10 @@ def store_from_env(layout: CacheLayout, rank: int, env: Mapping[str, str] | None
                    ) -> Store | None:
     """Rank ``rank``'s L3 store from ``ZKV_STORE_URL`` (or ``ZKV_STORE_DIR``); None
     without."""
-    env = os.environ if env is None else env
-    url = env.get("ZKV_STORE_URL") or None
-    if url is None and env.get("ZKV_STORE_DIR"):
-        url = file_url(env["ZKV_STORE_DIR"])
-    if url is None:
+    found = store_url_from_env(os.environ if env is None else env)
+    if found is None:
         return None
-    return open_store(url, layout.fingerprint(), writers=layout.world_size, rank=rank,
+    return open_store(found[1], layout.fingerprint(), writers=layout.world_size, rank=rank,
                       block_bytes=HEADER_SIZE + layout.block_bytes)
 
 
