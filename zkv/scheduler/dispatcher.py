@@ -607,7 +607,9 @@ class Dispatcher:
         elif isinstance(msg, P.Heartbeat):
             self._on_heartbeat(msg)
         elif isinstance(msg, P.Hello):
-            self._members.on_hello(msg)
+            lost = self._members.on_hello(msg)
+            if lost is not None and not self._closing:
+                self._declare_lost(msg.rank, lost)
         elif isinstance(msg, P.Bye):
             self._on_bye(msg)
 

@@ -28,7 +28,11 @@ for batches that never come::
            │                            wait_for_ranks raises ConfigError naming them
            ├─ rank >= world size ─────► Refused("rank R is not below world size W")
            ├─ a new pid after start ──► Refused("... cannot rejoin"); the running rank
-                                        (another pid) reads past it
+           │                            (another pid) reads past it
+           ├─ the joined pid again ───► Refused("... link ... dropped and came back ...")
+           │  after start               and the dispatcher declares the rank lost: it
+           │                            said hello on a new connection, started over at
+           │                            seq 0, and missed what was published meanwhile
            └─ a new pid before start ─► taken; the pid it replaces (said hello or joined)
                                         is told Refused("replaced by pid P") and stops:
                                         acks carry no pid, so a stale process left
@@ -56,6 +60,10 @@ from zkv.config import CacheLayout
 MAX_UNTOLD = 64
 #: How long ``wait_for_ranks`` waits for a refused process's subscriber before it raises.
 TELL_S = 1.0
+#: Why the joined process of a started group that says hello again is refused.
+RECONNECTED = ("its link to the scheduler dropped and came back while the group ran: "
+               "batches published meanwhile went with the old connection, and a rank "
+               "cannot resume a started group")
 #: Ready markers remembered per rank (pids whose subscription came; bounded: a rank could
 #: subscribe to markers of many made-up pids). The hello's and the joined pid's stay.
 MAX_SUB_PIDS = 64
@@ -119,20 +127,27 @@ class Membership:
     def all_joined(self) -> bool:
         return all(r.joined_pid is not None for r in self.ranks)
 
-    def on_hello(self, msg: P.Hello) -> None:
+    def on_hello(self, msg: P.Hello) -> str | None:
+        """Take or refuse a hello. Returns why the rank is lost when it is the joined
+        process of a started group saying hello again (the dispatcher declares it lost)."""
         r = self.rank_of(msg.rank, "hello")
         if r is None:  # counted (unknown_rank) and logged by rank_of
             self._tell_refused(msg, f"rank {msg.rank} is not below world size "
                                     f"{self.world_size}")
-            return
+            return None
         problem = self._layout_problem(msg)
         if problem is not None:
             r.refused = self._refuse_hello(msg, problem)
-            return
+            return None
         if self.started:
             if msg.pid != r.joined_pid:
                 self._refuse_hello(msg, "hello after the group started (ranks cannot rejoin)")
-            return
+                return None
+            # Its process says hello again only on a new connection: the link dropped and
+            # came back (a restart of ours would know no pid). The rank started over at seq
+            # 0 and batches published meanwhile were dropped with the old connection.
+            self._refuse_hello(msg, RECONNECTED)
+            return RECONNECTED
         old = r.joined_pid if r.joined_pid is not None else r.hello_pid
         if old is not None and old != msg.pid:
             self._replaced(r, old, msg.pid)
@@ -142,6 +157,7 @@ class Membership:
             self._untold.pop((msg.rank, msg.pid), None)
         r.last_seen = time.monotonic()
         self._maybe_join(r)
+        return None
 
     def on_subscription(self, sub: bytes, sender: int | None, authenticated: bool) -> bool:
         """An XPUB message (``sub[0]`` 1: subscribe, 0: unsubscribe). True when a joined

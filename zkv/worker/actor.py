@@ -48,7 +48,10 @@ Trust: with :class:`~zkv.security.ClientKeys` both sockets authenticate as this 
 socket directory vouches for the scheduler), so only this rank can ack as this rank.
 Refusals are counted (``num_refused``) and logged at most a few lines a second. A
 scheduler that restarts (a new connection after the first) is joined again: the actor
-starts over at seq 0 and says hello, the new scheduler's tree is empty.
+starts over at seq 0 and says hello, the new scheduler's tree is empty. A new connection
+to the same running scheduler (a link that dropped and came back) looks the same from
+here; that scheduler refuses the hello (exit 4: batches it published meanwhile are lost),
+and one of its batches read before the refusal is a seq gap whose reason says so.
 """
 
 from __future__ import annotations
@@ -560,7 +563,11 @@ class WorkerActor:
 
     def _seq_gap(self, seq: int) -> tuple[int, str]:
         reason = f"seq gap: expected {self._expected} got {seq}"
-        self._log.error(ev.SEQ_GAP, expected=self._expected, seq=seq)
+        if self._expected == 0 and self._num_handshakes > 1:  # rejoined, no batch since
+            reason += (": the link to the scheduler dropped and came back to the same "
+                       "running scheduler (a restarted one starts at seq 0); batches "
+                       "published meanwhile are lost, and a rank cannot resume")
+        self._log.error(ev.SEQ_GAP, expected=self._expected, seq=seq, error=reason)
         return EXIT_SEQ_GAP, reason
 
     def _refuse(self, frames: Sequence[Any], error: ProtocolError) -> tuple[int, str] | None:
