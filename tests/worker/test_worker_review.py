@@ -209,7 +209,8 @@ def test_a_stop_while_a_store_call_hangs_leaves_the_call_and_stops(
     """A stop (the engine shutting its sidecar down) while a store call hangs for good:
     the actor waits for it up to the store's ``close_wait_s``, then leaves it to its
     thread, says so (``worker.io_abandoned``) and ends (exit 0). That thread is a daemon
-    thread: the engine's process can still exit. Before: the actor waited on the call for
+    thread: the engine's process can still exit, and the store's close that follows does
+    not wait for the call a second time. Before: the actor waited on the call for
     ever (a ``ThreadPoolExecutor`` shutdown), ``Sidecar.close`` gave up after its join
     timeout, and the executor's thread, joined at the interpreter's exit, kept the engine's
     process from exiting."""
@@ -220,6 +221,12 @@ def test_a_stop_while_a_store_call_hangs_leaves_the_call_and_stops(
     assert (left["num_calls"], left["seq"], left["op_id"], left["kind"]) == (1, 0, 0, P.S2H)
     io = [t for t in threading.enumerate() if t.name.startswith("zkv-io-0")]
     assert io and all(t.daemon for t in io), [(t.name, t.daemon) for t in io]
+    # The store's close (the engine's, the rank's) does not wait for that call again: the
+    # actor already did (before, a hung store held a stop for two close_wait_s, 5 s each).
+    closing = threading.Thread(target=sc.actor.store.close, daemon=True)
+    closing.start()
+    closing.join(1.0)
+    assert not closing.is_alive(), "the store's close waited again for the call left"
     assert _end_read(fifo), "the read was not hung any more"  # (it was left, not ended)
 
 

@@ -459,21 +459,24 @@ class Store(abc.ABC):
         """Memory that blocks will be read into / written from (zero copy where the
         backend needs registration, e.g. Mooncake's RDMA). Default: nothing to do."""
 
-    def _quiesce(self) -> bool:
-        """Refuse new calls; wait up to ``close_wait_s`` for the running ones (once: a
-        second call, the base close after a backend's, waits no more). Whether none runs
-        any more (a backend's close calls this before it releases its client)."""
+    def quiesce(self, timeout_s: float | None = None) -> bool:
+        """Refuse new calls; wait up to ``timeout_s`` (default ``close_wait_s``) for the
+        running ones, once: a later call, ``close``'s own included, waits no more. Whether
+        none runs any more. A backend's close calls this before it releases its client; a
+        rank that already waited for its store calls at its stop calls it with 0, so the
+        close that follows does not wait for the calls it left a second time."""
         with self._calls_cv:
             if self._closed:
                 return not self._calls
             self._closed = True
-            return self._calls_cv.wait_for(lambda: not self._calls, self.close_wait_s)
+            wait = self.close_wait_s if timeout_s is None else timeout_s
+            return self._calls_cv.wait_for(lambda: not self._calls, wait)
 
     def close(self) -> None:
         """Refuse new calls, wait for the running ones (see the module), release
         connections (a backend's own close quiesces first and calls this last).
         Idempotent."""
-        self._quiesce()
+        self.quiesce()
         self._write_failed_log.flush()  # what the rate limits held back: their counts
         self._read_failed_log.flush()
         self.query_failed_log.flush()

@@ -563,7 +563,7 @@ class MooncakeStore(Store):
         unless a call or a reconnect attempt (which uses the client too) still runs:
         closing it under one crashes the process (SIGSEGV), so it is kept (and said)."""
         t0 = time.monotonic()
-        quiet = self._quiesce()  # then the attempt, within what is left of the one wait
+        quiet = self.quiesce()  # then the attempt, within what is left of the one wait
         left = max(0.0, self.close_wait_s - (time.monotonic() - t0))
         quiet = self.link.close(left) and quiet
         with self._setup_lock:

@@ -379,7 +379,7 @@ class RedisStore(Store):
     def close(self) -> None:
         """Quiesce (see base), then close the pool. A call still running after the wait
         fails on its closed connection, which is harmless here."""
-        self._quiesce()
+        self.quiesce()
         self.link.close()
         self._client.close()
         super().close()

@@ -349,8 +349,8 @@ class WorkerActor:
                                zmq.NOBLOCK)
                 push.close(_BYE_LINGER_MS)
             self._push = None
-            if self._io is not None:
-                self._io.close()
+            if self._io is not None and self._io.close() and self.store is not None:
+                self.store.quiesce(0)  # (calls left: the store's close would wait again)
             if own_ctx and ctx is not None:
                 ctx.term()
             self._refused_log.flush()
