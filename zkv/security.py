@@ -525,6 +525,11 @@ _URL_WORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)((?!/)[^\s\"']*)")
 #: What follows a URL's ``user:password@``: a host (or [IPv6]), a port, then the end, a
 #: path, a query or a fragment.
 _HOST_TAIL = re.compile(r"(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]*\])(?::\d*)?(?=[/?#]|$)")
+#: A URL's word that is its authority alone (``host[:port]``, or nothing), not the start
+#: of a ``user:password`` cut by a blank (``:pw``, ``user:pw``).
+_AUTHORITY = re.compile(r"$|(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]*\])(?::\d+)?(?=[/?#]|$)")
+#: In free text: an ``@`` followed by a host and port, then a delimiter, a blank or a quote.
+_AT_HOST = re.compile(r"@(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]*\])(?::\d*)?(?=[/?#\s\"']|$)")
 
 
 def userinfo_end(rest: str) -> int | None:
@@ -545,19 +550,37 @@ def userinfo_end(rest: str) -> int | None:
 def redact_credentials(text: str) -> str:
     """``text`` with the ``user:password@`` of every URL in it written ``***@``
     (``redis://:pw@host:6379/0`` → ``redis://***@host:6379/0``), for what is logged or
-    printed: a command line, a bad URL (see :func:`userinfo_end`)."""
-    def one(m: re.Match[str]) -> str:
+    printed: a command line, a bad URL (see :func:`userinfo_end`). A URL's word that is
+    no ``host[:port]`` and holds no ``@`` (``redis://:a`` of ``redis://:a b@h/0``: a
+    password with a blank) runs on to the first ``@host[:port]`` of its line when no other
+    ``@`` or URL comes before it. A userinfo whose first word reads as a host
+    (``mooncake://se cret@h``) cannot be told from an address followed by text here: a
+    URL whose ends are known goes through :func:`redact_url`."""
+    parts: list[str] = []
+    pos = 0
+    while (m := _URL_WORD.search(text, pos)) is not None:
         rest = m.group(2)
         end = userinfo_end(rest)
-        return m.group(0) if end is None else f"{m.group(1)}***{rest[end:]}"
-
-    return _URL_WORD.sub(one, text)
+        if end is not None:
+            parts += [text[pos:m.start()], m.group(1), "***", rest[end:]]
+            pos = m.end()
+            continue
+        if not _AUTHORITY.match(rest) and (at := _AT_HOST.search(text, m.end())) is not None:
+            between = text[m.end():at.start()]
+            if "\n" not in between and "@" not in between and "://" not in between:
+                parts += [text[pos:m.start()], m.group(1), "***"]
+                pos = at.start()
+                continue
+        parts.append(text[pos:m.end()])
+        pos = m.end()
+    parts.append(text[pos:])
+    return "".join(parts)
 
 
 def redact_url(url: str) -> str:
     """One URL (its ends known, not a word in a text) with its ``user:password@`` written
     ``***@``, whatever the password holds: a blank too, which ends a word for
-    :func:`redact_credentials` (``redis://:a b@host:6379/0`` showed ``b``)."""
+    :func:`redact_credentials` (it looks past the blank only on the terms it says)."""
     scheme, sep, rest = url.partition("://")
     end = userinfo_end(rest) if sep else None
     return redact_credentials(url) if end is None else f"{scheme}://***{rest[end:]}"

@@ -214,6 +214,36 @@ def test_tls_file_paths_with_an_at_or_a_plus_are_the_files_named(tmp_path: Path)
         assert "p/w" not in str(info.value) and "1?x" not in str(info.value)
 
 
+@pytest.mark.parametrize("password", ["se cret", "q1q w2w e3e", "'r4r t5t", "y6y\tu7u",
+                                      ": i8i"])
+def test_a_password_with_a_blank_in_free_text_is_never_shown(password: str) -> None:
+    """A command line (zkvrun's log of a rank's, an error that quotes one) holding a URL
+    whose password has a blank: the URL's word ended at the blank, so what followed it was
+    shown (``redis://:a b@h`` gave ``redis://:a b@h``: nothing redacted). (Configured
+    URLs, whose ends are known, are redacted whole: ``redact_url``.)"""
+    from zkv.security import redact_credentials
+
+    for url in (f"redis://:{password}@127.0.0.1:6379/0", f"rediss://u:{password}@h:6380",
+                f"redis://user:{password}@[::1]:6379/0?x=1"):
+        shown = redact_credentials(f"-m zkv.worker --storage {url} --then "
+                                   "file:///tmp/a@b")
+        for word in password.replace(":", " ").replace("'", " ").split():
+            assert word not in shown, shown
+        assert "***@" in shown and shown.endswith(" --then file:///tmp/a@b"), shown
+
+
+def test_redact_credentials_looks_past_a_blank_only_for_a_password() -> None:
+    """What stays: a URL whose word is a host and port (an address after it is no
+    password's end), and a word with no ``@host`` on its line or another URL or ``@``
+    between them."""
+    from zkv.security import redact_credentials
+
+    for text in ("redis://h:6379/0 failed; ask admin@example.com",
+                 "redis://:a\nb@h:1/0", "redis://:a then mooncake://h:2 b@h:1",
+                 "redis://:a b@ c@h:1", "redis://:a b"):
+        assert redact_credentials(text) == text, text
+
+
 def test_redact_credentials_leaves_everything_else() -> None:
     from zkv.security import redact_credentials
 
