@@ -41,9 +41,12 @@ def _unshare_args(probe_dir: str) -> tuple[str, ...]:
 
 
 def run_on_small_fs(mount_at: str, size: str, argv: Sequence[str], *, timeout_s: float,
-                    env: dict[str, str] | None = None, cwd: str | None = None
-                    ) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` with a ``size`` tmpfs (``"512k"``, ``"8m"``) mounted at ``mount_at``."""
+                    env: dict[str, str] | None = None, cwd: str | None = None,
+                    read_only: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` with a ``size`` tmpfs (``"512k"``, ``"8m"``) mounted at ``mount_at``
+    (``read_only``: mounted read-only, which no one writes in, root included)."""
+    if read_only:
+        size += ",ro"  # (the script's -o size="$1")
     probe = os.path.join(os.path.dirname(os.path.abspath(mount_at)), ".smallfs-probe")
     os.makedirs(probe, exist_ok=True)
     args = _unshare_args(probe)
