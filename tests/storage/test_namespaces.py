@@ -145,6 +145,42 @@ def test_a_namespace_renamed_aside_while_its_store_opens_is_made_again_and_held(
         s.close()
 
 
+def test_a_namespace_pruned_before_its_store_marks_it_is_made_again_and_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same race one step earlier: another opener prunes the namespace (renamed aside,
+    removed) after this store found its folder there and before its mark. The store makes
+    it again and holds the new mark; a later prune leaves it, idle as it may be. (Before,
+    its lock found no mark and it held nothing: its puts made the folder again, unmarked,
+    and once their hourly mark aged past ``keep_days`` another opener removed its blocks
+    while it was open.) Deterministic: the prune runs inside the store's mark call."""
+    root = tmp_path / "l3"
+    _fill(root, "old", 3, idle_days=30)
+    real = namespaces.mark
+    raced: list[bool] = []
+
+    def mark(base: str) -> bool:
+        if not raced:
+            raced.append(True)  # the other opener (namespace "new"): "old" is 30 days idle
+            assert [n for n, _ in namespaces.prune(str(root), "new", 7 * DAY)] == ["old"]
+        return real(base)
+
+    monkeypatch.setattr(namespaces, "mark", mark)
+    s = LocalDirStore(root, "old", max_bytes=1 << 20, rank=0)
+    monkeypatch.undo()
+    try:
+        assert raced == [True]
+        mark_path = root / "old" / namespaces.MARK
+        assert s._held is not None and mark_path.is_file()  # type: ignore[attr-defined]
+        s.put(_key(1), np.full(64, 7, np.uint8))
+        t = time.time() - 30 * DAY  # the engine then idles past keep_days
+        os.utime(mark_path, (t, t))
+        LocalDirStore(root, "other", rank=0).close()  # another engine opens: prunes
+        out = np.zeros(64, np.uint8)
+        assert s.get_into(_key(1), out) and (out == 7).all(), "removed while open"
+    finally:
+        s.close()
+
+
 def test_a_removal_cut_short_is_finished_by_the_next_open(tmp_path: Path) -> None:
     """A namespace renamed aside whose removal died midway (its mark is removed last, so
     it is still inside) goes at the next open."""

@@ -60,12 +60,16 @@ STALE = -1  # hold(): the mark locked was renamed aside meanwhile (make it again
 def hold(base: str) -> int | None:
     """A descriptor of the namespace's mark with a shared lock on it: no opener removes the
     namespace while it is open (close it with the store); None when it cannot be had,
-    ``STALE`` when the mark locked is no longer the one at ``base``: another opener renamed
-    the namespace aside between this open and the lock (before, the store held that mark:
-    its namespace was removed under it, and made again unmarked, never pruned)."""
+    ``STALE`` when the mark locked is no longer the one at ``base``, or is gone: another
+    opener renamed the namespace aside between this open and the lock (before, the store
+    held that mark: its namespace was removed under it, and made again unmarked, never
+    pruned), or between the store's making of the folder and this open (before, the store
+    held nothing: pruned later while open, idle past ``keep_days``)."""
     path = os.path.join(base, MARK)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return STALE
     except OSError:
         return None
     try:
