@@ -200,6 +200,19 @@ def test_sizes_the_client_refuses_are_one_line_at_open(mooncake_server: Mooncake
         open_store(mooncake_server.url + "?segment_mb=100000000", "ns-bad-size")
 
 
+def test_a_buffer_this_host_cannot_allocate_is_one_line_at_open(
+        mooncake_server: MooncakeServer) -> None:
+    """A ``buffer_mb`` no host can allocate (256 TiB, past x86-64's user address space,
+    within the URL's bound; whatever the machine's overcommit policy): the client's setup
+    raises ``MemoryError`` (``std::bad_alloc``). A ConfigError at open, as for the sizes it
+    refuses with a code. (Before: taken for an outage, ``storage.store_unreachable``
+    blaming the master, retried for the engine's life.)"""
+    mb = 1 << 28
+    with pytest.raises(ConfigError, match=r"refused its parameters \(setup raised "
+                                          rf"MemoryError: .*\): .*buffer_mb={mb}"):
+        open_store(f"{mooncake_server.url}?buffer_mb={mb}&timeout_s=1", "ns-bad-buf")
+
+
 def test_sizes_the_client_refuses_once_the_master_is_back_are_said_once(
         tmp_path: Any) -> None:
     """The master was down at open, so the client's sizes could not be checked; when it

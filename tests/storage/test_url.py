@@ -96,6 +96,14 @@ def test_a_redis_connect_waits_its_own_timeout_never_past_a_calls(query: str,
     ("redis://127.0.0.1:6379/0?connect_timeout_s=0", "connect_timeout_s must be > 0"),
     ("rediss://127.0.0.1:6379/0?connect_timeout_s=soon", "connect_timeout_s='soon' is not a float"),
     ("mooncake://127.0.0.1:50051?timeout_s=0.0001", "timeout_s must be >= 0.001"),
+    # past a socket's or a lock wait's range: an OverflowError traceback at open (redis,
+    # with no server too), a Mooncake client whose every RPC timed out (an outage for good)
+    ("redis://127.0.0.1:6379/0?connect_timeout_s=1e10", "connect_timeout_s must be <= 86400"),
+    ("redis://127.0.0.1:6379/0?timeout_s=1e10", "timeout_s must be <= 86400"),
+    ("mooncake://127.0.0.1:50051?timeout_s=86401", "timeout_s must be <= 86400"),
+    # past 64 bits in bytes: the client's setup raised TypeError, taken for an outage
+    (f"mooncake://127.0.0.1:50051?segment_mb={1 << 44}", "segment_mb must be <= 4294967296"),
+    (f"mooncake://127.0.0.1:50051?buffer_mb={(1 << 32) + 1}", "buffer_mb must be <= 4294967296"),
     # was: past this check, refused by the store's constructor (under vLLM: after the model
     # loaded; zkv-check-vllm-config said ok)
     ("mooncake://127.0.0.1:50051?protocol=bogus", "protocol must be one of tcp, rdma, got "

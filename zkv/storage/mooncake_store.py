@@ -205,12 +205,19 @@ class MooncakeStore(Store):
                 raise StorageError("the store is closed")
             if self._client is None:
                 client = self._factory()
-                rc = client.setup(self.local_hostname, "P2PHANDSHAKE", self.segment_bytes,
-                                  self.buffer_bytes, self.protocol, "", f"{self.host}:{self.port}")
+                try:
+                    rc = client.setup(self.local_hostname, "P2PHANDSHAKE", self.segment_bytes,
+                                      self.buffer_bytes, self.protocol, "",
+                                      f"{self.host}:{self.port}")
+                    why = f"setup returned {rc}"
+                except (MemoryError, OverflowError, TypeError) as e:  # a buffer this host
+                    # cannot allocate (std::bad_alloc), a size the binding cannot convert:
+                    # the URL's sizes too (before, an outage, retried for good)
+                    rc, why = INVALID_PARAMS, f"setup raised {type(e).__name__}: {e}"
                 if rc == INVALID_PARAMS:  # the URL's sizes, not the master: no outage
                     error = ConfigError(
-                        f"{self.url}: the Mooncake client refused its parameters (setup "
-                        f"returned {rc}): segment_mb={self.segment_bytes >> 20}, buffer_mb="
+                        f"{self.url}: the Mooncake client refused its parameters ({why}): "
+                        f"segment_mb={self.segment_bytes >> 20}, buffer_mb="
                         f"{self.buffer_bytes >> 20}, protocol={self.protocol}")
                     if not self.link.up and not self._refused_said:
                         # (a master down at open: found by a reconnect attempt, which stays

@@ -54,7 +54,14 @@ _CHOICES = {("mooncake", "header"): MOONCAKE_HEADER_MODES,
 # Upper bounds where the server would refuse every call: redis refuses an EX whose expiry in
 # ms passes a 64-bit integer ("invalid expire time in 'set' command" on each SET; 9e15 was
 # taken, 1e16 refused).
-_MAX = {"ttl_s": 10**15}
+_MAX = {"ttl_s": 10**15,
+        # a day: past a socket's or a lock wait's range, a store call that waits longer is
+        # a hung store (1e10 was an OverflowError traceback at open, a Mooncake client whose
+        # every RPC timed out at once: an outage for good, the master blamed)
+        "timeout_s": 86400, "connect_timeout_s": 86400,
+        # 4 PiB: far past any host's memory (the client refuses what it cannot have), and
+        # within 64 bits in bytes (a size past them broke the client's setup: an outage)
+        "segment_mb": 1 << 32, "buffer_mb": 1 << 32}
 # Lower bounds where every call would time out on a healthy server (and say it is down).
 _MIN = {"timeout_s": 0.001, "connect_timeout_s": 0.001}
 # Redis numbers databases with a C int: SELECT of a larger one is "value is out of range".
