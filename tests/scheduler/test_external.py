@@ -392,6 +392,47 @@ def test_external_calls_refused_with_a_device_pool() -> None:
         cm.load_external("r1", 0, [0])
 
 
+def test_a_load_of_nothing_inside_a_held_node_plans_nothing() -> None:
+    """The engine has the first block of a 2-block host node itself and gives no ids for
+    the rest (nothing to load): 0, no op. (Before: the node was split at block 1, then
+    again at 0: an AssertionError out of the tree, or under ``python -O`` a node of no
+    block and an h2d of 0 blocks.)"""
+    cm = make(4)
+    a = H(1, 2)
+    save(cm, "w", a, [10, 11])
+    ack(cm, cm.take_ops())
+    cm.finish("w")
+    assert cm.match_prefix("r", a) == Match(0, 2, 0, BS)
+    assert cm.load_external("r", 1, []) == 0
+    assert cm.take_ops() == []
+    cm.check_invariants()
+    cm.finish("r")
+    cm.check_invariants()
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_an_engine_id_past_int32_is_refused_before_anything_changes(call: str) -> None:
+    """Engine block ids go on the wire as int32. One of 2**31 is refused at the call, as a
+    negative one is. (Before: taken, then ``take_ops`` raised OverflowError with the op
+    already pending: never handed out, its node busy and its host block held for good.)"""
+    cm = make(4)
+    a = H(1)
+    if call == "load":
+        save(cm, "w", a, [0])
+        ack(cm, cm.take_ops())
+        cm.finish("w")
+    cm.match_prefix("r", a)
+    with pytest.raises(ValueError, match=r"ids < 2\*\*31 \(int32 on the wire\), got 2147483648"):
+        if call == "save":
+            cm.cache_computed("r", BS, device_ids=[2**31])
+        else:
+            cm.load_external("r", 0, [2**31])
+    assert cm.take_ops() == [] and cm.host.num_used == (1 if call == "load" else 0)
+    cm.check_invariants()
+    cm.finish("r")
+    cm.check_invariants()
+
+
 def test_block_hashes_must_extend_the_held_prefix() -> None:
     cm = make(8)
     save(cm, "r1", H(1, 2), [0, 1])

@@ -500,6 +500,50 @@ def test_failed_swap_in_returns_to_host_and_the_request_recomputes() -> None:
     assert (cm.stats.swapped_in, cm.stats.failed_blocks) == (0, 1)
 
 
+def test_a_failed_swap_in_the_engine_was_not_told_of_is_never_cached() -> None:
+    """The h2d fails and the request finishes before the engine asked ``take_recompute``
+    (it ended in that very step): it never recomputed the block, which holds what it held
+    before. Its finish caches nothing from there: the node stays on host, and a later
+    request gets a host hit, not that block. (Before, finish attached the unwritten block
+    as the node's device copy: served to the next request as the prefix's KV.)"""
+    cm, a, d2h, h2d = _host_hit_setup()
+    ack(cm, d2h)
+    fail(cm, h2d)
+    n = node(cm, a[1])
+    finish(cm, "r3")  # (take_recompute not called: valid_blocks still 1)
+    assert (n.status, n.dev, n.host) == (HOST, -1, 0)
+    assert not cm.device.is_allocated(1)
+    assert match(cm, "r4", a) == Match(1, 1, 0, BS)
+    cm.abort("r4")
+    cm.check_invariants()
+
+
+def test_a_block_computed_on_a_failed_swap_in_is_never_cached() -> None:
+    """The same through ``cache_computed``: x's swap-in of ``a`` fails; y, which computed
+    ``a`` itself, puts its copy in the tree at its finish; x, not told yet, reports its
+    next block computed (on top of the unwritten ``a``). Nothing of x's is cached. (Before,
+    x's block 1 was cached under y's ``a``: a device hit for its prefix, with the KV of
+    another.)"""
+    cm = make(4, 4)
+    a, ax = H(1), H(1, 5)
+    cached(cm, "r0", a)
+    for i in range(4):  # push a off the device (its host copy stays)
+        cached(cm, f"f{i}", H(9, i))
+    assert match(cm, "x", ax) == Match(0, 1, 0, BS)
+    alloc(cm, "x", 2 * BS)  # a swapped in, a fresh block for ax[1]
+    assert match(cm, "y", a).num_cached_tokens == 0  # (a is on its way in)
+    alloc(cm, "y", BS)
+    [h2d] = [o for o in take(cm) if o.kind == H2D]
+    fail(cm, h2d)
+    finish(cm, "y")  # y's own a is attached
+    assert cm.cache_computed("x", 2 * BS) == 0
+    cm.check_invariants()
+    assert match(cm, "z", ax).num_device < 2
+    cm.abort("z")
+    assert cm.take_recompute() == {"x": 0}
+    cm.check_invariants()
+
+
 def test_failed_swap_in_after_the_request_finished_frees_the_block() -> None:
     cm, a, d2h, h2d = _host_hit_setup()
     ack(cm, d2h)

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 from zkv.protocol import OpResult, result_claim_error
 from zkv.scheduler.hashing import DIGEST_SIZE
 
+_MAX_ID = 2**31 - 1  # engine block ids go on the wire as int32
+
 H = TypeVar("H", bound=Sequence[bytes])
 
 
@@ -55,8 +57,8 @@ def hashes(name: str, block_hashes: H) -> H:
 
 
 def block_ids(name: str, ids: Sequence[int]) -> list[int]:
-    """Engine block ids: integers (numpy's too) >= 0, no two equal; as a new list of
-    ints."""
+    """Engine block ids: integers (numpy's too) in ``[0, 2**31)`` (int32 on the wire),
+    no two equal; as a new list of ints."""
     try:
         out = list(map(operator.index, ids))
     except TypeError:
@@ -64,6 +66,9 @@ def block_ids(name: str, ids: Sequence[int]) -> list[int]:
         raise TypeError(f"{name} must hold ints, got {type(bad).__name__} {bad!r:.40}") from None
     if out and min(out) < 0:
         raise ValueError(f"{name} must hold ids >= 0, got {min(out)}")
+    if out and max(out) > _MAX_ID:  # (before, take_ops' int32 arrays raised OverflowError
+        # with the op already pending: its node busy and its host block held for good)
+        raise ValueError(f"{name} must hold ids < 2**31 (int32 on the wire), got {max(out)}")
     if len(set(out)) != len(out):
         raise ValueError(f"{name} holds an id twice")
     return out

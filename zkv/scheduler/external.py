@@ -49,6 +49,8 @@ def cache_computed(core: Core, st: RequestState, num_tokens: int,
         go_external(core, st)
         return _save_external(core, st, min(full, len(device_ids)), device_ids)
     full = min(full, len(st.table))
+    if st.valid_blocks is not None:  # (as finish: a block past a failed swap-in the
+        full = min(full, st.valid_blocks)  # engine was not told of is not the prefix's)
     start = st.num_held
     tree = core.tree
     parent = st.tail or tree.root
@@ -123,6 +125,8 @@ def load_external(core: Core, st: RequestState, first_block: int,
     end = min(first_block + len(device_ids), st.num_held)
     tree = core.tree
     planned = 0
+    if end <= first_block:  # nothing to load (no ids, or none held from there)
+        return 0
     for n in tree.path(st.tail):
         if n.depth + len(n.hashes) <= first_block:
             continue

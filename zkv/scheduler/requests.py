@@ -292,6 +292,8 @@ def finish(core: Core, st: RequestState, num_computed_tokens: int | None) -> Non
     bs = core.config.block_size
     full = len(st.table) if num_computed_tokens is None else num_computed_tokens // bs
     full = min(full, len(st.hashes), len(st.table))
+    if st.valid_blocks is not None:  # a swap-in failed, and the engine was not told yet:
+        full = min(full, st.valid_blocks)  # it never recomputed from there (never written)
     to_free = _insert_path(core, st, full)
     thr = core.config.backup_threshold
     if thr is not None:
