@@ -52,8 +52,8 @@ def test_a_request_running_across_a_reset_saves_nothing_more(group: Group) -> No
     half.request_finished(req)
     assert half.wait_idle(10.0)
     assert half.snapshot()["saved_blocks"] == 0
-    assert half.in_flight() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
-                                "steps": 0, "store_retry": 0}
+    assert half.in_flight() == {"requests": 0, "held": 0, "cache_requests": 0, "ops": 0,
+                                "batches": 0, "steps": 0, "store_retry": 0}
     assert _matched(group) == 0  # what it computed was not saved
 
 
@@ -103,6 +103,6 @@ def test_requests_preempted_by_a_reset_are_asked_again_and_start_over(
     assert snap["loaded_blocks"] == ext // BS, snap
     assert snap["saved_blocks"] == 4 + (8 if reset_connector else 4), snap
     assert _matched(group) == len(DOC)
-    assert half.in_flight() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
-                                "steps": 0, "store_retry": 0}
+    assert half.in_flight() == {"requests": 0, "held": 0, "cache_requests": 0, "ops": 0,
+                                "batches": 0, "steps": 0, "store_retry": 0}
     half.cm.check_invariants()

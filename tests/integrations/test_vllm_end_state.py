@@ -31,8 +31,8 @@ def _gauges() -> dict[str, float]:
 def test_in_flight_gauges_follow_a_request_and_settle_at_zero(group: Group) -> None:
     half = group.half
     metrics.register_half(half)
-    assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
-                         "steps": 0, "store_retry": 0}
+    assert _gauges() == {"requests": 0, "held": 0, "cache_requests": 0, "ops": 0,
+                         "batches": 0, "steps": 0, "store_retry": 0}
     req = group.request()
     half.get_num_new_matched_tokens(req, 0)
     blocks = list(range(10, 19))
@@ -48,8 +48,8 @@ def test_in_flight_gauges_follow_a_request_and_settle_at_zero(group: Group) -> N
     g = _gauges()
     assert g["requests"] == g["cache_requests"] == 0 and g["batches"] >= 1, g
     assert half.wait_idle(10.0)
-    assert _gauges() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
-                         "steps": 0, "store_retry": 0}
+    assert _gauges() == {"requests": 0, "held": 0, "cache_requests": 0, "ops": 0,
+                         "batches": 0, "steps": 0, "store_retry": 0}
 
 
 

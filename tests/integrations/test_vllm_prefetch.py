@@ -67,8 +67,8 @@ def test_best_effort_loads_the_host_hits_and_lets_the_prefetch_land(
     after = group.request()  # the prefetch landed: every block is a host hit now
     assert half.get_num_new_matched_tokens(after, 0) == (8 * BS, False)
     half.request_finished(after)
-    assert half.in_flight() == {"requests": 0, "cache_requests": 0, "ops": 0, "batches": 0,
-                                "steps": 0, "store_retry": 0}
+    assert half.in_flight() == {"requests": 0, "held": 0, "cache_requests": 0, "ops": 0,
+                                "batches": 0, "steps": 0, "store_retry": 0}
     half.cm.check_invariants()
 
 

@@ -259,6 +259,26 @@ def test_a_finished_requests_save_and_its_ids_next_request_get_an_op_each(done: 
     ack(cm, [kept])
 
 
+def test_a_save_waits_for_a_save_in_flight_on_its_path_only() -> None:
+    """``save_waits``: the request's own save in flight, or another's of its next block:
+    yes; nothing in flight, or only a load from L3 on the path: no."""
+    cm = make(8, storage=set(H(1, 2, 3)))
+    a = H(1, 2, 3, 4)
+    assert save(cm, "r1", a[:2], [0, 1]) == 2
+    assert cm.save_waits("r1")  # its own save of blocks 0-1 is in flight
+    cm.match_prefix("r2", a)  # ... and r2's next block is in that save
+    assert cm.cache_computed("r2", 4 * BS, device_ids=[10, 11, 12, 13]) == 0
+    assert cm.save_waits("r2")
+    ack(cm, cm.take_ops())
+    assert not cm.save_waits("r1")
+    cm.finish("r1")
+    cm.finish("r2")
+    cm.match_prefix("r3", a)  # blocks 0-1 in host, 2 in L3: a prefetch of block 2
+    assert cm.prefetch("r3") == 1 and not cm.save_waits("r3")
+    cm.finish("r3")
+    cm.check_invariants()
+
+
 def test_a_second_save_waits_for_the_first() -> None:
     cm = make(8)
     a = H(1, 2, 3, 4)

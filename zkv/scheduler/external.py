@@ -104,6 +104,19 @@ def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence
     return i - start
 
 
+def save_waits(core: Core, st: RequestState) -> bool:
+    """See ``CacheManager.save_waits``: ``_save_external`` stopped at a save in flight (the
+    request's own last one, or another's of its next block), which acks within a batch and
+    lets it go on. Not at a load from L3 (the request's prefetch, another's): that brings
+    the blocks itself, and takes a store read."""
+    if st.loading is not None:
+        return False
+    if (st.tail or core.tree.root).status is SWAP_TO_HOST:
+        return True
+    m = core.tree.index.get(st.hashes[st.num_held]) if st.num_held < len(st.hashes) else None
+    return m is not None and m.status is SWAP_TO_HOST
+
+
 def _loading_fits(st: RequestState) -> bool:
     """The request's storage load still covers its next blocks: hashes past the held
     prefix may have changed, and a load of another prefix must not join its path when

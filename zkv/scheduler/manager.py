@@ -234,6 +234,12 @@ class CacheManager:
         """Leading blocks of the request that zkv holds for it (matched, saved or in flight)."""
         return self._req(req_id).num_held
 
+    def save_waits(self, req_id: str) -> bool:
+        """External-L1 mode: whether the request's next save waits for a save in flight on
+        its path (its own earlier one, or another request's of its next block), rather
+        than run now, wait for a load from L3 or stop for good (no host block to take)."""
+        return external.save_waits(self.core, self._req(req_id))
+
     # ================================================================ finish
 
     def finish(self, req_id: str, num_computed_tokens: int | None = None,

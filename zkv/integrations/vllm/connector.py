@@ -335,7 +335,8 @@ class ZkvConnector(KVConnectorBase_V1):
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # request_finished never holds blocks (a fence orders the save)
+        # (sending: requests whose blocks vLLM kept for their saves, once saved; held.py)
+        return (self.worker.finished_saves() if self.worker is not None else None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self.worker.load_errors()) if self.worker is not None else set()

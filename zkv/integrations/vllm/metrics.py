@@ -25,8 +25,10 @@ every number is the minimum-over-ranks outcome zkv commits on)::
     zkv:enabled                                           1; 0 once a lost rank turned zkv
                                                           off for the engine (alert on it)
     zkv:refused_messages_total{reason=...}               see zkv.metrics (no model label)
-    zkv:in_flight{what="requests|cache_requests|ops|batches|steps|store_retry"}
+    zkv:in_flight{what="requests|held|cache_requests|ops|batches|steps|store_retry"}
                                                           requests the connector tracks,
+                                                          finished ones whose blocks vLLM
+                                                          keeps for their saves (held),
                                                           requests holding tree nodes, ops
                                                           and batches not acked yet, steps
                                                           whose output has not come, blocks
@@ -114,7 +116,8 @@ def _families() -> dict[str, Any]:
                  "consumer writes nothing).", labels=LABELS),
         "on": g("zkv:enabled", "1 while zkv serves this engine; 0 once a lost rank turned it "
                 "off (vLLM goes on without it).", labels=LABELS),
-        "fly": g("zkv:in_flight", "Requests the connector tracks (requests), requests holding "
+        "fly": g("zkv:in_flight", "Requests the connector tracks (requests), finished ones "
+                 "whose blocks vLLM keeps for the rest of their saves (held), requests holding "
                  "zkv blocks (cache_requests), ops and batches not acked by every rank yet, "
                  "steps whose output has not come back (steps), blocks whose L3 write failed "
                  "and waits to be tried again (store_retry).", labels=[*LABELS, "what"]),

@@ -24,7 +24,9 @@ class ZkvMetadata:
     ``load_seq`` / ``load_op`` / ``loads``: this step's batch with loads, the load op, and
     its destination blocks in op order; ``unloaded``: blocks vLLM was told zkv would load
     but no batch will (zkv turned off after the promise, a rank lost): load errors at once,
-    so vLLM recomputes them.
+    so vLLM recomputes them; ``finish_after``: held finished requests let go now, each with
+    the seq of the batch that carried its last save (-1: none): a worker half reports one
+    finished once that batch ran on its rank (``held.py``).
     """
 
     step: int = -1
@@ -34,6 +36,7 @@ class ZkvMetadata:
     load_op: int | None = None
     loads: list[int] = field(default_factory=list)
     unloaded: list[int] = field(default_factory=list)
+    finish_after: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -92,3 +95,29 @@ class TokenCounts:
     awaited: int = 0            # P/D requests that waited for their producer's blocks
     await_expired: int = 0      # ... and gave up on some (computed them)
     sched_s: float = 0.0
+
+
+def record_step(reqs: dict[str, RequestState], so: Any) -> dict[str, tuple[int, int]]:
+    """A step's record from its SchedulerOutput ``so``: request id -> (epoch, tokens
+    computed once the step ran) of the tracked requests (``reqs``) it scheduled, whose
+    block ids are noted on them (new, grown, or all new for a resumed one)."""
+    rec: dict[str, tuple[int, int]] = {}
+    for new in so.scheduled_new_reqs:
+        r = reqs.get(new.req_id)
+        if r is not None:
+            r.block_ids = list(new.block_ids[0])
+            rec[new.req_id] = (r.epoch, new.num_computed_tokens
+                               + so.num_scheduled_tokens.get(new.req_id, 0))
+    cached = so.scheduled_cached_reqs
+    resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
+    for i, rid in enumerate(cached.req_ids):
+        r = reqs.get(rid)
+        if r is None:
+            continue
+        ids = cached.new_block_ids[i]
+        if rid in resumed:
+            r.block_ids = list(ids[0]) if ids else []
+        elif ids:
+            r.block_ids += ids[0]
+        rec[rid] = (r.epoch, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+    return rec

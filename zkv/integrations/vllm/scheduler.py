@@ -23,7 +23,9 @@ Per request::
         ▼
     request_finished ──────────── save what is left (published at once); vLLM frees the
                                    blocks (False), and the next forward, which may reuse
-                                   them, does not start before the save ran (fence)
+                                   them, does not start before the save ran (fence); a
+                                   save stopped at an op in flight on its path: vLLM
+                                   keeps them (True) until it is done (``held.py``)
 
 Saves confirmed at the end of a step travel in the next step's batch, together with its
 loads (one batch per step); a request notes the batch that carried its last save. vLLM
@@ -65,7 +67,8 @@ from zkv.errors import RankLost
 from zkv.integrations.vllm import events as E
 from zkv.integrations.vllm import pd
 from zkv.integrations.vllm.config import ZkvVllmConfig
-from zkv.integrations.vllm.records import RequestState, TokenCounts, ZkvMetadata
+from zkv.integrations.vllm.held import HeldFinishes
+from zkv.integrations.vllm.records import RequestState, TokenCounts, ZkvMetadata, record_step
 from zkv.integrations.vllm.request_hashes import (
     request_embeds_items,
     request_mm_items,
@@ -166,6 +169,7 @@ class SchedulerHalf:
         # own ids with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
         self._epochs = itertools.count()
         self._fence = -1
+        self._held = HeldFinishes()  # finished, vLLM keeps the blocks for their saves
         self._promised: list[int] = []  # blocks whose loads vLLM was promised this step
         self._step = 0
         self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -365,7 +369,7 @@ class SchedulerHalf:
 
     def _build_meta(self, so: Any) -> ZkvMetadata:
         self._step += 1
-        if getattr(so, "total_num_scheduled_tokens", 1) == 0 and self._reqs:
+        if getattr(so, "total_num_scheduled_tokens", 1) == 0 and (self._reqs or self._held):
             # Nothing runs: every request waits, on zkv (a prefetch, a producer's blocks)
             # or on vLLM's memory. vLLM asks again at once, so the engine and its workers
             # would spin, taking the CPU (and a worker's GIL) the awaited reads need: wait
@@ -377,34 +381,18 @@ class SchedulerHalf:
                 time.sleep(EMPTY_STEP_WAIT_S)
         else:
             self._poll()
-        rec: dict[str, tuple[int, int]] = {}
-        for new in so.scheduled_new_reqs:
-            r = self._reqs.get(new.req_id)
-            if r is not None:
-                r.block_ids = list(new.block_ids[0])
-                rec[new.req_id] = (r.epoch, new.num_computed_tokens
-                                   + so.num_scheduled_tokens.get(new.req_id, 0))
-        cached = so.scheduled_cached_reqs
-        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
-        for i, rid in enumerate(cached.req_ids):
-            r = self._reqs.get(rid)
-            if r is None:
-                continue
-            ids = cached.new_block_ids[i]
-            if rid in resumed:
-                r.block_ids = list(ids[0]) if ids else []
-            elif ids:
-                r.block_ids += ids[0]
-            rec[rid] = (r.epoch,
-                        cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+        self._steps.append((self._step, record_step(self._reqs, so)))
         for rid in getattr(so, "preempted_req_ids", None) or ():
             if rid not in self._preempted_early:  # (that one may run again in this step)
                 self._preempted(rid)
         self._preempted_early.clear()
-        self._steps.append((self._step, rec))
         meta = ZkvMetadata(step=self._step)
+        for r in self._held:  # saved on from where they stopped (an op on the path settled)
+            self._plan_save(r, final=True)
         ops = self.cm.take_ops()
         seq = self._publish(ops)
+        if self._held:
+            meta.finish_after = self._held.release(self._still_waits, self.cm.finish)
         loads = [op for op in ops if op.kind == H2D] if seq is not None else []
         if loads:
             meta.load_seq, meta.load_op = seq, loads[0].id
@@ -420,6 +408,12 @@ class SchedulerHalf:
         meta.release_upto = self.dp.next_seq - 1
         meta.fence, self._fence = self._fence, -1
         return meta
+
+    def _still_waits(self, r: RequestState) -> bool:
+        """A held request's save still waits for an op in flight on its path."""
+        rid = r.request.request_id
+        return (not self.disabled and self.cm.num_held_blocks(rid) < self._savable(r)
+                and self.cm.save_waits(rid))
 
     def _preempted(self, rid: str) -> None:
         """vLLM freed the request's blocks: its save planned for this step is dropped (the
@@ -488,21 +482,22 @@ class SchedulerHalf:
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: (False: vLLM frees the blocks, the last save fences
-        the next forward; the kv_transfer_params of a P/D producer, see
-        :meth:`_transfer_params`)."""
+        the next forward; True: they wait for the rest of its save, ``held.py``; the
+        kv_transfer_params of a P/D producer, see :meth:`_transfer_params`)."""
         with self._call():
-            return False, self._finished(request)
+            return self._finished(request)
 
-    def _finished(self, request: Any) -> dict[str, Any] | None:
+    def _finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self.prefetch.forget(rid)
         if request.status.name == "FINISHED_ABORTED":
             self.counts.aborted += 1
         r = self._reqs.get(rid)
         if r is None:
-            return None
+            return False, None
         try:
-            return self._transfer_params(r, request, self._finish(r, request))
+            held, delay = self._finish(r, request)
+            return delay, self._transfer_params(r, request, held)
         finally:  # after the save's batch was published: it noted its seq on the request
             del self._reqs[rid]
 
@@ -547,15 +542,16 @@ class SchedulerHalf:
                                     num_found=found, waited_s=self._await_s)
         return False
 
-    def _finish(self, r: RequestState, request: Any) -> int:
-        """Save what is left and let the request go; the leading blocks zkv held for it
-        (saved, on their way, or matched), taken before they are let go."""
+    def _finish(self, r: RequestState, request: Any) -> tuple[int, bool]:
+        """Save what is left and let the request go, or hold it (True) while its save waits
+        for an op in flight on its path; the leading blocks zkv held for it (saved, on their
+        way, or matched), taken before they are let go."""
         rid = request.request_id
         self._poll()
         if not r.allocated or self.disabled:
             if self.cm.has_request(rid):
                 self.cm.finish(rid)
-            return 0
+            return 0, False
         if request.status.name in _STOPPED_BY_OUTPUT:
             # the last step's forward is done and was not hit by a failed load (vLLM would
             # not have finished it): every token but the last sampled one has its KV
@@ -567,17 +563,18 @@ class SchedulerHalf:
         if (held < self._savable(r) and self.store is not None and self.cfg.storage_write
                 and pd.asked(getattr(request, "kv_transfer_params", None))):
             held = self._finish_producer_save(r)
+        if held < self._savable(r) and self.cm.save_waits(rid):
+            self._held.hold(r)  # vLLM keeps its blocks: saved on at the next steps
+            return held, True
         self.cm.finish(rid)
         seq = r.last_save_seq
         if seq is not None and not self.dp.settled(seq):
-            # vLLM frees the blocks now and may give them to another request at its next
-            # schedule(): that step's forward must not start before the save read them.
-            # Gated workers run every earlier batch first anyway; ungated ones wait on the
-            # fence. (Holding the blocks instead, returning True until get_finished said
-            # the batch ran, left a tight vLLM cache without blocks: it spun ~100k empty
-            # steps while the save ran, and a 6-document warm-up took 31 s instead of 15.)
+            # vLLM frees the blocks now and may reuse them at its next schedule(): that
+            # step's forward must not start before the save read them (gated workers run
+            # every earlier batch first anyway; ungated ones wait on the fence). Why not
+            # hold every finish's blocks: held.py.
             self._fence = max(self._fence, seq)
-        return held
+        return held, False
 
     def _savable(self, r: RequestState) -> int:
         """Leading prompt blocks whose KV the request computed for sure (saves stop there)."""
@@ -650,7 +647,7 @@ class SchedulerHalf:
             self._disable(f"rank {e.rank} lost: {e.reason}")
             return None
         for rid in savers:
-            r = self._reqs.get(rid)
+            r = self._reqs.get(rid) or self._held.get(rid)
             if r is not None:
                 r.last_save_seq = seq
         self.log.debug(E.BATCH_PUBLISHED, seq=seq, num_ops=len(ops))
@@ -752,12 +749,14 @@ class SchedulerHalf:
         return host, num_tokens - host
 
     def in_flight(self) -> dict[str, int]:
-        """What is not over yet: requests the connector tracks, requests holding zkv blocks,
+        """What is not over yet: requests the connector tracks, finished ones whose blocks
+        vLLM keeps for their saves (``held.py``), requests holding zkv blocks,
         ops and batches every rank has not acked (0 within milliseconds of the last ack),
         steps whose output has not come back (under async scheduling vLLM keeps the last
         one until its next step), blocks whose L3 write failed and waits to be tried again."""
         with self._lock:
-            return {"requests": len(self._reqs), "cache_requests": self.cm.num_running(),
+            return {"requests": len(self._reqs), "held": len(self._held),
+                    "cache_requests": self.cm.num_running(),
                     "ops": self.cm.num_pending_ops, "batches": self.dp.in_flight,
                     "steps": len(self._steps), "store_retry": self.cm.num_unstored_blocks}
 

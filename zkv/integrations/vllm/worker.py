@@ -14,8 +14,10 @@ A gated :class:`~zkv.worker.sidecar.Sidecar` runs over vLLM's own KV tensors. On
                                     ``done`` failed -> vLLM recomputes them; and
                                     meta.unloaded (promised, then no batch: zkv went off);
                                     no ack in time: every block, and the load is called off
-    get_finished                    nothing: no save holds vLLM's blocks (a finished or
-                                    preempted request's last save fences the next forward)
+    get_finished                    sending: the finished requests whose blocks vLLM kept
+                                    for their saves (meta.finish_after) once the batch with
+                                    the last one ran here (``held.py``); others' last save
+                                    fences the next forward instead
 
 ``inject_load_failures`` (a test hook) wraps the copy backend so that the n-th load batch
 on ``inject_rank`` scribbles random bytes over its destination blocks and fails: vLLM must
@@ -34,6 +36,7 @@ from zkv.config import CacheLayout
 from zkv.errors import TransferError
 from zkv.integrations.vllm import events as E
 from zkv.integrations.vllm.config import ZkvVllmConfig
+from zkv.integrations.vllm.held import SaveReports
 from zkv.integrations.vllm.records import ZkvMetadata
 
 
@@ -96,6 +99,7 @@ class WorkerHalf:
             for cause in ("copy_failed", "layer_timed_out", "ack_failed"))
         self._batch_late_log = zlog.repeating(self.log, E.BATCH_LATE)
         self.num_steps = 0
+        self._reports = SaveReports()  # held finished requests to report once saved here
 
     def start(self, names: list[str], views: list[tuple[Any, Any]], layout: CacheLayout, *,
               pub_endpoint: str, pull_endpoint: str, store: Any, gated: bool = True) -> None:
@@ -120,6 +124,8 @@ class WorkerHalf:
 
     def bind(self, meta: ZkvMetadata) -> None:
         self.meta = meta
+        if meta.finish_after:
+            self._reports.add(meta.finish_after)
         self._errors = set(meta.unloaded)  # promised, never loaded: vLLM recomputes them
         self._checked = None
         if meta.release_upto < 0 or self.sidecar is None:
@@ -177,6 +183,21 @@ class WorkerHalf:
         if not quiet:
             self._overrun = max(self._overrun, seq)
         return quiet
+
+    def finished_saves(self) -> set[str] | None:
+        """Held finished requests whose last save ran on this rank (or never will: the
+        rank is gone; or was given up on after ``layer_timeout_s``, its saves abandoned so
+        that no copy reads the blocks once vLLM reuses them); None: none."""
+        sc = self.sidecar
+
+        def give_up(seq: int) -> None:
+            assert sc is not None
+            quiet = sc.abandon_saves(seq, self.cfg.layer_timeout_s)
+            self._batch_late_log(seq=seq, timeout_s=self.cfg.layer_timeout_s,
+                                 saves_abandoned=True, copy_still_running=not quiet)
+
+        return self._reports.take(lambda seq: sc is None or not sc.alive or sc.last_seq >= seq,
+                                  self.cfg.layer_timeout_s, give_up)
 
     def load_errors(self) -> set[int]:
         """Blocks of this step's loads that did not arrive on this rank."""
