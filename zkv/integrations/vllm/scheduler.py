@@ -24,8 +24,8 @@ Per request::
     request_finished ──────────── save what is left (published at once); vLLM frees the
                                    blocks (False), and the next forward, which may reuse
                                    them, does not start before the save ran (fence); a
-                                   save stopped at an op in flight on its path: vLLM
-                                   keeps them (True) until it is done (``held.py``)
+                                   save stopped at another save in flight on its path:
+                                   vLLM keeps them (True) until it is done (``held.py``)
 
 Saves confirmed at the end of a step travel in the next step's batch, together with its
 loads (one batch per step); a request notes the batch that carried its last save. vLLM
@@ -387,7 +387,7 @@ class SchedulerHalf:
                 self._preempted(rid)
         self._preempted_early.clear()
         meta = ZkvMetadata(step=self._step)
-        for r in self._held:  # saved on from where they stopped (an op on the path settled)
+        for r in self._held:  # saved on from where they stopped (a save on the path acked)
             self._plan_save(r, final=True)
         ops = self.cm.take_ops()
         seq = self._publish(ops)
@@ -410,7 +410,7 @@ class SchedulerHalf:
         return meta
 
     def _still_waits(self, r: RequestState) -> bool:
-        """A held request's save still waits for an op in flight on its path."""
+        """A held request's save still waits for a save in flight on its path."""
         rid = r.request.request_id
         return (not self.disabled and self.cm.num_held_blocks(rid) < self._savable(r)
                 and self.cm.save_waits(rid))
@@ -544,8 +544,8 @@ class SchedulerHalf:
 
     def _finish(self, r: RequestState, request: Any) -> tuple[int, bool]:
         """Save what is left and let the request go, or hold it (True) while its save waits
-        for an op in flight on its path; the leading blocks zkv held for it (saved, on their
-        way, or matched), taken before they are let go."""
+        for a save in flight on its path; the leading blocks zkv held for it (saved, on
+        their way, or matched), taken before they are let go."""
         rid = request.request_id
         self._poll()
         if not r.allocated or self.disabled:
