@@ -397,6 +397,10 @@ class Store(abc.ABC):
         """Calls running now (``close`` waits for them)."""
         return self._calls
 
+    #: How long the scheduler's existence query may take before it answers misses (None:
+    #: unbounded; a networked store's own timeouts bound it): see zkv/storage/query.py.
+    query_timeout_s: float | None = None
+
     @property
     def close_wait_s(self) -> float:
         """How long ``close`` waits for the calls running: two of a networked store's

@@ -118,11 +118,14 @@ from zkv.storage.base import (
     store_call,
 )
 from zkv.storage.localfs import (
+    QUERY_TIMEOUT_S,
     check_root,
     free_bytes,
+    fs_type,
     fsync_dir,
     has_room,
     make_private_dirs,
+    may_hang,
     remove_if_stale,
     unlink_quietly,
     write_all,
@@ -159,8 +162,12 @@ class LocalDirStore(Store):
     def __init__(self, root: str | os.PathLike[str], namespace: str, *,
                  max_bytes: int | None = None, fsync: bool = False,
                  rank: int | None = None, writers: int = 1,
-                 keep_days: float = namespaces.DEFAULT_KEEP_DAYS) -> None:
+                 keep_days: float = namespaces.DEFAULT_KEEP_DAYS,
+                 query_timeout_s: float | None = None) -> None:
         super().__init__(namespace, file_url(root))
+        # (the scheduler's query: bounded where a stat can hang for good; see query.py)
+        self.query_timeout_s = query_timeout_s if query_timeout_s is not None else (
+            QUERY_TIMEOUT_S if may_hang(fs_type(os.fspath(root))) else None)
         if not keep_days >= 0:
             raise ValueError(f"keep_days must be >= 0, got {keep_days}")
         if rank is not None and rank < 0:

@@ -102,3 +102,36 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+#: The existence query's bound on such a file system (a healthy one answers in ms).
+QUERY_TIMEOUT_S = 1.0
+#: File systems whose calls can hang for good (a server gone, a hard mount): a stat
+#: there is bounded by a query timeout of its own (see zkv/storage/query.py).
+NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "lustre", "gpfs",
+                        "glusterfs", "beegfs", "9p", "afs", "ocfs2", "gfs2", "orangefs"})
+
+
+def fs_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the file system ``path`` is on (``fuse.*`` for FUSE ones), from the
+    longest mount point above it; None when it cannot be told."""
+    real = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if " - " not in line or len(fields) < 5:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                under = real == point or real.startswith(point.rstrip("/") + "/")
+                if under and len(point) >= len(best):
+                    best, kind = point, line.split(" - ", 1)[1].split()[0]
+    except OSError:
+        return None
+    return kind
+
+
+def may_hang(kind: str | None) -> bool:
+    """Whether calls on a file system of type ``kind`` can block without end."""
+    return kind is not None and (kind in NETWORK_FS or kind.startswith("fuse"))

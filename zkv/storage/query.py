@@ -10,11 +10,24 @@ request's query (vLLM asks again each step for a waiting request): the event is
 rate-limited (``zkv.log.repeating``: a few lines per window, then one with
 ``num_suppressed``; the store's own limiter, or the :class:`StorageQuery`'s, so every
 line and the summary at close or ``flush_logs`` name the store), the count is not.
+
+A store with a ``query_timeout_s`` (a ``file://`` directory on a network or FUSE file
+system, where a ``stat`` can block for good and nothing times it out) is asked on a
+thread of the query's own, and the engine's step waits at most that long::
+
+    idle ── query ──► running ── answered in time ──► idle (its answer)
+                         │ query_timeout_s passed
+                         ▼
+                       stuck: this query and every one until it returns answer 0 (a
+                       miss) at once; storage.query_stuck once, storage.query_unstuck
+                       (how long) when it returns ──► idle
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 from zkv import log as ev
 from zkv.storage.base import Store, check_world_size, failure_log
@@ -43,9 +56,15 @@ class StorageQuery:
         self.store = store
         self.world_size = check_world_size(world_size)
         self.failed = failure_log(store, ev.QUERY_FAILED, "exists")
+        t = store.query_timeout_s
+        self._bounded = None if t is None else _Bounded(t, store.url)
 
     def __call__(self, hashes: Sequence[bytes]) -> int:
-        return leading_present(self.store, hashes, self.world_size, self.failed)
+        if self._bounded is None or not hashes:
+            return leading_present(self.store, hashes, self.world_size, self.failed)
+        return self._bounded.run(
+            lambda: leading_present(self.store, hashes, self.world_size, self.failed),
+            len(hashes))
 
     def store_reached(self) -> None:
         """A rank's write reached the store (``CacheManager.on_ops_done``): a query link
@@ -56,3 +75,57 @@ class StorageQuery:
     def flush_logs(self) -> None:
         """Write how many failed queries were only counted (``CacheManager.flush_logs``)."""
         self.failed.flush()
+
+
+class _Bounded:
+    """One daemon thread that runs the queries handed to it, one at a time (see the
+    module); ``run`` waits at most ``timeout_s``."""
+
+    def __init__(self, timeout_s: float, url: str) -> None:
+        self.timeout_s = timeout_s
+        self.url = url
+        self._cv = threading.Condition()
+        self._job: Callable[[], int] | None = None
+        self._answer: int | None = None
+        self._since = 0.0  # when the running query began
+        self._stuck = False
+        self._thread: threading.Thread | None = None
+        self._log = ev.get_logger("storage")
+
+    def run(self, job: Callable[[], int], num_blocks: int) -> int:
+        with self._cv:
+            if self._stuck or self._job is not None:
+                return 0  # (the one that hangs still runs)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, daemon=True,
+                                                name="zkv-store-query")
+                self._thread.start()
+            self._job, self._answer, self._since = job, None, time.monotonic()
+            self._cv.notify_all()
+            if self._cv.wait_for(lambda: self._answer is not None, self.timeout_s):
+                answer, self._answer = self._answer, None
+                return answer  # type: ignore[return-value]
+            self._stuck = True
+        self._log.warning(ev.QUERY_STUCK, store=self.url, num_blocks=num_blocks,
+                          waited_s=self.timeout_s,
+                          error="the store's existence query did not return (a hung file "
+                                "system?): misses until it does")
+        return 0
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._job is not None)
+                job = self._job
+            assert job is not None
+            answer = job()  # (leading_present: never raises)
+            with self._cv:
+                self._job = None
+                if self._stuck:  # its caller answered 0 long ago
+                    self._stuck = False
+                    stuck_s = time.monotonic() - self._since
+                else:
+                    self._answer = answer
+                    self._cv.notify_all()
+                    continue
+            self._log.warning(ev.QUERY_UNSTUCK, store=self.url, stuck_s=round(stuck_s, 1))

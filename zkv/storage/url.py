@@ -3,6 +3,7 @@
 ::
 
     file:///abs/path[?max_gb=G|max_bytes=N][&fsync=1][&keep_days=D]   LocalDirStore (default)
+                        [&query_timeout_s=Q]
     redis://[[user]:password@]HOST:PORT[/DB][?timeout_s=T][&connect_timeout_s=C][&ttl_s=S]
                                                                 RedisStore (Redis / Valkey)
     rediss://...[?ca=CA.pem][&cert=C.pem&key=K.pem]             the same over TLS: the server's
@@ -16,7 +17,9 @@ each gets ``max_bytes / writers`` of the budget, and ``rank`` names the writer: 
 indexes and evicts only its own rank's files (see zkv/storage/local.py). ``keep_days``
 (7; 0: this store removes none): the other namespaces under a ``file://`` root that no
 store has open and none used that long are removed when a store opens
-(zkv/storage/namespaces.py). A bad URL
+(zkv/storage/namespaces.py). ``query_timeout_s``: the scheduler's existence query on the
+directory waits at most this long (default: 1 s on a network or FUSE file system, where a
+``stat`` can hang for good; unbounded on a local one; zkv/storage/query.py). A bad URL
 raises :class:`~zkv.errors.ConfigError` with one line saying what is wrong.
 """
 
@@ -37,7 +40,8 @@ SCHEMES = ("file", "redis", "rediss", "mooncake")
 _REDIS_PARAMS: dict[str, type] = {"timeout_s": float, "connect_timeout_s": float, "ttl_s": int}
 _TLS_FILES = ("ca", "cert", "key")
 _PARAMS = {
-    "file": {"max_gb": float, "max_bytes": int, "fsync": bool, "keep_days": float},
+    "file": {"max_gb": float, "max_bytes": int, "fsync": bool, "keep_days": float,
+             "query_timeout_s": float},
     "redis": _REDIS_PARAMS,
     "rediss": {**_REDIS_PARAMS, **dict.fromkeys(_TLS_FILES, str)},
     "mooncake": {"segment_mb": int, "buffer_mb": int, "timeout_s": float, "protocol": str,
@@ -58,12 +62,12 @@ _MAX = {"ttl_s": 10**15,
         # a day: past a socket's or a lock wait's range, a store call that waits longer is
         # a hung store (1e10 was an OverflowError traceback at open, a Mooncake client whose
         # every RPC timed out at once: an outage for good, the master blamed)
-        "timeout_s": 86400, "connect_timeout_s": 86400,
+        "timeout_s": 86400, "connect_timeout_s": 86400, "query_timeout_s": 86400,
         # 4 PiB: far past any host's memory (the client refuses what it cannot have), and
         # within 64 bits in bytes (a size past them broke the client's setup: an outage)
         "segment_mb": 1 << 32, "buffer_mb": 1 << 32}
 # Lower bounds where every call would time out on a healthy server (and say it is down).
-_MIN = {"timeout_s": 0.001, "connect_timeout_s": 0.001}
+_MIN = {"timeout_s": 0.001, "connect_timeout_s": 0.001, "query_timeout_s": 0.001}
 # Redis numbers databases with a C int: SELECT of a larger one is "value is out of range".
 _MAX_DB = 2**31 - 1
 
@@ -309,8 +313,9 @@ def _file_kw(url: str, parts: Any, params: dict[str, Any], writers: int) -> dict
         max_bytes = max(1, max_bytes // writers)
     kw = dict(root=path, max_bytes=max_bytes, fsync=params.get("fsync", False),
               writers=writers)
-    if "keep_days" in params:
-        kw["keep_days"] = params["keep_days"]
+    for name in ("keep_days", "query_timeout_s"):
+        if name in params:
+            kw[name] = params[name]
     return kw
 
 
