@@ -145,10 +145,16 @@ class WorkerHalf:
             if self.sidecar.wait_acked(before, self.cfg.layer_timeout_s) is None:
                 # The forward goes on and writes blocks vLLM freed: a save of them that ran
                 # later would store its KV under the finished request's hashes.
-                quiet = self.sidecar.abandon_saves(before, self.cfg.layer_timeout_s)
-                self._batch_late_log(seq=before, timeout_s=self.cfg.layer_timeout_s,
-                                     saves_abandoned=True, copy_still_running=not quiet)
+                self._abandon_saves(before)
             self.wait_s["bind"] += time.perf_counter() - t0
+
+    def _abandon_saves(self, seq: int) -> None:
+        """Give up on the saves of batches up to ``seq`` (vLLM reuses their blocks now) and
+        say it (``batch_late``: whether a copy still ran)."""
+        assert self.sidecar is not None
+        quiet = self.sidecar.abandon_saves(seq, self.cfg.layer_timeout_s)
+        self._batch_late_log(seq=seq, timeout_s=self.cfg.layer_timeout_s,
+                             saves_abandoned=True, copy_still_running=not quiet)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         meta = self.meta
@@ -189,15 +195,8 @@ class WorkerHalf:
         rank is gone; or was given up on after ``layer_timeout_s``, its saves abandoned so
         that no copy reads the blocks once vLLM reuses them); None: none."""
         sc = self.sidecar
-
-        def give_up(seq: int) -> None:
-            assert sc is not None
-            quiet = sc.abandon_saves(seq, self.cfg.layer_timeout_s)
-            self._batch_late_log(seq=seq, timeout_s=self.cfg.layer_timeout_s,
-                                 saves_abandoned=True, copy_still_running=not quiet)
-
         return self._reports.take(lambda seq: sc is None or not sc.alive or sc.last_seq >= seq,
-                                  self.cfg.layer_timeout_s, give_up)
+                                  self.cfg.layer_timeout_s, self._abandon_saves)
 
     def load_errors(self) -> set[int]:
         """Blocks of this step's loads that did not arrive on this rank."""
