@@ -522,14 +522,16 @@ def setup_server(sock: zmq.Socket[Any], domain: str, keys: Keyring | None,
 
 #: A word that starts as a URL with an authority: ``scheme://`` then no ``/``.
 _URL_WORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)((?!/)[^\s\"']*)")
-#: What follows a URL's ``user:password@``: a host (or [IPv6]), a port, then the end, a
-#: path, a query or a fragment.
-_HOST_TAIL = re.compile(r"(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]*\])(?::\d*)?(?=[/?#]|$)")
+#: A host name or address, or an [IPv6] address.
+_HOST = r"(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]*\])"
+#: What follows a URL's ``user:password@``: a host, a port, then the end, a path, a query
+#: or a fragment.
+_HOST_TAIL = re.compile(_HOST + r"(?::\d*)?(?=[/?#]|$)")
 #: A URL's word that is its authority alone (``host[:port]``, or nothing), not the start
 #: of a ``user:password`` cut by a blank (``:pw``, ``user:pw``).
-_AUTHORITY = re.compile(r"$|(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]*\])(?::\d+)?(?=[/?#]|$)")
+_AUTHORITY = re.compile(r"$|" + _HOST + r"(?::\d+)?(?=[/?#]|$)")
 #: In free text: an ``@`` followed by a host and port, then a delimiter, a blank or a quote.
-_AT_HOST = re.compile(r"@(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]*\])(?::\d*)?(?=[/?#\s\"']|$)")
+_AT_HOST = re.compile("@" + _HOST + r"(?::\d*)?(?=[/?#\s\"']|$)")
 
 
 def userinfo_end(rest: str) -> int | None:
