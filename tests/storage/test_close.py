@@ -6,6 +6,7 @@ crashed the process with SIGSEGV; redis opened a new connection after close)."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -252,3 +253,42 @@ def test_close_waits_once_for_a_call_that_outlives_the_wait(
     assert cv.waits == 1, cv.waits
     assert nested == [[False]], nested
 
+
+
+def test_redis_close_with_a_reconnect_attempt_running_waits_once_and_leaves_no_connection(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close while the reconnect attempt hangs on a paused server: it waits within the
+    one ``close_wait_s`` (was: that, then 5 s more for the link's thread), and the
+    connection the attempt opens once the server answers is closed too (was: left open to
+    the server for the life of the process)."""
+    with RedisServer(str(tmp_path)) as srv:
+        before = _connections(srv)
+        store = open_store(srv.url + "?timeout_s=1", f"t{uuid.uuid4().hex[:12]}")
+        link = store.link
+        assert link is not None
+        monkeypatch.setattr(type(store), "close_wait_s", property(lambda self: 0.05))
+        gate, entered = threading.Event(), threading.Event()
+        inner = link._connect  # type: ignore[attr-defined]
+
+        def held_attempt() -> None:  # an attempt that hangs past the close's wait
+            entered.set()
+            assert gate.wait(10)
+            inner()
+
+        monkeypatch.setattr(link, "_connect", held_attempt)
+        srv.pause()
+        try:
+            with pytest.raises(StorageError):
+                store.exists(keys(1, "paused"))
+            assert entered.wait(10), "no reconnect attempt started"
+            t0 = time.monotonic()
+            store.close()
+            took = time.monotonic() - t0
+        finally:
+            srv.resume()
+            gate.set()
+        assert took < 2.5, f"close took {took:.2f} s for a close_wait_s of 0.05 s"
+        wait_until(lambda: link.close(0.1), timeout=10, what="the attempt's end")
+        assert link.num_reconnects == 1  # the attempt did reach the server after the close
+        wait_until(lambda: _connections(srv) == before, timeout=10,
+                   what="no connection left open by the store")

@@ -218,6 +218,11 @@ class Link:
         return self._up
 
     @property
+    def closed(self) -> bool:
+        """``close`` was called (an attempt still running may end after it)."""
+        return self._closed
+
+    @property
     def attempting(self) -> bool:
         """A reconnect attempt runs now (on the link's thread)."""
         return self._attempting

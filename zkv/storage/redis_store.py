@@ -51,6 +51,7 @@ down at open answers, the store stays down and says so once (``storage.store_mis
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -181,6 +182,9 @@ class RedisStore(Store):
                 self._log.error(ev.STORE_MISCONFIGURED, store=self.url,
                                 error=self._no_database_text())
             raise
+        if self.link.closed:  # the store closed while this attempt ran: the connection
+            self._client.close()  # it opened goes too (else left open to the server)
+            return
         self._check_memory()  # (a server that was down at open: checked once it answers)
 
     def _check_memory(self) -> None:
@@ -377,10 +381,13 @@ class RedisStore(Store):
             self.remove(key)
 
     def close(self) -> None:
-        """Quiesce (see base), then close the pool. A call still running after the wait
-        fails on its closed connection, which is harmless here."""
+        """Quiesce (see base), stop the reconnect thread within what is left of that one
+        wait, then close the pool. A call or a reconnect attempt still running after the
+        wait fails on its closed connection, which is harmless here. (Before, the link's
+        own 5 s came on top: a stop with the server hung took ``close_wait_s`` + 5 s.)"""
+        t0 = time.monotonic()
         self.quiesce()
-        self.link.close()
+        self.link.close(max(0.0, self.close_wait_s - (time.monotonic() - t0)))
         self._client.close()
         super().close()
 
