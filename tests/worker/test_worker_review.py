@@ -162,10 +162,17 @@ def test_a_store_call_hung_at_a_restart_is_said_and_the_rank_rejoins_once_it_ret
 def test_a_rank_waiting_on_a_hung_store_call_at_a_restart_still_stops(
         stack: ExitStack, folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """... and a stop (the engine shutting down) while the rank waits on that call stops it:
-    the call is left to its thread, the actor ends with exit 0 and its Bye."""
+    the call is left to its thread, the actor ends with exit 0 and its Bye, and the
+    store's close that follows does not wait for the call a second time (before: the
+    drain left the call, the fresh I/O's close had none, and the store's close waited
+    its whole ``close_wait_s`` again)."""
     sc, new, logs, _ = _hung_read_at_a_restart(stack, folder, tmp_path, monkeypatch)
     assert sc.close(), "the rank did not stop while it waited on the hung call"
     assert sc.actor.exit_code == 0
+    closing = threading.Thread(target=sc.actor.store.close, daemon=True)
+    closing.start()
+    closing.join(1.0)
+    assert not closing.is_alive(), "the store's close waited again for the call left"
     # The old scheduler's first ack (op 0 pending) may still sit in the rank's PUSH queue:
     # it reaches the new scheduler first (whose dispatcher refuses it as an unknown seq).
     msg = new.recv(5)
@@ -514,3 +521,39 @@ def test_a_rejoin_forgets_the_old_schedulers_release_and_abandoned_saves(
     sc.release(1)
     ack = sc.wait_acked(1, 5)
     assert ack is not None and ack.ok, ack
+
+
+class _RecordFails:
+    """The CPU backend whose ``fail_at``-th ``record_event`` raises (a non-sticky device
+    error: the backend's contract lets those propagate unchanged)."""
+
+    def __init__(self, inner: Any, fail_at: int) -> None:
+        self._inner = inner
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def record_event(self) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("cudaErrorInvalidResourceHandle (non-sticky)")
+        return self._inner.record_event()
+
+
+def test_an_event_that_fails_after_an_h2d_layer_leaves_no_copy_running(
+        stack: ExitStack, folder: str) -> None:
+    """The event after layer 1's h2d raises: the batch is acked failed, the layer's wait
+    raises, and the engine's ``abandon_load`` that follows returns at once, quiet. Before,
+    the counter kept that layer "copying" for good (only the copy itself was guarded):
+    the abandon waited its whole timeout and said a copy still ran (vLLM: 2 s of a
+    stopped forward, and an overrun)."""
+    be = _RecordFails(kernels.get_backend("cpu"), fail_at=2)  # layer 0's event is the 1st
+    rig = Rig(stack, folder, backend=be)
+    sc = rig.sidecars[0]
+    seq = rig.d.publish([P.Op(0, P.H2D, _ids(0, 1), _ids(2, 3), layerwise=True)], step=0)
+    assert not poll_until_done(rig.d, seq)[seq].ok
+    with pytest.raises(TransferError):
+        sc.wait_layer(seq, 1, timeout=5)
+    assert sc.abandon_load(seq, 1, "load failed", timeout=2.0)

@@ -499,7 +499,9 @@ class WorkerActor:
         assert self._io is not None
         old, self._io = self._io, None
         dropped = old.num_pending
-        old.close(wait=old.drain(self._stop, _MONITOR_EVERY_S))
+        drained = old.drain(self._stop, _MONITOR_EVERY_S)
+        if old.close(wait=drained) and not drained and self.store is not None:
+            self.store.quiesce(0)  # stopping with calls left: the store's close waits no more
         self._io = self._new_io()
         if dropped:
             self._log.warning(ev.IO_DROPPED, num_ops=dropped, reason="the scheduler restarted")

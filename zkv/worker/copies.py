@@ -74,17 +74,19 @@ def run_loads(log: Any, seq: int, h2d: list[P.Op], results: dict[int, P.OpResult
             for op in live:
                 failed[op.id] = P.OpResult(op.id, False, 0, why)
             live = []
-        elif live:
-            try:
+        if live:
+            try:  # the event too: a copy that raised there must not stay "copying" (the
+                # engine's abandon_load would wait its whole timeout for it)
                 merged_copy(log, seq, live,
                             lambda s, d, i=layer: backend.copy_h2d(host, kv, s, d, i),  # type: ignore[misc]
                             failed, layer=layer)
+                handle = backend.record_event()
             except BaseException:
                 counter.end_layer(seq)
                 raise
-        handle = backend.record_event()
-        if live:
             counter.end_layer(seq, handle)
+        else:
+            handle = backend.record_event()
         if not failed:
             counter.mark(seq, layer, handle)
         else:  # a layer that lacks blocks: it and every later layer fail (idempotent)
