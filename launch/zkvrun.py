@@ -83,7 +83,7 @@ from launch.env import (
     run_base,
     scheduler_env,
 )
-from zkv import __version__, security
+from zkv import __version__, security, streams
 from zkv import log as zlog
 from zkv.argtypes import nonempty
 from zkv.config import check_rank_env
@@ -206,16 +206,9 @@ def _say(line: str) -> None:
     it raised out of the loop, so the children were SIGKILLed with no grace, a restart
     was skipped and zkvrun exited 1 (a forwarded SIGHUP never forwarded). The launcher's
     log has every such line; from then on stderr is /dev/null, so the line left in its
-    buffer does not fail the interpreter's exit (status 120) and later lines go nowhere."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except OSError:
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stderr.fileno())
-            os.close(devnull)
-        except (OSError, ValueError, AttributeError):  # (no file descriptor behind it)
-            pass
+    buffer does not fail the interpreter's exit (status 120) and later lines go nowhere
+    (``zkv.streams``)."""
+    streams.say(line, sys.stderr)
 
 
 def _killpg(pid: int, sig: int) -> None:

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from zkv import streams
 from zkv.argtypes import nonneg_int, nonneg_ints, positive_float
 
 DEFAULT_POLL_S = 0.25
@@ -434,9 +435,7 @@ def run_args(ns: argparse.Namespace) -> int:
             print(f"zkv logs: {_no_match(ns.dir, filters)}", file=sys.stderr)
         sys.stdout.flush()
     except BrokenPipeError:  # `zkv logs DIR | head`
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        streams.silence(sys.stdout)
     return 0
 
 

@@ -38,7 +38,7 @@ import orjson
 from tqdm import tqdm
 
 from zkv import metrics as M
-from zkv import stopsignals
+from zkv import stopsignals, streams
 from zkv.config import CacheLayout, check_rank_env, pools_fit, pools_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_level, check_log_dir
@@ -440,7 +440,7 @@ def _serve(args: argparse.Namespace) -> int:
                 _check_pools(cm, rp)
             finally:
                 cm.flush_logs()
-                dp.close()
+                _final_gauges(cm, dp, rp, isinstance(sys.exc_info()[1], _Terminated))
                 if store is not None:
                     store.close()
                 if server is not None:
@@ -450,6 +450,31 @@ def _serve(args: argparse.Namespace) -> int:
     if s.mismatched:  # never restarted (final_codes), reported as 1 by main
         return EXIT_NODE_MISMATCHED
     return s.exit_code if wrote else max(s.exit_code, EXIT_FAILED)
+
+
+def _final_gauges(cm: CacheManager, dp: Any, rp: Replayer | None, terminated: bool) -> None:
+    """Close the dispatcher with the metrics as the run ended. ``terminated``: zkvrun's
+    teardown (SIGTERM), most often because a rank died: zkvrun's poll sees a dead process
+    before the dispatcher's short grace declares it lost, so the dispatcher is given that
+    grace first. Every rank it declared lost is counted (before: only those named by a
+    failed batch, so a SIGKILLed rank left ``zkv:lost_ranks_total`` at 0); the in-flight
+    gauge is what close left (none: it forgets them) and the pools are read after the
+    end's aborts."""
+    if terminated:
+        deadline = time.monotonic() + _LOSS_GRACE_S
+        while not dp.lost_ranks and (left := deadline - time.monotonic()) > 0:
+            dp.poll(left)
+    counted = rp.lost if rp is not None else frozenset()
+    M.LOST_RANKS.inc(len(dp.lost_ranks - counted))
+    dp.close()
+    M.INFLIGHT_BATCHES.set(dp.in_flight)
+    for pool in M.POOLS:
+        M.FREE_BLOCKS.labels(pool=pool).set(getattr(cm, pool).num_free)
+
+
+#: How long a terminated node polls for a dead rank to be declared lost (the dispatcher's
+#: grace after a subscriber's disconnect is 50 ms).
+_LOSS_GRACE_S = 0.5
 
 
 def _write_metrics(path: str) -> bool:
@@ -533,7 +558,7 @@ def _print_summary(s: Summary, moved: dict[str, int], layout: CacheLayout, lat: 
         f"  dropped      {s.dropped} requests did not fit in the pools"
         + (" (exit status 4)" if s.dropped else ""),
     ]
-    print("\n".join(lines), flush=True)
+    streams.say("\n".join(lines), sys.stdout)  # (a reader gone: the run's status stands)
     if store is not None:
         _warn_store_failures(s, store)
 
@@ -676,7 +701,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"zkv replay: error: {e}", file=sys.stderr)
             return EXIT_CONFIG
         sched = ["-m", "zkv.cli", "replay", "--node",  # (zkv.cli: a Ctrl-C as it starts)
-                 *_without_storage(argv if argv is not None else sys.argv[1:])]
+                 *_without_storage(argv if argv is not None else sys.argv[1:]),
+                 # no store: said on the node's argv too (it checks the flags again, and
+                 # --host-blocks 0 is refused unless the store is none)
+                 *([] if url else ["--storage", "none"])]
         if url:  # to the node and the ranks by environment: argv is public (ps)
             os.environ["ZKV_STORE_URL"] = url
         else:

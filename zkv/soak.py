@@ -43,7 +43,7 @@ from typing import Any
 import zmq
 
 from zkv import protocol as P
-from zkv import stopsignals
+from zkv import stopsignals, streams
 from zkv.argtypes import nonneg_int, positive_float, positive_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
@@ -573,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             soak.close()
         security.remove_run_dir(run_dir)
     if soak is not None:  # (the report so far, when a signal stopped it)
-        print("\n".join(soak.report.lines(soak.layout.block_bytes, args.ranks)), flush=True)
+        streams.say("\n".join(soak.report.lines(soak.layout.block_bytes, args.ranks)),
+                    sys.stdout)
     if stopped:
         what = "interrupted" if stopped == 128 + signal.SIGINT else "terminated"
         print(f"zkv soak: {what}", file=sys.stderr, flush=True)

@@ -509,3 +509,75 @@ def test_the_largest_batch_taken_fits_in_one_batch_of_ops(tmp_path: Path) -> Non
                         "batch carries two ops per request), got 4096\n"), r.stderr
     assert not (tmp_path / "logs").exists()
     assert 2 * MAX_BATCH + 2 * 4 <= MAX_OPS  # two sims a request, this step's and the last's
+
+
+def test_a_device_only_replay_runs(tmp_path: Path) -> None:
+    """``--host-blocks 0 --storage none`` (what the refusal of ``--host-blocks 0`` alone
+    says to do) runs. Before, the launcher took the store flags off the node's argv (a URL
+    is no one's to see in ``ps``), and the node, checking the flags again, refused it."""
+    for flags in (["--storage", "none"], ["--store-dir", "none"]):
+        r = _run(tmp_path, "--requests", "6", "--host-blocks", "0", *flags)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert re.search(r"device \d+ host 0 blocks per rank", r.stdout), r.stdout
+        assert "L3=off" in r.stdout, r.stdout
+
+
+def test_a_reader_of_the_summary_that_is_gone_leaves_the_status_alone(
+        tmp_path: Path) -> None:
+    """``zkv replay | head -0``: the summary's pipe has no reader. The run's status stands
+    (0: every block verified) and there is no traceback. Before: BrokenPipeError from the
+    node, status 1."""
+    read, write = os.pipe()
+    os.close(read)  # no reader: the summary's write gets EPIPE
+    with os.fdopen(write, "w") as out:
+        r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress",
+                            "--requests", "4", "--log-dir", str(tmp_path / "logs")],
+                           stdout=out, stderr=subprocess.PIPE, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+def _metric(text: str, name: str) -> float:
+    [value] = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(f"{name} ")]
+    return value
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, pidfds")
+def test_a_killed_rank_is_counted_lost_in_the_metrics_file(tmp_path: Path) -> None:
+    """A rank SIGKILLed mid-run: zkvrun sees the dead process and stops the node (SIGTERM)
+    before the dispatcher's grace after the disconnect declared the rank lost. The node
+    gives it that grace: the metrics file counts the rank lost and no batch in flight.
+    Before: ``zkv:lost_ranks_total 0`` (the alert meant for it silent), in-flight batches
+    that close had forgotten."""
+    import signal
+
+    from tests.waiting import wait_exited, wait_until
+
+    logs, metrics = tmp_path / "logs", tmp_path / "m.prom"
+    proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "replay", "--no-progress",
+                             "--ranks", "2", "--requests", "100000", "--store-dir", "none",
+                             "--log-dir", str(logs), "--metrics-file", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        sched_log, launcher_log = logs / "scheduler.jsonl", logs / "launcher.jsonl"
+
+        def serving() -> bool:
+            assert proc.poll() is None
+            return sched_log.exists() and "dispatcher.batch_published" in sched_log.read_text()
+
+        wait_until(serving, 120, "the replay's first batch")
+        [pid] = [e["child_pid"] for e in map(orjson.loads, launcher_log.read_text().splitlines())
+                 if e["event"] == zlog.RANK_STARTED and e["rank"] == 1]
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    wait_exited([proc.pid], 10, "zkv replay")
+    assert proc.returncode == 1, out + err
+    text = metrics.read_text()
+    assert _metric(text, "zkv:lost_ranks_total") == 1, text
+    assert _metric(text, "zkv:inflight_batches") == 0, text
