@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from functools import cache
 
@@ -47,7 +48,7 @@ def run_on_small_fs(mount_at: str, size: str, argv: Sequence[str], *, timeout_s:
     (``read_only``: mounted read-only, which no one writes in, root included)."""
     if read_only:
         size += ",ro"  # (the script's -o size="$1")
-    probe = os.path.join(os.path.dirname(os.path.abspath(mount_at)), ".smallfs-probe")
+    probe = os.path.join(tempfile.gettempdir(), f".smallfs-probe-{os.getuid()}")
     os.makedirs(probe, exist_ok=True)
     args = _unshare_args(probe)
     return subprocess.run([*args, "sh", "-c", _SCRIPT, "sh", size, mount_at, *argv],

@@ -687,15 +687,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The default L3 directory lives in /dev/shm when there is one: on this class of VM a
     # file put costs ~1.5 ms on the disk-backed /tmp and ~0.06 ms on tmpfs. It is a run
     # directory: one that a SIGKILLed replay left behind is removed here, next time.
+    # A /dev/shm that cannot take it (full: a container's 64 MB) falls back to the disk.
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    base = shm or tempfile.gettempdir()
+    bases = [b for b in (shm, tempfile.gettempdir()) if b]
     tmp = None
     try:  # (a Ctrl-C anywhere in here removes the directory too: zkv.cli says it in one line)
         try:
             layout = check_args(args)
-            security.clean_stale_runs(base)
+            for base in bases:
+                security.clean_stale_runs(base)
             if not args.storage and not args.store_dir:
-                tmp = security.make_run_dir(base, prefix="l3-")
+                tmp = security.make_run_dir_in(bases, prefix="l3-")
             url = _storage_url(args, layout, tmp or "")
         except ConfigError as e:
             print(f"zkv replay: error: {e}", file=sys.stderr)

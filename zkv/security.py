@@ -59,7 +59,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -626,12 +626,30 @@ def user_root(base: str) -> str:
 
 
 def make_run_dir(base: str, prefix: str = "run-") -> str:
-    """A fresh private ``{base}/zkv-{uid}/{prefix}{pid}-{random}`` owned by this process."""
+    """A fresh private ``{base}/zkv-{uid}/{prefix}{pid}-{random}`` owned by this process.
+    ConfigError (nothing left behind) when the file system cannot take it: full (a
+    Docker container's 64 MB /dev/shm), out of inodes, read-only."""
     root = user_root(base)
     path = os.path.join(root, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.mkdir(path, 0o700)
-    claim_dir(path)
+    try:
+        os.mkdir(path, 0o700)
+        claim_dir(path)
+    except OSError as e:
+        shutil.rmtree(path, ignore_errors=True)
+        raise ConfigError(f"cannot make a run directory in {root}: {e.strerror}") from None
     return path
+
+
+def make_run_dir_in(bases: Sequence[str], prefix: str = "run-") -> str:
+    """:func:`make_run_dir` in the first of ``bases`` that takes it (the fast /dev/shm,
+    then the temporary directory); the last one's ConfigError when none does."""
+    error = ConfigError("no directory to make a run directory in")
+    for base in bases:
+        try:
+            return make_run_dir(base, prefix)
+        except ConfigError as e:
+            error = e
+    raise error
 
 
 def claim_dir(path: str) -> None:

@@ -47,6 +47,7 @@ from zkv import stopsignals, streams
 from zkv.argtypes import nonneg_int, positive_float, positive_int
 from zkv.config import CacheLayout, pools_shortfall
 from zkv.errors import ConfigError, RankLost
+from zkv.exit_codes import EXIT_CONFIG
 from zkv.log import check_level, check_log_dir
 from zkv.replay import chat_max_prompt_blocks
 from zkv.scheduler.manager import CacheConfig, CacheManager
@@ -551,9 +552,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parse(argv)
     stopsignals.exit_on_stop_signals()  # so the cleanup runs: ranks reaped, run dir removed
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    security.clean_stale_runs(base)
-    run_dir = security.make_run_dir(base, prefix="soak-")
+    # (a /dev/shm that cannot take it, full in a container: the disk)
+    bases = ["/dev/shm", "/tmp"] if os.path.isdir("/dev/shm") else ["/tmp"]
+    try:
+        for base in bases:
+            security.clean_stale_runs(base)
+        run_dir = security.make_run_dir_in(bases, prefix="soak-")
+    except ConfigError as e:
+        print(f"zkv soak: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     soak: Soak | None = None
     stopped = 0  # the exit status of the signal that stopped the soak, if one did
     try:
