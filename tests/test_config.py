@@ -54,15 +54,21 @@ def test_a_good_layout_round_trips_and_values_are_still_checked() -> None:
 
 
 @pytest.mark.parametrize("env,message", [
-    ({"ZKV_HEARTBEAT_S": "1e-9"}, "ZKV_HEARTBEAT_S must be a finite number of seconds >= "
-                                  "0.01, got '1e-9'"),
-    ({"ZKV_HEARTBEAT_S": "nan"}, "ZKV_HEARTBEAT_S must be a finite number of seconds >= 0.01, "
-                                 "got 'nan'"),
-    ({"ZKV_HEARTBEAT_S": ""}, "ZKV_HEARTBEAT_S must be a finite number of seconds >= 0.01, "
-                              "got ''"),  # (a rank refuses '' too)
+    ({"ZKV_HEARTBEAT_S": "1e-9"}, "ZKV_HEARTBEAT_S must be a finite number of seconds in "
+                                  "[0.01, 0.5], got '1e-9'"),
+    ({"ZKV_HEARTBEAT_S": "nan"}, "ZKV_HEARTBEAT_S must be a finite number of seconds in "
+                                 "[0.01, 0.5], got 'nan'"),
+    ({"ZKV_HEARTBEAT_S": ""}, "ZKV_HEARTBEAT_S must be a finite number of seconds in "
+                              "[0.01, 0.5], got ''"),  # (a rank refuses '' too)
+    # past threading's TIMEOUT_MAX: the rank's heartbeat thread died (OverflowError) and
+    # it beat no more; past a second: an idle rank lost under a 1 s heartbeat timeout
+    ({"ZKV_HEARTBEAT_S": "1e10"}, "ZKV_HEARTBEAT_S must be a finite number of seconds in "
+                                  "[0.01, 0.5], got '1e10'"),
+    ({"ZKV_HEARTBEAT_S": "0.6"}, "ZKV_HEARTBEAT_S must be a finite number of seconds in "
+                                 "[0.01, 0.5], got '0.6'"),
     # Python's float() reads "1_0" as 10: a typo of 1.0 was a heartbeat every 10 s
-    ({"ZKV_HEARTBEAT_S": "1_0"}, "ZKV_HEARTBEAT_S must be a finite number of seconds >= 0.01, "
-                                 "got '1_0'"),
+    ({"ZKV_HEARTBEAT_S": "1_0"}, "ZKV_HEARTBEAT_S must be a finite number of seconds in "
+                                 "[0.01, 0.5], got '1_0'"),
     ({"ZKV_SCHEDULER_TIMEOUT_S": "3_0"}, "ZKV_SCHEDULER_TIMEOUT_S must be a finite number of "
                                          "seconds > 0, or inf to wait forever, got '3_0'"),
     ({"ZKV_SCHEDULER_TIMEOUT_S": "5m"}, "ZKV_SCHEDULER_TIMEOUT_S must be a finite number of "

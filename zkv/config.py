@@ -159,20 +159,25 @@ def check_backend_name(name: str) -> None:
 #: was a heartbeat every turn of the actor loop: a flood of the scheduler's PULL socket).
 DEFAULT_HEARTBEAT_S = 0.25
 MIN_HEARTBEAT_S = 0.01
+#: A scheduler declares a rank lost after its heartbeat timeout, which may be as short as
+#: 1 s (vLLM's ``heartbeat_timeout_s`` at its least; the soak's is 2 s): a rank must beat
+#: at least twice within it, or an idle one is lost. (Before, any value passed: 1e10
+#: killed the heartbeat thread with an OverflowError, and the rank beat no more.)
+MAX_HEARTBEAT_S = 0.5
 #: ``ZKV_SCHEDULER_TIMEOUT_S``'s default: a scheduler restarted by zkvrun is back in seconds.
 DEFAULT_SCHEDULER_TIMEOUT_S = 300.0
 _FOREVER = ("inf", "none", "off")
 
 
 def heartbeat_from_env(env: Mapping[str, str] | None = None) -> float:
-    """``ZKV_HEARTBEAT_S``: seconds, finite and >= MIN_HEARTBEAT_S (default 0.25); else
-    ConfigError naming the value."""
+    """``ZKV_HEARTBEAT_S``: seconds in [MIN_HEARTBEAT_S, MAX_HEARTBEAT_S] (default 0.25);
+    else ConfigError naming the value."""
     env = os.environ if env is None else env
     raw = env.get("ZKV_HEARTBEAT_S", str(DEFAULT_HEARTBEAT_S))
     value = _finite_positive(raw)
-    if value is None or value < MIN_HEARTBEAT_S:
-        raise ConfigError(f"ZKV_HEARTBEAT_S must be a finite number of seconds >= "
-                          f"{MIN_HEARTBEAT_S}, got {raw!r}")
+    if value is None or not MIN_HEARTBEAT_S <= value <= MAX_HEARTBEAT_S:
+        raise ConfigError(f"ZKV_HEARTBEAT_S must be a finite number of seconds in "
+                          f"[{MIN_HEARTBEAT_S}, {MAX_HEARTBEAT_S}], got {raw!r}")
     return value
 
 
