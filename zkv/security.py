@@ -133,17 +133,35 @@ class Keyring:
         return {z85.decode(k): r for r, k in enumerate(self.rank_publics)}
 
     def save(self, path: str) -> str:
-        """Write the keyring as certificate files in a new private directory ``path``."""
+        """Write the keyring as certificate files in a new private directory ``path``.
+        ConfigError when the file system cannot take them (full, read-only): what was
+        written is removed, so that the same command works once there is room (a half
+        keyring left behind was "already exists" for good)."""
+        made = not os.path.lexists(path)
         make_private_dir(path)
+        certs: list[tuple[str, bytes, bytes | None]] = []
         if self.server_secret is not None:
-            _write_cert(os.path.join(path, f"{_SERVER}.key_secret"), self.server_public,
-                        self.server_secret)
-        _write_cert(os.path.join(path, f"{_SERVER}.key"), self.server_public, None)
+            certs.append((f"{_SERVER}.key_secret", self.server_public, self.server_secret))
+        certs.append((f"{_SERVER}.key", self.server_public, None))
         for r, public in enumerate(self.rank_publics):
-            _write_cert(os.path.join(path, f"rank-{r}.key"), public, None)
+            certs.append((f"rank-{r}.key", public, None))
             if r in self.rank_secrets:
-                _write_cert(os.path.join(path, f"rank-{r}.key_secret"), public,
-                            self.rank_secrets[r])
+                certs.append((f"rank-{r}.key_secret", public, self.rank_secrets[r]))
+        written: list[str] = []
+        try:
+            for name, public, secret in certs:
+                cert = os.path.join(path, name)
+                _write_cert(cert, public, secret)
+                written.append(cert)
+        except OSError as e:
+            if not isinstance(e, FileExistsError):  # (made by this call, empty or short)
+                written.append(os.path.join(path, name))
+            for cert in written:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(cert)
+            if made:
+                os.rmdir(path)
+            raise ConfigError(f"cannot write the keyring {path}: {e.strerror}") from None
         return path
 
     @classmethod

@@ -334,6 +334,32 @@ def test_zkv_keys_command(tmp_path: Path) -> None:
     assert "already exists" in again.stderr and "Traceback" not in again.stderr
 
 
+FULL_DISK_KEYS = (
+    'dd if=/dev/zero of="$1/fill" bs=4k count=64 2>/dev/null; '
+    '"$0" -m zkv.cli keys "$1/k" --world-size 2; echo "rc=$?"; ls -A "$1"; '
+    'rm -f "$1/fill"; "$0" -m zkv.cli keys "$1/k" --world-size 2; echo "rc=$?"')
+
+
+def test_zkv_keys_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """A full file system: one line, status 2, no half keyring left; the same command
+    works once there is room. Before: an ENOSPC traceback (status 1) and a directory with
+    an empty server.key_secret, refused as "already exists" from then on."""
+    from tests.smallfs import run_on_small_fs
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = run_on_small_fs(str(mnt), "64k", ["sh", "-c", FULL_DISK_KEYS, sys.executable,
+                                             str(mnt)],
+                           timeout_s=120, cwd=str(Path(__file__).resolve().parents[2]))
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"zkv keys: error: cannot write the keyring {mnt}/k: No space left on device"
+    ], proc.stderr
+    assert proc.stdout.splitlines() == [
+        "rc=2", "fill",
+        f"zkv keys: wrote the server key and 2 rank keys to {mnt}/k", "rc=0"], proc.stdout
+
+
 def test_sidecar_loads_its_keys_from_a_keyring_directory(tmp_path: Path) -> None:
     """The worker half inside a model process: Sidecar(keys=DIR) (or $ZKV_KEYS)."""
     from zkv.kernels import get_backend
