@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -212,14 +213,28 @@ def scheduler_env(config: LaunchConfig, endpoints: Endpoints,
     return env
 
 
+#: A layout is a few hundred bytes of JSON.
+_MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_layout(config: LaunchConfig) -> CacheLayout:
     """Parse ``--config`` (JSON text or a file path); its world_size must match."""
     assert config.config is not None
     text = path = config.config
     if not text.lstrip().startswith("{"):
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            # A regular file, read to a bound: a FIFO without a writer hung the start, and
+            # /dev/zero grew the launcher until memory ran out.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise ConfigError(f"--config {path}: not a regular file (a directory, a "
+                                  "pipe or a device): give layout JSON or a JSON file")
+            with open(fd, encoding="utf-8") as f:
+                text = f.read(_MAX_CONFIG_BYTES + 1)
+            if len(text) > _MAX_CONFIG_BYTES:
+                raise ConfigError(f"--config {path}: larger than {_MAX_CONFIG_BYTES >> 10} KiB: "
+                                  "not a layout")
         except OSError as e:
             raise ConfigError(f"--config is neither layout JSON nor a readable file: {e}") from e
         except UnicodeDecodeError as e:  # (was a traceback, status 1)

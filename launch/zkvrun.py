@@ -85,7 +85,7 @@ from launch.env import (
 )
 from zkv import __version__, security, streams
 from zkv import log as zlog
-from zkv.argtypes import nonempty
+from zkv.argtypes import integer, nonempty
 from zkv.config import check_rank_env
 from zkv.errors import ConfigError
 from zkv.exit_codes import EXIT_CONFIG, EXIT_REFUSED, EXIT_SCHEDULER_GONE, WORKER_EXITS
@@ -609,8 +609,8 @@ def _run_group(config: LaunchConfig, log: zlog.FileLogger, signals: _Signals, at
 def _exit_codes(text: str) -> tuple[int, ...]:
     """``--final-codes``: comma-separated exit codes in [1, 255]; '' for none."""
     try:
-        codes = tuple(int(c) for c in text.split(",")) if text.strip() else ()
-    except ValueError:
+        codes = tuple(integer(c.strip()) for c in text.split(",")) if text.strip() else ()
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"must be comma-separated exit codes, got {text!r}") from None
     if not all(0 < c < 256 for c in codes):
@@ -627,18 +627,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "'--'); 'x.py ...', '-m mod ...' and '-c code' run with this Python.",
         epilog="Example: zkvrun --nproc-per-node 2 --scheduler '-m my.scheduler' -m my.worker")
     p.add_argument("--version", action="version", version=f"zkvrun (zkv {__version__})")
-    p.add_argument("--nnodes", type=int, default=1,
+    p.add_argument("--nnodes", type=integer, default=1,
                    help="machines in the group (default 1)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=integer, default=1,
                    help="ranks (worker processes) on this machine (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0,
+    p.add_argument("--node-rank", "--node_rank", type=integer, default=0,
                    help="this machine's index; node 0 runs the scheduler (default 0)")
     p.add_argument("--master-addr", "--master_addr", type=nonempty, default="127.0.0.1",
                    help="node 0's address, where the scheduler listens (default 127.0.0.1)")
-    p.add_argument("--master-port", "--master_port", type=int, default=29511,
+    p.add_argument("--master-port", "--master_port", type=integer, default=29511,
                    help="PUB port with --nnodes > 1; PULL is port+1; exported as "
                         "MASTER_PORT (default 29511)")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+    p.add_argument("--max-restarts", "--max_restarts", type=integer, default=0,
                    help="times the whole group (scheduler and ranks) is started again after "
                         "a child fails (default 0); not after a final exit: see "
                         "--final-codes")

@@ -17,6 +17,12 @@ def nonempty(s: str) -> str:
     return s
 
 
+def integer(s: str) -> int:
+    """Any int, written plainly (``1_0`` is refused: Python's ``int()`` reads it as 10);
+    the caller checks its range."""
+    return _int(s)
+
+
 def positive_int(s: str) -> int:
     n = _int(s)
     if n <= 0:

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from zkv import __version__
+from zkv.argtypes import integer
 
 if TYPE_CHECKING:
     import argparse
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(server.key, every rank-N.key) and its own "
                                       "rank-r.key_secret.")
     keys.add_argument("dir")
-    keys.add_argument("--world-size", type=int, required=True)
+    keys.add_argument("--world-size", type=integer, required=True)  # (range: generate)
     return p
 
 

@@ -24,6 +24,11 @@ _DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "
                 "int8": 1}
 
 
+#: The most of anything a layout counts: block ids go on the wire as int32, and nothing
+#: else comes near (before, a pool count past 64 bits was an orjson TypeError traceback).
+MAX_COUNT = 2**31 - 1
+
+
 @dataclass(frozen=True, slots=True)
 class CacheLayout:
     """Geometry of one rank's KV cache.
@@ -70,6 +75,10 @@ class CacheLayout:
                               f"{self.num_kv_parts}")
         if self.num_device_blocks < 0 or self.num_host_blocks < 0:
             raise ConfigError("block counts must be >= 0")
+        for name in ("num_device_blocks", "num_host_blocks", "num_layers", "kv_heads",
+                     "block_size", "head_dim", "world_size"):  # (ids: int32 on the wire)
+            if getattr(self, name) > MAX_COUNT:
+                raise ConfigError(f"{name} must be <= 2**31 - 1, got {getattr(self, name)}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got "
                               f"{self.kv_layout!r}")
@@ -251,6 +260,25 @@ def pools_fit(need_bytes: int) -> tuple[bool, int | None]:
     available now (True where that is unknown), and the bytes available."""
     free = available_memory()
     return free is None or need_bytes <= POOL_MEMORY_SHARE * free, free
+
+
+#: What one pool block costs the scheduler's process: a free-list slot and its int, a flag.
+SCHEDULER_BYTES_PER_BLOCK = 48
+
+
+def scheduler_shortfall(layout: CacheLayout) -> str | None:
+    """None when the scheduler's bookkeeping of one rank's pools fits (:func:`pools_fit`);
+    else the start of the caller's error line. Checked even where ``--force`` passes the
+    pools' own check: past it the scheduler dies of a MemoryError, or the OOM killer."""
+    blocks = layout.num_device_blocks + layout.num_host_blocks
+    need = blocks * SCHEDULER_BYTES_PER_BLOCK
+    fits, free = pools_fit(need)
+    if fits:
+        return None
+    assert free is not None
+    return (f"the scheduler's pools of {blocks} blocks need about {need / 2**30:.1f} GiB of "
+            f"its memory (a free list and a flag per block), and {free / 2**30:.1f} GiB is "
+            "available")
 
 
 def pools_shortfall(layout: CacheLayout, *, device: bool = True) -> str | None:

@@ -39,7 +39,13 @@ from tqdm import tqdm
 
 from zkv import metrics as M
 from zkv import stopsignals, streams
-from zkv.config import CacheLayout, check_rank_env, pools_fit, pools_shortfall
+from zkv.config import (
+    CacheLayout,
+    check_rank_env,
+    pools_fit,
+    pools_shortfall,
+    scheduler_shortfall,
+)
 from zkv.errors import ConfigError, RankLost
 from zkv.log import check_level, check_log_dir
 from zkv.protocol import CHECK, FILL, H2S, S2H, Op, OpResult, as_ids
@@ -607,6 +613,10 @@ def check_args(args: argparse.Namespace) -> CacheLayout:
             raise ConfigError(f"--trace {args.trace} holds no request")
     layout = CacheLayout(args.layers, args.kv_heads, args.block_size, args.head_dim, args.dtype,
                          args.device_blocks, args.host_blocks, world_size=args.ranks)
+    short = scheduler_shortfall(layout)
+    if short:  # (--force or not: the node's MemoryError, or the OOM killer, after start)
+        raise ConfigError(f"{short}: lower --device-blocks / --host-blocks (--force does not "
+                          "pass this one)")
     if args.force:
         return layout
     if args.ranks > max_local_ranks():

@@ -44,8 +44,8 @@ import zmq
 
 from zkv import protocol as P
 from zkv import stopsignals, streams
-from zkv.argtypes import nonneg_int, positive_float, positive_int
-from zkv.config import CacheLayout, pools_shortfall
+from zkv.argtypes import integer, nonempty, nonneg_int, positive_float, positive_int
+from zkv.config import CacheLayout, pools_shortfall, scheduler_shortfall
 from zkv.errors import ConfigError, RankLost
 from zkv.exit_codes import EXIT_CONFIG
 from zkv.log import check_level, check_log_dir
@@ -493,13 +493,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "all but forged at --ranks 1)")
     p.add_argument("--check-every", type=positive_int, default=10,
                    help="steps between invariant checks (default: %(default)s)")
-    p.add_argument("--device-blocks", type=int, default=512,
+    p.add_argument("--device-blocks", type=integer, default=512,
                    help=f"device blocks per rank, >= {MIN_DEVICE_BLOCKS} (default: %(default)s)")
     p.add_argument("--host-blocks", type=nonneg_int, default=256,
                    help="host blocks per rank (default: %(default)s)")
     p.add_argument("--store-mb", type=positive_int, default=256,
                    help="L3 byte budget, all ranks together (default: %(default)s)")
-    p.add_argument("--log-dir", default=None,
+    p.add_argument("--log-dir", type=nonempty, default=None,
                    help="where the JSON logs go (default: in the soak's run directory, "
                         "removed at the end)")
     p.add_argument("--force", action="store_true",
@@ -525,6 +525,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         # sent, and a fault that only traffic shows (a killed rank) goes unseen
         p.error(f"--device-blocks must be >= {MIN_DEVICE_BLOCKS} (the longest chat prompt "
                 f"alone), got {args.device_blocks}")
+    try:
+        short = scheduler_shortfall(soak_layout(args))
+    except ConfigError as e:  # (a pool past what a block id holds)
+        p.error(f"--device-blocks / --host-blocks: {e}")
+    if short:  # (--force passes the pools' check, not this one: a MemoryError, the OOM killer)
+        p.error(f"{short}; lower --device-blocks / --host-blocks")
     if not args.force:  # as zkv replay and zkvrun bound them
         from launch.env import max_local_ranks
 

@@ -57,6 +57,11 @@ def test_a_negative_seed_is_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> No
                                 "alone), got 20"),
     (["--host-blocks", "-1"], "argument --host-blocks: must be >= 0, got -1"),
     (["--store-mb", "0"], "argument --store-mb: must be > 0, got 0"),
+    # Python's int() reads 1_0 as 10; an empty log dir (a variable unset) was taken as not
+    # given: the logs went into the run directory, removed at the end
+    (["--device-blocks", "5_12"], "argument --device-blocks: not an int: '5_12'"),
+    (["--log-dir", ""], "argument --log-dir: empty value '' (leave the option out for its "
+                        "default)"),
 ])
 def test_bad_flags_are_one_line_and_start_nothing(args: list[str], message: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,13 +88,26 @@ def test_ranks_and_pools_past_the_machine_are_refused_unless_forced(
         f"zkv soak: error: --ranks {too_many} is more than 4 per core ({max_local_ranks()} "
         "here); pass --force if you mean it")
     with pytest.raises(SystemExit) as e:
-        _parse(["--device-blocks", str(10**12)])
+        _parse(["--device-blocks", str(2 * 10**7)])
     assert e.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]
     assert re.fullmatch(r"zkv soak: error: the pools need [\d.]+ GiB \(2 ranks x "
-                        r"1000000000000\+256 blocks x \d+ KiB\) and [\d.]+ GiB is available "
+                        r"20000000\+256 blocks x \d+ KiB\) and [\d.]+ GiB is available "
                         r"\(pools may take 80% of it\); lower them or pass --force", last), last
-    assert _parse(["--ranks", str(too_many), "--device-blocks", str(10**12), "--force"]).force
+    assert _parse(["--ranks", str(too_many), "--device-blocks", str(2 * 10**7), "--force"]).force
+    # what --force does not pass: a pool past what a block id holds (was a traceback from
+    # the layout), and pools the scheduler cannot even count (its MemoryError, or the OOM
+    # killer, after the ranks started)
+    for flags, want in (
+            (["--device-blocks", str(10**12)], "zkv soak: error: --device-blocks / "
+             "--host-blocks: num_device_blocks must be <= 2**31 - 1, got 1000000000000"),
+            (["--device-blocks", str(2**31 - 1), "--host-blocks", str(2**31 - 1)],
+             "zkv soak: error: the scheduler's pools of 4294967294 blocks need about 192.0 "
+             "GiB of its memory")):
+        with pytest.raises(SystemExit) as e:
+            _parse([*flags, "--force"])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(want)
 
 
 def test_no_faults_named_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -96,6 +96,12 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
                                    "prefetch policy is wait_complete)"),
     (["--prefetch", "best_effort", "--prefetch-per-ki-token-ms", "10"],
      "--prefetch-per-ki-token-ms is read by --prefetch timeout only"),
+    # --force passes the pools' check against memory, not these: a pool count past 64 bits
+    # was an orjson TypeError traceback, one the scheduler cannot count a MemoryError one
+    (["--force", "--host-blocks", "99999999999999999999999"],
+     "num_host_blocks must be <= 2**31 - 1, got 99999999999999999999999"),
+    (["--force", "--device-blocks", "2147483647", "--host-blocks", "2147483647"],
+     "the scheduler's pools of 4294967294 blocks need about 192.0 GiB of its memory"),
     (["--host-blocks", "0"], "--host-blocks 0 leaves the L3 store unused (blocks reach it and "
                              "come back through host memory): give host blocks, or --storage "
                              "none"),

@@ -50,6 +50,15 @@ def test_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "CMD [ARGS ...]" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag", ["--nnodes", "--nproc-per-node", "--node-rank",
+                                  "--master-port", "--max-restarts", "--final-codes"])
+def test_a_number_written_with_an_underscore_is_refused(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Python's ``int()`` reads ``1_0`` as 10: ``--nproc-per-node 1_0`` started ten ranks."""
+    assert main([flag, "1_0", "-c", "pass"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"zkvrun: error: argument {flag}")
+
+
 def test_version_and_mistyped_options(capsys: pytest.CaptureFixture[str]) -> None:
     import zkv
 

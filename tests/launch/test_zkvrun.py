@@ -539,6 +539,25 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "started").exists()
 
 
+def test_a_config_that_is_no_regular_file_or_too_large_is_one_line(tmp_path: Path) -> None:
+    """A FIFO no one writes to hung the start for good; /dev/zero grew zkvrun until memory
+    ran out (a MemoryError traceback); a directory was an IsADirectoryError line."""
+    fifo = tmp_path / "layout.fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (2 << 20))
+    for path, why in ((fifo, "not a regular file (a directory, a pipe or a device)"),
+                      (Path("/dev/zero"), "not a regular file (a directory, a pipe or a "
+                                          "device)"),
+                      (tmp_path, "not a regular file"),
+                      (big, "larger than 1024 KiB: not a layout")):
+        r = run_zkvrun(tmp_path, "--config", str(path), "-c", "open('started', 'w')")
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith(f"zkvrun: error: --config {path}: {why}"), r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "started").exists()
+
+
 @pytest.mark.parametrize("value", ["64.5", "true"])
 def test_a_layout_field_of_the_wrong_type_is_refused_at_start(tmp_path: Path,
                                                               value: str) -> None:

@@ -332,6 +332,11 @@ def test_zkv_keys_command(tmp_path: Path) -> None:
                             "4"], capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and again.stderr.count("\n") == 1
     assert "already exists" in again.stderr and "Traceback" not in again.stderr
+    typo = subprocess.run([sys.executable, "-m", "zkv.cli", "keys", str(tmp_path / "k2"),
+                           "--world-size", "1_0"], capture_output=True, text=True, timeout=60)
+    assert typo.returncode == 2, typo.stderr  # (int() read it as 10: ten rank keys)
+    assert typo.stderr.splitlines()[-1].endswith("argument --world-size: not an int: '1_0'")
+    assert not (tmp_path / "k2").exists()
 
 
 FULL_DISK_KEYS = (
