@@ -1,0 +1,107 @@
+"""vLLM's own Scheduler drives zkv's connector, as a synchronous engine does, with the worker
+halves in the same child process over CPU KV tensors and a fake forward that checks every KV
+slot it reads holds the KV of its own token's prefix, on its rank, in its layer
+(``tests/integrations/driven.py``). What the unit tests of the halves take on trust is
+checked end to end here: the calls come in vLLM's order with vLLM's arguments, vLLM's block
+pool and prefix cache decide what is computed, loaded, preempted and freed, and a byte zkv
+moves to the wrong place, at the wrong time or from the wrong block is a mismatch.
+
+All runs share one child process (vLLM's import is most of its ~10 s); seeds are fixed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.integrations.child import ROOT
+from tests.integrations.driven import BS  # (it imports vLLM only in the child)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="needs vLLM's CPU build: pip install -e '.[vllm]'")
+
+CHILD_TIMEOUT_S = 180
+RUNS: list[dict[str, Any]] = [
+    {"name": "workload", "scenario": "workload", "args": {"seed": 1}},
+    {"name": "workload_aborts", "scenario": "workload", "args": {"seed": 2, "abort_p": 0.1}},
+    {"name": "workload_tp2", "scenario": "workload", "args": {"seed": 3, "tp": 2}},
+    {"name": "held", "scenario": "held", "args": {"tp": 1}},
+    {"name": "held_tp2", "scenario": "held", "args": {"tp": 2}},
+]
+NOTHING_IN_FLIGHT = {"requests": 0, "held": 0, "cache_requests": 0, "ops": 0, "batches": 0,
+                     "steps": 0, "store_retry": 0}
+
+
+@pytest.fixture(scope="module")
+def driven() -> dict[str, Any]:
+    """Every run's result (``{name: result}``), from one child process."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.driven", json.dumps({"runs": RUNS})],
+        cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _result(driven: dict[str, Any], name: str) -> dict[str, Any]:
+    res: dict[str, Any] = driven[name]
+    assert "error" not in res, res["error"]
+    return res
+
+
+def _assert_clean_end(res: dict[str, Any]) -> None:
+    """Every request ran out; vLLM got every block back; zkv has nothing in flight and its
+    pools and tree agree; no slot read held another prefix's KV; no load failed."""
+    assert res["idle"] and res["settled"], res
+    assert res["num_mismatched_slots"] == 0, res["mismatches"]
+    assert res["load_error_blocks"] == []
+    assert res["free_blocks"] == res["usable_blocks"], "vLLM blocks leaked"
+    assert res["in_flight"] == NOTHING_IN_FLIGHT
+    assert res["invariants"] == "ok"
+
+
+@pytest.mark.parametrize("name", ["workload", "workload_aborts", "workload_tp2"])
+def test_a_shared_prefix_workload_on_a_tight_cache_reads_only_its_own_kv(
+        driven: dict[str, Any], name: str) -> None:
+    """40 requests over 4 documents that share a system prompt, on 12 vLLM blocks and 24
+    host blocks per rank: vLLM evicts and preempts, zkv saves, evicts host blocks and loads
+    back into vLLM's blocks, and every slot any forward reads holds its own prefix's KV.
+    Later requests of a document got external hits (zkv's loads), and at the end nothing
+    leaked on either side."""
+    res = _result(driven, name)
+    _assert_clean_end(res)
+    c = res["counters"]
+    assert c["saved_blocks"] > 0 and c["cm_evicted_host"] > 0, c
+    assert c["loaded_blocks"] > 0 and c["zkv_host_tokens"] > 0, c
+    assert sum(n > 0 for n in res["repeat_ext"]) > 0, res["repeat_ext"]
+    assert c["failed_load_blocks"] == 0 and c["cm_failed_ops"] == 0, c
+
+
+@pytest.mark.parametrize("name", ["held", "held_tp2"])
+def test_a_finish_stopped_at_a_save_in_flight_keeps_its_blocks_until_saved(
+        driven: dict[str, Any], name: str) -> None:
+    """``first`` (3 blocks and 5 tokens) finishes while the save of its first chunk is in
+    flight (stalled on the last rank): ``request_finished`` holds its blocks, vLLM keeps
+    all 4 (``filler`` waits), and keeps them while the save of its last block, which goes
+    out once that save ran, is stalled in turn; only then does ``get_finished`` report it
+    sent and vLLM frees them. The same prompt, after vLLM's own cache was reset, loads
+    every block ``first`` computed (3) from zkv and reads its own KV in each."""
+    res = _result(driven, name)
+    assert res["finished"]["first"] is True and res["held_at_finish"] == 1, res
+    assert res["free_while_held"] == 0, "vLLM kept first's 4 blocks"
+    assert res["chunk_1_saved"] and res["let_go_after_steps"] is not None, res
+    assert not res["sent_while_stalled"], "reported sent before its last save ran"
+    assert not res["filler_ran_while_stalled"] and res["free_while_stalled"] == 0, res
+    assert res["stalled_saves"] == 2, res
+    assert "first" in res["sent"] and res["first_idle"], res
+    assert res["vllm_cache_reset"] and res["again_idle"], res
+    assert res["first"]["again"] == [3 * BS + 5, 3 * BS], res["first"]
+    assert res["again_ext"] == 3 * BS and res["counters"]["loaded_blocks"] == 3, res
+    _assert_clean_end(res)
