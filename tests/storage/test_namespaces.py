@@ -145,6 +145,45 @@ def test_a_namespace_renamed_aside_while_its_store_opens_is_made_again_and_held(
         s.close()
 
 
+def test_a_pruner_whose_mark_was_put_aside_spares_the_namespace_made_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pruner A opens an old namespace's mark; before its lock, pruner C puts that folder
+    aside and a store B makes the namespace again under the same name, holds its new mark
+    and puts a block. A's exclusive lock on the old mark (no one holds it) succeeds and
+    its mtime is old: A must not rename the folder, which is B's now. Before: it did, and
+    the second loop removed B's folder with B's blocks under B. The race is made
+    deterministic: C and B run inside A's lock call."""
+    root = tmp_path / "l3"
+    _fill(root, "old", 3, idle_days=30)
+    real = namespaces.fcntl.flock
+    stores: list[LocalDirStore] = []
+
+    def flock(fd: int, op: int) -> None:
+        if op == namespaces.fcntl.LOCK_EX | namespaces.fcntl.LOCK_NB and not stores:
+            monkeypatch.setattr(namespaces.fcntl, "flock", real)
+            assert namespaces._rename_if_unused(str(root), "old", str(root / "old"),
+                                                7 * DAY) is not None  # C
+            # B (its open removes the folder C put aside: A's rename, in the same process,
+            # is to the same name, which must be free as another process's would be)
+            b = LocalDirStore(root, "old", max_bytes=1 << 20, rank=0, keep_days=7)
+            stores.append(b)
+            b.put(_key(9), np.full(BLOCK, 9, np.uint8))
+            monkeypatch.setattr(namespaces.fcntl, "flock", flock)
+        real(fd, op)
+
+    monkeypatch.setattr(namespaces.fcntl, "flock", flock)
+    pruned = namespaces.prune(str(root), "a", 7 * DAY)  # A: a store of namespace "a" opens
+    monkeypatch.undo()
+    [b] = stores
+    try:
+        assert pruned == []
+        out = np.zeros(BLOCK, np.uint8)
+        assert b.get_many_into([_key(9)], [out]) == [True] and (out == 9).all()
+        assert (root / "old" / namespaces.MARK).is_file()
+    finally:
+        b.close()
+
+
 def test_a_namespace_pruned_before_its_store_marks_it_is_made_again_and_held(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same race one step earlier: another opener prunes the namespace (renamed aside,

@@ -92,7 +92,7 @@ from zkv.storage.base import (
     store_call,
     value_ok,
 )
-from zkv.storage.url import MOONCAKE_HEADER_MODES
+from zkv.storage.url import MOONCAKE_HEADER_MODES, authority
 
 MAX_BATCH = 256
 #: On TCP, blocks up to this size travel as one staged object (see the module docstring).
@@ -141,7 +141,7 @@ class MooncakeStore(Store):
                  buffer_bytes: int = 16 << 20, timeout_s: float = 2.0,
                  local_hostname: str | None = None, protocol: str = "tcp",
                  header: str = "auto") -> None:
-        super().__init__(namespace, f"mooncake://{host}:{port}")
+        super().__init__(namespace, f"mooncake://{authority(host, port)}")
         if header not in MOONCAKE_HEADER_MODES:
             raise ConfigError(f"mooncake header mode must be one of {MOONCAKE_HEADER_MODES}, "
                               f"got {header!r}")

@@ -130,7 +130,14 @@ def _rename_if_unused(root: str, name: str, path: str, keep_s: float) -> float |
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # a store has it open
             return None
-        idle_s = time.time() - os.fstat(fd).st_mtime
+        held = os.fstat(fd)
+        try:  # the mark locked must still be the folder's: another pruner may have put the
+            now = os.stat(os.path.join(path, MARK))  # old one aside meanwhile, and a store
+        except OSError:  # made the namespace again under the same name, holding the new
+            return None  # mark (its lock is not the one this call took)
+        if (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino):
+            return None
+        idle_s = time.time() - held.st_mtime
         if idle_s < keep_s:
             return None
         try:

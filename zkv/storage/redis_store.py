@@ -72,6 +72,7 @@ from zkv.storage.base import (
     payload_ok,
     store_call,
 )
+from zkv.storage.url import authority
 
 # KEYS: the keys of n blocks, ARGV[1] (ranks) keys a block; returns the leading blocks
 # whose keys all hold a block: a string of the stored length the first key's header gives
@@ -118,7 +119,8 @@ class RedisStore(Store):
                  password: str | None = None, username: str | None = None, tls: bool = False,
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
-        super().__init__(namespace, f"{'rediss' if tls else 'redis'}://{host}:{port}/{db}")
+        super().__init__(namespace,
+                         f"{'rediss' if tls else 'redis'}://{authority(host, port)}/{db}")
         try:
             import redis
             from redis.backoff import NoBackoff

@@ -72,6 +72,12 @@ _MIN = {"timeout_s": 0.001, "connect_timeout_s": 0.001, "query_timeout_s": 0.001
 _MAX_DB = 2**31 - 1
 
 
+def authority(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 address in brackets (else the URL a store
+    shows, in its logs and the replay summary, did not parse back)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _bad(url: str, why: str) -> ConfigError:
     return ConfigError(f"bad store URL {redact_url(url)!r}: {why}")
 
@@ -89,7 +95,10 @@ def _params(url: str, scheme: str, query: str) -> dict[str, Any]:
                 if raw not in ("0", "1", "true", "false"):
                     raise ValueError(raw)
                 out[name] = raw in ("1", "true")
-            elif kind in (int, float) and "_" in raw:  # (int(), float(): "1_0" is 10)
+            elif kind in (int, float) and ("_" in raw or not raw.isascii()
+                                           or raw != raw.strip()):
+                # (int(), float(): "1_0" is 10, "١٠" and a full-width "１０" too, and they
+                # take blanks at either end: an encoded tab, "%20%201")
                 raise ValueError(raw)
             else:
                 out[name] = kind(raw)
@@ -156,8 +165,12 @@ def _check_characters(url: str) -> None:
 def _host_port(url: str, parts: Any) -> tuple[str, int]:
     try:
         host, port = parts.hostname, parts.port
-    except ValueError as e:
-        raise _bad(url, str(e)) from None
+    except ValueError:
+        # Not Python's words, which quote the port: without an '@' a password is read as
+        # one (``redis://:PW``, ``redis://user:PW/0``), so the authority is not shown.
+        shown = url if "@" in parts.netloc else url.replace(parts.netloc, "***", 1)
+        raise _bad(shown, "the port must be a number in [1, 65535] "
+                          "([USER:PASSWORD@]HOST:PORT)") from None
     if not host or port is None:
         raise _bad(url, "needs HOST:PORT")
     if port == 0:
