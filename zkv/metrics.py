@@ -160,8 +160,8 @@ def check_writable(flag: str, path: str) -> None:
     """ConfigError unless ``path`` can be written at the end of the run: a file (or none
     yet) in an existing directory this process may write."""
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path}: is a directory")
+    if os.path.isdir(path) or path.endswith(os.sep):  # (abspath drops a trailing '/': the
+        raise ConfigError(f"{flag} {path}: is a directory")  # write failed, EISDIR, at the end)
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag} {path}: no directory {folder}")
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path)

@@ -60,6 +60,9 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DROPPED = 0, 1, 2, 4
 #: The scheduler node's status for wrong bytes: a rerun of the group that verifies clean must
 #: not turn the run into a 0 (zkvrun restarts after 1); ``main`` says 1 for it.
 EXIT_NODE_MISMATCHED = 3
+#: ... and for a metrics file it could not write at the end (a rerun writes it no better:
+#: before, a full disk ran the whole workload again per --max-restarts); 1 from ``main``.
+EXIT_NODE_UNWRITTEN = 6
 EXIT_INTERRUPTED = 128 + 2  # SIGINT, as a shell reports it
 
 
@@ -455,7 +458,7 @@ def _serve(args: argparse.Namespace) -> int:
     _print_summary(s, rp.moved, layout, rp.latencies, busy_s(rp.spans), args, store)
     if s.mismatched:  # never restarted (final_codes), reported as 1 by main
         return EXIT_NODE_MISMATCHED
-    return s.exit_code if wrote else max(s.exit_code, EXIT_FAILED)
+    return s.exit_code if wrote or s.exit_code != EXIT_OK else EXIT_NODE_UNWRITTEN
 
 
 def _final_gauges(cm: CacheManager, dp: Any, rp: Replayer | None, terminated: bool) -> None:
@@ -728,9 +731,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                            force_ranks=args.force,
                            # results a rerun cannot change: a bad flag, dropped requests,
                            # wrong bytes
-                           final_codes=(EXIT_CONFIG, EXIT_DROPPED, EXIT_NODE_MISMATCHED))
+                           final_codes=(EXIT_CONFIG, EXIT_DROPPED, EXIT_NODE_MISMATCHED,
+                                        EXIT_NODE_UNWRITTEN))
         code = run(cfg, ["-m", "zkv.worker"], sched)
-        return EXIT_FAILED if code == EXIT_NODE_MISMATCHED else code
+        return EXIT_FAILED if code in (EXIT_NODE_MISMATCHED, EXIT_NODE_UNWRITTEN) else code
     finally:
         if tmp is not None:
             security.remove_run_dir(tmp)

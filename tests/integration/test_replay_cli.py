@@ -54,6 +54,8 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     (["--metrics-file", "{tmp}/no/m.prom"], "--metrics-file {tmp}/no/m.prom: no directory "
                                              "{tmp}/no"),
     (["--metrics-file", "{tmp}"], "--metrics-file {tmp}: is a directory"),
+    # (abspath drops the '/': the check passed, the write failed at the end, EISDIR)
+    (["--metrics-file", "{tmp}/m.prom/"], "--metrics-file {tmp}/m.prom/: is a directory"),
     (["--log-dir", "{tmp}/file"], "log directory {tmp}/file: not a directory"),
     (["--log-dir", "{tmp}/file/logs/run"], "log directory {tmp}/file/logs/run: cannot make it "
                                            "({tmp}/file is not a directory)"),
@@ -464,6 +466,37 @@ def test_a_signal_during_the_cleanup_still_writes_the_metrics(tmp_path: Path) ->
     assert metrics.exists(), r.stderr
     assert "zkv:batches_total " in metrics.read_text()
     assert '"dispatcher.stopped"' in (tmp_path / "logs" / "scheduler.jsonl").read_text()
+
+
+# Installed in every process of the run (PYTHONPATH): the scheduler node removes the
+# metrics file's folder as it closes, so the file cannot be written at the end.
+METRICS_DIR_GONE = '''
+import os
+if os.environ.get("ZKV_ROLE") == "scheduler":
+    from zkv.scheduler.dispatcher import Dispatcher
+    real = Dispatcher.close
+    def close(self, *args, **kwargs):
+        os.rmdir(os.environ["T_METRICS_DIR"])
+        return real(self, *args, **kwargs)
+    Dispatcher.close = close
+'''
+
+
+def test_metrics_that_cannot_be_written_are_a_result_not_restarted(tmp_path: Path) -> None:
+    """A rerun writes the metrics no better: one line, status 1, the workload run once.
+    Before: the node's 1 was a failure to restart after, so --max-restarts 2 ran the whole
+    workload three times, failing the same way each time."""
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    env = _hooked_env(tmp_path, METRICS_DIR_GONE, T_METRICS_DIR=str(folder))
+    r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests",
+                        "4", "--log-dir", str(tmp_path / "logs"), "--max-restarts", "2",
+                        "--metrics-file", str(folder / "m.prom")],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.count("zkv replay: error: cannot write the metrics to") == 1, r.stderr
+    assert "restarting the group" not in r.stderr, r.stderr
+    assert len(re.findall(r"verified\s+\d+ reused blocks", r.stdout)) == 1, r.stdout
 
 
 # Installed in every process of the run (PYTHONPATH): the scheduler node's state check at
