@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import tempfile
 from collections.abc import Callable
 
 from zkv.argtypes import nonneg_int, positive_float, positive_int, positive_ints
@@ -79,6 +81,23 @@ def existing_file(s: str) -> str:
 
 
 def directory(s: str) -> str:
+    """A directory the bench can write in (a folder made and removed there: ``/proc`` and
+    a read-only ``/sys`` pass ``os.access`` as root, then failed with a traceback)."""
     if not os.path.isdir(s):
         raise argparse.ArgumentTypeError(f"no such directory: {s}")
+    try:
+        tempfile.TemporaryDirectory(dir=s).cleanup()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write in {s}: {e.strerror}") from None
+    return s
+
+
+def redis_memory(s: str) -> str:
+    """A redis-server ``maxmemory`` above 0 (0 is no limit: an eviction bench that never
+    evicts): an integer of bytes, or with a unit (``48mb``, ``1gb``, ``512k``)."""
+    m = re.fullmatch(r"([0-9]+)(b|k|kb|m|mb|g|gb)?", s.strip().lower())
+    if m is None or s != s.strip():
+        raise argparse.ArgumentTypeError(f"must be bytes or a size like 48mb, got {s!r}")
+    if int(m.group(1)) == 0:
+        raise argparse.ArgumentTypeError("must be > 0 (0 is no limit: nothing is evicted)")
     return s

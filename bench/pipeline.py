@@ -394,7 +394,7 @@ def main() -> int:
               if r.workload == "empty" and r.floor_us]
     if ratios:
         print(f"target empty p50 <= {TARGET_X_FLOOR}x floor: " + ", ".join(
-            f"{w} ranks {x:.2f}x {'met' if x <= TARGET_X_FLOOR else 'MISSED'}" for w, x in ratios))
+            f"{w} ranks {x:.3f}x {'met' if x <= TARGET_X_FLOOR else 'MISSED'}" for w, x in ratios))
     target = [r for r in rows if r.ranks == 4 and r.workload == "empty"]
     if target:
         p50, p99 = np.percentile(target[0].lat_us, [50, 99])

@@ -49,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _args import DEFAULT_TRACE, existing_file, positive_int  # noqa: E402
+from _args import DEFAULT_TRACE, existing_file, positive_int, redis_memory  # noqa: E402
 from _cleanup import exit_on_sigterm, scratch_dir  # noqa: E402
 
 from zkv import log as zlog  # noqa: E402
@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=positive_int, default=3000)
     p.add_argument("--pace-ms", type=nonneg_float, default=20.0, help="between requests")
     p.add_argument("--payload", type=positive_int, default=4096, help="bytes per block")
-    p.add_argument("--maxmemory", default="48mb", help="the redis server's maxmemory")
+    p.add_argument("--maxmemory", type=redis_memory, default="48mb",
+                   help="the redis server's maxmemory (> 0)")
     p.add_argument("--segment-mb", type=segment_mb, default=44,
                    help="the Mooncake holder's memory (at least 16)")
     p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS),

@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-blocks", type=positive_int, default=512)
     p.add_argument("--host-blocks", type=positive_int, default=384)
     p.add_argument("--reps", type=positive_int, default=7)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--no-oracle", action="store_true", help="skip the per-block Python loop row")
     p.add_argument("--cpu-only", action="store_true")
     p.add_argument("--gpu-only", action="store_true", help="skip the CPU table")

@@ -34,6 +34,13 @@ BAD_FLAGS = [
      "argument --redis: expected a redis:// or rediss:// URL, got a mooncake:// one"),
     ("storage.py", ["--dir", "/nonexistent"], "argument --dir: no such directory"),
     ("store_query.py", ["--reps", "0"], "argument --reps: must be > 0, got 0"),
+    # a folder it cannot write in (/proc as root passed os.access), a seed numpy refuses,
+    # a maxmemory redis refuses or that evicts nothing: tracebacks after servers started
+    ("store_query.py", ["--dir", "/proc"], "argument --dir: cannot write in /proc"),
+    ("transfer.py", ["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    ("store_eviction.py", ["--maxmemory", "foo"],
+     "argument --maxmemory: must be bytes or a size like 48mb, got 'foo'"),
+    ("store_eviction.py", ["--maxmemory", "0mb"], "argument --maxmemory: must be > 0"),
     ("store_eviction.py", ["--requests", "0"], "argument --requests: must be > 0, got 0"),
     ("store_eviction.py", ["--pace-ms", "nan"],
      "argument --pace-ms: must be a finite number >= 0, got nan"),
