@@ -236,3 +236,27 @@ def test_a_logger_made_before_a_fork_writes_the_childs_pid(tmp_path: Path) -> No
     assert os.waitstatus_to_exitcode(status) == 0
     [rec] = lines(tmp_path / "scheduler.jsonl")
     assert (rec["pid"], rec["component"]) == (pid, "scheduler")
+
+
+def test_lines_of_a_process_forked_after_configure_carry_its_pid(tmp_path: Path) -> None:
+    """configure, then a fork: the child's lines (structlog's logger on its main thread,
+    a lazy zkv logger, a new thread's) carry the child's pid. Before: configure bound the
+    parent's in contextvars and for threads, and it stayed on every child line."""
+    zlog.configure("scheduler", log_dir=str(tmp_path))
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            structlog.get_logger().info(zlog.STEP_DONE)
+            zlog.get_logger("storage").info(zlog.STEP_DONE)
+            t = threading.Thread(target=lambda: structlog.get_logger().info(zlog.STEP_DONE))
+            t.start()
+            t.join()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    zlog.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+    recs = lines(tmp_path / "scheduler.jsonl")
+    assert [r["pid"] for r in recs] == [pid] * 3, recs

@@ -153,7 +153,7 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
-#: The configured process's fields (component, pid, rank), for lines of threads that did not
+#: The configured process's fields (component, rank), for lines of threads that did not
 #: inherit the contextvars :func:`configure` bound (a store's I/O and reconnect threads).
 _PROCESS: dict[str, Any] = {}
 
@@ -165,7 +165,9 @@ def _add_process(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict
 
 
 def _add_pid(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
-    event_dict.setdefault("pid", os.getpid())  # this process's, also after a fork
+    # The writing process's, always: a pid bound before a fork (by configure, on a logger)
+    # was the parent's on every line of the child.
+    event_dict["pid"] = os.getpid()
     return event_dict
 
 
@@ -443,7 +445,7 @@ def configure(
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
-    binds: dict[str, Any] = {"component": component, "pid": os.getpid()}
+    binds: dict[str, Any] = {"component": component}  # (pid: each line's, _add_pid)
     if rank is not None:
         binds["rank"] = rank
     if dp_rank is not None:
