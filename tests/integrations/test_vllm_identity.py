@@ -80,6 +80,28 @@ def test_a_local_directory_keeps_the_identity_it_had(tmp_path: Path) -> None:
     assert ident(str(tmp_path / "gone")) == f"{tmp_path / 'gone'}@main"
 
 
+def test_a_local_directory_is_named_by_its_real_path_not_as_typed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM keeps the path as typed. A relative one names another directory in each
+    working directory: two fine-tunes with one config.json started as ``vllm serve ckpt``
+    from two run folders shared a namespace, each reading the other's KV (wrong outputs;
+    reproduced through vLLM's Scheduler on one store). One directory typed two ways
+    (``/m`` and ``/m/``, ``a/../m``, a symlink) was two namespaces."""
+    for run in ("exp1", "exp2"):
+        (tmp_path / run / "ckpt").mkdir(parents=True)
+        (tmp_path / run / "ckpt" / "config.json").write_text('{"hidden_size": 64}')
+    names = []
+    for run in ("exp1", "exp2"):
+        monkeypatch.chdir(tmp_path / run)
+        names.append(ident("ckpt"))
+    assert names[0] != names[1], names
+    assert names[0].startswith(f"{tmp_path / 'exp1' / 'ckpt'}@main#"), names
+    (tmp_path / "link").symlink_to(tmp_path / "exp1" / "ckpt")
+    typed = [str(tmp_path / "exp1" / "ckpt") + "/", str(tmp_path / "exp2" / ".." / "exp1" /
+                                                        "ckpt"), str(tmp_path / "link")]
+    assert {ident(t) for t in typed} == {names[0]}
+
+
 @pytest.mark.parametrize("extra, part", [
     ({"hf_overrides": {"rope_parameters": {"rope_type": "yarn"}}}, "|hf="),
     ({"quantization": "awq"}, "|q=awq"),

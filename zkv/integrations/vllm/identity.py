@@ -4,7 +4,7 @@ the geometry (which the layout carries).
 ::
 
     model vLLM was given          identity
-    local directory               <path>@<revision or main>#<config.json digest>
+    local directory               <its real path>@<revision or main>#<config.json digest>
     Hugging Face cache snapshot   hub:models--<org>--<name>@<commit>#<digest>
       (.../models--org--name/snapshots/<commit>: vLLM swaps a hub id for it offline)
     hub id (org/name)             hub:models--<org>--<name>@<commit>#<digest>
@@ -72,12 +72,16 @@ def model_source(model: str, revision: Any, hub_cache: str | None = None
     """(name with revision, its config.json's path or None) for the model vLLM loads;
     see the module docstring. ``revision``: vLLM's, a str or huggingface_hub's
     ``ResolvedRevision`` (a str equal to the branch asked for, ``.resolved`` the commit)."""
-    path = os.path.normpath(model) if os.path.isabs(model) or os.path.isdir(model) else model
+    # A local directory by its real path: vLLM keeps the path as typed, and a relative
+    # one names another directory in each working directory (two fine-tunes started as
+    # `vllm serve ckpt` from two run folders shared a namespace: each read the other's
+    # KV), while '/m' and '/m/' were two namespaces of one model.
+    path = os.path.realpath(model) if os.path.isabs(model) or os.path.isdir(model) else model
     snap = _SNAPSHOT.search(path)
     if snap is not None and os.path.isdir(path):
         return f"hub:{snap['repo']}@{snap['commit']}", os.path.join(path, "config.json")
     if os.path.isdir(path) or os.path.isabs(path):
-        return f"{model}@{revision or 'main'}", os.path.join(path, "config.json")
+        return f"{path}@{revision or 'main'}", os.path.join(path, "config.json")
     commit = getattr(revision, "resolved", None)
     commit = commit if isinstance(commit, str) and _COMMIT.fullmatch(commit) else None
     cfg = _cached_config(model, commit or (str(revision) if revision else None), hub_cache)
@@ -175,7 +179,8 @@ def model_identity(model_config: Any, cache_config: Any, hub_cache: str | None =
         ident += "|mc=" + hashlib.sha256(text.encode()).hexdigest()[:16]
     weights = getattr(mc, "model_weights", None)
     if weights and str(weights) != str(mc.model):  # the loader reads them there
-        ident += f"|w={weights}"
+        w = str(weights)
+        ident += f"|w={os.path.realpath(w) if os.path.exists(w) else w}"  # (as the model's)
     if getattr(mc, "quantization", None):
         ident += f"|q={mc.quantization}"
     qc = getattr(mc, "quantization_config", None)
