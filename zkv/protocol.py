@@ -318,8 +318,10 @@ def _reason_text(reason: str) -> str:
     ``MAX_REASON_CHARS``, a lone surrogate (a file name's undecodable byte, as Python
     decodes it) written as its escape. (orjson refused it: the encode raised, and a rank
     stopping with such a reason skipped the rest of its close.)"""
-    reason = reason[:MAX_REASON_CHARS]
-    return reason if reason.isascii() else reason.encode("utf-8", "backslashreplace").decode()
+    if not reason.isascii():  # escaped first, then cut (a surrogate's escape is 6 chars:
+        # cut first, the reason grew past what decode takes, and the message was refused)
+        reason = reason.encode("utf-8", "backslashreplace").decode()
+    return reason[:MAX_REASON_CHARS]
 
 
 def _cut(error: str, cap: int) -> str:

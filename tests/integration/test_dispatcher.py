@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -693,3 +694,36 @@ def test_polls_without_a_wait_check_the_deadlines_on_the_clock(
     idle_for(0.01)
     d.poll(0)  # the interval passed: checked again
     assert len(checks) == before + 1 and d.num_lost == 0
+
+
+@pytest.mark.parametrize("kw", [{"heartbeat_timeout_s": float("nan")},
+                                {"ack_timeout_s": float("nan")},
+                                {"ack_timeout_s": float("inf")},
+                                {"heartbeat_timeout_s": 0},
+                                {"send_timeout_s": -1.0},
+                                {"heartbeat_timeout_s": 2 * 86400.0}])
+def test_timeouts_that_are_no_bound_are_refused(ctx: zmq.Context[Any], eps: tuple[str, str],
+                                               kw: dict[str, float]) -> None:
+    """NaN passed every check as false: a frozen rank was never lost, its batch never
+    completed, and ``drain`` waited for good; inf made the sends' wait endless."""
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name} must be in"):
+        Dispatcher(*eps, 1, FP, context=ctx, **kw)  # type: ignore[arg-type]
+
+
+def test_an_endless_poll_and_close_wait_are_taken(group: tuple[Dispatcher, list[FakeRank]]
+                                                  ) -> None:
+    """``poll(inf)`` waits until the batch completes and ``close(timeout_s=inf)`` closes
+    (both raised OverflowError converting the wait to milliseconds)."""
+    d, ranks = group
+    seq = d.publish([_op(0)], step=0)
+    for r in ranks:
+        r.ack(r.recv_batch())
+    assert [b.seq for b in d.poll(float("inf"))] == [seq]
+    closing = threading.Thread(target=d.close, kwargs={"timeout_s": float("inf")})
+    closing.start()  # (it waits for the ranks' byes: as long as asked)
+    for r in ranks:
+        assert isinstance(r.recv(5), P.Shutdown)
+        r.send(P.Bye(r.rank, r.pid, "shutdown"))
+    closing.join(10)
+    assert not closing.is_alive() and d.closed

@@ -119,7 +119,9 @@ def test_a_replaced_process_neither_keeps_the_rank_alive_nor_loses_it(
     """The older process of a rank (replaced before the start, told to stop) may still
     send with the rank's key: neither its bye nor its subscriber going away (it stops, as
     told) may end the rank's place, nor its heartbeats stand in for the joined process's
-    (a frozen rank would never be declared lost)."""
+    (a frozen rank would never be declared lost), nor its acks, refused as they are (they
+    refreshed the rank's liveness before any check: an ack of a made-up seq every 50 ms
+    kept a frozen rank 0 alive for good)."""
     kr = Keyring.generate(1)
     d = Dispatcher(*_endpoints(transport, folder), 1, FP, context=ctx, keys=kr,
                    heartbeat_timeout_s=1.0)
@@ -142,9 +144,11 @@ def test_a_replaced_process_neither_keeps_the_rank_alive_nor_loses_it(
         seq = d.publish([P.Op(0, P.D2H, P.as_ids([1]), P.as_ids([1]))], step=0)
         b.ack(b.recv_batch())
         assert poll_until_done(d, seq)[seq].ok
-        # B goes silent; A beats on: rank 0 is lost at B's heartbeat timeout all the same
+        # B goes silent; A beats and acks on: rank 0 is lost at B's heartbeat timeout
+        # all the same
         wait_until(lambda: 0 in d.lost_ranks, timeout=5, what="rank 0 lost",
-                   step=lambda: (a.heartbeat(99), d.poll(0.05)))
+                   step=lambda: (a.heartbeat(99), a.send(P.BlocksCopied(10**9, 0, True, ())),
+                                 d.poll(0.05)))
         assert "no heartbeat" in d._lost[0]
     finally:
         d.close(shutdown=False)
@@ -202,6 +206,46 @@ def test_a_hello_flood_logs_a_bounded_few_lines(ctx: zmq.Context[Any], transport
     finally:
         d.close(shutdown=False)
         r.close()
+
+
+def test_a_storm_of_hellos_and_byes_before_the_start_logs_a_bounded_few_lines(
+        ctx: zmq.Context[Any], transport: str, folder: str) -> None:
+    """A rank's key holder says hello with a new pid each (each replaces the last), then
+    hello / bye pairs: a few ``dispatcher.rank_left`` lines and, at close, one summary
+    counting the rest. Before: a warning per message (300 hellos, 299 lines)."""
+    kr = Keyring.generate(2)
+    d = Dispatcher(*_endpoints(transport, folder), 2, FP, context=ctx, keys=kr,
+                   heartbeat_timeout_s=60)
+    r = FakeRank(ctx, d.pub_endpoint, d.pull_endpoint, 0, FP, keys=kr.for_rank(0))
+    try:
+        with capture_logs() as logs:
+            for i in range(150):
+                r.send(P.Hello(0, 5000 + i, FP))
+            for _ in range(150):
+                r.send(P.Hello(0, 7, FP))
+                r.send(P.Bye(0, 7, "bye"))
+            wait_until(lambda: d.num_received >= 450, what="the storm",
+                       step=lambda: d.poll(0.02))
+            d.close(shutdown=False)
+        left = events_named(logs, ev.RANK_LEFT)
+        assert 1 <= len(left) <= 13, len(left)
+        [summary] = [e for e in left if e.get("summary")]
+        assert summary["num_total"] == 300, summary  # 149 + 1 replaced, 150 byes
+    finally:
+        d.close(shutdown=False)
+        r.close()
+
+
+@pytest.mark.parametrize("reason", ["bye", "shutdown", "refused"])
+def test_a_reason_of_escaped_characters_is_cut_after_escaping(reason: str) -> None:
+    """Lone surrogates (a file name's undecodable bytes) grow six-fold when escaped: cut
+    first, the reason passed what decode takes, and the message was refused (a rank's
+    Bye lost its reason)."""
+    long = "\udcff" * P.MAX_REASON_CHARS
+    msg = {"bye": P.Bye(0, 1, long), "shutdown": P.Shutdown(long),
+           "refused": P.Refused(0, 1, long)}[reason]
+    out = P.decode(P.encode(msg)).reason  # type: ignore[union-attr]
+    assert len(out) == P.MAX_REASON_CHARS and out.startswith("\\udcff")
 
 
 @pytest.mark.parametrize("reason", ["bye", "shutdown", "refused"])

@@ -24,6 +24,20 @@ _MAX_ID = 2**31 - 1  # engine block ids go on the wire as int32
 H = TypeVar("H", bound=Sequence[bytes])
 
 
+#: The longest wait a timeout may name (a longer one is a typo or an unbounded wait).
+MAX_TIMEOUT_S = 86400.0
+
+
+def timeout(name: str, value: Any) -> float:
+    """Seconds: a finite number in (0, ``MAX_TIMEOUT_S``]. (NaN passed every comparison as
+    false: a frozen rank was never lost, its batch never completed.)"""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r:.40}")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name} must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {value}")
+    return float(value)
+
+
 def count(name: str, value: Any) -> int:
     """A token or block count: an ``int`` >= 0 (``bool`` is none)."""
     if type(value) is not int:

@@ -56,7 +56,7 @@ from zkv import protocol as P
 from zkv import security
 from zkv.config import CacheLayout, endpoints_from_env
 from zkv.errors import ConfigError, ProtocolError, RankLost
-from zkv.scheduler import acks
+from zkv.scheduler import acks, checks
 from zkv.scheduler.membership import TELL_S, Membership
 from zkv.zmqio import DONTWAIT, POLLIN, allow_ipv6, readable, recv_frames, send_frames, zmq_poll
 
@@ -66,9 +66,7 @@ _CHECK_INTERVAL_S = 0.005
 #: How often ``poll`` reads the XPUB's subscription messages (a rank's SUB joining or going
 #: away); it wakes for them at least this often while it waits for acks.
 _SUBS_EVERY_S = 0.01
-#: A rank whose subscriber disconnected is declared lost this long after (unless its Bye
-#: arrives first and gives the reason).
-_BYE_GRACE_S = 0.05
+_BYE_GRACE_S = 0.05  # a rank whose SUB disconnected is lost this long after (its Bye: why)
 #: Messages taken per drain before deadlines are looked at again.
 _MAX_DRAIN = 256
 #: ``_drain`` rounds to read a backlog before judging deadlines (8 ranks beating every
@@ -174,10 +172,11 @@ class Dispatcher:
         self.layout = layout if isinstance(layout, CacheLayout) else None
         self.layout_fingerprint = layout.fingerprint() if isinstance(layout, CacheLayout) \
             else layout
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.ack_timeout_s = ack_timeout_s
+        self.heartbeat_timeout_s = checks.timeout("heartbeat_timeout_s", heartbeat_timeout_s)
+        self.ack_timeout_s = checks.timeout("ack_timeout_s", ack_timeout_s)
         self.send_hwm = send_hwm
-        self.send_timeout_s = ack_timeout_s if send_timeout_s is None else send_timeout_s
+        self.send_timeout_s = checks.timeout(
+            "send_timeout_s", ack_timeout_s if send_timeout_s is None else send_timeout_s)
         self._all_mask = (1 << world_size) - 1
         self._own_context = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
@@ -350,7 +349,7 @@ class Dispatcher:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(members.missing(timeout_s))
-            self._poller.poll(max(1, min(100, int(left * 1000))))
+            self._poller.poll(max(1, int(min(left, 0.1) * 1000)))
         now = time.monotonic()
         for r in self._ranks:
             r.last_seen = now
@@ -455,8 +454,8 @@ class Dispatcher:
             # milliseconds (under one: a look, then a spin of this loop). Only the PULL:
             # each socket in a poll costs syscalls on every call, on every ack, and the
             # XPUB's messages (subscriptions) are rare, so they are read on a clock.
-            wait_ms = max(0, min(int((deadline - now) * 1000),
-                                 int((self._next_subs - now) * 1000) + 1, self._max_wait_ms))
+            wait_ms = max(0, int(min((deadline - now) * 1000,  # (a float: poll(inf) waits)
+                                     (self._next_subs - now) * 1000 + 1, self._max_wait_ms)))
             if zmq_poll(pull_only, wait_ms):
                 self._take_message()  # one, then the checks above (a completion returns)
                 taken += 1
@@ -502,7 +501,7 @@ class Dispatcher:
             if shutdown:
                 # A full queue (a rank that stopped reading) may drain within the timeout;
                 # if not, the ranks see the disconnect instead.
-                self._pub.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+                self._pub.setsockopt(zmq.SNDTIMEO, max(1, int(min(timeout_s, 3600) * 1000)))
                 try:
                     self._pub.send_multipart(P.encode(P.Shutdown("scheduler closed")),
                                              copy=False)
@@ -647,8 +646,7 @@ class Dispatcher:
         else:
             self._members.rank_of(rank, "ack")  # refused, counted and logged
             return
-        r.last_seen = time.monotonic()
-        batch = self._in_flight.get(ack.seq)
+        batch = self._in_flight.get(ack.seq)  # (last_seen: set by accepted acks only)
         if batch is None:
             if ack.seq < self._next_seq and (self._lost or rank in self._lost):
                 return  # a late ack of a batch that already failed with a lost rank
@@ -659,6 +657,7 @@ class Dispatcher:
         later = batch.acked & bit  # a follow-up: results of ops this rank left pending
         if not (later or batch.op_ids or ack.results or ack.pending):  # an idle step's
             batch.acked |= bit
+            r.last_seen = time.monotonic()
             if ack.seq > r.last_seq:
                 r.last_seq = ack.seq
             if batch.acked == self._all_mask and not batch.waiting:
@@ -680,6 +679,7 @@ class Dispatcher:
             self._refuse("malformed", seq=ack.seq, rank=rank, error=why)
             return
         batch.acked |= bit
+        r.last_seen = time.monotonic()
         r.last_seq = max(r.last_seq, ack.seq)
         left = (expected - by_id.keys()) if later else pending
         if left:
@@ -776,7 +776,7 @@ class Dispatcher:
         waiting = {r.rank for r in self._ranks if r.joined_pid is not None} - set(self._lost)
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:
-            if not self._pull.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            if not self._pull.poll(max(1, int(min(deadline - time.monotonic(), 3600) * 1000))):
                 break
             copy = not self._authenticated
             try:

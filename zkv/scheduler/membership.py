@@ -107,12 +107,15 @@ class Membership:
         self._tell = tell
         # a refused hello's line: a peer may send many (before, one error line each)
         self._refused_log = ev.RateLimited(log, ev.RANK_REFUSED, burst=10)
+        # (a hello storm with a new pid each, or hello / bye pairs: a line per message)
+        self._left_log = ev.RateLimited(log, ev.RANK_LEFT, burst=10, level="warning")
         # (rank, pid) -> reason: refused, its subscriber not seen yet (see tell_refused)
         self._untold: dict[tuple[int, int], str] = {}
 
     def flush_logs(self) -> None:
-        """Write the summary of refusal lines the rate limit held back (at close)."""
+        """Write the summary of the lines the rate limits held back (at close)."""
         self._refused_log.flush()
+        self._left_log.flush()
 
     def rank_of(self, rank: int, what: str) -> RankState | None:
         """The record of ``rank``; None (refused as ``unknown_rank``) past the world."""
@@ -216,8 +219,7 @@ class Membership:
     def _replaced(self, r: RankState, old: int, new: int) -> None:
         """(Before the start.) A new process of rank ``r`` said hello: the one it replaces
         is told to stop, once its subscriber is there if it is not yet."""
-        self._log.warning(ev.RANK_LEFT, rank=r.rank, worker_pid=old,
-                          reason=f"replaced by pid {new}")
+        self._left_log(rank=r.rank, worker_pid=old, reason=f"replaced by pid {new}")
         if r.joined_pid == old:
             r.joined_pid = None
         self._refuse_pid(r.rank, old, f"replaced by pid {new} (a newer process of rank "
@@ -226,7 +228,7 @@ class Membership:
     def forget(self, r: RankState, pid: int, reason: str) -> None:
         """Before the start: ``r`` left (a Bye, its subscriber gone); it may come back."""
         r.joined_pid = r.hello_pid = None
-        self._log.warning(ev.RANK_LEFT, rank=r.rank, worker_pid=pid, reason=reason)
+        self._left_log(rank=r.rank, worker_pid=pid, reason=reason)
 
     def _maybe_join(self, r: RankState) -> None:
         if self.started or r.hello_pid is None or r.hello_pid not in r.sub_pids:
