@@ -3,6 +3,7 @@ a setting read as another."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -56,3 +57,30 @@ def test_an_empty_log_dir_is_refused_not_taken_for_stderr(log_dir: str) -> None:
     where ``storage: ""`` is refused."""
     with pytest.raises(ConfigError, match="zkv: log_dir is empty"):
         parse_extra_config({"log_dir": log_dir}, NO_STORE)
+
+
+@pytest.mark.parametrize("extra, msg", [
+    # a NUL passed the checks, then every connector process's start was a ValueError
+    # traceback ("embedded null byte")
+    ({"log_dir": "/tmp/zkv\0logs"}, "log_dir holds a control character"),
+    ({"namespace_salt": "run\n2"}, "namespace_salt holds a control character"),
+    # other scripts' digits (\d) were sizes: "٤GiB" was 4 GiB
+    ({"host_bytes": "\u0664GiB"}, "host_bytes"),
+    # keys the configuration does not read changed nothing and said nothing
+    ({"write_through_threshold": 3}, "write_through_threshold is read by policy "
+                                     "write_through_selective only (the policy is "
+                                     "write_through)"),
+    ({"prefetch": "best_effort", "prefetch_base_ms": 10}, "prefetch_base_ms is read by "
+                                                          "prefetch timeout only"),
+    ({"inject_rank": 1}, "inject_rank is read with inject_load_failures only"),
+])
+def test_a_value_no_setting_takes_is_one_line(extra: dict[str, Any], msg: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        parse_extra_config(extra, NO_STORE)
+
+
+def test_the_keys_read_with_their_settings_still_parse() -> None:
+    cfg = parse_extra_config({"policy": "write_through_selective", "write_through_threshold": 3,
+                              "prefetch": "timeout", "prefetch_base_ms": 10,
+                              "inject_load_failures": [1], "inject_rank": 1}, NO_STORE)
+    assert (cfg.write_through_threshold, cfg.prefetch_base_ms, cfg.inject_rank) == (3, 10, 1)

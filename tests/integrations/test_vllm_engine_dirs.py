@@ -84,6 +84,17 @@ def test_engine_ids_that_differ_past_forty_characters_get_their_own_directories(
     assert engine_dir_name("a/b") == "a_b"
 
 
+def test_an_engine_id_of_multibyte_characters_is_measured_in_bytes() -> None:
+    """The socket path's limit counts bytes: a 39-character CJK id (117 bytes) was kept
+    whole and the engine refused ("set TMPDIR to a shorter directory", which cannot fix
+    it). Now a name of at most 40 bytes, cut at a whole character, unique per id."""
+    ids = ["预填充节点" * 7 + "甲" * 4, "预填充节点" * 7 + "乙" * 4]
+    names = [engine_dir_name(i) for i in ids]
+    assert len(set(names)) == 2 and all(len(n.encode()) <= 40 for n in names), names
+    assert names[0].startswith("预填充节点")
+    assert engine_dir_name("预填") == "预填"  # (6 bytes: kept)
+
+
 @pytest.mark.parametrize("engine_id", ["", ".", "..", "...", "a\0b"])
 def test_an_engine_id_never_names_the_socket_root_or_above(engine_id: str) -> None:
     name = engine_dir_name(engine_id)

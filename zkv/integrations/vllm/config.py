@@ -74,7 +74,8 @@ from zkv.security import redact_url
 from zkv.storage.url import file_url, parse_url
 
 LOG_LEVELS = tuple(LEVELS)  # (zkv.log's: debug, info, warning, error, critical)
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+# ASCII digits only: \d took other scripts' ("٤GiB" was 4 GiB)
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEFAULT_HOST_BYTES = 2 * 2**30
@@ -287,12 +288,13 @@ def parse_extra_config(extra: Mapping[str, Any] | None,
             if not kw[key].strip():  # (configure() took "" for no key: stderr, silently)
                 raise ConfigError("zkv: log_dir is empty: give a directory, or leave the key "
                                   "out for stderr")
+            _no_control(key, kw[key])  # (a NUL: every process's start a ValueError traceback)
             try:
                 check_log_dir(kw[key])
             except ConfigError as e:
                 raise ConfigError(f"zkv: log_dir: {e}") from None
         elif key == "namespace_salt":
-            kw[key] = _typed(key, value, str, "a string")
+            kw[key] = _no_control(key, _typed(key, value, str, "a string"))
         elif key == "log_level":
             kw[key] = _log_level(key, value)
         elif key == "metrics_port":
@@ -307,12 +309,35 @@ def parse_extra_config(extra: Mapping[str, Any] | None,
             kw[key] = tuple(seq)
         elif key == "inject_rank":
             kw[key] = int(_number(key, _typed(key, value, int, "an integer"), 0))
+    _read_only_with(extra, kw)
     if kw["storage"] is None:
         if kw.get("storage_write"):
             raise ConfigError("zkv: storage_write is true but storage is none: nothing to "
                               "write to")
         kw.setdefault("storage_write", False)
     return ZkvVllmConfig(**kw)
+
+
+def _no_control(key: str, value: str) -> str:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ConfigError(f"zkv: {key} holds a control character (a NUL, a newline, a tab): "
+                          f"{value!r:.60}")
+    return value
+
+
+def _read_only_with(extra: Mapping[str, Any], kw: Mapping[str, Any]) -> None:
+    """ConfigError for a key the configuration does not read (it changed nothing and said
+    nothing), as ``zkv replay`` refuses such flags."""
+    policy = kw.get("policy", WRITE_THROUGH)
+    if "write_through_threshold" in extra and policy != "write_through_selective":
+        raise ConfigError(f"zkv: write_through_threshold is read by policy "
+                          f"write_through_selective only (the policy is {policy})")
+    for key in ("prefetch_base_ms", "prefetch_per_ki_token_ms", "prefetch_max_ms"):
+        if key in extra and kw.get("prefetch", "timeout") != "timeout":
+            raise ConfigError(f"zkv: {key} is read by prefetch timeout only (the prefetch "
+                              f"policy is {kw['prefetch']})")
+    if "inject_rank" in extra and not kw.get("inject_load_failures"):
+        raise ConfigError("zkv: inject_rank is read with inject_load_failures only")
 
 
 def dp_index(vllm_config: Any) -> int:

@@ -50,13 +50,18 @@ def ipc_endpoints(engine_id: str, create: bool) -> tuple[str, str, str]:
 
 
 def engine_dir_name(engine_id: str) -> str:
-    """The socket directory's name for ``engine_id`` (unique per engine_id, <= 40 chars,
-    never ``""``, ``.`` or ``..``: those would name the user's socket root or its parent)."""
+    """The socket directory's name for ``engine_id`` (unique per engine_id, <= 40 bytes,
+    never ``""``, ``.`` or ``..``: those would name the user's socket root or its parent).
+    Bytes, as the socket path's limit counts them: a 39-character CJK id (117 bytes) was
+    kept whole, and the engine refused with advice to shorten TMPDIR."""
     name = engine_id.replace("/", "_").replace("\0", "_")
-    if len(name) <= _NAME_CHARS and name.strip("."):
+    raw = name.encode("utf-8", "surrogatepass")
+    if len(raw) <= _NAME_CHARS and name.strip("."):
         return name
-    digest = hashlib.blake2b(engine_id.encode(), digest_size=6).hexdigest()
-    return f"{name[:_NAME_CHARS - len(digest) - 1]}-{digest}"
+    digest = hashlib.blake2b(engine_id.encode("utf-8", "surrogatepass"),
+                             digest_size=6).hexdigest()
+    head = raw[:_NAME_CHARS - len(digest) - 1].decode("utf-8", "ignore")  # (whole characters)
+    return f"{head}-{digest}"
 
 
 def claim_engine_dir(path: str, engine_id: str | None = None) -> list[str]:
