@@ -236,6 +236,22 @@ def test_garbled_params_from_many_clients_are_a_few_lines_and_a_count(
     assert len(lines) == REPEAT_BURST + 1, lines
     assert lines[-1]["summary"] and lines[-1]["num_total"] == 50
 
+def test_a_promise_of_another_namespace_is_said(pair: tuple[Group, Group]) -> None:
+    """A producer of another tensor-parallel size, model identity or namespace_salt
+    promises blocks in its own namespace: the consumer computes the prompt and says why
+    (``connector.bad_transfer_params``). Before: not a line, every decode prompt computed
+    in full."""
+    from structlog.testing import capture_logs
+
+    _, consumer = pair
+    with capture_logs() as logs:
+        req = consumer.request()
+        req.kv_transfer_params = {PARAM_BLOCKS: 8, PARAM_NAMESPACE: "another-namespace"}
+        assert consumer.half.get_num_new_matched_tokens(req, 0)[0] == 0
+    [line] = [e for e in logs if e["event"] == "connector.bad_transfer_params"]
+    assert "promised in namespace 'another-namespace'" in line["error"], line
+
+
 def test_a_step_that_runs_nothing_waits_instead_of_spinning(pair: tuple[Group, Group]
                                                             ) -> None:
     """While every request waits (here on its producer), vLLM schedules empty steps back
@@ -269,7 +285,9 @@ def test_answers_and_promises() -> None:
     assert pd.answer({"do_remote_decode": True}, 0, "ns") is None  # nothing to promise
     assert pd.answer(None, 5, "ns") is pd.answer({"do_remote_prefill": True}, 5, "ns") is None
     assert pd.promised({PARAM_BLOCKS: 5, PARAM_NAMESPACE: "ns"}, "ns") == 5
-    assert pd.promised({PARAM_BLOCKS: 5, PARAM_NAMESPACE: "other"}, "ns") is None
+    with pytest.raises(ValueError, match="promised in namespace 'other', this engine's is "
+                                         "'ns'"):  # (was None, and no line: see below)
+        pd.promised({PARAM_BLOCKS: 5, PARAM_NAMESPACE: "other"}, "ns")
     assert pd.promised({"remote_block_ids": [1]}, "ns") is None
     for bad in (-1, "5", 2.0, True, None):
         with pytest.raises(ValueError, match=PARAM_BLOCKS):

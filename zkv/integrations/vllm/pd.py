@@ -43,12 +43,17 @@ def answer(params: Any, num_blocks: int, namespace: str) -> dict[str, Any] | Non
 
 def promised(params: Any, namespace: str) -> int | None:
     """Leading blocks a consumer request's kv_transfer_params promise in ``namespace``
-    (None: no promise here: none at all, another connector's, another namespace's).
-    Raises ValueError for a malformed count."""
+    (None: no promise here: none at all, another connector's). Raises ValueError for a
+    malformed count, and for a promise of another namespace, which no block here can keep
+    (the caller says so: a producer and consumer that differ in tensor-parallel size,
+    model identity or ``namespace_salt`` recomputed every prompt without a word)."""
     if not isinstance(params, dict) or PARAM_BLOCKS not in params:
         return None
-    if params.get(PARAM_NAMESPACE) != namespace:
-        return None
+    theirs = params.get(PARAM_NAMESPACE)
+    if theirs != namespace:
+        raise ValueError(f"promised in namespace {repr(theirs)[:80]}, this engine's is "
+                         f"{namespace!r} (the producer's tensor-parallel size, model or "
+                         "namespace_salt differ): computed here")
     n = params[PARAM_BLOCKS]
     if type(n) is not int or n < 0:
         raise ValueError(f"{PARAM_BLOCKS} must be an int >= 0, got {repr(n)[:64]}")
