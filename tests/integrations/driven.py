@@ -25,7 +25,8 @@ failed load is no mismatch (vLLM recomputes it); the workloads inject no failure
 tests assert none came.
 
 ``saves_stalled(rank)`` holds that rank's device-to-host copies (saves) while it lasts: a
-save in flight, for as long as the driver wants, where a real one takes a few ms.
+save in flight, for as long as the driver wants, where a real one takes a few ms; one let
+go may take ``lag_s`` more (a slow copy: a forward that did not wait for it runs first).
 """
 
 from __future__ import annotations
@@ -55,17 +56,19 @@ HEAD_SIZE = 2  # one KV head: a layer's tensor is [blocks, 1, BS, 2 * HEAD_SIZE]
 _VALUE_BITS = 20  # a slot's 4 floats are value * 4 + j: exact in float32
 STALL_MAX_S = 20.0  # a stalled save goes on after this, whatever the driver does
 IDLE_DEADLINE_S = 30.0  # run_until_idle gives up after this (a request never let go)
+LAG_S = 0.5  # chained: the stalled saves, let go just before a step, take this long more
 
 
 class StalledSaves:
-    """A copy backend whose d2h waits while :attr:`go` is clear (at most ``STALL_MAX_S``);
-    everything else is the wrapped backend's."""
+    """A copy backend whose d2h waits while :attr:`go` is clear (at most ``STALL_MAX_S``),
+    then :attr:`lag_s` more; everything else is the wrapped backend's."""
 
     def __init__(self, backend: Any) -> None:
         self._b = backend
         self.go = threading.Event()
         self.go.set()
         self.num_stalled = 0
+        self.lag_s = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._b, name)
@@ -74,7 +77,18 @@ class StalledSaves:
         if not self.go.is_set():
             self.num_stalled += 1
             self.go.wait(STALL_MAX_S)
+            time.sleep(self.lag_s)
         self._b.copy_d2h(*args, **kwargs)
+
+    def wait_stalled(self, n: int, timeout: float = 10.0) -> bool:
+        """Whether ``n`` copies came to the stall within ``timeout`` (a batch published
+        reaches its rank's thread some time later: a stall lifted before missed it)."""
+        deadline = time.monotonic() + timeout
+        while self.num_stalled < n:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 class Prefixes:
@@ -137,6 +151,7 @@ class Rig:
         self.first: dict[str, tuple[int, int]] = {}  # rid -> (prompt, computed) at 1st step
         self.ext: dict[str, int] = {}  # rid -> external tokens vLLM allocated for it
         self.finished: dict[str, bool] = {}  # rid -> request_finished's delay_free_blocks
+        self.finish_blocks: dict[str, list[int]] = {}  # rid -> its vLLM blocks at the finish
         self._watch_connector()
 
     def _build(self, host_blocks: int, max_num_seqs: int, max_num_batched_tokens: int
@@ -220,7 +235,7 @@ class Rig:
 
     def _watch_connector(self) -> None:
         """Note what the connector told vLLM: external tokens allocated, each finish's
-        ``delay_free_blocks``."""
+        ``delay_free_blocks`` (and the blocks it was asked about)."""
         conn = self.sched.connector
         after_alloc, finished = conn.update_state_after_alloc, conn.request_finished
 
@@ -232,6 +247,7 @@ class Rig:
         def request_finished(request: Any, block_ids: list[int]) -> Any:
             out = finished(request, block_ids)
             self.finished[request.request_id] = bool(out[0])
+            self.finish_blocks[request.request_id] = list(block_ids)
             return out
 
         conn.update_state_after_alloc = update_state_after_alloc
@@ -267,8 +283,9 @@ class Rig:
         finally:
             backend.go.set()
 
-    def step(self) -> Any:
-        """One engine step: schedule, bind, fake forward, output back to vLLM."""
+    def step(self, before_bind: Callable[[], Any] | None = None) -> Any:
+        """One engine step: schedule, bind, fake forward, output back to vLLM;
+        ``before_bind`` runs between the schedule and the binds."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         from zkv.integrations.vllm.connector import ZkvWorkerMetadata
@@ -276,6 +293,8 @@ class Rig:
         so = self.sched.schedule()
         self.num_steps += 1
         meta = so.kv_connector_metadata
+        if before_bind is not None:
+            before_bind()
         for w in self.workers:
             w.bind(meta)
         work = [(r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id])
@@ -392,7 +411,7 @@ class Rig:
                 "mismatches": self.mismatches, "num_mismatched_slots": self.num_mismatched_slots,
                 "load_error_blocks": sorted(self.load_error_blocks), "steps": self.num_steps,
                 "ext": self.ext, "first": self.first, "finished": self.finished,
-                "sent": self.sent,
+                "finish_blocks": self.finish_blocks, "sent": self.sent,
                 "stalled_saves": sum(w.sidecar.actor.backend.num_stalled
                                      for w in self.workers if w.sidecar is not None)}
 
@@ -466,49 +485,113 @@ def workload(seed: int, tp: int = 1, num_requests: int = 40, num_docs: int = 4,
     return out
 
 
-def held(tp: int = 1) -> dict[str, Any]:
-    """The held finish, made certain, on a vLLM cache of 4 blocks. ``first``: 3 blocks and
-    5 tokens, prefilled in two chunks of 2 blocks' worth, 1 token generated (4 blocks). The
-    second step's batch carries the save of the first chunk's 2 blocks; the last rank's
-    saves are stalled (``saves_stalled``) through that step, in which ``first`` finishes:
-    its final save (block 2) stops at that save in flight, so ``request_finished`` must
-    hold its blocks (True). ``filler`` (2 blocks) comes then and waits for blocks. The
-    stall is lifted until that save ran, then put back: the next steps save block 2 and let
-    ``first`` go (``meta.finish_after``) with that batch, stalled on the last rank, which
-    must not report it sent: vLLM would free the blocks, and ``filler`` would take
-    ``first``'s last two (vLLM frees a request's blocks tail first) and write them before
-    the stalled save read block 2. Then the stall ends, every request runs out, vLLM's own
-    cache is reset (a hit must be zkv's) and ``first``'s prompt comes again (``again``)."""
+def chained(tp: int = 1) -> dict[str, Any]:
+    """A finish past its own save in flight, made certain, on a vLLM cache of 4 blocks.
+    ``first``: 3 blocks and 5 tokens, prefilled in two chunks of 2 blocks' worth, 1 token
+    generated (4 blocks). The second step's batch carries the save of the first chunk's 2
+    blocks; the last rank's saves are stalled (``saves_stalled``) through that step, in
+    which ``first`` finishes: its final save (block 2) goes out at once, chained under that
+    save (its own), so ``request_finished`` keeps nothing (False) and vLLM frees the 4
+    blocks. ``filler`` (2 blocks) comes then, and the stall is let go before the next step
+    (its forward waits for the stalled saves: it would wait out ``STALL_MAX_S``), with
+    ``lag_s`` (``LAG_S``) more: in that step ``filler`` takes ``first``'s last two
+    blocks (vLLM frees a request's blocks tail first) and writes them, so a forward that did
+    not wait (the fence) for the chained save to read block 2 would store ``filler``'s KV
+    under ``first``'s hash. Every request runs out, vLLM's own cache is reset (a hit must be
+    zkv's) and ``first``'s prompt comes again (``again``). Then ``second`` (a prompt of its
+    own) finishes the same way, and vLLM's cache reset with zkv's (``reset_connector``)
+    right after must succeed (it failed while zkv kept a finished request's blocks)."""
     rng = random.Random(7)
     doc = _tokens(rng, 3 * BS + 5)
     out: dict[str, Any] = {}
     with rig(tp=tp, num_blocks=5, host_blocks=32, max_num_batched_tokens=2 * BS) as r:
-        stalled = r.workers[tp - 1].sidecar
+        last = r.workers[tp - 1]
         r.add("first", doc, 1)
         r.step()  # chunk 1: blocks 0-1
         with r.saves_stalled(tp - 1) as backend:
             r.step()  # chunk 2 and the finish; this step's batch: chunk 1's save, stalled
-            out["held_at_finish"] = r.half.in_flight()["held"]
+            out["save_stalled"] = backend.wait_stalled(1)
+            out["at_finish"] = r.half.in_flight()
+            out["free_at_finish"] = r.free_blocks()
             r.add("filler", _tokens(rng, 2 * BS), 20)
-            r.step()
-            out["free_while_held"] = r.free_blocks()
-            backend.go.set()  # chunk 1's save runs
-            out["chunk_1_saved"] = stalled.wait_acked(r.half.dp.next_seq - 1, 10.0) is not None
-            backend.go.clear()
-            let_go = None
-            for i in range(200):  # until a step's metadata lets it go (its last save's seq)
-                meta = r.step().kv_connector_metadata
-                if any(rid == "first" for rid, _ in meta.finish_after):
-                    let_go = i
-                    break
-            out["let_go_after_steps"] = let_go
-            for _ in range(3):
-                r.step()
-            out["sent_while_stalled"] = "first" in r.sent
-            out["filler_ran_while_stalled"] = "filler" in r.first
-            out["free_while_stalled"] = r.free_blocks()
+            backend.lag_s, waited = LAG_S, last.wait_s["bind"]
+            backend.go.set()
+            r.step()  # filler's first: fenced until the saves that read first's blocks ran
+            out["fence_wait_s"] = last.wait_s["bind"] - waited
+            out["filler_blocks"] = list(r.sched.kv_cache_manager.get_block_ids("filler")[0])
+            backend.lag_s = 0.0
         out["first_idle"] = r.run_until_idle()
         out["first_settled"] = r.half.wait_idle(10.0)
+        out["vllm_cache_reset"] = bool(r.sched.reset_prefix_cache())
+        r.add("again", doc, 1)
+        out["again_idle"] = r.run_until_idle()
+        r.add("second", _tokens(rng, 3 * BS + 5), 1)
+        r.step()
+        with r.saves_stalled(tp - 1) as backend:
+            r.step()  # second finishes, its first chunk's save stalled
+            out["second_stalled"] = backend.wait_stalled(2)
+            out["second_in_flight"] = r.half.in_flight()["batches"]
+            out["reset_after_finish"] = bool(r.sched.reset_prefix_cache(reset_connector=True))
+        out["second_idle"] = r.run_until_idle()
+        out.update(r.end_state())
+    out["again_ext"] = out["ext"].get("again", 0)
+    return out
+
+
+def held_by_another(tp: int = 1) -> dict[str, Any]:
+    """A finish held for another request's save in flight of its next block, made
+    certain, on a vLLM cache of 5 blocks. ``other`` (2 blocks and 5 tokens) and ``held``
+    (those 2 blocks, a third and 5 tokens) come together, 1 token each: vLLM schedules
+    both in the first step, ``held`` with ``other``'s first 2 blocks as its own prefix hit
+    (vLLM caches a block once allocated: they are computed in that very step), and both
+    finish in it. ``other``'s final save (blocks 0-1) is taken first, stalled on the last
+    rank; ``held``'s stops at it, so ``request_finished`` must keep its 4 blocks (True):
+    nothing would save its block 2 once it is gone. ``filler`` (2 blocks) comes and waits
+    for blocks. The next step is scheduled while ``other``'s save is stalled (it must not
+    let ``held`` go), and the stall is let go before its forward, which waits for that save
+    (``other``'s fence: it would wait out ``STALL_MAX_S``); then the stall is put
+    back. The next steps save ``held``'s block 2 and let it go (``meta.finish_after``) with
+    that batch, stalled on the last rank, which must not report it sent (vLLM would free
+    its blocks, and ``filler`` write them). Then the stall ends, every request runs out,
+    vLLM's own cache is reset (a hit must be zkv's) and ``held``'s prompt comes again
+    (``again``)."""
+    rng = random.Random(11)
+    doc = _tokens(rng, 3 * BS + 5)
+    out: dict[str, Any] = {}
+    with rig(tp=tp, num_blocks=6, host_blocks=32, max_num_batched_tokens=4 * BS) as r:
+        stalled = r.workers[tp - 1].sidecar
+        r.add("other", doc[: 2 * BS + 5], 1)
+        r.add("held", doc, 1)
+        with r.saves_stalled(tp - 1) as backend:
+            so = r.step()  # both computed and finished; other's save (blocks 0-1) stalled
+            out["save_stalled"] = backend.wait_stalled(1)
+            out["scheduled"] = dict(so.num_scheduled_tokens)
+            out["other_seq"] = other_seq = r.half.dp.next_seq - 1
+            out["held_at_finish"] = r.half.in_flight()["held"]
+            out["free_at_finish"] = r.free_blocks()
+            r.add("filler", _tokens(rng, 2 * BS), 4)
+            # scheduled with other's save stalled; then it runs: the forward waits for it
+            so = r.step(before_bind=backend.go.set)
+            out["let_go_while_other_in_flight"] = so.kv_connector_metadata.finish_after
+            out["other_saved"] = stalled.wait_acked(other_seq, 10.0) is not None
+            backend.go.clear()  # (held's own save, yet to go out, stalls)
+            out["free_while_held"] = r.free_blocks()
+            out["let_go_seq"] = None
+            for i in range(200):  # until a step's metadata lets it go (its last save's seq)
+                if not r.half.in_flight()["held"]:
+                    break  # (not held at all: a failure the test reports)
+                seqs = [seq for rid, seq in r.step().kv_connector_metadata.finish_after
+                        if rid == "held"]
+                if seqs:
+                    out["let_go_seq"], out["let_go_after_steps"] = seqs[0], i
+                    break
+            for _ in range(3):
+                r.step()
+            out["sent_while_stalled"] = "held" in r.sent
+            out["filler_ran_while_stalled"] = "filler" in r.first
+            out["free_while_stalled"] = r.free_blocks()
+        out["held_idle"] = r.run_until_idle()
+        out["held_settled"] = r.half.wait_idle(10.0)
         out["vllm_cache_reset"] = bool(r.sched.reset_prefix_cache())
         r.add("again", doc, 1)
         out["again_idle"] = r.run_until_idle()
@@ -517,7 +600,8 @@ def held(tp: int = 1) -> dict[str, Any]:
     return out
 
 
-SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {"workload": workload, "held": held}
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    "workload": workload, "chained": chained, "held_by_another": held_by_another}
 
 
 def main(argv: list[str]) -> None:

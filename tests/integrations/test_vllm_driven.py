@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.integrations.child import ROOT
-from tests.integrations.driven import BS  # (it imports vLLM only in the child)
+from tests.integrations.driven import BS, LAG_S  # (it imports vLLM only in the child)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs vLLM's CPU build: pip install -e '.[vllm]'")
@@ -31,8 +31,10 @@ RUNS: list[dict[str, Any]] = [
     {"name": "workload", "scenario": "workload", "args": {"seed": 1}},
     {"name": "workload_aborts", "scenario": "workload", "args": {"seed": 2, "abort_p": 0.1}},
     {"name": "workload_tp2", "scenario": "workload", "args": {"seed": 3, "tp": 2}},
-    {"name": "held", "scenario": "held", "args": {"tp": 1}},
-    {"name": "held_tp2", "scenario": "held", "args": {"tp": 2}},
+    {"name": "chained", "scenario": "chained", "args": {"tp": 1}},
+    {"name": "chained_tp2", "scenario": "chained", "args": {"tp": 2}},
+    {"name": "held_by_another", "scenario": "held_by_another", "args": {"tp": 1}},
+    {"name": "held_by_another_tp2", "scenario": "held_by_another", "args": {"tp": 2}},
 ]
 NOTHING_IN_FLIGHT = {"requests": 0, "held": 0, "cache_requests": 0, "ops": 0, "batches": 0,
                      "steps": 0, "store_retry": 0}
@@ -84,23 +86,59 @@ def test_a_shared_prefix_workload_on_a_tight_cache_reads_only_its_own_kv(
     assert c["failed_load_blocks"] == 0 and c["cm_failed_ops"] == 0, c
 
 
-@pytest.mark.parametrize("name", ["held", "held_tp2"])
-def test_a_finish_stopped_at_a_save_in_flight_keeps_its_blocks_until_saved(
+@pytest.mark.parametrize("name", ["chained", "chained_tp2"])
+def test_a_finish_past_its_own_save_in_flight_chains_the_rest_and_keeps_no_block(
         driven: dict[str, Any], name: str) -> None:
     """``first`` (3 blocks and 5 tokens) finishes while the save of its first chunk is in
-    flight (stalled on the last rank): ``request_finished`` holds its blocks, vLLM keeps
-    all 4 (``filler`` waits), and keeps them while the save of its last block, which goes
-    out once that save ran, is stalled in turn; only then does ``get_finished`` report it
-    sent and vLLM frees them. The same prompt, after vLLM's own cache was reset, loads
-    every block ``first`` computed (3) from zkv and reads its own KV in each."""
+    flight (stalled on the last rank): the save of its last block goes out at once, chained
+    under that one, so ``request_finished`` keeps nothing (False) and vLLM frees all 4
+    blocks. In the next step ``filler`` takes two of them, ``first``'s block 2 among them,
+    and writes them: its forward waited (the fence) until the stalled save and the chained
+    one had read them, so the same prompt, after vLLM's own cache was reset, loads all 3
+    blocks ``first`` computed from zkv and reads its own KV in each. And vLLM's cache reset
+    with zkv's right after such a finish (``second``) succeeds: it failed while zkv kept a
+    finished request's blocks."""
     res = _result(driven, name)
-    assert res["finished"]["first"] is True and res["held_at_finish"] == 1, res
-    assert res["free_while_held"] == 0, "vLLM kept first's 4 blocks"
-    assert res["chunk_1_saved"] and res["let_go_after_steps"] is not None, res
-    assert not res["sent_while_stalled"], "reported sent before its last save ran"
-    assert not res["filler_ran_while_stalled"] and res["free_while_stalled"] == 0, res
-    assert res["stalled_saves"] == 2, res
-    assert "first" in res["sent"] and res["first_idle"], res
+    assert res["save_stalled"] and res["stalled_saves"] == 2, res
+    assert res["finished"]["first"] is False and res["at_finish"]["held"] == 0, res
+    assert res["at_finish"]["batches"] == 2, "chunk 1's save and the chained one in flight"
+    assert res["free_at_finish"] == 4, "vLLM freed first's 4 blocks"
+    assert res["finish_blocks"]["first"][2] in res["filler_blocks"], res
+    assert res["fence_wait_s"] >= LAG_S / 2, "filler's forward did not wait for the saves"
+    assert res["first_idle"] and res["first_settled"], res
+    assert res["vllm_cache_reset"] and res["again_idle"], res
+    assert res["first"]["again"] == [3 * BS + 5, 3 * BS], res["first"]
+    assert res["again_ext"] == 3 * BS and res["counters"]["loaded_blocks"] == 3, res
+    assert res["second_stalled"] and res["finished"]["second"] is False, res
+    assert res["second_in_flight"] == 2 and res["reset_after_finish"], res
+    assert res["second_idle"] and res["sent"] == {}, "no finish was held"
+    _assert_clean_end(res)
+
+
+@pytest.mark.parametrize("name", ["held_by_another", "held_by_another_tp2"])
+def test_a_finish_stopped_at_another_requests_save_keeps_its_blocks_until_saved(
+        driven: dict[str, Any], name: str) -> None:
+    """``other`` (2 blocks and 5 tokens) and ``held`` (those 2 blocks, a third and 5
+    tokens) run and finish in one step, ``held`` on ``other``'s 2 blocks (vLLM's own prefix
+    hit on blocks computed in that very step); ``other``'s save of them is taken first,
+    stalled on the last rank, and ``held``'s final save stops at it: ``request_finished``
+    holds its 4 blocks (True; ``filler`` waits for them). It is not let go while that save
+    is in flight; once that one committed, its block 2 is saved in a later batch, and
+    ``get_finished`` reports it sent only once that batch ran (stalled in turn: vLLM keeps
+    the blocks meanwhile). The same prompt, after vLLM's own cache was reset, loads all 3
+    blocks ``held`` computed from zkv and reads its own KV in each."""
+    res = _result(driven, name)
+    assert res["save_stalled"] and res["stalled_saves"] == 2, res
+    assert res["scheduled"] == {"other": 2 * BS + 5, "held": BS + 5}, res
+    assert res["first"]["held"] == [3 * BS + 5, 2 * BS], "held's prefix hit on other's"
+    assert res["finished"]["other"] is False and res["finished"]["held"] is True, res
+    assert res["held_at_finish"] == 1 and res["free_at_finish"] == 1, "vLLM kept held's 4"
+    assert res["let_go_while_other_in_flight"] == [], "let go before other's save ran"
+    assert res["other_saved"] and res["free_while_held"] == 1, res
+    assert res["let_go_seq"] is not None and res["let_go_seq"] > res["other_seq"], res
+    assert not res["sent_while_stalled"], "reported sent before its own save ran"
+    assert not res["filler_ran_while_stalled"] and res["free_while_stalled"] == 1, res
+    assert "held" in res["sent"] and res["held_idle"] and res["held_settled"], res
     assert res["vllm_cache_reset"] and res["again_idle"], res
     assert res["first"]["again"] == [3 * BS + 5, 3 * BS], res["first"]
     assert res["again_ext"] == 3 * BS and res["counters"]["loaded_blocks"] == 3, res

@@ -86,9 +86,12 @@ def test_two_requests_of_one_prefix_finishing_in_one_step_save_all_they_computed
     assert half.in_flight()["held"] == 0 and half.in_flight()["cache_requests"] == 0
 
 
-def test_a_chunked_request_saves_its_last_chunk(group: Group) -> None:
+def test_a_chunked_request_saves_its_last_chunk_chained_not_held(group: Group) -> None:
     """Chunked prefill: the first chunk's save goes out with the second step's batch, and
-    the request finishes in that step: its final save stops at its own first chunk."""
+    the request finishes in that step while that save is in flight: its final save goes
+    on past it (chained: the workers run it after), vLLM frees the blocks at once, and
+    the next step's forward is fenced until that save ran. (Before: held, so that vLLM
+    kept the blocks for steps more, and a cache reset in between failed.)"""
     half = group.half
     req = _prompt(group, "c", [*DOC, 7])
     assert group.ask_until_matched(req)[0] == 0
@@ -101,9 +104,11 @@ def test_a_chunked_request_saves_its_last_chunk(group: Group) -> None:
         half.build_connector_meta(group.output(
             cached=[(req, None, 4 * BS, req.num_tokens - 4 * BS)]))  # that save's batch
         _done(req)
-        assert half.request_finished(req)[0] is True
-    half.update_connector_output(())
-    _steps_until_let_go(group, "c")
+        assert half.request_finished(req)[0] is False
+        assert half.in_flight()["held"] == 0
+        last = half.dp.next_seq - 1  # the batch of the chained save
+        half.update_connector_output(())
+        assert half.build_connector_meta(group.empty_step()).fence == last
     assert half.wait_idle(10.0)
     assert half.snapshot()["saved_blocks"] == 8
 

@@ -292,6 +292,70 @@ def test_a_second_save_waits_for_the_first() -> None:
     cm.check_invariants()
 
 
+def _chained(cm: CacheManager) -> tuple[list[Any], list[Any]]:
+    """r1 saves blocks 0-1 (taken: in flight), then its final save of 2-3 chains under
+    them; r1 finishes (the engine frees its blocks). (first op, chained op)."""
+    a = H(1, 2, 3, 4)
+    cm.match_prefix("r1", a)
+    assert cm.cache_computed("r1", 8, device_ids=[0, 1, 2, 3]) == 2
+    first = cm.take_ops()
+    assert cm.cache_computed("r1", 16, device_ids=[0, 1, 2, 3], chain=True) == 2
+    assert not cm.save_waits("r1", chain=True)
+    chained = cm.take_ops()
+    assert [(o.src.tolist(), o.dst.tolist()) for o in chained] == [([2, 3], [2, 3])]
+    cm.finish("r1")
+    cm.check_invariants()
+    return first, chained
+
+
+@pytest.mark.parametrize("order", ["in_order", "chained_first"])
+def test_a_final_save_chains_past_its_own_save_in_flight(order: str) -> None:
+    """Both acked (in the workers' order, or the chained one first): all four blocks are
+    matchable. Before: the final save stopped at its own save in flight, and vLLM had to
+    keep the request's blocks until a later step saved the rest (a cache reset in
+    between failed)."""
+    cm = make(8)
+    first, chained = _chained(cm)
+    for ops in ([first, chained] if order == "in_order" else [chained, first]):
+        ack(cm, ops)
+    m = cm.match_prefix("r2", H(1, 2, 3, 4))
+    assert (m.num_host, cm.host.num_used) == (4, 4)
+    cm.finish("r2")
+    cm.check_invariants()
+
+
+@pytest.mark.parametrize("order", ["in_order", "chained_first"])
+def test_a_failed_save_drops_the_save_chained_under_it(order: str) -> None:
+    """The first save fails: the chained one's blocks go with it, whether its op is still
+    in flight (freed when it acks) or acked already; nothing is matchable, no host block
+    leaks. (Before chaining, a failed save's node could have no child.)"""
+    cm = make(8)
+    first, chained = _chained(cm)
+    if order == "in_order":
+        ack(cm, first, {0: 0})
+        assert cm.host.num_used == 2  # the chained op's blocks: freed when it acks
+        ack(cm, chained)
+    else:
+        ack(cm, chained)
+        ack(cm, first, {0: 1})  # block 0 saved, block 1 failed: 1-3 go
+        assert cm.match_prefix("r2", H(1, 2, 3, 4)).num_host == 1
+        cm.finish("r2")
+    assert cm.host.num_used == (0 if order == "in_order" else 1)
+    assert cm.match_prefix("r3", H(1, 2, 3, 4)).num_host == (0 if order == "in_order" else 1)
+    cm.finish("r3")
+    cm.check_invariants()
+
+
+def test_a_save_without_chain_still_waits_for_its_own_in_flight() -> None:
+    """A running request's per-step saves do not chain (one in flight per request)."""
+    cm = make(8)
+    cm.match_prefix("r1", H(1, 2, 3, 4))
+    assert cm.cache_computed("r1", 8, device_ids=[0, 1, 2, 3]) == 2
+    cm.take_ops()
+    assert cm.cache_computed("r1", 16, device_ids=[0, 1, 2, 3]) == 0
+    assert cm.save_waits("r1")
+
+
 def test_shared_prefix_saved_once_and_another_save_stops_at_a_block_in_flight() -> None:
     cm = make(8)
     a, b = H(1, 2, 3), H(1, 2, 9)

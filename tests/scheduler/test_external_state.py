@@ -141,7 +141,17 @@ class ExternalMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
     def finish(self, data):
+        """Maybe a final save first, chained past the request's own save in flight (as
+        vLLM's scheduler half does), its ops taken or left for a later step."""
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        hashes, devs = self.reqs[rid]
+        if data.draw(st.booleans()) and self.cm.request(rid).loading is None and all(
+                self.engine.get(d) == h for h, d in zip(hashes, devs)):
+            k = data.draw(st.integers(0, len(hashes)))
+            self.cm.cache_computed(rid, k * BS, device_ids=devs, chain=True)
+            self.cm.check_invariants()
+            if data.draw(st.booleans()):
+                self._run_ops(data)
         del self.reqs[rid]
         self.cm.finish(rid)
         self.cm.check_invariants()

@@ -10,6 +10,7 @@ roll back. ``ledger.outcomes`` hands out the op's nodes split at that boundary::
     h2s     host copy ──ok──► in_store, not negative   fail ──► unstored (written again)
     load    (external L1) host → engine blocks; fail ──► the engine recomputes them
     save    (external L1) SWAP_TO_HOST ──ok──► HOST      fail ──► removed, request path cut
+                                                          (and a save chained under it)
 
 Functions over a ``Core``; O(nodes of the op) plus O(blocks) in C.
 """
@@ -270,7 +271,10 @@ def _commit_save(core: Core, p: PendingOp, done: int) -> None:
     for n in reversed(failed):  # deepest first: each is a leaf when it is dropped
         if settle(core, n):
             continue
-        assert n.ref == 0 and not n.children, f"failed save of {n} is still in use"
+        if n.children:  # a save chained under it (a finished request's last one, still
+            drop_subtree(core, n)  # in flight or done): its blocks follow these
+            continue
+        assert n.ref == 0, f"failed save of {n} is still in use"
         core.tree.detach(n)
         free_node_blocks(core, n)
         core.stats.dropped += len(n.hashes)

@@ -8,6 +8,8 @@ L2 / L3 behind it, with no device pool of its own (``num_device_blocks=0``)::
                  └─► drop_prefetch (the engine goes on without it, e.g. best_effort):
                      the s2h still lands, unheld, for later requests
     cache_computed(device_ids=...) ─► new SWAP_TO_HOST node ─► save op (backup) ─► HOST
+        └─ chain (a finishing request's last save): under its own save in flight, a
+           SWAP_TO_HOST child of a SWAP_TO_HOST node; dropped with it if that one fails
     finish ─► refs dropped (the engine frees its own blocks)
 
 Functions over a ``Core``; O(nodes touched) Python steps, per-block work in C.
@@ -28,7 +30,7 @@ from zkv.scheduler.tiers import take_host_blocks
 
 def cache_computed(core: Core, st: RequestState, num_tokens: int,
                    block_hashes: Sequence[bytes] | None,
-                   device_ids: Sequence[int] | None) -> int:
+                   device_ids: Sequence[int] | None, chain: bool = False) -> int:
     """See ``CacheManager.cache_computed``."""
     if device_ids is None and st.external:
         raise ValueError(f"request {st.req_id!r} is external: pass device_ids")
@@ -47,7 +49,7 @@ def cache_computed(core: Core, st: RequestState, num_tokens: int,
     full = min(num_tokens // core.config.block_size, len(st.hashes))
     if device_ids is not None:
         go_external(core, st)
-        return _save_external(core, st, min(full, len(device_ids)), device_ids)
+        return _save_external(core, st, min(full, len(device_ids)), device_ids, chain)
     full = min(full, len(st.table))
     if st.valid_blocks is not None:  # (as finish: a block past a failed swap-in the
         full = min(full, st.valid_blocks)  # engine was not told of is not the prefix's)
@@ -68,12 +70,17 @@ def cache_computed(core: Core, st: RequestState, num_tokens: int,
     return full - start
 
 
-def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence[int]) -> int:
+def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence[int],
+                   chain: bool = False) -> int:
     start = st.num_held
     tree = core.tree
     parent = st.tail or tree.root
-    if full <= start or parent.status not in (HOST, DEVICE) or st.loading is not None:
-        return 0  # an earlier save (or a load from L3) of this request is in flight
+    if full <= start or st.loading is not None:
+        return 0  # (a load from L3 of this request is in flight: it brings the next blocks)
+    if parent.status not in (HOST, DEVICE) and not (chain and parent.status is SWAP_TO_HOST):
+        return 0  # an earlier save of this request is in flight: on after it commits
+    # (chained: a SWAP_TO_HOST tail is this request's own save, never another's: a request
+    # holds only HOST or DEVICE nodes of others)
     index, hashes, now = tree.index, st.hashes, core.clock
     i = start
     while i < full:
@@ -104,14 +111,14 @@ def _save_external(core: Core, st: RequestState, full: int, device_ids: Sequence
     return i - start
 
 
-def save_waits(core: Core, st: RequestState) -> bool:
+def save_waits(core: Core, st: RequestState, chain: bool = False) -> bool:
     """See ``CacheManager.save_waits``: ``_save_external`` stopped at a save in flight (the
     request's own last one, or another's of its next block), which acks within a batch and
     lets it go on. Not at a load from L3 (the request's prefetch, another's): that brings
     the blocks itself, and takes a store read."""
     if st.loading is not None:
         return False
-    if (st.tail or core.tree.root).status is SWAP_TO_HOST:
+    if not chain and (st.tail or core.tree.root).status is SWAP_TO_HOST:
         return True
     m = core.tree.index.get(st.hashes[st.num_held]) if st.num_held < len(st.hashes) else None
     return m is not None and m.status is SWAP_TO_HOST

@@ -172,7 +172,7 @@ class CacheManager:
 
     def cache_computed(self, req_id: str, num_tokens: int, *,
                        block_hashes: Sequence[bytes] | None = None,
-                       device_ids: Sequence[int] | None = None) -> int:
+                       device_ids: Sequence[int] | None = None, chain: bool = False) -> int:
         """Make the request's first ``num_tokens // block_size`` blocks matchable now, while
         it still runs (not only at ``finish``). Returns how many blocks were added.
 
@@ -187,10 +187,15 @@ class CacheManager:
         host block can be freed. ``block_hashes`` may extend the hashes; hashes that differ
         past the held prefix from a storage load in flight let that load go
         (``drop_prefetch``): what it brings is another prefix's.
+
+        ``chain`` (external L1, a request that finishes: the engine frees its blocks and
+        nothing would save the rest later): the save goes on past the request's own save
+        in flight instead of waiting for it. The workers run it after that one (batches
+        run in order); if that one fails, this one's blocks go with it.
         """
         return external.cache_computed(self.core, self._req(req_id),
                                        checks.count("num_tokens", num_tokens),
-                                       block_hashes, device_ids)
+                                       block_hashes, device_ids, chain)
 
     # ================================================================ external L1
 
@@ -234,11 +239,13 @@ class CacheManager:
         """Leading blocks of the request that zkv holds for it (matched, saved or in flight)."""
         return self._req(req_id).num_held
 
-    def save_waits(self, req_id: str) -> bool:
+    def save_waits(self, req_id: str, chain: bool = False) -> bool:
         """External-L1 mode: whether the request's next save waits for a save in flight on
         its path (its own earlier one, or another request's of its next block), rather
-        than run now, wait for a load from L3 or stop for good (no host block to take)."""
-        return external.save_waits(self.core, self._req(req_id))
+        than run now, wait for a load from L3 or stop for good (no host block to take).
+        ``chain``: for a save with ``cache_computed(chain=True)``, which goes on past its
+        own save in flight: only another request's counts."""
+        return external.save_waits(self.core, self._req(req_id), chain)
 
     # ================================================================ finish
 

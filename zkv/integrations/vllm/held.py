@@ -1,9 +1,12 @@
 """Finished requests whose blocks vLLM keeps for zkv until their last save ran.
 
-A request's final save stops at a block whose save is still in flight: its own
-previous chunk's (a chunk's save goes out with the next step's batch, and the request may
-finish in that step), or another request's of the same prefix that finished in the same
-step. What follows that block cannot be saved before that op settles, and vLLM frees a
+A request's final save stops at a block whose save is still in flight: another request's
+of the same prefix that finished in the same step. (Its own previous chunk's save in
+flight does not stop it: the final save chains past it, ``cache_computed(chain=True)``;
+the workers run batches in order, and the chained blocks go with that save if it fails.
+Before, that case was held too, the most common one: vLLM kept the blocks a step or two,
+and a cache reset then failed, as vLLM's does with any finished request still holding
+blocks.) What follows that block cannot be saved before that op settles, and vLLM frees a
 finished request's blocks at once unless the connector says otherwise. So such a request
 answers ``request_finished`` with ``delay_free_blocks=True``; every later step saves on
 from where it stopped, and once nothing on its path is in flight (or the rest is saved,

@@ -413,7 +413,7 @@ class SchedulerHalf:
         """A held request's save still waits for a save in flight on its path."""
         rid = r.request.request_id
         return (not self.disabled and self.cm.num_held_blocks(rid) < self._savable(r)
-                and self.cm.save_waits(rid))
+                and self.cm.save_waits(rid, chain=True))
 
     def _preempted(self, rid: str) -> None:
         """vLLM freed the request's blocks: its save planned for this step is dropped (the
@@ -563,7 +563,7 @@ class SchedulerHalf:
         if (held < self._savable(r) and self.store is not None and self.cfg.storage_write
                 and pd.asked(getattr(request, "kv_transfer_params", None))):
             held = self._finish_producer_save(r)
-        if held < self._savable(r) and self.cm.save_waits(rid):
+        if held < self._savable(r) and self.cm.save_waits(rid, chain=True):
             self._held.hold(r)  # vLLM keeps its blocks: saved on at the next steps
             return held, True
         self.cm.finish(rid)
@@ -620,7 +620,8 @@ class SchedulerHalf:
             upto = min(upto, k * self.bs)
         rid = r.request.request_id
         try:  # a save planned goes with the next batch that takes ops (see _publish)
-            self.cm.cache_computed(rid, upto, block_hashes=r.hashes, device_ids=r.block_ids)
+            self.cm.cache_computed(rid, upto, block_hashes=r.hashes, device_ids=r.block_ids,
+                                   chain=final)  # (final: on past its own save in flight)
         except ValueError as e:  # hashes of a resumed request diverged: stop saving it
             self.log.error(E.SAVE_REFUSED, req_id=rid, error=str(e))
 
