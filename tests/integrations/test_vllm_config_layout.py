@@ -144,6 +144,11 @@ def test_host_pools_that_do_not_fit_the_machine_are_refused_at_start() -> None:
                                           r"may take 80% of it\); lower host_bytes or "
                                           r"host_blocks$"):
         check_host_memory(layout(2, share))
+    # two data-parallel engines of one rank each share the machine as two ranks do (each
+    # engine checked its own ranks alone: both started, then ran it out of memory)
+    check_host_memory(layout(1, share), engines=1)
+    with pytest.raises(ConfigError, match=r"\(2 ranks x \d+ blocks x 32 KiB\)"):
+        check_host_memory(layout(1, share), engines=2)
 
 
 def test_cpu_attention_layout_views_alias_vllms_tensor() -> None:

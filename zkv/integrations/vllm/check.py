@@ -13,7 +13,8 @@ bad ``kv_role``, a misspelled ``kv_connector_extra_config``: importing it takes 
 the extra config alone, 0.3 s): one line and status 2 for a bad value, else one line of
 what the engine will use, status 0. It opens no store (a ``file://`` store would make its
 folder). The pools are checked against memory per ``--ranks`` (vLLM's tensor-parallel
-size: one pool a model worker); what needs the model is left to the engine's start: how
+size times its data-parallel engines on the machine: one pool a model worker); what needs
+the model is left to the engine's start: how
 many blocks a pool or a ``file://`` budget holds.
 """
 
@@ -121,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
                                                 "kv_connector_extra_config alone")
     p.add_argument("--ranks", type=positive_int, default=1, metavar="N",
                    help="model workers on this machine, each with a pool (vLLM's "
-                        "--tensor-parallel-size; default 1)")
+                        "--tensor-parallel-size x its local data-parallel engines; "
+                        "default 1)")
     return p
 
 

@@ -58,6 +58,7 @@ process that started them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -384,11 +385,14 @@ def failure_policy_advice(policy: str, async_scheduling: bool) -> str | None:
     return None
 
 
-def check_host_memory(layout: CacheLayout) -> None:
+def check_host_memory(layout: CacheLayout, engines: int = 1) -> None:
     """Refuse host pools that do not fit this machine: every rank's pool (the ranks share
-    the machine: zkv's sockets are ipc://) within ``POOL_MEMORY_SHARE`` of the memory
-    available. A pool past that would be allocated lazily and run the machine out of
-    memory while serving, not at start."""
-    short = pools_shortfall(layout, device=False)
+    the machine: zkv's sockets are ipc://), of each of the ``engines`` data-parallel
+    engines on it, within ``POOL_MEMORY_SHARE`` of the memory available. A pool past that
+    would be allocated lazily and run the machine out of memory while serving, not at
+    start. (vLLM starts local DP engines at once: each one checked only its own ranks,
+    before the others allocated theirs.)"""
+    short = pools_shortfall(dataclasses.replace(layout, world_size=layout.world_size * engines),
+                            device=False)
     if short:
         raise ConfigError(f"zkv: {short}; lower host_bytes or host_blocks")

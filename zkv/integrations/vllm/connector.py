@@ -133,6 +133,13 @@ def geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Geometr
                     spec.head_size, dtype_name(spec.dtype), kv_cache_config.num_blocks)
 
 
+def local_engines(vllm_config: VllmConfig) -> int:
+    """vLLM's data-parallel engines on this machine (1 without data parallelism): their
+    ranks' host pools share its memory."""
+    n = getattr(vllm_config.parallel_config, "data_parallel_size_local", 1)
+    return n if isinstance(n, int) and n > 0 else 1
+
+
 def world_size(vllm_config: VllmConfig) -> int:
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size != 1:
@@ -305,7 +312,7 @@ class ZkvConnector(KVConnectorBase_V1):
             raise ConfigError(f"zkv: vLLM's KV tensors are {kind}, but vLLM resolved the "
                               f"layout {resolved}")
         layout = self._layout(kind)
-        check_host_memory(layout)  # before this rank's pool is allocated
+        check_host_memory(layout, local_engines(self._vllm_config))  # before the pool
         pub, pull, _ = ipc_endpoints(self.engine_id, create=True)
         store = self._store = open_l3(self.cfg.storage, layout, self.rank)
         gate = self.cfg.gate
