@@ -793,7 +793,8 @@ def test_a_zkv_worker_rank_with_a_bad_configuration_is_not_restarted(tmp_path: P
     ({"ZKV_STORE_URL": "bogus://x"}, "ZKV_STORE_URL: bad store URL 'bogus://x': unknown "
                                      "scheme 'bogus' (one of file, redis, rediss, mooncake)"),
     ({"ZKV_STORE_URL": "redis://:sec ret@h:99999/0"},
-     "ZKV_STORE_URL: bad store URL 'redis://***@h:99999/0': Port out of range 0-65535"),
+     "ZKV_STORE_URL: bad store URL 'redis://***@h:99999/0': the port must be a number in "
+     "[1, 65535] ([USER:PASSWORD@]HOST:PORT)"),
     ({"ZKV_STORE_URL": "file:///tmp/l3?max_bytes=100"},
      "ZKV_STORE_URL: bad store URL 'file:///tmp/l3?max_bytes=100': a budget of 50 bytes per "
      "writer (2 writers) holds no block of 8256 bytes; give a larger max_gb"),
