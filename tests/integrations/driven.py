@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from tests.waiting import holds_within, idle_for
+
 BS = 16  # tokens per block
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEAD_SIZE = 2  # one KV head: a layer's tensor is [blocks, 1, BS, 2 * HEAD_SIZE] (vLLM's CPU
@@ -77,18 +79,13 @@ class StalledSaves:
         if not self.go.is_set():
             self.num_stalled += 1
             self.go.wait(STALL_MAX_S)
-            time.sleep(self.lag_s)
+            idle_for(self.lag_s)  # (a copy that takes this long: the time is the point)
         self._b.copy_d2h(*args, **kwargs)
 
     def wait_stalled(self, n: int, timeout: float = 10.0) -> bool:
         """Whether ``n`` copies came to the stall within ``timeout`` (a batch published
         reaches its rank's thread some time later: a stall lifted before missed it)."""
-        deadline = time.monotonic() + timeout
-        while self.num_stalled < n:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
-        return True
+        return holds_within(lambda: self.num_stalled >= n, timeout, interval=0.001)
 
 
 class Prefixes:
