@@ -468,6 +468,38 @@ def test_a_signal_during_the_cleanup_still_writes_the_metrics(tmp_path: Path) ->
     assert '"dispatcher.stopped"' in (tmp_path / "logs" / "scheduler.jsonl").read_text()
 
 
+# Installed in every process of the run (PYTHONPATH): the scheduler node takes a SIGTERM
+# while its dispatcher handles the first ack (inside its "a message must never take the
+# scheduler down" guard).
+SIGTERM_IN_AN_ACK = '''
+import os, signal
+if os.environ.get("ZKV_ROLE") == "scheduler":
+    from zkv.scheduler.dispatcher import Dispatcher
+    real = Dispatcher._on_message
+    def on_message(self, *args, fired=[]):
+        if not fired and self.num_received > 1:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *args)
+    Dispatcher._on_message = on_message
+'''
+
+
+def test_a_signal_that_lands_while_an_ack_is_handled_stops_the_node(tmp_path: Path) -> None:
+    """The node's SIGTERM (zkvrun's teardown, a closed terminal's SIGHUP) raised inside the
+    dispatcher's handling of a message: the node stops as signalled (143). Before, that
+    guard's ``except Exception`` took the signal for a malformed message and the node
+    served on: the whole workload ran and the status was 0 (under zkvrun's teardown the
+    ranks, signalled half a grace period later, said bye and the run failed for a lost
+    rank, a CI flake of the hangup test)."""
+    env = _hooked_env(tmp_path, SIGTERM_IN_AN_ACK)
+    r = subprocess.run([sys.executable, "-m", "zkv.cli", "replay", "--no-progress", "--requests",
+                        "300", "--log-dir", str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert "zkv replay: stopped (SIGTERM)" in r.stderr.splitlines(), r.stdout + r.stderr
+    assert r.returncode == 128 + 15, r.stdout + r.stderr
+
+
 # Installed in every process of the run (PYTHONPATH): the scheduler node removes the
 # metrics file's folder as it closes, so the file cannot be written at the end.
 METRICS_DIR_GONE = '''
