@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -325,6 +326,13 @@ def _hangups_not_ignored() -> None:
 def _signal_a_serving_replay(tmp_path: Path, sig: int, *flags: str) -> tuple[int, str, str]:
     """``zkv replay`` in a session of its own, ``sig`` sent to its process group (as a
     terminal does) once the node published a batch: (status, stdout, stderr)."""
+    return _act_on_a_serving_replay(tmp_path, lambda proc: os.killpg(proc.pid, sig), *flags)
+
+
+def _act_on_a_serving_replay(tmp_path: Path, act: Callable[[subprocess.Popen[str]], object],
+                             *flags: str) -> tuple[int, str, str]:
+    """``zkv replay`` (logs in ``tmp_path/logs``) in a session of its own; ``act(proc)``
+    once the node published a batch, then its end: (status, stdout, stderr)."""
     import signal
 
     from tests.waiting import wait_exited, wait_until
@@ -342,7 +350,7 @@ def _signal_a_serving_replay(tmp_path: Path, sig: int, *flags: str) -> tuple[int
             return sched_log.exists() and "dispatcher.batch_published" in sched_log.read_text()
 
         wait_until(serving, 120, "the replay's first batch")
-        os.killpg(proc.pid, sig)
+        act(proc)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -623,32 +631,18 @@ def test_a_killed_rank_is_counted_lost_in_the_metrics_file(tmp_path: Path) -> No
     that close had forgotten."""
     import signal
 
-    from tests.waiting import wait_exited, wait_until
-
     logs, metrics = tmp_path / "logs", tmp_path / "m.prom"
-    proc = subprocess.Popen([sys.executable, "-m", "zkv.cli", "replay", "--no-progress",
-                             "--ranks", "2", "--requests", "100000", "--store-dir", "none",
-                             "--log-dir", str(logs), "--metrics-file", str(metrics)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        sched_log, launcher_log = logs / "scheduler.jsonl", logs / "launcher.jsonl"
 
-        def serving() -> bool:
-            assert proc.poll() is None
-            return sched_log.exists() and "dispatcher.batch_published" in sched_log.read_text()
-
-        wait_until(serving, 120, "the replay's first batch")
-        [pid] = [e["child_pid"] for e in map(orjson.loads, launcher_log.read_text().splitlines())
+    def kill_rank_1(_proc: subprocess.Popen[str]) -> None:
+        launcher = (logs / "launcher.jsonl").read_text().splitlines()
+        [pid] = [e["child_pid"] for e in map(orjson.loads, launcher)
                  if e["event"] == zlog.RANK_STARTED and e["rank"] == 1]
         os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    wait_exited([proc.pid], 10, "zkv replay")
-    assert proc.returncode == 1, out + err
+
+    code, out, err = _act_on_a_serving_replay(
+        tmp_path, kill_rank_1, "--ranks", "2", "--store-dir", "none", "--metrics-file",
+        str(metrics))
+    assert code == 1, out + err
     text = metrics.read_text()
     assert _metric(text, "zkv:lost_ranks_total") == 1, text
     assert _metric(text, "zkv:inflight_batches") == 0, text

@@ -168,6 +168,22 @@ def test_mooncake_keeps_its_client_when_a_call_outlives_the_wait(
     assert len(errors) == 1 and "not connected" in str(errors[0]), errors
 
 
+def _hold_reconnect_attempts(link: Any, monkeypatch: pytest.MonkeyPatch
+                             ) -> tuple[threading.Event, threading.Event]:
+    """Make ``link``'s reconnect attempts hang until the test sets ``gate`` (past any
+    close's wait); ``entered`` is set once one began. (gate, entered)."""
+    gate, entered = threading.Event(), threading.Event()
+    inner = link._connect
+
+    def held_attempt() -> None:
+        entered.set()
+        assert gate.wait(10)
+        inner()
+
+    monkeypatch.setattr(link, "_connect", held_attempt)
+    return gate, entered
+
+
 def test_mooncake_keeps_its_client_when_a_reconnect_attempt_outlives_the_wait(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reconnect thread's attempt uses the native client too (it is no store call):
@@ -180,15 +196,7 @@ def test_mooncake_keeps_its_client_when_a_reconnect_attempt_outlives_the_wait(
         link = store.link
         assert link is not None
         monkeypatch.setattr(MooncakeStore, "close_wait_s", property(lambda self: 0.05))
-        gate, entered = threading.Event(), threading.Event()
-        inner = link._connect  # type: ignore[attr-defined]
-
-        def held_attempt() -> None:  # an attempt that hangs past the close's wait
-            entered.set()
-            assert gate.wait(10)
-            inner()
-
-        monkeypatch.setattr(link, "_connect", held_attempt)
+        gate, entered = _hold_reconnect_attempts(link, monkeypatch)
         mc.pause_master()
         try:
             with pytest.raises(StorageError):
@@ -267,15 +275,7 @@ def test_redis_close_with_a_reconnect_attempt_running_waits_once_and_leaves_no_c
         link = store.link
         assert link is not None
         monkeypatch.setattr(type(store), "close_wait_s", property(lambda self: 0.05))
-        gate, entered = threading.Event(), threading.Event()
-        inner = link._connect  # type: ignore[attr-defined]
-
-        def held_attempt() -> None:  # an attempt that hangs past the close's wait
-            entered.set()
-            assert gate.wait(10)
-            inner()
-
-        monkeypatch.setattr(link, "_connect", held_attempt)
+        gate, entered = _hold_reconnect_attempts(link, monkeypatch)
         srv.pause()
         try:
             with pytest.raises(StorageError):
