@@ -18,6 +18,9 @@ Timed step per request (thread CPU time; the machine is shared): hash the list, 
 config is replayed ``--repeat`` times, the configs of one workload and capacity taking
 turns (so a change in the shared machine's load falls on all alike); the median is printed.
 
+The scheduler's core runs compiled (mypyc, built at install from its typed source) unless
+``ZKV_PURE_PYTHON=1``; the header says which ran.
+
 Configs: device-only and device + host 4x under write_back (wb), write_through (wt) and
 write_through_selective (wts), and wb with L3 writes (wb+L3: every block that reaches host
 is also written to storage). chat at 20,000 device blocks; trace at 1,000 and 10,000.
@@ -64,7 +67,7 @@ from _sched_baseline import (  # noqa: E402
 
 from zkv import log as zlog  # noqa: E402
 from zkv.protocol import OpResult  # noqa: E402
-from zkv.scheduler import hashing  # noqa: E402
+from zkv.scheduler import hashing, native_core  # noqa: E402
 from zkv.scheduler.eviction import POLICIES  # noqa: E402
 from zkv.scheduler.manager import CacheConfig, CacheManager  # noqa: E402
 
@@ -290,8 +293,10 @@ def main() -> int:
     t_start = time.perf_counter()
     workloads = [make_chat(400 if args.quick else CHAT_REQUESTS),
                  make_trace(args.trace, 800 if args.quick else None)]
+    why_not = native_core()
     print(f"zkv scheduler_ops bench  (python {sys.version.split()[0]}, {os.cpu_count()} cpus,"
-          f" median of {repeat}, native hashing {'on' if hashing.NATIVE else 'OFF'})")
+          f" median of {repeat}, native hashing {'on' if hashing.NATIVE else 'OFF'},"
+          f" compiled core {'on' if why_not is None else 'OFF: ' + why_not})")
     bad: list[str] = []
     for w in workloads:
         w.hashes = [w.hash_fn(r) for r in w.requests]

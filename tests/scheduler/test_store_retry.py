@@ -4,13 +4,10 @@ host tier let go meanwhile. Exact ops, a fake clock, invariants after every step
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from tests.scheduler.test_manager import BS, H, ack, fail, finish, run, shape, take
 from zkv.protocol import D2H, H2S, Op
-from zkv.scheduler import tiers
 from zkv.scheduler.manager import CacheConfig, CacheManager
 from zkv.scheduler.radix import DEVICE, HOST
 
@@ -23,17 +20,21 @@ class Clock:
         return self.now
 
 
+_CLOCK = Clock()
+
+
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
-    monkeypatch.setattr(tiers, "time", types.SimpleNamespace(monotonic=c.monotonic))
-    return c
+def clock() -> Clock:
+    """The clock of every cache manager ``make`` builds (the cores' ``monotonic``)."""
+    _CLOCK.now = 1000.0
+    return _CLOCK
 
 
 def make(num_device: int, num_host: int, retry_s: float = 1.0, max_s: float = 10.0
          ) -> CacheManager:
     cm = CacheManager(CacheConfig(num_device, num_host, BS, "write_back", storage_write=True,
                                   store_retry_s=retry_s, store_retry_max_s=max_s))
+    cm.core.monotonic = _CLOCK.monotonic
     cm.check_invariants()
     return cm
 
@@ -239,6 +240,7 @@ class Query:
 def test_a_write_that_succeeds_tells_the_storage_query(clock: Clock) -> None:
     q = Query()
     cm = CacheManager(CacheConfig(1, 4, BS, "write_back", storage_write=True), storage_exists=q)
+    cm.core.monotonic = clock.monotonic
     push(cm, "r1", H(1))
     (h2s,) = push(cm, "r2", H(2))
     fail(cm, h2s)
@@ -301,6 +303,7 @@ def test_a_device_nodes_backup_is_written_again_while_on_device(clock: Clock) ->
     meanwhile. Before: it waited until the device let it go, so the blocks in use kept
     out of L3 (and off other engines) for as long as they stayed hot."""
     cm = CacheManager(CacheConfig(2, 8, BS, "write_through", storage_write=True))
+    cm.core.monotonic = _CLOCK.monotonic
     a = H(1, 2)
     assert run(cm, "r1", a) is not None
     assert take(cm) == []
@@ -342,6 +345,7 @@ def test_the_tail_a_partial_eviction_cuts_off_a_waiting_node_is_written(clock: C
     """A device node whose backup's write failed loses its last blocks to the device's
     eviction: they went to a new node the retry list did not hold, never written."""
     cm = CacheManager(CacheConfig(4, 16, BS, "write_through", storage_write=True))
+    cm.core.monotonic = _CLOCK.monotonic
     a = H(1, 2, 3, 4)
     assert run(cm, "r1", a) is not None and take(cm) == []
     finish(cm, "r1")
@@ -412,6 +416,7 @@ def test_a_failed_write_of_blocks_dropped_meanwhile_is_no_success(clock: Clock) 
     """The store refused a retry whose blocks were dropped while it ran: committed as a
     success, it cleared ``store_writes_failing`` and reset the backoff."""
     cm = CacheManager(CacheConfig(4, 2, BS, "write_back", storage_write=True))
+    cm.core.monotonic = _CLOCK.monotonic
     a = H(1, 2, 3, 4)
     assert run(cm, "r1", a) is not None and take(cm) == []
     finish(cm, "r1")

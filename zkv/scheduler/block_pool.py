@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import repeat
+from typing import cast
 
 _INT = {int}
 
@@ -80,16 +81,20 @@ class BlockPool:
     def free(self, ids: Iterable[int]) -> None:
         """Return ids to the pool. All-or-nothing: a foreign or already-free id raises
         ``ValueError`` before any id is freed."""
-        ids = list(ids)
-        if not ids:
+        given: list[object] = list(ids)  # (anything: the compiled core checks before use)
+        if not given:
             return
         used = self._used
         n = len(used)
         # Checked in C (map over the ids); the loop below only names the bad id.
-        if (not set(map(type, ids)) <= _INT or min(ids) < 0 or max(ids) >= n
-                or not all(map(used.__getitem__, ids))):
+        if not set(map(type, given)) <= _INT:
+            for x in given:
+                if type(x) is not int:
+                    raise ValueError(f"{self.name} pool: block id {x!r} is not in [0, {n})")
+        ids = cast("list[int]", given)
+        if min(ids) < 0 or max(ids) >= n or not all(map(used.__getitem__, ids)):
             for b in ids:
-                if type(b) is not int or not 0 <= b < n:
+                if not 0 <= b < n:
                     raise ValueError(f"{self.name} pool: block id {b!r} is not in [0, {n})")
                 if not used[b]:
                     raise ValueError(f"{self.name} pool: block {b} is already free (double free)")

@@ -17,14 +17,14 @@ Functions over a ``Core``; O(nodes of the op) plus O(blocks) in C.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, OpResult
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import outcomes
 from zkv.scheduler.radix import DELETING, DEVICE, HOST, Node
-from zkv.scheduler.records import LOAD, SAVE, PendingOp, RequestState
+from zkv.scheduler.records import LOAD, SAVE
+from zkv.scheduler.running import PendingOp, RequestState
 from zkv.scheduler.tiers import (
     drop_subtree,
     free_node_blocks,
@@ -193,7 +193,7 @@ def _commit_s2h(core: Core, p: PendingOp, done: int) -> None:
             n.ref -= 1
         st.loading = None  # type: ignore[union-attr]
         st.num_storage = 0  # type: ignore[union-attr]
-    now = time.monotonic()
+    now = core.monotonic()
     for n in failed:
         core.negative.add(n.hashes, now, core.config.negative_cache_s)
     for n in reversed(failed):  # deepest first; a failed node's children failed too

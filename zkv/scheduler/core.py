@@ -10,7 +10,8 @@
       └─ invariants.py whole-state check (tests)
     all over one Core:
       pools (block_pool.py) · tree + per-tier evictable sets (radix.py) · policies
-      (eviction.py) · ledger of ops (ledger.py) · running requests · stats
+      (eviction.py) · ledger of ops (ledger.py) · running requests, ops and stats
+      (running.py); configuration and results for engines (records.py)
 
 Arrows point down only: the modules above import ``core`` and the parts, never the
 manager or each other in a circle (``tiers`` is the one they share).
@@ -18,8 +19,9 @@ manager or each other in a circle (``tiers`` is the one they share).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import indexOf
 
@@ -28,7 +30,8 @@ from zkv.scheduler.block_pool import BlockPool
 from zkv.scheduler.eviction import EvictionPolicy, make_policy
 from zkv.scheduler.ledger import Ledger
 from zkv.scheduler.radix import Node, RadixTree
-from zkv.scheduler.records import CacheConfig, CacheStats, RequestState, StorageExists
+from zkv.scheduler.records import CacheConfig, StorageExists
+from zkv.scheduler.running import CacheStats, RequestState
 
 
 class NegativeCache:
@@ -95,6 +98,8 @@ class Core:
     doubles once per round with a failure: ``store_round_failed``; ``store_failing``: a
     write failed since the last one that fully succeeded); ``negative``
     hashes storage failed to deliver, until they expire; ``clock`` one tick per match;
+    ``monotonic`` the seconds that store retries and negative entries count (a test's
+    own clock replaces it);
     ``op_failed_logs`` the warning for failed ops, one rate limit per op kind (a store that
     is down fails s2h / h2s every step, a broken copy path d2h / h2d: one cause's lines do
     not hide another's); see :meth:`op_failed_log`."""
@@ -116,6 +121,7 @@ class Core:
     store_failing: bool = False
     negative: NegativeCache = field(default_factory=NegativeCache)
     clock: int = 0
+    monotonic: Callable[[], float] = time.monotonic
     op_failed_logs: dict[str, ev.RateLimited] = field(default_factory=dict)
 
     def op_failed_log(self, kind: str) -> ev.RateLimited:

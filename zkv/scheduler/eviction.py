@@ -40,6 +40,8 @@ from collections import OrderedDict
 from itertools import takewhile
 from typing import TYPE_CHECKING
 
+from mypy_extensions import mypyc_attr
+
 if TYPE_CHECKING:
     from zkv.scheduler.radix import Node
 
@@ -48,6 +50,7 @@ SLRU_NAME = "slru"
 POLICIES = (LRU_NAME, SLRU_NAME)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a policy of one's own plugs in
 class EvictionPolicy(ABC):
     """Order of one tier's evictable nodes. Every method is O(1) (amortized for SLRU's
     demotions and ghost trims).
@@ -65,6 +68,16 @@ class EvictionPolicy(ABC):
         self.capacity = capacity
         self.probes = 0
         self.num_blocks = 0
+        # The compiled core reads these from the instance, not through the class: a
+        # subclass's own (class-level) values are copied in. A subclass keeps ``probes``
+        # and ``num_blocks`` as the plain attributes they are (not properties).
+        cls = type(self)
+        name: object = getattr(cls, "name", None)  # (a compiled class: its descriptor)
+        if isinstance(name, str):
+            self.name = name
+        remembers: object = getattr(cls, "remembers", None)
+        if isinstance(remembers, bool):
+            self.remembers = remembers
 
     @abstractmethod
     def push(self, n: Node) -> None:

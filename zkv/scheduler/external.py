@@ -23,8 +23,9 @@ from zkv.scheduler import checks
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import Ledger
 from zkv.scheduler.radix import DEVICE, HOST, SWAP_TO_HOST
-from zkv.scheduler.records import LOAD, SAVE, RequestState
+from zkv.scheduler.records import LOAD, SAVE
 from zkv.scheduler.requests import count_hits, hold, unref
+from zkv.scheduler.running import RequestState
 from zkv.scheduler.tiers import take_host_blocks
 
 

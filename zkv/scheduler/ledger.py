@@ -18,7 +18,8 @@ import numpy as np
 
 from zkv.protocol import BACKUP, D2H, H2D, H2S, S2H, Op
 from zkv.scheduler.radix import DELETING, Node, RadixTree
-from zkv.scheduler.records import LOAD, SAVE, WIRE_KIND, PendingOp, RequestState
+from zkv.scheduler.records import LOAD, SAVE, WIRE_KIND
+from zkv.scheduler.running import PendingOp, RequestState
 
 _KIND_ORDER = {D2H: 0, BACKUP: 1, SAVE: 1, H2D: 2, LOAD: 2, S2H: 3, H2S: 4}
 KINDS = frozenset(_KIND_ORDER)  # the scheduler's op kinds (take_ops' ``keep`` names some)

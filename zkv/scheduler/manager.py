@@ -44,11 +44,10 @@ from zkv.scheduler.records import (  # re-exported: the manager's public surface
     WRITE_THROUGH,
     WRITE_THROUGH_SELECTIVE,
     CacheConfig,
-    CacheStats,
     Match,
-    RequestState,
     StorageExists,
 )
+from zkv.scheduler.running import CacheStats, RequestState
 from zkv.scheduler.tiers import free_node_blocks, retry_due, retry_stores
 
 _log = ev.get_logger("scheduler")

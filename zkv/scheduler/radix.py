@@ -183,8 +183,7 @@ class RadixTree:
         counts that see ``n`` as its only child."""
         hs = n.hashes
         assert 0 < c < len(hs), f"split of {n} at {c}"
-        h = Node.__new__(Node)
-        h.hashes = hs[:c]
+        h = Node(hs[:c], None, n.status)  # (its fields are n's: set below)
         n.hashes = hs[c:]
         if n.dev is not None:
             h.dev = n.dev[:c]
@@ -236,8 +235,7 @@ class RadixTree:
         hs = n.hashes
         c = len(hs) - k
         assert 0 < c and n.ref == 0 and n.busy == 0, f"tail split of {n} at {c}"
-        t = Node.__new__(Node)
-        t.hashes = hs[c:]
+        t = Node(hs[c:], None, n.status)  # (its fields are n's: set below)
         n.hashes = hs[:c]
         if n.dev is not None:
             t.dev = n.dev[c:]

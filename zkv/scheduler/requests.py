@@ -13,7 +13,6 @@ A request holds whole nodes: a match that ends inside a node splits it first.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from zkv.protocol import H2D, S2H
@@ -27,7 +26,8 @@ from zkv.scheduler.radix import (
     Node,
     RadixTree,
 )
-from zkv.scheduler.records import Match, RequestState
+from zkv.scheduler.records import Match
+from zkv.scheduler.running import RequestState
 from zkv.scheduler.tiers import backup, evict_device, take_host_blocks
 
 
@@ -140,7 +140,7 @@ def match_prefix(core: Core, req_id: str, block_hashes: Sequence[bytes]) -> Matc
 
 def storage_lookup(core: Core, rest: list[bytes]) -> int:
     if core.negative:
-        rest = core.negative.prefix(rest, time.monotonic())
+        rest = core.negative.prefix(rest, core.monotonic())
     if not rest:
         return 0
     n = int(core.storage_exists(rest))  # type: ignore[misc]

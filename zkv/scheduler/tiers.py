@@ -27,8 +27,6 @@ that is down (or full) must not keep it out of L3 once it is back, so the node w
 
 from __future__ import annotations
 
-import time
-
 from zkv.protocol import BACKUP, D2H, H2S
 from zkv.scheduler.core import Core
 from zkv.scheduler.ledger import Ledger
@@ -236,7 +234,7 @@ def store_failed(core: Core, nodes: list[Node]) -> None:
             unstored[n] = None
     if not core.store_round_failed:
         core.store_round_failed = True
-        core.store_retry_at = time.monotonic() + core.store_backoff_s
+        core.store_retry_at = core.monotonic() + core.store_backoff_s
         core.store_backoff_s = min(core.config.store_retry_max_s, 2 * core.store_backoff_s)
 
 
@@ -249,7 +247,7 @@ def store_succeeded(core: Core) -> None:
 
 
 def retry_due(core: Core) -> bool:
-    return bool(core.unstored) and time.monotonic() >= core.store_retry_at
+    return bool(core.unstored) and core.monotonic() >= core.store_retry_at
 
 
 def retry_stores(core: Core) -> int:
@@ -294,6 +292,6 @@ def retry_stores(core: Core) -> int:
             n = n.parent  # type: ignore[assignment]  # (not None: the loop's test)
     core.stats.store_retried += queued
     # not before the backoff again, unless an ack brings it forward (busy nodes wait)
-    core.store_retry_at = time.monotonic() + core.store_backoff_s
+    core.store_retry_at = core.monotonic() + core.store_backoff_s
     return queued
 
