@@ -58,6 +58,24 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     assert on_disk == 3 + 1  # and the namespace's mark (zkv/storage/namespaces.py)
 
 
+def test_a_block_put_again_replaces_its_file_and_evicts_nothing(tmp_path: Path) -> None:
+    """The scheduler writes a block again after an h2s that failed part-way, or a chain
+    recomputed past an evicted block: the put replaces the file and adds no byte. It
+    counted the whole block as new before, and a store at its budget evicted its least
+    recently used block for nothing (a miss, if read before the next new put)."""
+    s = LocalDirStore(tmp_path, "ns", max_bytes=4 * FILE)
+    for i in range(4):
+        s.put(key(i), data(i))
+    for i in (1, 2, 3, 2):  # put again: the same bytes, refreshed as recent
+        s.put(key(i), data(i))
+    assert s.exists([key(i) for i in range(4)]) == [True] * 4 and s.stats.evicted == 0
+    assert (s.num_blocks, s.num_bytes) == (4, 4 * FILE) and all(get(s, i) for i in range(4))
+    s.put(key(0), data(0))  # 0 the most recent now: a new block evicts 1, the oldest
+    s.put(key(4), data(4))
+    assert s.exists([key(i) for i in range(5)]) == [True, False, True, True, True]
+    assert (s.num_blocks, s.num_bytes, s.stats.evicted) == (4, 4 * FILE, 1)
+
+
 def test_a_put_keeps_its_block_while_another_puts_reservation_is_pending(
         tmp_path: Path) -> None:
     """A budget of one file and two puts at once: the first to land keeps its block until

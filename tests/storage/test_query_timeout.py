@@ -3,6 +3,7 @@ server gone, a hard mount): a ``stat`` there blocks for good, inside the engine'
 scheduling step, and nothing times it out. With a ``query_timeout_s`` (the default on a
 network or FUSE file system) the query runs on a thread of its own and answers misses
 after that long, and at once while it stays stuck; it says so once, and when it returns.
+Closing the store there returns too.
 
 No network file system can be mounted here: the hang is a ``stat`` of the store's own
 paths that blocks until the test lets it go (every other path is stat'ed as usual)."""
@@ -83,6 +84,11 @@ def test_a_query_stuck_on_a_hung_file_system_answers_misses_and_says_so(
             assert time.monotonic() - t1 < 0.2
             stuck = [e for e in logs if e["event"] == "storage.query_stuck"]
             assert len(stuck) == 1 and stuck[0]["num_blocks"] == 3, logs
+            # both answered misses for want of an answer: failed queries, as the metric
+            # (zkv:store_query_failures_total) and the replay's summary count them
+            assert store.stats.query_failures == 2
+            failed = [e for e in logs if e["event"] == "storage.query_failed"]
+            assert failed and "hangs" in failed[0]["error"], logs
             hung.set()  # the file system answers again
             wait_until(lambda: any(e["event"] == "storage.query_unstuck" for e in logs),
                        10, "the stuck query to return")
@@ -90,4 +96,38 @@ def test_a_query_stuck_on_a_hung_file_system_answers_misses_and_says_so(
         hung.set()
         monkeypatch.undo()
     assert query(digests) == 3  # answered again
+    assert store.stats.query_failures == 2
     store.close()
+
+
+def test_closing_a_store_on_a_hung_file_system_returns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's stop leaves hung I/O calls behind after ``close_wait_s`` so that a dead
+    mount cannot keep a rank alive; the store's own close then marked the namespace (a
+    ``utime`` there) and let its hold go in the caller's thread, unbounded: the rank hung
+    at its very last step. It waits ``close_wait_s`` for them now, says so, and the hold
+    is let go once the file system answers."""
+    root = tmp_path / "l3"
+    store = LocalDirStore(root, "ns", rank=0)
+    store.put(pack_key(bytes(16), 0), np.ones(64, np.uint8))
+    monkeypatch.setattr(LocalDirStore, "close_wait_s", 0.3)
+    hung = threading.Event()
+    real = os.utime
+
+    def utime(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).startswith(str(root)):
+            hung.wait(30)  # the mount stopped answering
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "utime", utime)
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        with capture_logs() as logs:
+            t0 = time.monotonic()
+            store.close()
+            assert time.monotonic() - t0 < 5.0
+        (warned,) = [e for e in logs if e["event"] == "storage.close_timeout"]
+        assert "hung mount" in warned["error"] and warned["waited_s"] == 0.3
+    finally:
+        hung.set()
+    wait_until(lambda: len(os.listdir("/proc/self/fd")) < fds, 10, "the hold to be let go")

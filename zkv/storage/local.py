@@ -318,13 +318,13 @@ class LocalDirStore(Store):
         self._mark(now)
         for _ in range(_PUT_WRITES):
             gen = self._room_gen
-            self._reserve(size)
+            reserved = self._reserve(size, path)
             try:
                 self._write_file(tmp, bufs)
-                self._place(tmp, path, size)
+                self._place(tmp, path, size, reserved)
                 break
             except BaseException as e:
-                self._release(size)
+                self._release(reserved)
                 unlink_quietly(tmp)
                 if not isinstance(e, OSError):
                     raise
@@ -360,12 +360,12 @@ class LocalDirStore(Store):
         finally:
             os.close(fd)
 
-    def _place(self, tmp: str, path: str, size: int) -> None:
-        """Rename a put's finished temp file into place and index it (its ``size`` bytes
-        were reserved), one step as eviction sees it (see :meth:`_remove_files`)."""
+    def _place(self, tmp: str, path: str, size: int, reserved: int) -> None:
+        """Rename a put's finished temp file into place and index it (``reserved`` of its
+        ``size`` bytes were), one step as eviction sees it (see :meth:`_remove_files`)."""
         with self._files_lock:
             os.replace(tmp, path)
-            victims = self._index(path, size, reserved=size)
+            victims = self._index(path, size, reserved)
         self._remove_files(victims)
 
     def _make_room(self, size: int, error: OSError, gen: int, made: int) -> bool | None:
@@ -565,15 +565,17 @@ class LocalDirStore(Store):
 
     # ---------------------------------------------------------------- index
 
-    def _reserve(self, size: int) -> None:
-        """Count a put's bytes before its file is written, removing least recently used
-        files for them."""
+    def _reserve(self, size: int, path: str) -> int:
+        """Count a put's new bytes (a file it replaces counts already) before its file is
+        written, removing least recently used files for them; the bytes counted."""
         with self._lock:
-            self._pending += size
+            grow = max(0, size - self._lru.get(path, 0))
+            self._pending += grow
             victims = self._pop_lru_over(self._max_bytes - self._pending, keep=0)
         self._remove_files(victims)
-        if self._keep_free:
+        if self._keep_free:  # (the disk holds both files until the rename)
             self._keep_disk_free(size)
+        return grow
 
     def _keep_disk_free(self, size: int) -> None:
         """(A store without a given budget, before a put of ``size`` bytes.) Remove least
@@ -691,11 +693,19 @@ class LocalDirStore(Store):
                            idle_days=round(days, 1), keep_days=self.keep_s / 86400.0)
 
     def close(self) -> None:
+        """The last mark and the hold's release touch the file system (a hung mount must
+        not hang the exit): on a thread, waited for ``close_wait_s``."""
         super().close()
         held, self._held = self._held, None
         if held is not None:
-            namespaces.mark(self._base)  # the last use (before the lock goes)
-            os.close(held)  # (its lock with it)
+            t = threading.Thread(target=namespaces.release, args=(self._base, held),
+                                 daemon=True)
+            t.start()
+            t.join(self.close_wait_s)
+            if t.is_alive():
+                self._log.warning(ev.STORE_CLOSE_TIMEOUT, store=self.url,
+                                  waited_s=self.close_wait_s, error="its namespace's "
+                                  "last mark and release did not return (a hung mount?)")
 
     def _mark(self, now: float) -> None:
         """Mark the namespace used, at most once every ``MARK_EVERY_S`` or a tenth of

@@ -57,6 +57,13 @@ def mark(base: str) -> bool:
 STALE = -1  # hold(): the mark locked was renamed aside meanwhile (make it again, retry)
 
 
+def release(base: str, held: int) -> None:
+    """The store closes: mark the namespace used a last time, then let ``held`` (from
+    ``hold``) go, and its lock with it."""
+    mark(base)
+    os.close(held)
+
+
 def hold(base: str) -> int | None:
     """A descriptor of the namespace's mark with a shared lock on it: no opener removes the
     namespace while it is open (close it with the store); None when it cannot be had,

@@ -19,7 +19,8 @@ thread of the query's own, and the engine's step waits at most that long::
                          │ query_timeout_s passed
                          ▼
                        stuck: this query and every one until it returns answer 0 (a
-                       miss) at once; storage.query_stuck once, storage.query_unstuck
+                       miss) at once, each a failed query (counted, storage.query_failed
+                       rate-limited); storage.query_stuck once, storage.query_unstuck
                        (how long) when it returns ──► idle
 """
 
@@ -62,9 +63,14 @@ class StorageQuery:
     def __call__(self, hashes: Sequence[bytes]) -> int:
         if self._bounded is None or not hashes:
             return leading_present(self.store, hashes, self.world_size, self.failed)
-        return self._bounded.run(
+        answer = self._bounded.run(
             lambda: leading_present(self.store, hashes, self.world_size, self.failed),
             len(hashes))
+        if answer is None:  # a miss for want of an answer: a query that failed
+            self.store._count(query_failures=1)
+            self.failed(num_blocks=len(hashes), error=STUCK)
+            return 0
+        return answer
 
     def store_reached(self) -> None:
         """A rank's write reached the store (``CacheManager.on_ops_done``): a query link
@@ -75,6 +81,9 @@ class StorageQuery:
     def flush_logs(self) -> None:
         """Write how many failed queries were only counted (``CacheManager.flush_logs``)."""
         self.failed.flush()
+
+
+STUCK = "an earlier existence query still hangs (a hung file system?): answered as a miss"
 
 
 class _Bounded:
@@ -92,10 +101,12 @@ class _Bounded:
         self._thread: threading.Thread | None = None
         self._log = ev.get_logger("storage")
 
-    def run(self, job: Callable[[], int], num_blocks: int) -> int:
+    def run(self, job: Callable[[], int], num_blocks: int) -> int | None:
+        """The job's answer, or None when it did not come within ``timeout_s`` (or an
+        earlier one still hangs)."""
         with self._cv:
             if self._stuck or self._job is not None:
-                return 0  # (the one that hangs still runs)
+                return None  # (the one that hangs still runs)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, daemon=True,
                                                 name="zkv-store-query")
@@ -110,7 +121,7 @@ class _Bounded:
                           waited_s=self.timeout_s,
                           error="the store's existence query did not return (a hung file "
                                 "system?): misses until it does")
-        return 0
+        return None
 
     def _serve(self) -> None:
         while True:
