@@ -157,6 +157,23 @@ CASES: list[tuple[str, Callable[[], CacheManager], Callable[[CacheManager], Any]
     ("a negative pool size", owned,
      lambda cm: cm.resize(4, -1),
      ValueError, "num_host_blocks must be >= 0"),
+    # (the compiled core checks exact types deep inside: these met a raw mypyc TypeError,
+    # or a True first block loaded from block 1, where the source refused them)
+    ("a request id that is not a str", owned,
+     lambda cm: cm.match_prefix(7, H(2)),  # type: ignore[arg-type]
+     TypeError, "req_id must be a str"),
+    ("hashes that are memoryviews", owned,
+     lambda cm: cm.match_prefix("a", [memoryview(h) for h in H(2)]),  # type: ignore[misc]
+     TypeError, "block_hashes must hold bytes, got memoryview"),
+    ("a batch seq that is not an int", owned,
+     lambda cm: cm.on_ops_done([OpResult(_op_in_flight(cm), True, 2)], seq="3"),  # type: ignore[arg-type]
+     TypeError, "seq must be an int"),
+    ("a first block given as a bool", external,
+     lambda cm: (cm.match_prefix("w", h := H(2)), cm.cache_computed("w", 2 * BS,
+                                                                     device_ids=[1, 2]),
+                 ack(cm), cm.finish("w"), cm.match_prefix("a", h),
+                 cm.load_external("a", True, [9])),  # type: ignore[arg-type]
+     TypeError, "first_block must be an int"),
 ]
 
 

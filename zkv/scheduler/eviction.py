@@ -38,13 +38,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from itertools import takewhile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mypy_extensions import mypyc_attr
 
 if TYPE_CHECKING:
     from zkv.scheduler.radix import Node
 
+#: Attributes of a policy that a subclass keeps per instance (see __init_subclass__).
+_COUNTS = ("capacity", "probes", "num_blocks")
 LRU_NAME = "lru"
 SLRU_NAME = "slru"
 POLICIES = (LRU_NAME, SLRU_NAME)
@@ -63,6 +65,21 @@ class EvictionPolicy(ABC):
     name = "?"
     #: Whether ``note_evicted`` does anything (callers skip the call when not).
     remembers = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A policy's counts are plain attributes the compiled core reads directly: one
+        that a subclass shadows at class level or as a property would not be seen (every
+        eviction would find 0 blocks evictable), so such a subclass is refused here. Its
+        hooks return what they declare (``note_inserted`` a Python int, ``nodes`` a
+        list): the compiled core checks."""
+        super().__init_subclass__(**kwargs)
+        for attr in ("capacity", "probes", "num_blocks", "name", "remembers"):
+            v = vars(cls).get(attr)
+            if isinstance(v, property) or (v is not None and attr in _COUNTS
+                                            and not hasattr(type(v), "__set__")):
+                raise TypeError(f"{cls.__name__}.{attr}: an eviction policy keeps it as "
+                                "an instance attribute (set in __init__, kept up to date), "
+                                "not at class level or as a property")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -125,6 +142,7 @@ class EvictionPolicy(ABC):
         return 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LRU(EvictionPolicy):
     """Least recently released first: one ``OrderedDict`` as the queue."""
 
@@ -165,6 +183,7 @@ class LRU(EvictionPolicy):
         return list(self._q)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SLRU(EvictionPolicy):
     """Segmented LRU with a ghost memory (see the module docstring).
 

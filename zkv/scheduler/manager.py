@@ -108,6 +108,8 @@ class CacheManager:
         ``block_hashes`` come from :mod:`zkv.scheduler.hashing` (16-byte, a chain never
         repeats one), not checked again (O(n): 0.28 ms at 8,000 blocks, per retry).
         """
+        if type(req_id) is not str:
+            raise TypeError(f"req_id must be a str, got {type(req_id).__name__} {req_id!r:.40}")
         if check:
             checks.hashes("block_hashes", block_hashes)
         return requests.match_prefix(self.core, req_id, block_hashes)
@@ -194,7 +196,7 @@ class CacheManager:
         """
         return external.cache_computed(self.core, self._req(req_id),
                                        checks.count("num_tokens", num_tokens),
-                                       block_hashes, device_ids, chain)
+                                       block_hashes, device_ids, bool(chain))
 
     # ================================================================ external L1
 
@@ -207,7 +209,8 @@ class CacheManager:
         Blocks stay held by the request until ``finish``; a failed load is reported by
         ``take_load_failures`` (the engine recomputes those blocks).
         """
-        return external.load_external(self.core, self._req(req_id), first_block, device_ids)
+        return external.load_external(self.core, self._req(req_id),
+                                      checks.count("first_block", first_block), device_ids)
 
     def cancel_saves(self, req_id: str) -> int:
         """Drop the request's save planned this step and not yet taken (the engine freed
@@ -244,7 +247,7 @@ class CacheManager:
         than run now, wait for a load from L3 or stop for good (no host block to take).
         ``chain``: for a save with ``cache_computed(chain=True)``, which goes on past its
         own save in flight: only another request's counts."""
-        return external.save_waits(self.core, self._req(req_id), chain)
+        return external.save_waits(self.core, self._req(req_id), bool(chain))
 
     # ================================================================ finish
 
@@ -278,7 +281,7 @@ class CacheManager:
                              f"got {keep!r}")
         if self.core.unstored:
             retry_stores(self.core)
-        out = self.core.ledger.take_ops(keep)
+        out = self.core.ledger.take_ops(tuple(keep))
         if out and ev.debug_enabled():  # one summary per step, not a line per block
             st = self.core.stats
             _log.debug(ev.STEP_DONE, num_ops=len(out), num_blocks=sum(o.num_blocks for o in out),
@@ -296,6 +299,8 @@ class CacheManager:
         storage write that succeeded tells ``storage_exists.store_reached()``, if it has
         one. ``seq``: the batch that carried them, named in ``scheduler.op_failed`` (so
         ``zkv logs --seq N`` shows the scheduler's line beside the ranks')."""
+        if seq is not None:
+            seq = checks.integer("seq", seq)
         stats = self.core.stats
         stored = stats.stored
         results = checks.results(self.core.ledger.pending, results)  # all, before any commit

@@ -7,6 +7,7 @@ the checks below, not a compiled type check."""
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +52,19 @@ class CacheConfig:
     backup_threshold: int | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # As plain ints, floats and a bool: the compiled core checks their exact types
+        # (a numpy int there failed a later call half-way); a float count is refused.
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, (bool, float)) or not hasattr(type(v), "__index__"):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r:.40}")
+            object.__setattr__(self, name, operator.index(v))
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, (bool, str, bytes)) or not hasattr(type(v), "__float__"):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__} {v!r:.40}")
+            object.__setattr__(self, name, float(v))
+        object.__setattr__(self, "storage_write", bool(self.storage_write))
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got "
                              f"{self.write_policy!r}")
@@ -71,6 +85,10 @@ class CacheConfig:
         thr = (None if self.write_policy == WRITE_BACK else
                1 if self.write_policy == WRITE_THROUGH else self.write_through_threshold)
         object.__setattr__(self, "backup_threshold", thr)
+
+
+_INT_FIELDS = ("num_device_blocks", "num_host_blocks", "block_size", "write_through_threshold")
+_FLOAT_FIELDS = ("negative_cache_s", "store_retry_s", "store_retry_max_s")
 
 
 @dataclass(frozen=True, slots=True)
