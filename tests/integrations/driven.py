@@ -597,8 +597,41 @@ def held_by_another(tp: int = 1) -> dict[str, Any]:
     return out
 
 
+def reset_reuse(new_id: str = "X") -> dict[str, Any]:
+    """A cache reset with running requests preempts ``X`` (vLLM names it in the next
+    schedule's ``preempted_req_ids``), ``X`` is aborted before that schedule, and a new
+    request comes under ``new_id`` (a client's own ids: ``X`` again, or ``Y``), whose
+    prompt shares 3 blocks zkv saved: matched, loaded and allocated in that very
+    schedule. The stale mention of ``X`` must not end the new request's tracking (its
+    blocks would never be saved)."""
+    rng = random.Random(9)
+    doc = _tokens(rng, 3 * BS + 4)
+    out: dict[str, Any] = {}
+    with rig(num_blocks=24) as r:
+        r.add("warm", doc, 1)  # zkv saves doc's 3 blocks
+        r.run_until_idle()
+        r.half.wait_idle(5.0)
+        r.add("X", doc + _tokens(rng, 2), 30)
+        for _ in range(3):
+            r.step()
+        out["reset"] = bool(r.sched.reset_prefix_cache(reset_running_requests=True))
+        r.abort("X")
+        r.add(new_id, doc + _tokens(rng, 5), 40)  # new; matched, loaded, allocated now
+        r.step()
+        out["tracked"] = r.half.cm.has_request(new_id)
+        out["preempted"] = r.half.counters()["preempted"]
+        saved = r.half.counters()["saved_blocks"]
+        out["idle"] = r.run_until_idle()
+        r.half.wait_idle(5.0)
+        out["saved_by_new"] = r.half.counters()["saved_blocks"] - saved
+        out.update(r.end_state())
+    out["new_ext"] = out["ext"].get(new_id, 0)
+    return out
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
-    "workload": workload, "chained": chained, "held_by_another": held_by_another}
+    "workload": workload, "chained": chained, "held_by_another": held_by_another,
+    "reset_reuse": reset_reuse}
 
 
 def main(argv: list[str]) -> None:

@@ -35,6 +35,8 @@ RUNS: list[dict[str, Any]] = [
     {"name": "chained_tp2", "scenario": "chained", "args": {"tp": 2}},
     {"name": "held_by_another", "scenario": "held_by_another", "args": {"tp": 1}},
     {"name": "held_by_another_tp2", "scenario": "held_by_another", "args": {"tp": 2}},
+    {"name": "reset_reuse_same_id", "scenario": "reset_reuse", "args": {"new_id": "X"}},
+    {"name": "reset_reuse_other_id", "scenario": "reset_reuse", "args": {"new_id": "Y"}},
 ]
 NOTHING_IN_FLIGHT = {"requests": 0, "held": 0, "cache_requests": 0, "ops": 0, "batches": 0,
                      "steps": 0, "store_retry": 0}
@@ -143,3 +145,17 @@ def test_a_finish_stopped_at_another_requests_save_keeps_its_blocks_until_saved(
     assert res["first"]["again"] == [3 * BS + 5, 3 * BS], res["first"]
     assert res["again_ext"] == 3 * BS and res["counters"]["loaded_blocks"] == 3, res
     _assert_clean_end(res)
+
+
+def test_a_reset_preemption_of_an_aborted_request_is_not_its_ids_next_request(
+        driven: dict[str, Any]) -> None:
+    """vLLM names a request a cache reset preempted in the next schedule's
+    ``preempted_req_ids``; when it was aborted before that schedule and a new request came
+    under its id (a client's own ids), the mention is the old request's. It ended the new
+    one's tracking: none of its blocks was saved (3 under another id)."""
+    same, other = _result(driven, "reset_reuse_same_id"), _result(driven, "reset_reuse_other_id")
+    for res in (same, other):
+        assert res["reset"] and res["new_ext"] == 3 * BS, res  # matched and loaded: 3 blocks
+        assert res["tracked"] and res["preempted"] == 0, res
+        _assert_clean_end(res)
+    assert same["saved_by_new"] == other["saved_by_new"] == 3

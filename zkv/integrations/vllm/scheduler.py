@@ -162,8 +162,9 @@ class SchedulerHalf:
         self._reqs: dict[str, RequestState] = {}
         # (step, {req_id: (epoch, tokens computed once it ran)}) per step with no output yet
         self._steps: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = collections.deque()
-        # requests preempted outside schedule(), handled when asked about again this step
-        self._preempted_early: set[str] = set()
+        # ids whose mention in this step's preempted_req_ids is not the tracked request's:
+        # preempted outside schedule() (handled then), or new (an earlier one's, reset)
+        self._not_preempted: set[str] = set()
         # a request's epoch, new at each start and preemption and never reused: a step's
         # output confirms only the epoch it scheduled (an id can come back: a client's
         # own ids with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
@@ -248,7 +249,7 @@ class SchedulerHalf:
             # blocks are freed and this schedule() may allocate it again, before
             # build_connector_meta names it preempted (that mention is then skipped).
             self._preempted(request.request_id)
-            self._preempted_early.add(request.request_id)
+            self._not_preempted.add(request.request_id)
         if self.disabled or (getattr(request, "prompt_token_ids", None) is None
                              and getattr(request, "prompt_embeds", None) is None):
             return 0, False
@@ -259,6 +260,7 @@ class SchedulerHalf:
         r = self._reqs.get(rid)
         if r is None:
             r = self._reqs[rid] = self._new_req(request)
+            self._not_preempted.add(rid)
         elif r.generation != self._generation:  # waiting across a reset: hash it anew
             self.prefetch.forget(rid)
             r.root, r.hashes, r.num_prompt_blocks = self._hash_prompt(request, r.mm_items)
@@ -383,9 +385,9 @@ class SchedulerHalf:
             self._poll()
         self._steps.append((self._step, record_step(self._reqs, so)))
         for rid in getattr(so, "preempted_req_ids", None) or ():
-            if rid not in self._preempted_early:  # (that one may run again in this step)
+            if rid not in self._not_preempted:
                 self._preempted(rid)
-        self._preempted_early.clear()
+        self._not_preempted.clear()
         meta = ZkvMetadata(step=self._step)
         for r in self._held:  # saved on from where they stopped (a save on the path acked)
             self._plan_save(r, final=True)
