@@ -29,6 +29,7 @@ from zkv.integrations.vllm import pd
 from zkv.integrations.vllm.events import AWAIT_EXPIRED
 from zkv.integrations.vllm.pd import PARAM_BLOCKS, PARAM_NAMESPACE
 from zkv.integrations.vllm.scheduler import EMPTY_STEP_WAIT_S
+from zkv.storage import namespaces
 
 AWAIT_MS = 300  # the consumer's longest wait (prefetch_max_ms)
 ASK = {"do_remote_decode": True}  # what a P/D proxy sends the prefill instance
@@ -81,6 +82,44 @@ def test_a_producer_whose_store_declines_writes_promises_nothing(tmp_path: Path)
             assert producer.compute_and_save(params=ASK) is None
         finally:
             producer.close()
+
+
+def _block_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.name != namespaces.MARK]
+
+
+def test_a_producer_writes_again_what_its_store_lost_before_it_promises_it(
+        pair: tuple[Group, Group], tmp_path: Path) -> None:
+    """A prompt the producer's host pool still holds, whose files the store lost since
+    (evicted under other writes, or a store restarted empty): a block is not checked
+    again after its write, so the next prefill of that prompt adopted the host blocks,
+    wrote nothing and promised all 8. Every consumer of the prompt waited its whole
+    budget, then computed it. The producer asks the store at the finish now (one
+    existence query), writes again what it lacks, and that promise is kept."""
+    producer, consumer = pair
+    assert producer.compute_and_save(params=ASK) is not None
+    store = tmp_path / "l3"
+    wait_until(lambda: len(_block_files(store)) == 8, 10.0, "the prompt's 8 blocks stored")
+    for f in _block_files(store):
+        f.unlink()  # the store lost them; the producer's host pool still has them
+    req = producer.request()
+    req.kv_transfer_params = ASK
+    ext, _ = producer.ask_until_matched(req)
+    assert ext == 8 * BS  # from the host pool
+    blocks = list(range(9))
+    producer.half.update_state_after_alloc(req, blocks, ext)
+    producer.half.build_connector_meta(producer.step(req, blocks, ext))
+    producer.half.update_connector_output(())
+    _done(req)
+    _, answer = producer.half.request_finished(req)
+    assert answer is not None and answer[PARAM_BLOCKS] == 8, answer
+    wait_until(lambda: len(_block_files(store)) == 8, 10.0, "the lost blocks written again")
+    wanted = consumer.request()
+    wanted.kv_transfer_params = answer
+    ext, _ = consumer.ask_until_matched(wanted)
+    assert ext == 8 * BS
+    snap = consumer.half.snapshot()
+    assert snap["await_expired"] == 0, snap
 
 
 def _prompt(group: Group, rid: str, tokens: list[int]) -> Any:

@@ -702,3 +702,59 @@ def test_new_hashes_past_the_held_prefix_let_the_storage_load_go(new: list[bytes
     cm.finish("r2")
     cm.check_invariants()
     assert cm.tree.num_hlru == 4
+
+
+def _stored_prompt(cm: CacheManager, rid: str, hashes: list[bytes]) -> None:
+    """``rid`` saves ``hashes`` and finishes; the saves and their L3 writes are acked."""
+    save(cm, rid, hashes, list(range(100, 100 + len(hashes))))
+    ack(cm, cm.take_ops())  # the save
+    cm.finish(rid)
+    (h2s,) = cm.take_ops()
+    assert h2s.kind == H2S
+    ack(cm, [h2s])
+
+
+def test_store_again_writes_what_the_store_lost_from_the_host_copies() -> None:
+    """A P/D producer about to promise a prompt's blocks: the store holds only the first
+    (an existence query says so; it evicted the rest since their write). Those past it
+    are written again from the host copies (the node cut there), and all are promised."""
+    cm = make(8, storage_write=True)
+    a = H(1, 2, 3, 4)
+    _stored_prompt(cm, "r1", a)
+    assert cm.match_prefix("r2", a) == Match(0, 4, 0, BS)
+    assert cm.store_again("r2", 4) == 4 and cm.take_ops() == []  # all there: nothing
+    assert cm.store_again("r2", 1) == 4
+    (again,) = cm.take_ops()
+    assert (again.kind, again.keys) == (H2S, tuple(a[1:]))
+    assert [v.in_store for v in cm.held_blocks("r2")] == [True, False, False, False]
+    cm.check_invariants()
+    ack(cm, [again])
+    assert [v.in_store for v in cm.held_blocks("r2")] == [True] * 4
+    cm.finish("r2")
+    cm.check_invariants()
+
+
+def test_store_again_counts_blocks_on_their_way_and_writes_nothing_without_l3_writes(
+        ) -> None:
+    """Blocks whose save (or write) is in flight are on their way: promised, not written
+    twice. Without storage writes nothing is written and only what the store has is."""
+    cm = make(8, storage_write=True)
+    a = H(1, 2, 3, 4)
+    _stored_prompt(cm, "r1", a[:2])
+    cm.match_prefix("r2", a)
+    assert cm.cache_computed("r2", 4 * BS, device_ids=[7, 8, 9, 10]) == 2  # blocks 2-3
+    (saving,) = cm.take_ops()  # in flight
+    assert cm.store_again("r2", 0) == 4
+    (again,) = cm.take_ops()
+    assert again.keys == tuple(a[:2])  # the two stored ones; the saving ones follow it
+    ack(cm, [saving, again])
+    cm.finish("r2")
+    (h2s,) = cm.take_ops()
+    assert h2s.keys == tuple(a[2:])
+    ack(cm, [h2s])
+    plain = make(8)
+    assert save(plain, "p1", a, [1, 2, 3, 4]) == 4
+    ack(plain, plain.take_ops())
+    assert plain.store_again("p1", 2) == 2 and plain.take_ops() == []
+    plain.finish("p1")
+    plain.check_invariants()

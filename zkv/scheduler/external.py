@@ -26,7 +26,7 @@ from zkv.scheduler.radix import DEVICE, HOST, SWAP_TO_HOST
 from zkv.scheduler.records import LOAD, SAVE
 from zkv.scheduler.requests import count_hits, hold, unref
 from zkv.scheduler.running import RequestState
-from zkv.scheduler.tiers import take_host_blocks
+from zkv.scheduler.tiers import maybe_store, take_host_blocks
 
 
 def cache_computed(core: Core, st: RequestState, num_tokens: int,
@@ -173,6 +173,30 @@ def drop_prefetch(core: Core, st: RequestState) -> int:
     st.loading = None
     st.num_storage = 0
     return len(n.hashes)
+
+
+def store_again(core: Core, st: RequestState, present: int) -> int:
+    """See ``CacheManager.store_again``. Walks the request's path: O(its nodes)."""
+    upto = min(present, st.num_held)
+    if not core.config.storage_write:
+        return upto
+    tree = core.tree
+    for n in tree.path(st.tail):
+        end = n.depth + len(n.hashes)
+        if end <= upto:
+            continue
+        if n.status is SWAP_TO_HOST or n.wbusy or n in core.unstored:
+            upto = end  # on its way: its save's commit writes it, or its write in flight
+            continue
+        if n.status is not HOST or not n.host_ok:
+            break  # (a load from L3 in flight: not now; copies reading it may run beside)
+        if n.depth < upto:  # the store holds its first blocks: the rest again
+            tree.split(n, upto - n.depth)
+        tree.unlist_host_chain(n)  # (busy until its write is acked; the commit relists)
+        n.in_store = False
+        maybe_store(core, n)
+        upto = end
+    return upto
 
 
 def go_external(core: Core, st: RequestState) -> None:

@@ -212,6 +212,17 @@ class CacheManager:
         return external.load_external(self.core, self._req(req_id),
                                       checks.count("first_block", first_block), device_ids)
 
+    def store_again(self, req_id: str, num_present: int) -> int:
+        """External-L1 mode, a request about to finish: the store holds only its first
+        ``num_present`` held blocks (an existence query says so), though more were written
+        once (a block is not checked again after its write: the store evicted it since,
+        or restarted empty). Write the held blocks past those again from their host
+        copies (h2s). Returns how many leading held blocks are in the store or on their
+        way (a save in flight, a write in flight or waiting for its retry, or queued
+        now): up to the first that cannot be written now (a load from L3 into it)."""
+        return external.store_again(self.core, self._req(req_id),
+                                    checks.count("num_present", num_present))
+
     def cancel_saves(self, req_id: str) -> int:
         """Drop the request's save planned this step and not yet taken (the engine freed
         the blocks it would read, e.g. on preemption). Returns the blocks dropped. (Only

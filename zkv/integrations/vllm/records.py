@@ -96,6 +96,14 @@ class TokenCounts:
     await_expired: int = 0      # ... and gave up on some (computed them)
     sched_s: float = 0.0
 
+    def totals(self) -> dict[str, int]:
+        """The counts under the names the connector's stats and metrics give them."""
+        return {"requests": self.requests, "vllm_local_tokens": self.vllm_local,
+                "zkv_host_tokens": self.zkv_host, "zkv_store_tokens": self.zkv_store,
+                "computed_tokens": self.computed, "failed_load_blocks": self.failed_load_blocks,
+                "preempted": self.preempted, "aborted": self.aborted,
+                "awaited": self.awaited, "await_expired": self.await_expired}
+
 
 def record_step(reqs: dict[str, RequestState], so: Any) -> dict[str, tuple[int, int]]:
     """A step's record from its SchedulerOutput ``so``: request id -> (epoch, tokens

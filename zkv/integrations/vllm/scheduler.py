@@ -547,7 +547,7 @@ class SchedulerHalf:
     def _finish(self, r: RequestState, request: Any) -> tuple[int, bool]:
         """Save what is left and let the request go, or hold it (True) while its save waits
         for a save in flight on its path; the leading blocks zkv held for it (saved, on
-        their way, or matched), taken before they are let go."""
+        their way, or matched; a producer's: in the store or on their way)."""
         rid = request.request_id
         self._poll()
         if not r.allocated or self.disabled:
@@ -561,13 +561,15 @@ class SchedulerHalf:
                                                request.num_tokens - 1))
         self._plan_save(r, final=True)
         self._flush()
-        held = self.cm.num_held_blocks(rid)
-        if (held < self._savable(r) and self.store is not None and self.cfg.storage_write
+        held = promise = self.cm.num_held_blocks(rid)
+        if (self.store is not None and self.cfg.storage_write
                 and pd.asked(getattr(request, "kv_transfer_params", None))):
-            held = self._finish_producer_save(r)
+            if held < self._savable(r):
+                held = self._finish_producer_save(r)
+            promise = self._stored_prefix(rid, held)
         if held < self._savable(r) and self.cm.save_waits(rid, chain=True):
             self._held.hold(r)  # vLLM keeps its blocks: saved on at the next steps
-            return held, True
+            return promise, True
         self.cm.finish(rid)
         seq = r.last_save_seq
         if seq is not None and not self.dp.settled(seq):
@@ -576,7 +578,16 @@ class SchedulerHalf:
             # every earlier batch first anyway; ungated ones wait on the fence). Why not
             # hold every finish's blocks: held.py.
             self._fence = max(self._fence, seq)
-        return held, False
+        return promise, False
+
+    def _stored_prefix(self, rid: str, held: int) -> int:
+        """A P/D producer's promise: its held blocks in the store (one query: it may have
+        evicted some since their write) or on their way, the rest written again."""
+        query = self.cm.storage_exists
+        present = held if query is None else query(self.cm.request(rid).hashes[:held])
+        promise = self.cm.store_again(rid, present)
+        self._flush()
+        return promise
 
     def _savable(self, r: RequestState) -> int:
         """Leading prompt blocks whose KV the request computed for sure (saves stop there)."""
@@ -707,12 +718,9 @@ class SchedulerHalf:
         return root, hashes, len(hashes)
 
     def reset(self) -> bool:
-        """vLLM's cache reset (``reset_prefix_cache(reset_connector=True)``, what an RL loop
-        calls after it synced new weights): from now on every block is named apart from
-        all before it (a random generation in every chain's root), so nothing cached
-        before, in the host pool or in L3, by this engine or another, is matched again; it
-        ages out. A waiting request is hashed anew when next matched; a running one saves
-        nothing more (its KV may be of both weights). O(1)."""
+        """vLLM's cache reset (an RL loop's, after new weights): a new random generation in
+        every chain's root, so nothing cached before (host, L3, any engine) matches again;
+        a waiting request is hashed anew, a running one saves no more (README). O(1)."""
         with self._lock:
             self._generation = os.urandom(16)
             self.log.info(E.CACHE_RESET, num_requests=len(self._reqs))
@@ -727,13 +735,7 @@ class SchedulerHalf:
         ``get_kv_connector_stats``). :meth:`snapshot` adds the cache's, which walk the tree
         (~5 ms at 25,000 nodes)."""
         with self._lock:
-            c = self.counts
-            return {"requests": c.requests, "vllm_local_tokens": c.vllm_local,
-                    "zkv_host_tokens": c.zkv_host, "zkv_store_tokens": c.zkv_store,
-                    "computed_tokens": c.computed, "failed_load_blocks": c.failed_load_blocks,
-                    "preempted": c.preempted, "aborted": c.aborted,
-                    "awaited": c.awaited, "await_expired": c.await_expired,
-                    "saved_blocks": self.cm.stats.saved_external,
+            return {**self.counts.totals(), "saved_blocks": self.cm.stats.saved_external,
                     "loaded_blocks": self.cm.stats.loaded_external}
 
     def _snapshot(self) -> dict[str, Any]:
@@ -752,11 +754,9 @@ class SchedulerHalf:
         return host, num_tokens - host
 
     def in_flight(self) -> dict[str, int]:
-        """What is not over yet: requests the connector tracks, finished ones whose blocks
-        vLLM keeps for their saves (``held.py``), requests holding zkv blocks,
-        ops and batches every rank has not acked (0 within milliseconds of the last ack),
-        steps whose output has not come back (under async scheduling vLLM keeps the last
-        one until its next step), blocks whose L3 write failed and waits to be tried again."""
+        """What is not over yet: tracked requests, finishes held (``held.py``), requests
+        holding zkv blocks, ops and batches not acked by every rank, steps without output
+        yet (async scheduling keeps the last), blocks whose L3 write waits for a retry."""
         with self._lock:
             return {"requests": len(self._reqs), "held": len(self._held),
                     "cache_requests": self.cm.num_running(),
@@ -764,11 +764,9 @@ class SchedulerHalf:
                     "steps": len(self._steps), "store_retry": self.cm.num_unstored_blocks}
 
     def close(self) -> None:
-        """Report what is left (``connector.closed``: info, a warning when something was
-        left; ``connector.invariants_broken``, an error, if the pools and the tree disagree;
-        one O(tree) check), then close. vLLM stops the workers first, so batches still in
-        flight are reported, not waited for. Once closed, vLLM's calls miss (zkv is off)
-        and a second close does nothing."""
+        """Report what is left (``connector.closed``, a warning when something was; an
+        error ``connector.invariants_broken``: one O(tree) check), then close; batches in
+        flight are reported, not waited for. Then vLLM's calls miss; a second close: no-op."""
         from zkv.integrations.vllm import metrics
 
         if self.dp.closed:
