@@ -61,7 +61,12 @@ LAUNCH_OUT_OF_RESOURCES = 701  # not sticky
 INVALID_HANDLE = 400
 INVALID_DEVICE = 101
 LEGACY = 0
-_STICKY = {214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719, 999}
+#: Errors CUDA's runtime API documents as leaving the context unusable ("the process must
+#: be terminated and relaunched"): cudaErrorECCUncorrectable 214, IllegalAddress 700,
+#: LaunchTimeout 702, ContextIsDestroyed 709, Assert 710, HardwareStackError 714,
+#: IllegalInstruction 715, MisalignedAddress 716, InvalidAddressSpace 717, InvalidPc 718,
+#: LaunchFailure 719, ExternalDevice 911, Unknown 999. From the docs, not from zkv's list.
+_STICKY = {214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719, 911, 999}
 
 
 class Item:
@@ -170,23 +175,28 @@ class FakeCuda:
     def context_devices(self) -> set[int]:
         return {d for d, _ in self.contexts}
 
-    def _current(self) -> dict[int, int]:
+    def _current(self, api: str) -> dict[int, int]:
+        """The calling thread's current stream per device, of ``api``: torch and cupy each
+        keep their own (``torch.cuda.stream`` does not change where a cupy launch goes, nor
+        ``with cupy_stream`` torch's: a cupy launch under a torch stream context alone runs
+        on cupy's current stream, the legacy one in a thread that never entered one)."""
         if not hasattr(self._tls, "current"):
-            self._tls.current = {}
-        return self._tls.current
+            self._tls.current = {"torch": {}, "cupy": {}}
+        return self._tls.current[api]  # type: ignore[no-any-return]
 
-    def current_stream_ptr(self, device: int | None = None) -> int:
-        return self._current().get(self.device if device is None else device, LEGACY)
+    def current_stream_ptr(self, device: int | None = None, api: str = "cupy") -> int:
+        return self._current(api).get(self.device if device is None else device, LEGACY)
 
-    def set_current_stream(self, ptr: int) -> None:
-        """torch.cuda.set_stream / cupy ``with stream``: per thread, per device."""
+    def set_current_stream(self, ptr: int, api: str = "torch") -> None:
+        """torch.cuda.set_stream (the model thread's stream): per thread, per device."""
         s = self.resolve(ptr)
-        self._current()[s.device] = ptr
+        self._current(api)[s.device] = ptr
 
     @contextmanager
-    def using_stream(self, ptr: int) -> Iterator[None]:
+    def using_stream(self, ptr: int, api: str = "cupy") -> Iterator[None]:
+        """``with cupy_stream`` (or ``torch.cuda.stream(s)`` with ``api="torch"``)."""
         s = self.resolve(ptr)
-        cur = self._current()
+        cur = self._current(api)
         old = cur.get(s.device, LEGACY)
         cur[s.device] = ptr
         try:
@@ -471,7 +481,7 @@ def install(monkeypatch: pytest.MonkeyPatch, fake: FakeCuda) -> None:
 
     def current_stream(device: Any = None) -> Any:
         dev = None if device is None else int(getattr(device, "index", device))
-        return types.SimpleNamespace(cuda_stream=fake.current_stream_ptr(dev))
+        return types.SimpleNamespace(cuda_stream=fake.current_stream_ptr(dev, api="torch"))
 
     class ExternalStream:
         def __init__(self, stream_ptr: int, device: Any = None) -> None:
@@ -483,7 +493,7 @@ def install(monkeypatch: pytest.MonkeyPatch, fake: FakeCuda) -> None:
     monkeypatch.setattr(tc, "set_device", set_device)
     monkeypatch.setattr(tc, "current_stream", current_stream)
     monkeypatch.setattr(tc, "ExternalStream", ExternalStream)
-    monkeypatch.setattr(tc, "stream", lambda s: fake.using_stream(s.cuda_stream))
+    monkeypatch.setattr(tc, "stream", lambda s: fake.using_stream(s.cuda_stream, api="torch"))
     # The fake's device memory is host memory: CPU tensors pass the backend's device check.
     from zkv.kernels.cupy_backend import CupyBackend
 

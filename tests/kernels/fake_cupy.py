@@ -20,6 +20,7 @@ Every call that needs a context in CUDA goes through ``fake.touch()`` first.
 from __future__ import annotations
 
 import ctypes
+import re
 import types
 import weakref
 from collections.abc import Callable
@@ -140,11 +141,26 @@ class Event(_Bound):
         self.fake.sync_event(self._ev)
 
 
+#: What cupy passes a RawKernel argument as: the numpy scalar type of each C scalar type
+#: (the driver reads each at the size the kernel declares: a narrower one is garbage).
+_ABI = {"int": np.int32, "long long": np.int64, "unsigned long long": np.uint64}
+
+
+def kernel_signature(code: str) -> list[tuple[str, bool]]:
+    """(C type, is a pointer) of each parameter of the copy kernel in ``code`` (the real
+    CUDA source: the fake checks every launch against it, as the driver would read it)."""
+    body = code.split("#define ZKV_COPY_KERNEL", 1)[1].split("{", 1)[0]
+    params = re.findall(r"const\s+([a-z ]+?)\s*(\*?)\s*(?:__restrict__\s+)?\w+\s*[,)]", body)
+    assert len(params) == 11, params
+    return [(t.strip(), star == "*") for t, star in params]
+
+
 class RawModule(_Bound):
     def __init__(self, code: str, options: tuple[str, ...] = ()) -> None:
         assert "ZKV_COPY_KERNEL(16, uint4)" in code
         self.device = self.fake.device
         self.compiled = False
+        self.signature = kernel_signature(code)
 
     def compile(self, log_stream: Any = None) -> None:
         self.fake.touch()
@@ -154,7 +170,7 @@ class RawModule(_Bound):
     def get_function(self, name: str) -> FakeKernel:
         if not self.compiled:  # cupy compiles on first use
             self.compile()
-        return FakeKernel(self.fake, int(name.rsplit("_", 1)[1]))
+        return FakeKernel(self.fake, int(name.rsplit("_", 1)[1]), self.signature)
 
 
 def make_cupy(fake: FakeCuda) -> tuple[types.ModuleType, types.ModuleType]:
@@ -208,12 +224,28 @@ def make_cupy(fake: FakeCuda) -> tuple[types.ModuleType, types.ModuleType]:
 class FakeKernel:
     """``zkv_copy_<width>``: the CUDA kernel's addressing, run by the fake at execution."""
 
-    def __init__(self, fake: FakeCuda, width: int) -> None:
-        self.fake, self.width = fake, width
+    def __init__(self, fake: FakeCuda, width: int,
+                 signature: list[tuple[str, bool]]) -> None:
+        self.fake, self.width, self.signature = fake, width, signature
+
+    def _check_abi(self, args: tuple[Any, ...]) -> None:
+        """Each argument as the kernel reads it: a device array of the pointer's type, or
+        a numpy scalar of the parameter's exact type (a Python int, or an np.int32 for a
+        ``long long``, is read as 8 bytes where 4 were passed on a GPU)."""
+        assert len(args) == len(self.signature), (len(args), self.signature)
+        for i, (arg, (ctype, pointer)) in enumerate(zip(args, self.signature)):
+            want = _ABI[ctype]
+            if pointer:
+                assert isinstance(arg, FakeArray) and arg.data.dtype == want, \
+                    f"kernel argument {i}: a {ctype}* wants a device array of {want.__name__}"
+            else:
+                assert type(arg) is want, \
+                    f"kernel argument {i}: a {ctype} wants {want.__name__}, got {type(arg)}"
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int], args: tuple[Any, ...]
                  ) -> None:
         self.fake.touch()
+        self._check_abi(args)
         ids, n, params, layer, parts, host, host_block, chunk_bytes, to_host, piece, pieces = args
         n, layer, parts = int(n), int(layer), int(parts)
         piece, pieces = int(piece), int(pieces)

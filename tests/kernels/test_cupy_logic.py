@@ -115,6 +115,38 @@ def test_ids_and_params_uploaded_once_for_a_layerwise_h2d(fake: Any, backend: An
     assert len([e for e in fake.log if e[0] == "alloc"]) == allocs + 2
 
 
+def test_a_launch_argument_of_another_width_is_caught_as_a_gpu_would_misread_it(
+        fake: Any, backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cupy passes each argument as a buffer of its numpy type, and the driver reads it at
+    the size the kernel declares: an ``np.int32`` for a ``long long`` is read with 4
+    garbage bytes on a GPU. The fake read every argument with ``int()``, so such a slip
+    copied right in CI; it checks each against the CUDA source's signature now."""
+    from tests.kernels.fake_cupy import kernel_signature
+    from zkv.kernels.cupy_backend import CupyBackend
+
+    sig = kernel_signature(_SOURCE)
+    assert sig[7] == ("long long", False) and sig[0] == ("int", True)  # chunk_bytes, ids
+    lay = layout("float32", num_layers=2)
+    kv, host = _caches(backend, lay, seed=3)
+    spec = backend.register(kv, host)
+    backend.synchronize()
+    real = CupyBackend._launch
+
+    def narrowed(self: Any, *a: Any) -> None:  # chunk_bytes as an np.int32 (a slip)
+        kernels = self._kernels
+        self._kernels = {w: (lambda k: lambda grid, block, args: k(
+            grid, block, (*args[:7], np.int32(args[7]), *args[8:])))(k)
+            for w, k in kernels.items()}
+        try:
+            real(self, *a)
+        finally:
+            self._kernels = kernels
+
+    monkeypatch.setattr(CupyBackend, "_launch", narrowed)
+    with pytest.raises(AssertionError, match="argument 7: a long long wants int64"):
+        backend.copy_d2h(spec, host, ids([3]), ids([5]))
+
+
 def test_kernels_compiled_at_start_and_timed(fake: Any) -> None:
     backend = fake_cuda.cupy_backend(device=1)
     compiles = [e for e in fake.log if e[0] == "compile"]

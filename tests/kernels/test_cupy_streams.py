@@ -61,6 +61,44 @@ def test_fake_legacy_stream_syncs_with_blocking_streams_only(fake: Any) -> None:
     assert seen == ["B non-blocking", "D non-blocking", "A blocking", "L legacy", "C blocking"]
 
 
+def test_fake_torch_and_cupy_keep_their_own_current_streams(fake: Any, rig: dict) -> None:
+    """``torch.cuda.stream(s)`` does not move cupy's launches (nor ``with cupy_stream``
+    torch's): a copy that forgot to enter its transfer stream, issued under the model's
+    torch stream (vLLM's non-blocking one), runs on the legacy stream on a GPU, unordered
+    with the model. The fake kept one current stream for both, and such a slip ran on
+    the model's stream, ordered, in CI; it keeps them apart now. (zkv enters its stream:
+    its copies go to the transfer stream either way.)"""
+    backend, model = rig["backend"], rig["compute"]
+
+    class Forgotten:  # the slip: the transfer stream is never entered
+        def __init__(self, s: Any) -> None:
+            self.s, self.ptr = s, s.ptr
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def queued(ptr: int) -> set[str]:
+        return {i.kind for i in fake.resolve(ptr).queue}
+
+    real = backend._stream
+    with torch.cuda.stream(torch.cuda.ExternalStream(model)):
+        assert fake.current_stream_ptr() == fake_cuda.LEGACY  # cupy's: untouched
+        backend.copy_d2h(rig["spec"], rig["host"], ids([3]), ids([5]))
+        assert "kernel" in queued(rig["transfer"]) and "kernel" not in queued(model)
+        backend.synchronize()
+        backend._stream = Forgotten(real)
+        try:
+            backend.copy_d2h(rig["spec"], rig["host"], ids([3]), ids([5]))
+        finally:
+            backend._stream = real
+    assert "kernel" in queued(fake_cuda.LEGACY) and "kernel" not in queued(model)
+    backend.synchronize()
+    fake.drain(fake_cuda.LEGACY)
+
+
 def test_d2h_waits_for_compute_enqueued_before_begin_batch(fake: Any, rig: dict) -> None:
     """The forward of the previous step still writes block 3 when the batch starts."""
     b, kv, host, cs = rig["backend"], rig["kv"], rig["host"], rig["compute"]

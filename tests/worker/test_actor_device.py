@@ -171,11 +171,32 @@ def test_failure_ack_comes_after_the_stream_work_of_the_batch(stack: ExitStack, 
     assert _run(d, [P.Op(0, P.D2H, _ids(7), _ids(3))]).ok  # not sticky: the rank lives on
 
 
-def test_sticky_cuda_error_kills_the_rank_and_the_scheduler_is_told(
+def test_a_non_sticky_error_of_an_idle_step_fails_that_step_and_the_rank_lives_on(
         stack: ExitStack, fake: Any) -> None:
+    """A step without ops (every step of an idle cache) whose start event fails: the step
+    is acked failed and the next batch runs, as for a batch with ops. It killed the rank
+    (the error escaped the idle path, which had no handling)."""
+    d, sc = _rig(stack, fake_cuda.cupy_backend())
+    d.wait_for_ranks(10)
+    fake.fail_next("eventRecord", CUDA_ERROR_INVALID_VALUE)  # begin_batch's start event
+    with capture_logs() as logs:
+        seq = d.publish([], 0)
+        poll_until_done(d, seq, 10)  # (no op failed: the batch is done all the same)
+    assert events_named(logs, "worker.copy_failed")
+    with pytest.raises(TransferError):  # its layers are not done: the engine is told
+        sc.wait_layer(seq, 0, timeout=1)
+    assert _run(d, [P.Op(0, P.D2H, _ids(7), _ids(3))]).ok and sc.alive
+
+
+@pytest.mark.parametrize("status", [fake_cuda.ILLEGAL_ADDRESS, 911])
+def test_sticky_cuda_error_kills_the_rank_and_the_scheduler_is_told(
+        stack: ExitStack, fake: Any, status: int) -> None:
+    """911 (cudaErrorExternalDevice, "any further CUDA work will return the same error")
+    was not counted sticky: the rank died of the next synchronize, with no
+    worker.device_failed and a raw CUDA error in the engine's layer wait."""
     d, sc = _rig(stack, fake_cuda.cupy_backend(), ack_timeout_s=60)
     d.wait_for_ranks(10)
-    fake.fault_next_kernel()  # an illegal address, seen at the batch's synchronize
+    fake.fault_next_kernel(status)  # seen at the batch's synchronize
     t0 = time.monotonic()
     with capture_logs() as logs:
         seq = d.publish([P.Op(0, P.D2H, _ids(1), _ids(1)),
@@ -184,7 +205,7 @@ def test_sticky_cuda_error_kills_the_rank_and_the_scheduler_is_told(
     assert time.monotonic() - t0 < 10  # told at once, not at the 60 s ack deadline
     assert not done.ok and done.lost_ranks == frozenset({0})
     failed = events_named(logs, "worker.device_failed")
-    assert len(failed) == 1 and failed[0]["status"] == fake_cuda.ILLEGAL_ADDRESS
+    assert len(failed) == 1 and failed[0]["status"] == status
     deadline = time.monotonic() + 5
     while sc.alive and time.monotonic() < deadline:
         sc._thread.join(0.05)

@@ -160,7 +160,7 @@ _PARAMS = 8
 _CUDA_MEMORY_TYPE_HOST = 1
 _DEV_ATTR_SM_COUNT = 16  # cudaDevAttrMultiProcessorCount
 #: CUDA errors after which the context is unusable (runtime and driver share the codes).
-STICKY_ERRORS = frozenset({214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719, 999})
+STICKY_ERRORS = frozenset({214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719, 911, 999})
 
 
 def _cupy() -> Any:

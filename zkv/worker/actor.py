@@ -605,8 +605,17 @@ class WorkerActor:
         each Python call counts (a process that slept in zmq_poll runs from cold caches,
         and the step waits for every rank's ack). ``seq``: the expected one."""
         backend = self.backend
-        backend.begin_batch(self.compute_stream)
-        self.counter.begin_done(seq, backend.record_event())
+        try:
+            backend.begin_batch(self.compute_stream)
+            self.counter.begin_done(seq, backend.record_event())
+        except DeviceFault as e:  # (the model's own kernel faulted, most often: seen here)
+            raise self._device_failed(seq, e) from None
+        except Exception as e:  # as for a batch with ops: this batch fails, the rank lives
+            self._log.exception(ev.COPY_FAILED, seq=seq, error=repr(e))
+            self.counter.fail(seq, repr(e))
+            self._drain(seq)
+            self._ack(P.BlocksCopied(seq, self.rank, False, (), t_recv, time.time()))
+            return
         t_done = time.time()
         rank = self.rank
         self._expected = seq + 1
