@@ -14,8 +14,9 @@ Keys (all optional)::
                                           when there is an L3)
     policy                   str          write_through (default): save each full block as
                                           soon as it is computed; write_through_selective:
-                                          once `write_through_threshold` requests used it;
-                                          write_back: when its request finishes
+                                          so once `write_through_threshold` requests used
+                                          it, else when its request finishes; write_back:
+                                          when its request finishes
     write_through_threshold  int >= 1     default 2
     prefetch                 str          L3 -> host prefetch: timeout (default) |
                                           wait_complete | best_effort
