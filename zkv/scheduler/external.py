@@ -177,6 +177,9 @@ def drop_prefetch(core: Core, st: RequestState) -> int:
 
 def store_again(core: Core, st: RequestState, present: int) -> int:
     """See ``CacheManager.store_again``. Walks the request's path: O(its nodes)."""
+    if core.device.num_blocks:
+        raise ValueError("store_again is an external-L1 call (a CacheManager without a "
+                         "device pool)")
     upto = min(present, st.num_held)
     if not core.config.storage_write:
         return upto

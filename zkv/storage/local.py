@@ -693,15 +693,15 @@ class LocalDirStore(Store):
                            idle_days=round(days, 1), keep_days=self.keep_s / 86400.0)
 
     def close(self) -> None:
-        """The last mark and the hold's release touch the file system (a hung mount must
-        not hang the exit): on a thread, waited for ``close_wait_s``."""
+        """The last mark and release touch the file system: on a thread (a hung mount),
+        within what is left of ``close_wait_s``."""
+        t0 = time.monotonic()
         super().close()
         held, self._held = self._held, None
         if held is not None:
-            t = threading.Thread(target=namespaces.release, args=(self._base, held),
-                                 daemon=True)
+            t = threading.Thread(target=namespaces.release, args=(self._base, held), daemon=True)
             t.start()
-            t.join(self.close_wait_s)
+            t.join(max(0.0, self.close_wait_s - (time.monotonic() - t0)))
             if t.is_alive():
                 self._log.warning(ev.STORE_CLOSE_TIMEOUT, store=self.url,
                                   waited_s=self.close_wait_s, error="its namespace's "

@@ -83,7 +83,8 @@ class StorageQuery:
         self.failed.flush()
 
 
-STUCK = "an earlier existence query still hangs (a hung file system?): answered as a miss"
+STUCK = ("the existence query did not answer within query_timeout_s, or an earlier one "
+         "still hangs (a hung file system?): answered as a miss")
 
 
 class _Bounded:

@@ -508,10 +508,9 @@ class SchedulerHalf:
     def _transfer_params(self, r: RequestState, request: Any, held: int) -> dict[str, Any] | None:
         """A P/D producer's answer (:mod:`.pd`): the leading prompt blocks this request
         saved, when it asked (``do_remote_decode``) and its blocks reach the store.
-        ``held``: the leading blocks zkv held for it when it finished (saved, on their way,
-        or matched). Not what it computed: a save stops where no host block is free, and
-        a consumer would wait for blocks that never come. Nothing while the store declines
-        writes (down, or full: every consumer would wait its whole budget for them)."""
+        ``held``: its leading blocks in the store or on their way (``_stored_prefix``), not
+        all it computed (a save stops where no host block is free). Nothing while the store
+        declines writes (down, or full: every consumer would wait its budget for them)."""
         if (self.disabled or not self.saves or self.store is None or not self.cfg.storage_write
                 or r.generation != self._generation or not r.allocated
                 or self.cm.store_writes_failing):
@@ -584,8 +583,9 @@ class SchedulerHalf:
         """A P/D producer's promise: its held blocks in the store (one query: it may have
         evicted some since their write) or on their way, the rest written again."""
         query = self.cm.storage_exists
-        present = held if query is None else query(self.cm.request(rid).hashes[:held])
-        promise = self.cm.store_again(rid, present)
+        if query is None or self.cm.store_writes_failing:  # (no promise: no query either)
+            return held
+        promise = self.cm.store_again(rid, int(query(self.cm.request(rid).hashes[:held])))
         self._flush()
         return promise
 
