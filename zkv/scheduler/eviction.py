@@ -73,7 +73,7 @@ class EvictionPolicy(ABC):
         hooks return what they declare (``note_inserted`` a Python int, ``nodes`` a
         list): the compiled core checks."""
         super().__init_subclass__(**kwargs)
-        for attr in ("capacity", "probes", "num_blocks", "name", "remembers"):
+        for attr in (*_COUNTS, "name", "remembers"):
             v = vars(cls).get(attr)
             if isinstance(v, property) or (v is not None and attr in _COUNTS
                                             and not hasattr(type(v), "__set__")):

@@ -140,8 +140,7 @@ def load_external(core: Core, st: RequestState, first_block: int,
     """See ``CacheManager.load_external``."""
     if st.loading is not None:
         raise ValueError(f"request {st.req_id!r} is still loading from storage")
-    checks.count("first_block", first_block)
-    device_ids = checks.block_ids("device_ids", device_ids)
+    device_ids = checks.block_ids("device_ids", device_ids)  # (first_block: the manager's)
     go_external(core, st)
     end = min(first_block + len(device_ids), st.num_held)
     tree = core.tree

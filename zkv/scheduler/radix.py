@@ -183,7 +183,7 @@ class RadixTree:
         counts that see ``n`` as its only child."""
         hs = n.hashes
         assert 0 < c < len(hs), f"split of {n} at {c}"
-        h = Node(hs[:c], None, n.status)  # (its fields are n's: set below)
+        h = Node(hs[:c], None, n.status)  # (unlisted; its other fields are n's: set below)
         n.hashes = hs[c:]
         if n.dev is not None:
             h.dev = n.dev[:c]
@@ -202,7 +202,6 @@ class RadixTree:
         n.parent = h
         h.depth = n.depth
         n.depth += c
-        h.status = n.status
         h.ref = n.ref
         h.busy = n.busy
         h.wbusy = n.wbusy
@@ -211,7 +210,6 @@ class RadixTree:
         h.host_ok = n.host_ok
         h.in_store = n.in_store
         h.reused = n.reused
-        h.dlisted = h.hlisted = False
         on_dev = n.status in ON_DEVICE
         h.dpin = 1 if on_dev and not n.dlisted else 0
         h.hpin = 0 if n.hlisted else 1
@@ -253,15 +251,12 @@ class RadixTree:
             for ch in kids.values():
                 ch.parent = t
         n.children = {t.hashes[0]: t}
-        t.depth = n.depth + c
-        t.status = n.status
-        t.ref = t.busy = t.wbusy = 0
+        t.depth = n.depth + c  # (status as n's; unheld, idle and unlisted: as made)
         t.hits = n.hits
         t.last_access = n.last_access
         t.host_ok = n.host_ok
         t.in_store = n.in_store
         t.reused = n.reused
-        t.dlisted = t.hlisted = False
         t.dpin = n.dpin
         t.hpin = n.hpin
         n.dpin = 1 if t.status in ON_DEVICE else 0

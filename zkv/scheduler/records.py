@@ -7,11 +7,11 @@ the checks below, not a compiled type check."""
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from zkv.protocol import BACKUP, H2D
+from zkv.scheduler import checks
 from zkv.scheduler.eviction import LRU_NAME, POLICIES
 
 WRITE_BACK = "write_back"
@@ -55,10 +55,7 @@ class CacheConfig:
         # As plain ints, floats and a bool: the compiled core checks their exact types
         # (a numpy int there failed a later call half-way); a float count is refused.
         for name in _INT_FIELDS:
-            v = getattr(self, name)
-            if isinstance(v, (bool, float)) or not hasattr(type(v), "__index__"):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r:.40}")
-            object.__setattr__(self, name, operator.index(v))
+            object.__setattr__(self, name, checks.integer(name, getattr(self, name)))
         for name in _FLOAT_FIELDS:
             v = getattr(self, name)
             if isinstance(v, (bool, str, bytes)) or not hasattr(type(v), "__float__"):
